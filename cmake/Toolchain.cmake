@@ -1,0 +1,32 @@
+# Compiler settings shared by every target of the project: ccache, warnings, sanitizers.
+
+find_program(ACCELERATE_CCACHE ccache)
+if(ACCELERATE_CCACHE AND NOT CMAKE_CXX_COMPILER_LAUNCHER)
+  # Precompiled headers need these relaxations for ccache to hit.
+  set(CMAKE_CXX_COMPILER_LAUNCHER
+      ${CMAKE_COMMAND} -E env
+      CCACHE_SLOPPINESS=pch_defines,time_macros,include_file_mtime,include_file_ctime
+      ${ACCELERATE_CCACHE})
+endif()
+
+# Every object is position independent so that one precompiled header serves the library,
+# the tests and the programs alike (GCC rejects a PCH built with different PIC flags).
+add_compile_options(-fPIC)
+
+set(ACCELERATE_WARNINGS -Wall -Wextra -Wno-unused-parameter)
+if(ACCELERATE_WERROR)
+  list(APPEND ACCELERATE_WARNINGS -Werror)
+endif()
+
+if(ACCELERATE_SANITIZE)
+  add_compile_options(-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined)
+  add_link_options(-fsanitize=address,undefined)
+endif()
+
+# Applies the project's warnings and shared precompiled header to a target.
+function(accelerate_target_defaults target)
+  target_compile_options(${target} PRIVATE ${ACCELERATE_WARNINGS})
+  if(ACCELERATE_PCH AND NOT target STREQUAL "accelerate")
+    target_precompile_headers(${target} REUSE_FROM accelerate)
+  endif()
+endfunction()

@@ -1,0 +1,7 @@
+// accelerate-cpp: Hugging Face Accelerate for LibTorch C++ programs. This umbrella header brings
+// in the whole public surface.
+#pragma once
+
+#include "accelerate/state.h"
+#include "accelerate/utils/dataclasses.h"
+#include "accelerate/utils/environment.h"

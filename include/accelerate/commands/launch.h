@@ -1,0 +1,99 @@
+// `accelerate launch`: starts, watches and tears down the processes of a job (upstream:
+// accelerate/commands/launch.py, which delegates to torchrun). Any executable can be launched;
+// `.py` scripts run under python3. The launcher serves the rendezvous store itself, sets the
+// environment contract of each worker, prefixes their output with the rank, forwards signals,
+// reports the root cause of a failure, restarts the group on request and never leaves a worker
+// behind (workers die with it, even when it is killed with SIGKILL).
+#pragma once
+
+#include "accelerate/commands/config.h"
+
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace accelerate::commands {
+
+/// The flags of `accelerate launch` as given; unset ones come from the config file or defaults.
+struct LaunchArgs {
+  std::optional<std::string> config_file;
+  bool cpu = false;
+  bool multi_gpu = false;
+  std::optional<std::string> mixed_precision;
+  std::optional<int> num_processes;
+  std::optional<int> num_machines;
+  std::optional<int> machine_rank;
+  std::optional<std::string> main_process_ip;
+  std::optional<int> main_process_port;
+  std::optional<std::string> gpu_ids;
+  std::optional<int> num_cpu_threads_per_process;
+  std::optional<int> gradient_accumulation_steps;
+  bool debug = false;
+  bool enable_cpu_affinity = false;
+  int max_restarts = 0;
+  double monitor_interval = 0.1;   ///< seconds between health checks of the workers
+  double rdzv_timeout = 900;       ///< seconds the workers wait for each other at start-up
+  double grace_period = 5;         ///< seconds between SIGTERM and SIGKILL when tearing down
+  std::optional<std::string> log_dir;
+  std::optional<std::string> tee;  ///< streams also shown on the console with --log_dir: 0-3
+  std::optional<std::string> backend;
+  bool no_python = false;
+  bool module = false;
+  bool quiet = false;            ///< silence the launcher's informational lines (errors still show)
+  bool help = false;             ///< --help was given
+  std::string training_script;
+  std::vector<std::string> training_script_args;
+};
+
+/// Parses the arguments that follow `accelerate launch`; throws `c10::ValueError` naming an
+/// unknown or malformed flag. Hyphenated spellings (`--num-processes`) are accepted.
+LaunchArgs parse_launch_args(const std::vector<std::string>& argv);
+
+/// The usage text of `accelerate launch --help`.
+std::string launch_help();
+
+/// Everything resolved: flags merged over the config file over defaults, validated.
+struct LaunchPlan {
+  int num_processes = 1;  ///< in the whole job
+  int num_machines = 1;
+  int machine_rank = 0;
+  int local_num_processes = 1;
+  std::string main_process_ip = "127.0.0.1";
+  int main_process_port = 29500;
+  bool use_cpu = false;
+  bool multi_gpu = false;
+  std::optional<std::string> gpu_ids;
+  std::string mixed_precision = "no";
+  std::optional<int> gradient_accumulation_steps;
+  int num_cpu_threads_per_process = 1;
+  bool debug = false;
+  bool enable_cpu_affinity = false;
+  int max_restarts = 0;
+  double monitor_interval = 0.1;
+  double rdzv_timeout = 900;
+  double grace_period = 5;
+  std::optional<std::string> log_dir;
+  int tee = 3;
+  std::string backend;
+  bool quiet = false;
+  std::vector<std::string> command;  ///< the program and its arguments
+};
+
+/// Merges `args` over the config file (`--config_file`, else the default file when it exists)
+/// and defaults; throws `c10::ValueError` for inconsistent or unsupported settings.
+LaunchPlan resolve_launch(const LaunchArgs& args);
+
+/// The environment variables a launcher sets for the worker of local index `local_rank`, on top
+/// of its own environment (`master_port` is the port actually served).
+std::map<std::string, std::string> worker_environment(const LaunchPlan& plan, int local_rank, int master_port,
+                                                      int restart_count);
+
+/// Runs the job and returns the launcher's exit code: 0 when every worker succeeded, else the
+/// failing worker's exit code (128 + signal number when it was killed by a signal).
+int launch_command(const LaunchPlan& plan);
+
+/// `accelerate launch <argv>`: parse, resolve, run; prints errors and returns the exit code.
+int launch_main(const std::vector<std::string>& argv);
+
+}  // namespace accelerate::commands

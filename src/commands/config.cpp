@@ -1,0 +1,230 @@
+// Reading and writing upstream's configuration files; see include/accelerate/commands/config.h.
+#include "accelerate/commands/config.h"
+
+#include "accelerate/utils/environment.h"
+
+#include <c10/util/Exception.h>
+#include <yaml-cpp/yaml.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <set>
+
+namespace accelerate::commands {
+namespace {
+
+namespace fs = std::filesystem;
+
+// Every key of upstream's ClusterConfig/BaseConfig, plus older spellings converted on load.
+const std::set<std::string>& known_keys() {
+  static const std::set<std::string> keys = {
+      "compute_environment", "distributed_type", "mixed_precision", "use_cpu", "debug", "num_processes",
+      "machine_rank", "num_machines", "gpu_ids", "main_process_ip", "main_process_port", "rdzv_backend",
+      "same_network", "main_training_function", "enable_cpu_affinity", "fp8_config", "deepspeed_config",
+      "fsdp_config", "parallelism_config", "megatron_lm_config", "mpirun_config", "downcast_bf16", "tpu_name",
+      "tpu_zone", "tpu_use_cluster", "tpu_use_sudo", "command_file", "commands", "tpu_vm", "tpu_env",
+      "dynamo_config", "ipex_config",
+      // older schema versions
+      "fp16", "dynamo_backend"};
+  return keys;
+}
+
+struct Reader {
+  const std::string& path;
+
+  [[noreturn]] void fail(const std::string& key, const std::string& expected, const YAML::Node& node) const {
+    std::string got = node.IsScalar() ? "'" + node.Scalar() + "'" : (node.IsSequence() ? "a list" : "a mapping");
+    TORCH_CHECK_VALUE(false, "[load_config_from_file] ", path, ": key '", key, "' expects ", expected, ", got ", got);
+  }
+  bool boolean(const std::string& key, const YAML::Node& node) const {
+    if (!node.IsScalar()) fail(key, "a boolean", node);
+    try {
+      return str_to_bool(node.Scalar());
+    } catch (const c10::ValueError&) {
+      fail(key, "a boolean", node);
+    }
+  }
+  int integer(const std::string& key, const YAML::Node& node) const {
+    if (!node.IsScalar()) fail(key, "an integer", node);
+    try {
+      size_t used = 0;
+      int value = std::stoi(node.Scalar(), &used);
+      if (used == node.Scalar().size()) return value;
+    } catch (const std::exception&) {
+    }
+    fail(key, "an integer", node);
+  }
+  std::string text(const std::string& key, const YAML::Node& node) const {
+    if (!node.IsScalar()) fail(key, "a string", node);
+    return node.Scalar();
+  }
+  // True when an integration section asks for something (a non-empty mapping or list, or a
+  // scalar that is neither empty nor false).
+  static bool requests(const YAML::Node& node) {
+    if (!node || node.IsNull()) return false;
+    if (node.IsMap() || node.IsSequence()) return node.size() > 0;
+    const std::string& s = node.Scalar();
+    return !(s.empty() || s == "false" || s == "False" || s == "no" || s == "NO" || s == "null");
+  }
+};
+
+}  // namespace
+
+std::string default_config_file() {
+  std::string home;
+  if (auto hf = get_env("HF_HOME"); hf && !hf->empty()) {
+    home = *hf;
+  } else if (auto xdg = get_env("XDG_CACHE_HOME"); xdg && !xdg->empty()) {
+    home = *xdg + "/huggingface";
+  } else {
+    home = get_env("HOME").value_or(".") + "/.cache/huggingface";
+  }
+  return home + "/accelerate/default_config.yaml";
+}
+
+ClusterConfig load_config_from_file(const std::string& path) {
+  TORCH_CHECK_VALUE(fs::is_regular_file(path), "[load_config_from_file] the configuration file '", path,
+                    "' does not exist; pass an existing file with --config_file or create the default one with "
+                    "`accelerate config`");
+  YAML::Node root;
+  try {
+    root = YAML::LoadFile(path);
+  } catch (const YAML::Exception& e) {
+    TORCH_CHECK_VALUE(false, "[load_config_from_file] ", path, " is not valid YAML: ", e.what());
+  }
+  TORCH_CHECK_VALUE(root.IsMap(), "[load_config_from_file] ", path,
+                    " must hold a mapping of configuration keys, e.g. 'distributed_type: MULTI_CPU'");
+
+  std::vector<std::string> unknown;
+  ClusterConfig config;
+  for (const auto& entry : root) {
+    const std::string key = entry.first.as<std::string>();
+    if (known_keys().count(key) == 0) unknown.push_back(key);
+    config.keys_present.push_back(key);
+  }
+  if (!unknown.empty()) {
+    std::sort(unknown.begin(), unknown.end());
+    std::string listed;
+    for (const auto& key : unknown) listed += (listed.empty() ? "" : ", ") + key;
+    TORCH_CHECK_VALUE(false, "[load_config_from_file] the config file at ", path, " has unknown keys (", listed,
+                      "); fix or remove them");
+  }
+
+  const Reader r{path};
+  auto has = [&](const char* key) { return root[key] && !root[key].IsNull(); };
+  if (has("compute_environment")) {
+    config.compute_environment = r.text("compute_environment", root["compute_environment"]);
+    TORCH_CHECK_VALUE(config.compute_environment == "LOCAL_MACHINE", "[load_config_from_file] ", path,
+                      ": compute_environment '", config.compute_environment,
+                      "' is not supported by accelerate-cpp; only LOCAL_MACHINE is");
+  }
+  TORCH_CHECK_VALUE(has("distributed_type"), "[load_config_from_file] ", path,
+                    ": a `distributed_type` must be specified (NO, MULTI_CPU or MULTI_GPU)");
+  try {
+    config.distributed_type = parse_distributed_type(r.text("distributed_type", root["distributed_type"]));
+  } catch (const c10::ValueError& e) {
+    TORCH_CHECK_VALUE(false, "[load_config_from_file] ", path, ": ", e.what_without_backtrace());
+  }
+  if (has("mixed_precision")) {
+    config.mixed_precision = to_string(parse_precision_type(r.text("mixed_precision", root["mixed_precision"])));
+  } else if (has("fp16") && r.boolean("fp16", root["fp16"])) {
+    config.mixed_precision = "fp16";  // older schema
+  }
+  if (has("use_cpu")) config.use_cpu = r.boolean("use_cpu", root["use_cpu"]);
+  if (has("debug")) config.debug = r.boolean("debug", root["debug"]);
+  if (has("num_processes")) {
+    config.num_processes = r.integer("num_processes", root["num_processes"]);
+    // upstream writes -1 when a scheduler decides; treat it as "not set"
+    if (config.num_processes < 0) config.num_processes = 1;
+  }
+  if (has("machine_rank")) config.machine_rank = r.integer("machine_rank", root["machine_rank"]);
+  if (has("num_machines")) config.num_machines = r.integer("num_machines", root["num_machines"]);
+  if (has("gpu_ids")) config.gpu_ids = r.text("gpu_ids", root["gpu_ids"]);
+  if (has("main_process_ip")) config.main_process_ip = r.text("main_process_ip", root["main_process_ip"]);
+  if (has("main_process_port")) config.main_process_port = r.integer("main_process_port", root["main_process_port"]);
+  if (has("rdzv_backend")) config.rdzv_backend = r.text("rdzv_backend", root["rdzv_backend"]);
+  if (has("same_network")) config.same_network = r.boolean("same_network", root["same_network"]);
+  if (has("main_training_function")) {
+    config.main_training_function = r.text("main_training_function", root["main_training_function"]);
+  }
+  if (has("enable_cpu_affinity")) config.enable_cpu_affinity = r.boolean("enable_cpu_affinity", root["enable_cpu_affinity"]);
+  if (has("downcast_bf16")) config.downcast_bf16 = r.boolean("downcast_bf16", root["downcast_bf16"]);
+  if (has("mpirun_config") && root["mpirun_config"].IsMap() && root["mpirun_config"]["mpirun_hostfile"]) {
+    config.mpirun_hostfile = r.text("mpirun_config.mpirun_hostfile", root["mpirun_config"]["mpirun_hostfile"]);
+  }
+  TORCH_CHECK_VALUE(config.rdzv_backend == "static" || config.rdzv_backend == "c10d", "[load_config_from_file] ",
+                    path, ": rdzv_backend '", config.rdzv_backend, "' is not supported; use 'static' or 'c10d'");
+
+  for (const char* key : {"deepspeed_config", "fsdp_config", "megatron_lm_config", "fp8_config", "parallelism_config",
+                          "ipex_config", "tpu_name", "tpu_use_cluster", "command_file", "commands"}) {
+    TORCH_CHECK_VALUE(!Reader::requests(root[key]), "[load_config_from_file] ", path, ": '", key,
+                      "' configures a Python-only integration that accelerate-cpp does not support; remove it");
+  }
+  for (const char* key : {"dynamo_config", "dynamo_backend"}) {
+    YAML::Node node = root[key];
+    if (node && node.IsMap()) node = node["dynamo_backend"];
+    const bool off = !node || node.IsNull() || (node.IsScalar() && (node.Scalar() == "NO" || node.Scalar() == "no"));
+    TORCH_CHECK_VALUE(off || !Reader::requests(node), "[load_config_from_file] ", path,
+                      ": TorchDynamo compilation is a Python-only feature that accelerate-cpp does not support; "
+                      "set dynamo_backend to NO or remove '", key, "'");
+  }
+  TORCH_CHECK_VALUE(config.num_processes >= 1, "[load_config_from_file] ", path, ": num_processes must be >= 1, got ",
+                    config.num_processes);
+  TORCH_CHECK_VALUE(config.num_machines >= 1, "[load_config_from_file] ", path, ": num_machines must be >= 1, got ",
+                    config.num_machines);
+  TORCH_CHECK_VALUE(config.machine_rank >= 0 && config.machine_rank < config.num_machines, "[load_config_from_file] ",
+                    path, ": machine_rank ", config.machine_rank, " is outside [0, num_machines=", config.num_machines,
+                    ")");
+  return config;
+}
+
+void save_config_file(const ClusterConfig& config, const std::string& path) {
+  YAML::Emitter out;
+  out << YAML::BeginMap;
+  auto quoted = [&](const char* key, const std::string& value) {
+    out << YAML::Key << key << YAML::Value;
+    // Strings YAML would read as booleans or numbers are quoted, as yaml.safe_dump does.
+    if (value == "no" || value == "yes" || value == "true" || value == "false" || value.empty() ||
+        std::all_of(value.begin(), value.end(), [](char c) { return (c >= '0' && c <= '9') || c == ','; })) {
+      out << YAML::SingleQuoted << value;
+    } else {
+      out << value;
+    }
+  };
+  // Keys in sorted order, as upstream writes them.
+  quoted("compute_environment", config.compute_environment);
+  out << YAML::Key << "debug" << YAML::Value << config.debug;
+  quoted("distributed_type", to_string(config.distributed_type));
+  out << YAML::Key << "downcast_bf16" << YAML::Value << config.downcast_bf16;
+  out << YAML::Key << "enable_cpu_affinity" << YAML::Value << config.enable_cpu_affinity;
+  if (config.gpu_ids) quoted("gpu_ids", *config.gpu_ids);
+  out << YAML::Key << "machine_rank" << YAML::Value << config.machine_rank;
+  if (config.main_process_ip) quoted("main_process_ip", *config.main_process_ip);
+  if (config.main_process_port) out << YAML::Key << "main_process_port" << YAML::Value << *config.main_process_port;
+  quoted("main_training_function", config.main_training_function);
+  quoted("mixed_precision", config.mixed_precision);
+  if (config.mpirun_hostfile) {
+    out << YAML::Key << "mpirun_config" << YAML::Value << YAML::BeginMap;
+    quoted("mpirun_hostfile", *config.mpirun_hostfile);
+    out << YAML::EndMap;
+  }
+  out << YAML::Key << "num_machines" << YAML::Value << config.num_machines;
+  out << YAML::Key << "num_processes" << YAML::Value << config.num_processes;
+  quoted("rdzv_backend", config.rdzv_backend);
+  out << YAML::Key << "same_network" << YAML::Value << config.same_network;
+  out << YAML::Key << "tpu_env" << YAML::Value << YAML::Flow << YAML::BeginSeq << YAML::EndSeq;
+  out << YAML::Key << "tpu_use_cluster" << YAML::Value << false;
+  out << YAML::Key << "tpu_use_sudo" << YAML::Value << false;
+  out << YAML::Key << "use_cpu" << YAML::Value << config.use_cpu;
+  out << YAML::EndMap;
+
+  const fs::path target(path);
+  if (target.has_parent_path()) fs::create_directories(target.parent_path());
+  std::ofstream file(target);
+  TORCH_CHECK(file.good(), "[save_config_file] cannot write ", path);
+  file << out.c_str() << '\n';
+  TORCH_CHECK(file.good(), "[save_config_file] failed while writing ", path);
+}
+
+}  // namespace accelerate::commands

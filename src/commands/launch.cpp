@@ -1,0 +1,308 @@
+// `accelerate launch`: flags, configuration merging, the worker environment and the restart
+// loop; see include/accelerate/commands/launch.h. Supervision itself is in detail/launcher.cpp.
+#include "accelerate/commands/launch.h"
+
+#include "accelerate/utils/environment.h"
+#include "detail/env.h"
+#include "detail/errors.h"
+#include "detail/launcher.h"
+#include "detail/process_group.h"
+#include "detail/subprocess.h"
+
+#include <CLI/CLI.hpp>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <iostream>
+#include <thread>
+#include <unistd.h>
+
+namespace accelerate::commands {
+namespace {
+
+namespace fs = std::filesystem;
+
+// Registers "--name" together with its hyphenated spelling "--na-me".
+std::string spellings(const std::string& name, const std::string& short_name = "") {
+  std::string hyphenated = name;
+  std::replace(hyphenated.begin(), hyphenated.end(), '_', '-');
+  std::string out = short_name.empty() ? "" : short_name + ",";
+  out += "--" + name;
+  if (hyphenated != name) out += ",--" + hyphenated;
+  return out;
+}
+
+template <typename T>
+void add_optional(CLI::App& app, std::optional<T>& target, const std::string& name, const std::string& help,
+                  const std::string& short_name = "") {
+  app.add_option_function<T>(spellings(name, short_name), [&target](const T& value) { target = value; }, help);
+}
+
+struct LaunchCli {
+  CLI::App app{"Launch a program on one or several processes, with the distributed environment set up.",
+               "accelerate launch"};
+  LaunchArgs args;
+  LaunchCli() {
+    app.set_help_flag("-h,--help", "Show this help and exit");
+    app.prefix_command();  // everything from the program on belongs to the program
+    add_optional(app, args.config_file, "config_file", "Configuration file (default: the `accelerate config` one)");
+    app.add_flag(spellings("cpu"), args.cpu, "Run on the CPU even when GPUs are available");
+    app.add_flag(spellings("multi_gpu"), args.multi_gpu, "Run one process per GPU");
+    add_optional(app, args.mixed_precision, "mixed_precision", "no, fp16 or bf16");
+    add_optional(app, args.num_processes, "num_processes", "Total number of processes of the job", "-n");
+    add_optional(app, args.num_machines, "num_machines", "Number of machines of the job");
+    add_optional(app, args.machine_rank, "machine_rank", "Index of this machine in the job");
+    add_optional(app, args.main_process_ip, "main_process_ip", "Address of the machine of rank 0");
+    add_optional(app, args.main_process_port, "main_process_port",
+                 "Port of the rendezvous on the machine of rank 0 (0 picks a free port)");
+    add_optional(app, args.gpu_ids, "gpu_ids", "Comma-separated GPU ids to use (CUDA_VISIBLE_DEVICES)");
+    add_optional(app, args.num_cpu_threads_per_process, "num_cpu_threads_per_process",
+                 "CPU threads per process (OMP_NUM_THREADS); default: cores / local processes");
+    add_optional(app, args.gradient_accumulation_steps, "gradient_accumulation_steps",
+                 "Gradient accumulation steps passed to Accelerator");
+    add_optional(app, args.backend, "backend", "Process-group back-end: gloo or nccl");
+    app.add_flag(spellings("debug"), args.debug, "Check every collective's shapes across processes");
+    app.add_flag(spellings("enable_cpu_affinity"), args.enable_cpu_affinity, "Bind each process to a NUMA node");
+    app.add_option(spellings("max_restarts"), args.max_restarts, "Restart the group this many times on failure");
+    app.add_option(spellings("monitor_interval"), args.monitor_interval, "Seconds between health checks");
+    app.add_option(spellings("rdzv_timeout"), args.rdzv_timeout, "Seconds the processes wait for each other to join");
+    app.add_option(spellings("grace_period"), args.grace_period,
+                   "Seconds between SIGTERM and SIGKILL when stopping workers");
+    add_optional(app, args.log_dir, "log_dir", "Write each worker's output to files in this folder");
+    add_optional(app, args.tee, "tee",
+                 "With --log_dir, streams also shown on the console: 0 none, 1 stdout, 2 stderr, 3 both", "-t");
+    app.add_flag(spellings("no_python"), args.no_python, "Run the program directly, even a .py file");
+    app.add_flag(spellings("module", "-m"), args.module, "Run the program as a Python module (python3 -m)");
+    app.add_flag(spellings("quiet", "-q"), args.quiet, "Only print the launcher's own errors");
+  }
+};
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+
+}  // namespace
+
+LaunchArgs parse_launch_args(const std::vector<std::string>& argv) {
+  LaunchCli cli;
+  std::vector<std::string> reversed(argv.rbegin(), argv.rend());  // CLI11 takes them last-first
+  try {
+    cli.app.parse(reversed);
+  } catch (const CLI::CallForHelp&) {
+    LaunchArgs help;
+    help.help = true;
+    return help;
+  } catch (const CLI::ParseError& e) {
+    TORCH_CHECK_VALUE(false, "[launch] ", e.what(), " (see `accelerate launch --help`)");
+  }
+  auto rest = cli.app.remaining();
+  if (!rest.empty()) {
+    cli.args.training_script = rest.front();
+    cli.args.training_script_args.assign(rest.begin() + 1, rest.end());
+  }
+  return cli.args;
+}
+
+std::string launch_help() {
+  LaunchCli cli;
+  return cli.app.help() + "\nUsage: accelerate launch [options] <program> [program arguments...]\n";
+}
+
+LaunchPlan resolve_launch(const LaunchArgs& args) {
+  std::optional<ClusterConfig> config;
+  if (args.config_file) {
+    config = load_config_from_file(*args.config_file);
+  } else if (fs::is_regular_file(default_config_file())) {
+    config = load_config_from_file(default_config_file());
+  }
+
+  LaunchPlan plan;
+  plan.num_processes = args.num_processes.value_or(config ? config->num_processes : 1);
+  plan.num_machines = args.num_machines.value_or(config ? config->num_machines : 1);
+  plan.machine_rank = args.machine_rank.value_or(config ? config->machine_rank : 0);
+  const auto config_ip = config ? config->main_process_ip : std::nullopt;
+  const std::optional<std::string> ip = args.main_process_ip ? args.main_process_ip : config_ip;
+  plan.main_process_ip = ip.value_or("127.0.0.1");
+  plan.main_process_port = args.main_process_port.value_or(
+      config && config->main_process_port ? *config->main_process_port : 29500);
+  plan.multi_gpu = args.multi_gpu || (!args.cpu && config && config->distributed_type == DistributedType::kMultiGpu);
+  plan.use_cpu = args.cpu || (!args.multi_gpu && config && config->use_cpu);
+  plan.gpu_ids = args.gpu_ids ? args.gpu_ids : (config ? config->gpu_ids : std::nullopt);
+  plan.mixed_precision = args.mixed_precision.value_or(config ? config->mixed_precision : "no");
+  plan.mixed_precision = to_string(parse_precision_type(plan.mixed_precision));
+  plan.gradient_accumulation_steps = args.gradient_accumulation_steps;
+  plan.debug = args.debug || (config && config->debug);
+  plan.enable_cpu_affinity = args.enable_cpu_affinity || (config && config->enable_cpu_affinity);
+  plan.max_restarts = args.max_restarts;
+  plan.monitor_interval = args.monitor_interval;
+  plan.rdzv_timeout = args.rdzv_timeout;
+  plan.grace_period = args.grace_period;
+  plan.log_dir = args.log_dir;
+  plan.backend = args.backend.value_or("");
+  plan.quiet = args.quiet;
+
+  TORCH_CHECK_VALUE(plan.num_processes >= 1, "[launch] --num_processes must be at least 1, got ", plan.num_processes);
+  TORCH_CHECK_VALUE(plan.num_machines >= 1, "[launch] --num_machines must be at least 1, got ", plan.num_machines);
+  TORCH_CHECK_VALUE(plan.machine_rank >= 0 && plan.machine_rank < plan.num_machines, "[launch] --machine_rank ",
+                    plan.machine_rank, " is outside [0, --num_machines=", plan.num_machines, ")");
+  TORCH_CHECK_VALUE(plan.num_processes % plan.num_machines == 0, "[launch] --num_processes (", plan.num_processes,
+                    ", the total over all machines) must be a multiple of --num_machines (", plan.num_machines, ")");
+  plan.local_num_processes = plan.num_processes / plan.num_machines;
+  TORCH_CHECK_VALUE(plan.main_process_port >= 0 && plan.main_process_port <= 65535,
+                    "[launch] --main_process_port must be a TCP port (0-65535), got ", plan.main_process_port);
+  if (plan.num_machines > 1) {
+    TORCH_CHECK_VALUE(ip.has_value(), "[launch] a job on ", plan.num_machines,
+                      " machines needs --main_process_ip, the address of the machine of rank 0");
+    TORCH_CHECK_VALUE(plan.main_process_port != 0, "[launch] a job on several machines needs a fixed "
+                                                   "--main_process_port that every machine knows (0 picks a random one)");
+  }
+  TORCH_CHECK_VALUE(!(args.cpu && args.multi_gpu), "[launch] --cpu and --multi_gpu exclude each other");
+  TORCH_CHECK_VALUE(!plan.multi_gpu || is_cuda_available(),
+                    "[launch] --multi_gpu (or distributed_type MULTI_GPU in the config) needs CUDA devices, but "
+                    "LibTorch here reports none; use --cpu");
+  TORCH_CHECK_VALUE(plan.monitor_interval > 0, "[launch] --monitor_interval must be positive, got ",
+                    plan.monitor_interval);
+  TORCH_CHECK_VALUE(plan.rdzv_timeout > 0, "[launch] --rdzv_timeout must be positive, got ", plan.rdzv_timeout);
+  TORCH_CHECK_VALUE(plan.grace_period >= 0, "[launch] --grace_period must not be negative, got ", plan.grace_period);
+  TORCH_CHECK_VALUE(plan.max_restarts >= 0, "[launch] --max_restarts must not be negative, got ", plan.max_restarts);
+  TORCH_CHECK_VALUE(!plan.gradient_accumulation_steps || *plan.gradient_accumulation_steps >= 1,
+                    "[launch] --gradient_accumulation_steps must be at least 1, got ",
+                    plan.gradient_accumulation_steps.value_or(0));
+  TORCH_CHECK_VALUE(plan.backend.empty() || plan.backend == "gloo" || plan.backend == "nccl" || plan.backend == "mpi",
+                    "[launch] --backend must be gloo, nccl or mpi, got '", plan.backend, "'");
+  TORCH_CHECK_VALUE(plan.backend != "mpi" || is_mpi_available(),
+                    "[launch] --backend mpi: the MPI back-end is not available in this build of accelerate-cpp");
+  if (args.tee) {
+    const std::string& t = *args.tee;
+    TORCH_CHECK_VALUE(t.size() == 1 && t[0] >= '0' && t[0] <= '3', "[launch] --tee must be 0, 1, 2 or 3, got '", t,
+                      "'");
+    plan.tee = t[0] - '0';
+  }
+  if (args.num_cpu_threads_per_process) {
+    TORCH_CHECK_VALUE(*args.num_cpu_threads_per_process >= 1, "[launch] --num_cpu_threads_per_process must be at "
+                      "least 1, got ", *args.num_cpu_threads_per_process);
+    plan.num_cpu_threads_per_process = *args.num_cpu_threads_per_process;
+  } else if (auto omp = get_env("OMP_NUM_THREADS"); omp && !omp->empty()) {
+    plan.num_cpu_threads_per_process = get_int_from_env({"OMP_NUM_THREADS"}, 1);
+  } else {
+    const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    plan.num_cpu_threads_per_process = std::max(1, cores / plan.local_num_processes);
+  }
+
+  TORCH_CHECK_VALUE(!args.training_script.empty(),
+                    "[launch] no program to run was given: accelerate launch [options] <program> [args...]");
+  const bool python = !args.no_python && (args.module || ends_with(args.training_script, ".py"));
+  if (python) {
+    plan.command = {detail::resolve_program("python3")};
+    if (args.module) plan.command.push_back("-m");
+    plan.command.push_back(args.training_script);
+  } else {
+    plan.command = {detail::resolve_program(args.training_script)};
+  }
+  plan.command.insert(plan.command.end(), args.training_script_args.begin(), args.training_script_args.end());
+  return plan;
+}
+
+std::map<std::string, std::string> worker_environment(const LaunchPlan& plan, int local_rank, int master_port,
+                                                      int restart_count) {
+  const int rank = plan.machine_rank * plan.local_num_processes + local_rank;
+  std::map<std::string, std::string> env = {
+      {"RANK", std::to_string(rank)},
+      {"WORLD_SIZE", std::to_string(plan.num_processes)},
+      {"LOCAL_RANK", std::to_string(local_rank)},
+      {"LOCAL_WORLD_SIZE", std::to_string(plan.local_num_processes)},
+      {"GROUP_RANK", std::to_string(plan.machine_rank)},
+      {"ROLE_RANK", std::to_string(rank)},
+      {"ROLE_WORLD_SIZE", std::to_string(plan.num_processes)},
+      {"MASTER_ADDR", plan.main_process_ip},
+      {"MASTER_PORT", std::to_string(master_port)},
+      {"TORCHELASTIC_RESTART_COUNT", std::to_string(restart_count)},
+      {"TORCHELASTIC_MAX_RESTARTS", std::to_string(plan.max_restarts)},
+      {"ACCELERATE_MIXED_PRECISION", plan.mixed_precision},
+      {"ACCELERATE_DEBUG_MODE", plan.debug ? "true" : "false"},
+      {"ACCELERATE_USE_CPU", plan.use_cpu ? "true" : "false"},
+      {"ACCELERATE_RDZV_TIMEOUT", std::to_string(plan.rdzv_timeout)},
+      {"OMP_NUM_THREADS", std::to_string(plan.num_cpu_threads_per_process)},
+      {"OPENBLAS_NUM_THREADS", std::to_string(plan.num_cpu_threads_per_process)},
+      {"MKL_NUM_THREADS", std::to_string(plan.num_cpu_threads_per_process)},
+  };
+  if (plan.num_processes > 1) env["ACCELERATE_STORE_HOSTED"] = "1";
+  if (plan.gradient_accumulation_steps) {
+    env["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] = std::to_string(*plan.gradient_accumulation_steps);
+  }
+  if (plan.enable_cpu_affinity) env["ACCELERATE_CPU_AFFINITY"] = "1";
+  if (!plan.backend.empty()) env["ACCELERATE_BACKEND"] = plan.backend;
+  if (plan.gpu_ids && *plan.gpu_ids != "all") env["CUDA_VISIBLE_DEVICES"] = *plan.gpu_ids;
+  return env;
+}
+
+int launch_command(const LaunchPlan& plan) {
+  // Signals are blocked before the store starts its threads; see Supervisor.
+  detail::Supervisor supervisor;
+  c10::intrusive_ptr<c10d::Store> store;
+  int port = plan.main_process_port;
+  if (plan.num_processes > 1 && plan.machine_rank == 0) {
+    store = detail::serve_tcp_store(plan.main_process_ip, port,
+                                    std::chrono::milliseconds(static_cast<int64_t>(plan.rdzv_timeout * 1000)));
+    port = detail::tcp_store_port(store);
+  }
+
+  char tmpl[] = "/tmp/accelerate-launch-XXXXXX";
+  const char* tmp = ::mkdtemp(tmpl);
+  TORCH_CHECK(tmp != nullptr, "[launch] cannot create a temporary folder: ", std::strerror(errno));
+  const fs::path scratch(tmp);
+
+  // The inherited environment, minus what the contract sets per worker.
+  std::map<std::string, std::string> base;
+  for (auto& [key, value] : detail::environment_entries()) base.emplace(std::move(key), std::move(value));
+  base.erase("ACCELERATE_ERROR_FILE");
+
+  int exit_code = 0;
+  for (int attempt = 0;; ++attempt) {
+    std::vector<detail::WorkerSpec> specs(plan.local_num_processes);
+    for (int local = 0; local < plan.local_num_processes; ++local) {
+      auto& spec = specs[local];
+      spec.local_rank = local;
+      spec.rank = plan.machine_rank * plan.local_num_processes + local;
+      spec.argv = plan.command;
+      spec.error_file = (scratch / ("error_" + std::to_string(attempt) + "_" + std::to_string(spec.rank))).string();
+      auto env = base;
+      for (auto& [k, v] : worker_environment(plan, local, port, attempt)) env[k] = v;
+      env["ACCELERATE_ERROR_FILE"] = spec.error_file;
+      for (auto& [k, v] : env) spec.env.push_back(k + "=" + v);
+    }
+    detail::SuperviseOptions options;
+    options.monitor_interval = plan.monitor_interval;
+    options.grace_period = plan.grace_period;
+    options.log_dir = plan.log_dir;
+    options.tee = plan.tee;
+    options.attempt = attempt;
+    options.quiet = plan.quiet;
+    auto result = supervisor.run(specs, options);
+    exit_code = result.exit_code;
+    if (exit_code == 0 || result.interrupted || attempt >= plan.max_restarts) break;
+    if (!plan.quiet) std::cerr << "accelerate launch: restarting all " << plan.local_num_processes << " worker(s) (restart "
+              << attempt + 1 << " of " << plan.max_restarts << ")" << std::endl;
+  }
+  std::error_code ignored;
+  fs::remove_all(scratch, ignored);
+  return exit_code;
+}
+
+int launch_main(const std::vector<std::string>& argv) {
+  try {
+    LaunchArgs args = parse_launch_args(argv);
+    if (args.help) {
+      std::cout << launch_help();
+      return 0;
+    }
+    return launch_command(resolve_launch(args));
+  } catch (const std::exception& e) {
+    std::cerr << "accelerate launch: error: " << detail::error_message(e) << std::endl;
+    return 2;
+  }
+}
+
+}  // namespace accelerate::commands

@@ -1,0 +1,156 @@
+// Rendezvous and process groups; see process_group.h.
+#include "detail/process_group.h"
+
+#include "detail/errors.h"
+
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#ifdef USE_C10D_GLOO
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#endif
+#ifdef USE_C10D_NCCL
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
+#include <cstdlib>
+#include <sstream>
+
+namespace accelerate::detail {
+namespace {
+
+std::string seconds(std::chrono::milliseconds ms) {
+  std::ostringstream out;
+  out << static_cast<double>(ms.count()) / 1000.0 << "s";
+  return out.str();
+}
+
+bool mentions(const std::string& text, const char* needle) { return text.find(needle) != std::string::npos; }
+
+c10::intrusive_ptr<c10d::Store> connect_tcp_store(const RendezvousConfig& config) {
+  const Topology& topo = config.topology;
+  const bool serve = topo.rank == 0 && !config.store_hosted;
+  if (serve) return serve_tcp_store(topo.master_addr, topo.master_port, config.rdzv_timeout);
+  c10d::TCPStoreOptions opts;
+  opts.port = static_cast<uint16_t>(topo.master_port);
+  opts.isServer = false;
+  opts.waitWorkers = false;
+  opts.timeout = config.rdzv_timeout;
+  try {
+    return c10::make_intrusive<c10d::TCPStore>(topo.master_addr, opts);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "[PartialState] rank ", topo.rank, " could not reach the rendezvous store at ",
+                topo.master_addr, ":", topo.master_port, " within ", seconds(config.rdzv_timeout),
+                " (is the main process running, and are MASTER_ADDR/MASTER_PORT right?): ",
+                error_message(e));
+  }
+}
+
+#ifdef USE_C10D_GLOO
+std::shared_ptr<::gloo::transport::Device> gloo_device(const Topology& topo) {
+  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname != nullptr && *ifname != '\0') {
+    return c10d::ProcessGroupGloo::createDeviceForInterface(ifname);
+  }
+  // On one machine the loopback interface needs no name resolution and never leaves the host.
+  if (is_loopback_address(topo.master_addr) || topo.local_world_size == topo.world_size) {
+    return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
+  }
+  return c10d::ProcessGroupGloo::createDefaultDevice();
+}
+#endif
+
+// Every rank adds itself to a counter; the one that completes it releases the others. A rank
+// that waits past the timeout reports how many arrived.
+void wait_for_all(const c10::intrusive_ptr<c10d::Store>& store, const RendezvousConfig& config) {
+  const Topology& topo = config.topology;
+  const int64_t joined = store->add("joined", 1);
+  if (joined == topo.world_size) {
+    store->set("complete", std::vector<uint8_t>{1});
+    return;
+  }
+  TORCH_CHECK(joined < topo.world_size, "[PartialState] rendezvous saw ", joined, " processes join a job of ",
+              topo.world_size, ": another job is using the same MASTER_ADDR:MASTER_PORT (",
+              topo.master_addr, ":", topo.master_port, ")");
+  try {
+    store->wait({"complete"}, config.rdzv_timeout);
+  } catch (const std::exception&) {
+    int64_t now = -1;
+    try {
+      now = store->add("joined", 0);
+    } catch (const std::exception&) {
+    }
+    TORCH_CHECK(false, "[PartialState] rendezvous timed out after ", seconds(config.rdzv_timeout), ": only ",
+                now < 0 ? std::string("an unknown number") : std::to_string(now), " of ", topo.world_size,
+                " processes joined at ", topo.master_addr, ":", topo.master_port,
+                " (the others never started, crashed, or point at another address)");
+  }
+}
+
+}  // namespace
+
+bool is_loopback_address(const std::string& addr) {
+  return addr == "localhost" || addr == "::1" || addr.rfind("127.", 0) == 0;
+}
+
+c10::intrusive_ptr<c10d::Store> serve_tcp_store(const std::string& host, int port, std::chrono::milliseconds timeout) {
+  TORCH_CHECK_VALUE(port >= 0 && port <= 65535, "[rendezvous] expected a TCP port in 0-65535, got ", port);
+  c10d::TCPStoreOptions opts;
+  opts.port = static_cast<uint16_t>(port);
+  opts.isServer = true;
+  opts.waitWorkers = false;
+  opts.timeout = timeout;
+  try {
+    return c10::make_intrusive<c10d::TCPStore>(host, opts);
+  } catch (const std::exception& e) {
+    const std::string what = e.what();
+    TORCH_CHECK(!mentions(what, "in use") && !mentions(what, "EADDRINUSE"), "[rendezvous] port ", port,
+                " is already in use on this machine; pick another with --main_process_port (0 picks a free one) "
+                "or MASTER_PORT");
+    TORCH_CHECK(false, "[rendezvous] could not serve the rendezvous store on ", host, ":", port, ": ",
+                error_message(e));
+  }
+}
+
+int tcp_store_port(const c10::intrusive_ptr<c10d::Store>& store) {
+  auto* tcp = dynamic_cast<c10d::TCPStore*>(store.get());
+  TORCH_INTERNAL_ASSERT(tcp != nullptr, "tcp_store_port expects a TCP store");
+  return tcp->getPort();
+}
+
+Rendezvous rendezvous(const RendezvousConfig& config) {
+  const Topology& topo = config.topology;
+  c10::intrusive_ptr<c10d::Store> base = config.store ? config.store : connect_tcp_store(config);
+  auto store = c10::make_intrusive<c10d::PrefixStore>("accelerate/attempt" + std::to_string(config.restart_count),
+                                                      base);
+  store->setTimeout(config.rdzv_timeout);
+  wait_for_all(store, config);
+  store->setTimeout(config.collective_timeout);
+
+  Rendezvous out;
+  out.store = store;
+  auto pg_store = c10::make_intrusive<c10d::PrefixStore>("pg", store);
+  if (config.backend == "gloo") {
+#ifdef USE_C10D_GLOO
+    auto options = c10d::ProcessGroupGloo::Options::create(config.collective_timeout);
+    options->devices.push_back(gloo_device(topo));
+    out.process_group = c10::make_intrusive<c10d::ProcessGroupGloo>(pg_store, topo.rank, topo.world_size, options);
+#else
+    TORCH_CHECK(false, "[PartialState] this LibTorch was built without Gloo; use backend \"nccl\" or \"mpi\"");
+#endif
+  } else if (config.backend == "nccl") {
+#ifdef USE_C10D_NCCL
+    auto options = c10d::ProcessGroupNCCL::Options::create();
+    options->timeout = config.collective_timeout;
+    out.process_group = c10::make_intrusive<c10d::ProcessGroupNCCL>(pg_store, topo.rank, topo.world_size, options);
+#else
+    TORCH_CHECK(false, "[PartialState] backend \"nccl\" needs a LibTorch built with CUDA and NCCL; this one has none "
+                       "(use \"gloo\")");
+#endif
+  } else {
+    TORCH_CHECK_VALUE(false, "[PartialState] unknown process-group backend \"", config.backend,
+                      "\"; expected \"gloo\" or \"nccl\"");
+  }
+  return out;
+}
+
+}  // namespace accelerate::detail

@@ -1,0 +1,49 @@
+// Rendezvous and process-group creation over c10d: a TCP store (or a given one), a bounded
+// "everyone joined" barrier with a clear error, then Gloo (CPU) or NCCL (CUDA).
+#pragma once
+
+#include "detail/env.h"
+
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <optional>
+#include <string>
+
+namespace accelerate::detail {
+
+/// What the process group needs to know.
+struct RendezvousConfig {
+  Topology topology;
+  std::string backend;  // "gloo" or "nccl"
+  std::chrono::milliseconds collective_timeout{std::chrono::minutes(30)};
+  std::chrono::milliseconds rdzv_timeout{std::chrono::seconds(900)};
+  /// A store given by the caller; else a TCP store at the topology's master address.
+  c10::intrusive_ptr<c10d::Store> store;
+  /// The launcher already serves the TCP store, so rank 0 connects as a client too.
+  bool store_hosted = false;
+  /// Keys of each restart of the job are kept apart.
+  int restart_count = 0;
+};
+
+struct Rendezvous {
+  c10::intrusive_ptr<c10d::Store> store;  // prefixed for this job attempt
+  c10::intrusive_ptr<c10d::ProcessGroup> process_group;
+};
+
+/// Connects to (or serves) the store, waits until every process joined, builds the process group.
+/// Every failure names what went wrong: the port in use, the unreachable address, how many of
+/// the processes joined before the timeout.
+Rendezvous rendezvous(const RendezvousConfig& config);
+
+/// Opens a TCP store server on `port` (0 picks a free one), with a message naming the port when
+/// it is in use. Used by `accelerate launch` to serve the store before the workers start.
+c10::intrusive_ptr<c10d::Store> serve_tcp_store(const std::string& host, int port, std::chrono::milliseconds timeout);
+/// The port a TCP store returned by `serve_tcp_store` listens on.
+int tcp_store_port(const c10::intrusive_ptr<c10d::Store>& store);
+
+/// Whether an address names this machine's loopback interface.
+bool is_loopback_address(const std::string& addr);
+
+}  // namespace accelerate::detail

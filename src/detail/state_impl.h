@@ -1,0 +1,45 @@
+// The data behind the `PartialState`, `Store` and `GradientState` handles. Other modules of the
+// library reach the process group through here; users never see these types.
+#pragma once
+
+#include "accelerate/state.h"
+#include "detail/env.h"
+
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <mutex>
+
+namespace accelerate::detail {
+
+struct StoreImpl {
+  c10::intrusive_ptr<c10d::Store> store;
+};
+
+struct PartialStateImpl {
+  Topology topology;
+  DistributedType distributed_type = DistributedType::kNo;
+  c10::Device device{c10::kCPU};
+  std::string backend;
+  bool cpu = false;
+  bool debug = false;
+  std::chrono::milliseconds timeout{std::chrono::minutes(30)};
+  c10::intrusive_ptr<c10d::Store> store;
+  c10::intrusive_ptr<c10d::ProcessGroup> process_group;
+  std::mutex mutex;  // guards trigger and the destroyed process group
+  bool trigger = false;
+};
+
+struct GradientStateImpl {
+  mutable std::mutex mutex;
+  GradientAccumulationPlugin plugin;
+  bool sync_gradients = true;
+  bool end_of_dataloader = false;
+  int64_t remainder = -1;
+  std::vector<const void*> dataloaders;
+};
+
+/// The process group of a state; throws when it has none (one process) or was destroyed.
+c10::intrusive_ptr<c10d::ProcessGroup> process_group(const PartialState& state, const char* api);
+
+}  // namespace accelerate::detail

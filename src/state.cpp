@@ -1,0 +1,444 @@
+// PartialState, AcceleratorState and GradientState; see include/accelerate/state.h.
+#include "accelerate/state.h"
+
+#include "accelerate/utils/environment.h"
+#include "detail/errors.h"
+#include "detail/process_group.h"
+#include "detail/state_impl.h"
+
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/cuda.h>
+
+#include <ATen/ATen.h>
+
+#include <cstdio>
+#include <exception>
+#include <mutex>
+
+namespace accelerate {
+namespace {
+
+std::mutex g_state_mutex;
+std::shared_ptr<detail::PartialStateImpl> g_partial;
+std::optional<PrecisionType> g_mixed_precision;
+std::shared_ptr<detail::GradientStateImpl> g_gradient;
+
+// Note [Error file]
+// `accelerate launch` names a file per worker in ACCELERATE_ERROR_FILE. When an exception
+// escapes main, the terminate handler writes its message there before aborting, so the
+// launcher can report the root cause in one line instead of a tail of interleaved output.
+std::terminate_handler g_previous_terminate = nullptr;
+
+void write_error_file_and_abort() {
+  if (const char* path = std::getenv("ACCELERATE_ERROR_FILE"); path != nullptr && *path != '\0') {
+    std::string message = "terminated without an active exception";
+    if (auto current = std::current_exception()) {
+      try {
+        std::rethrow_exception(current);
+      } catch (const std::exception& e) {
+        message = detail::error_message(e);
+      } catch (...) {
+        message = "terminated by an exception that is not a std::exception";
+      }
+    }
+    if (FILE* f = std::fopen(path, "w")) {
+      std::fwrite(message.data(), 1, message.size(), f);
+      std::fclose(f);
+    }
+  }
+  if (g_previous_terminate != nullptr) g_previous_terminate();
+  std::abort();
+}
+
+void install_error_file_handler() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    if (std::getenv("ACCELERATE_ERROR_FILE") == nullptr) return;
+    g_previous_terminate = std::set_terminate(write_error_file_and_abort);
+  });
+}
+
+std::chrono::milliseconds seconds_from_env(const char* key, std::chrono::milliseconds fallback) {
+  auto value = get_env(key);
+  if (!value || value->empty()) return fallback;
+  size_t used = 0;
+  double parsed = -1;
+  try {
+    parsed = std::stod(*value, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  TORCH_CHECK_VALUE(used == value->size() && parsed > 0, "[PartialState] environment variable ", key,
+                    " must be a positive number of seconds, got '", *value, "'");
+  return std::chrono::milliseconds(static_cast<int64_t>(parsed * 1000));
+}
+
+std::shared_ptr<detail::PartialStateImpl> build_partial_state(const PartialStateOptions& options) {
+  install_error_file_handler();
+  auto impl = std::make_shared<detail::PartialStateImpl>();
+  detail::Topology topo = detail::detect_topology(detail::process_env());
+  if (options.num_processes) {
+    topo.world_size = *options.num_processes;
+    topo.local_world_size = options.local_num_processes.value_or(*options.num_processes);
+  } else if (options.local_num_processes) {
+    topo.local_world_size = *options.local_num_processes;
+  }
+  if (options.process_index) {
+    topo.rank = *options.process_index;
+    topo.local_rank = options.local_process_index.value_or(*options.process_index);
+  } else if (options.local_process_index) {
+    topo.local_rank = *options.local_process_index;
+  }
+  if (!options.master_addr.empty()) topo.master_addr = options.master_addr;
+  if (options.master_port) topo.master_port = *options.master_port;
+  TORCH_CHECK_VALUE(topo.world_size >= 1, "[PartialState] num_processes must be at least 1, got ", topo.world_size);
+  TORCH_CHECK_VALUE(topo.rank >= 0 && topo.rank < topo.world_size, "[PartialState] process_index ", topo.rank,
+                    " is outside [0, num_processes=", topo.world_size, ")");
+  TORCH_CHECK_VALUE(topo.local_world_size >= 1 && topo.local_world_size <= topo.world_size,
+                    "[PartialState] local_num_processes ", topo.local_world_size, " must be between 1 and ",
+                    topo.world_size);
+  TORCH_CHECK_VALUE(topo.local_rank >= 0 && topo.local_rank < topo.local_world_size,
+                    "[PartialState] local_process_index ", topo.local_rank, " is outside [0, local_num_processes=",
+                    topo.local_world_size, ")");
+  impl->topology = topo;
+
+  impl->cpu = options.cpu || parse_flag_from_env("ACCELERATE_USE_CPU");
+  if (!impl->cpu && is_cuda_available()) {
+    const auto count = static_cast<int>(torch::cuda::device_count());
+    impl->device = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(topo.local_rank % count));
+  }
+  impl->debug = options.debug.value_or(parse_flag_from_env("ACCELERATE_DEBUG_MODE"));
+  impl->timeout = options.init_kwargs.timeout.value_or(std::chrono::minutes(30));
+  TORCH_CHECK_VALUE(impl->timeout.count() > 0, "[PartialState] InitProcessGroupKwargs.timeout must be positive");
+
+  if (topo.world_size > 1) {
+    impl->distributed_type = impl->device.is_cuda() ? DistributedType::kMultiGpu : DistributedType::kMultiCpu;
+    impl->backend = options.init_kwargs.backend;
+    if (impl->backend.empty()) impl->backend = get_env("ACCELERATE_BACKEND").value_or("");
+    if (impl->backend.empty()) impl->backend = impl->device.is_cuda() ? "nccl" : "gloo";
+    TORCH_CHECK_VALUE(impl->backend != "mpi" || is_mpi_available(),
+                      "[PartialState] the MPI backend is not available in this build of accelerate-cpp; use \"gloo\"");
+    TORCH_CHECK_VALUE(impl->backend != "nccl" || impl->device.is_cuda(),
+                      "[PartialState] backend \"nccl\" needs CUDA devices, but this process runs on ", impl->device,
+                      "; use \"gloo\" for CPU processes");
+
+    detail::RendezvousConfig config;
+    config.topology = topo;
+    config.backend = impl->backend;
+    config.collective_timeout = impl->timeout;
+    config.rdzv_timeout = options.rdzv_timeout.value_or(
+        seconds_from_env("ACCELERATE_RDZV_TIMEOUT", std::chrono::seconds(900)));
+    if (options.store) config.store = options.store->impl()->store;
+    config.store_hosted = !options.store && parse_flag_from_env("ACCELERATE_STORE_HOSTED");
+    config.restart_count = get_int_from_env({"TORCHELASTIC_RESTART_COUNT"}, 0);
+    auto rdzv = detail::rendezvous(config);
+    impl->store = rdzv.store;
+    impl->process_group = rdzv.process_group;
+  }
+  if (parse_flag_from_env("ACCELERATE_CPU_AFFINITY")) set_numa_affinity(topo.local_rank);
+  return impl;
+}
+
+}  // namespace
+
+// ---- Store ----------------------------------------------------------------------------------
+
+Store Store::in_memory() {
+  auto impl = std::make_shared<detail::StoreImpl>();
+  impl->store = c10::make_intrusive<c10d::HashStore>();
+  return Store(std::move(impl));
+}
+
+Store Store::file(const std::string& path, int num_processes) {
+  TORCH_CHECK_VALUE(num_processes >= 1, "[Store::file] num_processes must be at least 1, got ", num_processes);
+  auto impl = std::make_shared<detail::StoreImpl>();
+  impl->store = c10::make_intrusive<c10d::FileStore>(path, num_processes);
+  return Store(std::move(impl));
+}
+
+// ---- PartialState ---------------------------------------------------------------------------
+
+PartialState::PartialState() : PartialState(PartialStateOptions{}) {}
+
+PartialState::PartialState(const PartialStateOptions& options) {
+  std::lock_guard<std::mutex> lock(g_state_mutex);
+  if (g_partial) {
+    const auto& topo = g_partial->topology;
+    TORCH_CHECK_VALUE(!options.process_index || *options.process_index == topo.rank,
+                      "[PartialState] the process-wide state already exists with process_index ", topo.rank,
+                      ", got ", *options.process_index, "; call PartialState::reset() first");
+    TORCH_CHECK_VALUE(!options.num_processes || *options.num_processes == topo.world_size,
+                      "[PartialState] the process-wide state already exists with num_processes ", topo.world_size,
+                      ", got ", *options.num_processes, "; call PartialState::reset() first");
+    TORCH_CHECK_VALUE(!options.cpu || g_partial->device.is_cpu(),
+                      "[PartialState] the process-wide state already exists on ", g_partial->device,
+                      ", cpu=true cannot apply; call PartialState::reset() first");
+  } else {
+    g_partial = build_partial_state(options);
+  }
+  impl_ = g_partial;
+}
+
+PartialState PartialState::standalone(const PartialStateOptions& options) {
+  return PartialState(build_partial_state(options));
+}
+
+bool PartialState::initialized() {
+  std::lock_guard<std::mutex> lock(g_state_mutex);
+  return g_partial != nullptr;
+}
+
+void PartialState::reset() {
+  std::lock_guard<std::mutex> lock(g_state_mutex);
+  g_partial.reset();
+  g_mixed_precision.reset();
+}
+
+DistributedType PartialState::distributed_type() const { return impl_->distributed_type; }
+c10::Device PartialState::device() const { return impl_->device; }
+std::string PartialState::backend() const { return impl_->backend; }
+int PartialState::num_processes() const { return impl_->topology.world_size; }
+int PartialState::process_index() const { return impl_->topology.rank; }
+int PartialState::local_process_index() const { return impl_->topology.local_rank; }
+int PartialState::local_num_processes() const { return impl_->topology.local_world_size; }
+bool PartialState::is_main_process() const { return impl_->topology.rank == 0; }
+bool PartialState::is_local_main_process() const { return impl_->topology.local_rank == 0; }
+bool PartialState::is_last_process() const { return impl_->topology.rank == impl_->topology.world_size - 1; }
+bool PartialState::use_distributed() const { return impl_->distributed_type != DistributedType::kNo; }
+bool PartialState::debug() const { return impl_->debug; }
+std::chrono::milliseconds PartialState::timeout() const { return impl_->timeout; }
+
+void PartialState::wait_for_everyone() const {
+  if (!use_distributed()) return;
+  auto pg = detail::process_group(*this, "wait_for_everyone");
+  try {
+    pg->barrier()->wait(impl_->timeout);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "[wait_for_everyone] process ", process_index(), " of ", num_processes(),
+                " failed while waiting for the others (a peer died, or did not arrive within ",
+                impl_->timeout.count() / 1000.0, "s): ", detail::error_message(e));
+  }
+}
+
+PartialState::Share PartialState::share_of(int64_t length, bool apply_padding, const char* what) const {
+  const int64_t n = num_processes();
+  const int64_t idx = process_index();
+  const int64_t per_process = length / n;
+  const int64_t extras = length % n;
+  Share share{};
+  share.begin = std::min(length, idx * per_process + std::min(idx, extras));
+  share.end = std::min(length, share.begin + per_process + (idx < extras ? 1 : 0));
+  share.padded_size = share.end - share.begin;
+  if (apply_padding) {
+    TORCH_CHECK_INDEX(length > 0, "[split_between_processes] apply_padding repeats the last element, but ", what,
+                      " of length 0 has none");
+    share.padded_size = per_process + (extras > 0 ? 1 : 0);
+  }
+  return share;
+}
+
+void PartialState::check_same_length(size_t actual, size_t expected) {
+  TORCH_CHECK_VALUE(actual == expected,
+                    "[split_between_processes] all values in the map must have the same length; found ", expected,
+                    " and ", actual);
+}
+
+at::Tensor PartialState::split_between_processes(const at::Tensor& inputs, bool apply_padding) const {
+  if (num_processes() == 1) return inputs;
+  TORCH_CHECK_VALUE(inputs.dim() >= 1, "[split_between_processes] expected a tensor with at least one dimension, "
+                                       "got a 0-dim tensor");
+  const auto share = share_of(inputs.size(0), apply_padding, "a tensor");
+  at::Tensor result = inputs.slice(0, share.begin, share.end);
+  const int64_t missing = share.padded_size - (share.end - share.begin);
+  if (missing > 0) {
+    auto last = inputs.slice(0, inputs.size(0) - 1, inputs.size(0));
+    std::vector<int64_t> repeats(inputs.dim(), 1);
+    repeats[0] = missing;
+    result = at::cat({result, last.repeat(repeats)}, 0);
+  }
+  return result;
+}
+
+void PartialState::set_trigger() const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  impl_->trigger = true;
+}
+
+bool PartialState::check_trigger() const {
+  bool mine = false;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mutex);
+    mine = impl_->trigger;
+  }
+  bool any = mine;
+  if (use_distributed()) {
+    auto pg = detail::process_group(*this, "check_trigger");
+    std::vector<at::Tensor> flag{at::full({1}, mine ? 1 : 0, at::kInt)};
+    pg->allreduce(flag)->wait(impl_->timeout);
+    any = flag[0].item<int>() > 0;
+  }
+  if (any) {
+    std::lock_guard<std::mutex> lock(impl_->mutex);
+    impl_->trigger = false;
+  }
+  return any;
+}
+
+void PartialState::destroy_process_group() const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  impl_->process_group.reset();
+}
+
+namespace detail {
+
+c10::intrusive_ptr<c10d::ProcessGroup> process_group(const PartialState& state, const char* api) {
+  auto& impl = *state.impl();
+  std::lock_guard<std::mutex> lock(impl.mutex);
+  TORCH_CHECK(state.use_distributed(), "[", api, "] needs several processes, but this job has one");
+  TORCH_CHECK(impl.process_group, "[", api, "] the process group was destroyed (destroy_process_group)");
+  return impl.process_group;
+}
+
+}  // namespace detail
+
+// ---- AcceleratorState -----------------------------------------------------------------------
+
+namespace {
+
+PrecisionType resolve_precision(const std::string& option) {
+  if (!option.empty()) return parse_precision_type(option);
+  if (auto env = get_env("ACCELERATE_MIXED_PRECISION"); env && !env->empty()) {
+    try {
+      return parse_precision_type(*env);
+    } catch (const c10::ValueError& e) {
+      TORCH_CHECK_VALUE(false, "[AcceleratorState] environment variable ACCELERATE_MIXED_PRECISION: ",
+                        e.what_without_backtrace());
+    }
+  }
+  return PrecisionType::kNo;
+}
+
+}  // namespace
+
+AcceleratorState::AcceleratorState() : AcceleratorState(AcceleratorStateOptions{}) {}
+
+AcceleratorState::AcceleratorState(const AcceleratorStateOptions& options)
+    : partial_(options.partial), mixed_precision_(PrecisionType::kNo) {
+  std::lock_guard<std::mutex> lock(g_state_mutex);
+  if (!g_mixed_precision) g_mixed_precision = resolve_precision(options.mixed_precision);
+  mixed_precision_ = *g_mixed_precision;
+}
+
+AcceleratorState AcceleratorState::standalone(const AcceleratorStateOptions& options) {
+  return AcceleratorState(PartialState::standalone(options.partial), resolve_precision(options.mixed_precision));
+}
+
+void AcceleratorState::reset(bool reset_partial_state) {
+  if (reset_partial_state) {
+    PartialState::reset();
+    return;
+  }
+  std::lock_guard<std::mutex> lock(g_state_mutex);
+  g_mixed_precision.reset();
+}
+
+bool AcceleratorState::initialized() {
+  std::lock_guard<std::mutex> lock(g_state_mutex);
+  return g_mixed_precision.has_value();
+}
+
+// ---- GradientState --------------------------------------------------------------------------
+
+namespace {
+
+std::shared_ptr<detail::GradientStateImpl> shared_gradient_state() {
+  std::lock_guard<std::mutex> lock(g_state_mutex);
+  if (!g_gradient) g_gradient = std::make_shared<detail::GradientStateImpl>();
+  return g_gradient;
+}
+
+void check_plugin(const GradientAccumulationPlugin& plugin) {
+  TORCH_CHECK_VALUE(plugin.num_steps >= 1, "[GradientState] GradientAccumulationPlugin.num_steps must be >= 1, got ",
+                    plugin.num_steps);
+}
+
+}  // namespace
+
+GradientState::GradientState() : impl_(shared_gradient_state()) {}
+
+GradientState::GradientState(const GradientAccumulationPlugin& plugin) : impl_(shared_gradient_state()) {
+  set_plugin(plugin);
+}
+
+GradientState GradientState::standalone(const GradientAccumulationPlugin& plugin) {
+  check_plugin(plugin);
+  auto impl = std::make_shared<detail::GradientStateImpl>();
+  impl->plugin = plugin;
+  return GradientState(std::move(impl));
+}
+
+void GradientState::reset() {
+  std::lock_guard<std::mutex> lock(g_state_mutex);
+  g_gradient.reset();
+}
+
+#define ACCELERATE_GRADIENT_GETTER(type, name, expr) \
+  type GradientState::name() const {                 \
+    std::lock_guard<std::mutex> lock(impl_->mutex);  \
+    return expr;                                     \
+  }
+ACCELERATE_GRADIENT_GETTER(bool, sync_gradients, impl_->sync_gradients)
+ACCELERATE_GRADIENT_GETTER(bool, end_of_dataloader, impl_->end_of_dataloader)
+ACCELERATE_GRADIENT_GETTER(int64_t, remainder, impl_->remainder)
+ACCELERATE_GRADIENT_GETTER(int, num_steps, impl_->plugin.num_steps)
+ACCELERATE_GRADIENT_GETTER(bool, adjust_scheduler, impl_->plugin.adjust_scheduler)
+ACCELERATE_GRADIENT_GETTER(bool, sync_with_dataloader, impl_->plugin.sync_with_dataloader)
+ACCELERATE_GRADIENT_GETTER(bool, sync_each_batch, impl_->plugin.sync_each_batch)
+ACCELERATE_GRADIENT_GETTER(const void*, active_dataloader,
+                           impl_->dataloaders.empty() ? nullptr : impl_->dataloaders.back())
+ACCELERATE_GRADIENT_GETTER(std::vector<const void*>, dataloader_references, impl_->dataloaders)
+ACCELERATE_GRADIENT_GETTER(bool, in_dataloader, !impl_->dataloaders.empty())
+ACCELERATE_GRADIENT_GETTER(GradientAccumulationPlugin, plugin, impl_->plugin)
+#undef ACCELERATE_GRADIENT_GETTER
+
+void GradientState::set_sync_gradients(bool sync) const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  impl_->sync_gradients = sync;
+}
+
+void GradientState::set_end_of_dataloader(bool end) const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  impl_->end_of_dataloader = end;
+}
+
+void GradientState::set_remainder(int64_t remainder) const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  impl_->remainder = remainder;
+}
+
+void GradientState::add_dataloader(const void* loader) const {
+  TORCH_CHECK_VALUE(loader != nullptr, "[GradientState] add_dataloader expects a data loader, got null");
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  impl_->end_of_dataloader = false;
+  impl_->dataloaders.push_back(loader);
+}
+
+void GradientState::remove_dataloader(const void* loader) const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  auto it = std::find(impl_->dataloaders.rbegin(), impl_->dataloaders.rend(), loader);
+  TORCH_CHECK_VALUE(it != impl_->dataloaders.rend(),
+                    "[GradientState] remove_dataloader got a data loader that is not being iterated");
+  impl_->dataloaders.erase(std::next(it).base());
+  // The outer loader, if any, continues: its end is decided by its own look-ahead.
+  impl_->end_of_dataloader = false;
+}
+
+void GradientState::set_plugin(const GradientAccumulationPlugin& plugin) const {
+  check_plugin(plugin);
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  impl_->plugin = plugin;
+}
+
+}  // namespace accelerate

@@ -1,0 +1,110 @@
+// A program for the launcher tests: each mode exercises one behaviour of `accelerate launch`
+// (environment, output, failures, signals, restarts) from inside a real worker process.
+//
+//   worker env VAR...              print VAR=value for each variable
+//   worker state                   rendezvous, then print what PartialState reports
+//   worker exit CODE RANK          RANK prints an error and exits with CODE; others sleep
+//   worker sigkill RANK            RANK kills itself with SIGKILL; others sleep
+//   worker ignore_term RANK CODE   every other rank ignores SIGTERM; RANK exits with CODE
+//   worker throw RANK              RANK throws an exception out of main after rendezvous
+//   worker sleep DIR               write pid to DIR/pid_<rank>, print "ready", sleep
+//   worker fail_once RANK          on the first attempt RANK exits 3; later attempts succeed
+#include "accelerate/state.h"
+
+#include <chrono>
+#include <csignal>
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <unistd.h>
+
+namespace {
+
+int env_int(const char* key, int fallback) {
+  const char* value = std::getenv(key);
+  return value != nullptr ? std::atoi(value) : fallback;
+}
+
+void sleep_seconds(double s) { std::this_thread::sleep_for(std::chrono::duration<double>(s)); }
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string mode = argc > 1 ? argv[1] : "";
+  const int rank = env_int("RANK", 0);
+  auto arg = [&](int i) { return i < argc ? std::string(argv[i]) : std::string(); };
+
+  if (mode == "env") {
+    for (int i = 2; i < argc; ++i) {
+      const char* value = std::getenv(argv[i]);
+      std::cout << argv[i] << "=" << (value != nullptr ? value : "<unset>") << "\n";
+    }
+    return 0;
+  }
+  if (mode == "state") {
+    accelerate::PartialState state;
+    state.wait_for_everyone();
+    std::cout << "process " << state.process_index() << " of " << state.num_processes() << " local "
+              << state.local_process_index() << " type " << accelerate::to_string(state.distributed_type())
+              << " backend " << state.backend() << std::endl;
+    if (state.process_index() == state.num_processes() - 1) state.set_trigger();
+    std::cout << "trigger " << (state.check_trigger() ? "seen" : "missed") << std::endl;
+    return 0;
+  }
+  if (mode == "exit") {
+    if (rank == std::stoi(arg(3))) {
+      std::cerr << "Error: worker " << rank << " gives up" << std::endl;
+      return std::stoi(arg(2));
+    }
+    sleep_seconds(60);
+    return 0;
+  }
+  if (mode == "sigkill") {
+    if (rank == std::stoi(arg(2))) {
+      sleep_seconds(0.3);
+      ::raise(SIGKILL);
+    }
+    sleep_seconds(60);
+    return 0;
+  }
+  if (mode == "ignore_term") {
+    if (rank == std::stoi(arg(2))) {
+      sleep_seconds(0.5);  // let the others install their handlers
+      return std::stoi(arg(3));
+    }
+    std::signal(SIGTERM, SIG_IGN);
+    std::cout << "ignoring SIGTERM" << std::endl;
+    sleep_seconds(60);
+    return 0;
+  }
+  if (mode == "throw") {
+    accelerate::PartialState state;
+    if (state.process_index() == std::stoi(arg(2))) {
+      throw std::runtime_error("boom from rank " + std::to_string(state.process_index()));
+    }
+    sleep_seconds(60);
+    return 0;
+  }
+  if (mode == "sleep") {
+    std::ofstream(arg(2) + "/pid_" + std::to_string(rank)) << ::getpid() << std::endl;
+    std::cout << "ready" << std::endl;
+    sleep_seconds(60);
+    return 0;
+  }
+  if (mode == "fail_once") {
+    const int attempt = env_int("TORCHELASTIC_RESTART_COUNT", -1);
+    if (attempt == 0 && rank == std::stoi(arg(2))) {
+      std::cerr << "Error: failing on purpose in attempt 0" << std::endl;
+      return 3;
+    }
+    accelerate::PartialState state;
+    state.wait_for_everyone();
+    std::cout << "attempt " << attempt << " ok" << std::endl;
+    return 0;
+  }
+  std::cerr << "worker: unknown mode '" << mode << "'" << std::endl;
+  return 2;
+}

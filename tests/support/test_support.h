@@ -1,0 +1,86 @@
+// Helpers shared by the tests: temporary folders, running N ranks as threads over one in-memory
+// store, and asserting an exception's message by substring.
+#pragma once
+
+#include "accelerate/state.h"
+#include "detail/errors.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <exception>
+#include <filesystem>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace accelerate::testing {
+
+/// A fresh folder removed with everything in it when the object goes away.
+class TempDir {
+ public:
+  TempDir() {
+    std::string tmpl = (std::filesystem::temp_directory_path() / "accelerate-test-XXXXXX").string();
+    path_ = ::mkdtemp(tmpl.data());
+  }
+  ~TempDir() {
+    std::error_code ignored;
+    std::filesystem::remove_all(path_, ignored);
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  const std::filesystem::path& path() const { return path_; }
+  std::string str() const { return path_.string(); }
+
+ private:
+  std::filesystem::path path_;
+};
+
+/// Runs `fn(state)` on `world_size` ranks, each a thread with its own standalone `PartialState`
+/// connected through one in-memory store. Rethrows the first exception of any rank.
+inline void run_ranks(int world_size, const std::function<void(const PartialState&)>& fn,
+                      PartialStateOptions base = {}) {
+  Store store = Store::in_memory();
+  std::vector<std::thread> threads;
+  std::vector<std::exception_ptr> errors(world_size);
+  for (int rank = 0; rank < world_size; ++rank) {
+    threads.emplace_back([&, rank] {
+      try {
+        PartialStateOptions options = base;
+        options.process_index = rank;
+        options.num_processes = world_size;
+        options.store = store;
+        if (!options.rdzv_timeout) options.rdzv_timeout = std::chrono::seconds(30);
+        if (!options.init_kwargs.timeout) options.init_kwargs.timeout = std::chrono::seconds(30);
+        PartialState state = PartialState::standalone(options);
+        fn(state);
+      } catch (...) {
+        errors[rank] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+}
+
+/// The message of the exception thrown by `fn`, or a failure when nothing is thrown.
+template <typename Fn>
+std::string error_of(Fn&& fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    return detail::error_message(e);
+  }
+  ADD_FAILURE() << "expected an exception, none was thrown";
+  return {};
+}
+
+}  // namespace accelerate::testing
+
+/// Asserts that `stmt` throws an exception whose message contains `substring`.
+#define EXPECT_THROWS_WITH(stmt, substring) \
+  EXPECT_THAT(::accelerate::testing::error_of([&] { stmt; }), ::testing::HasSubstr(substring))

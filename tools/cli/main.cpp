@@ -1,0 +1,37 @@
+// The `accelerate` command: a thin dispatcher over accelerate::commands.
+#include "accelerate/commands/launch.h"
+#include "accelerate/utils/environment.h"
+
+#include <iostream>
+#include <string>
+#include <vector>
+
+namespace {
+
+void usage(std::ostream& out) {
+  out << "usage: accelerate <command> [<args>]\n\n"
+         "commands:\n"
+         "  launch    run a program on one or several processes (accelerate launch --help)\n"
+         "  version   print the versions of accelerate-cpp and LibTorch\n";
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<std::string> args(argv + 1, argv + argc);
+  if (args.empty() || args[0] == "-h" || args[0] == "--help") {
+    usage(args.empty() ? std::cerr : std::cout);
+    return args.empty() ? 2 : 0;
+  }
+  const std::string command = args[0];
+  args.erase(args.begin());
+  if (command == "launch") return accelerate::commands::launch_main(args);
+  if (command == "version" || command == "--version") {
+    std::cout << "accelerate-cpp " << accelerate::accelerate_version() << " (LibTorch " << accelerate::torch_version()
+              << ")\n";
+    return 0;
+  }
+  std::cerr << "accelerate: unknown command '" << command << "'\n";
+  usage(std::cerr);
+  return 2;
+}
