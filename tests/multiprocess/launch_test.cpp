@@ -1,0 +1,248 @@
+// `accelerate launch` end to end: real worker processes, real signals, real sockets.
+#include "support/process.h"
+#include "support/test_support.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <regex>
+
+namespace accelerate::testing {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+std::vector<std::string> launch(std::vector<std::string> flags, std::vector<std::string> worker_args) {
+  std::vector<std::string> argv = {accelerate_bin(), "launch"};
+  argv.insert(argv.end(), flags.begin(), flags.end());
+  argv.push_back(worker_bin());
+  argv.insert(argv.end(), worker_args.begin(), worker_args.end());
+  return argv;
+}
+
+std::string port_of(const std::string& out, const std::string& rank_prefix) {
+  std::smatch m;
+  const std::regex re(rank_prefix + "MASTER_PORT=([0-9]+)");
+  return std::regex_search(out, m, re) ? m[1].str() : "";
+}
+
+TEST(Launch, EachWorkerSeesTheEnvironmentContract) {
+  auto r = run(launch({"--num_processes", "2", "--main_process_port", "0", "--num_cpu_threads_per_process", "1",
+                       "--mixed_precision", "bf16", "--gradient_accumulation_steps", "4", "--debug"},
+                      {"env", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                       "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "ACCELERATE_MIXED_PRECISION",
+                       "ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "ACCELERATE_DEBUG_MODE", "MASTER_PORT"}));
+  ASSERT_EQ(r->exit_code(), 0) << r->err;
+  for (int rank : {0, 1}) {
+    const std::string p = "[rank" + std::to_string(rank) + "]: ";
+    EXPECT_THAT(r->out, HasSubstr(p + "RANK=" + std::to_string(rank) + "\n"));
+    EXPECT_THAT(r->out, HasSubstr(p + "LOCAL_RANK=" + std::to_string(rank) + "\n"));
+    EXPECT_THAT(r->out, HasSubstr(p + "WORLD_SIZE=2\n"));
+    EXPECT_THAT(r->out, HasSubstr(p + "LOCAL_WORLD_SIZE=2\n"));
+    EXPECT_THAT(r->out, HasSubstr(p + "MASTER_ADDR=127.0.0.1\n"));
+    EXPECT_THAT(r->out, HasSubstr(p + "OMP_NUM_THREADS=1\n"));
+    EXPECT_THAT(r->out, HasSubstr(p + "OPENBLAS_NUM_THREADS=1\n"));
+    EXPECT_THAT(r->out, HasSubstr(p + "ACCELERATE_MIXED_PRECISION=bf16\n"));
+    EXPECT_THAT(r->out, HasSubstr(p + "ACCELERATE_GRADIENT_ACCUMULATION_STEPS=4\n"));
+    EXPECT_THAT(r->out, HasSubstr(p + "ACCELERATE_DEBUG_MODE=true\n"));
+  }
+  // Port 0 means "pick one": both workers get the same real port.
+  const std::string port0 = port_of(r->out, "\\[rank0\\]: ");
+  EXPECT_NE(port0, "");
+  EXPECT_NE(port0, "0");
+  EXPECT_EQ(port0, port_of(r->out, "\\[rank1\\]: "));
+}
+
+TEST(Launch, TwoWorkersRendezvousAndRunCollectives) {
+  auto r = run(launch({"-n", "2", "--main_process_port", "0"}, {"state"}));
+  ASSERT_EQ(r->exit_code(), 0) << r->err;
+  EXPECT_THAT(r->out, HasSubstr("[rank0]: process 0 of 2 local 0 type MULTI_CPU backend gloo"));
+  EXPECT_THAT(r->out, HasSubstr("[rank1]: process 1 of 2 local 1 type MULTI_CPU backend gloo"));
+  // The last rank raised the trigger; check_trigger is a collective, so rank 0 sees it too.
+  EXPECT_THAT(r->out, HasSubstr("[rank0]: trigger seen"));
+  EXPECT_THAT(r->out, HasSubstr("[rank1]: trigger seen"));
+}
+
+TEST(Launch, ASingleProcessRunsWithoutAProcessGroup) {
+  auto r = run(launch({"--num_processes", "1"}, {"state"}));
+  ASSERT_EQ(r->exit_code(), 0) << r->err;
+  EXPECT_THAT(r->out, HasSubstr("[rank0]: process 0 of 1 local 0 type NO backend \n"));
+}
+
+TEST(Launch, AFailingWorkerStopsTheOthersAndItsExitCodeIsReturned) {
+  auto r = run(launch({"-n", "2", "--main_process_port", "0", "--grace_period", "2"}, {"exit", "7", "1"}), 30);
+  EXPECT_EQ(r->exit_code(), 7);
+  EXPECT_THAT(r->err, HasSubstr("worker rank 1 (local rank 1, pid "));
+  EXPECT_THAT(r->err, HasSubstr("exited with code 7"));
+  EXPECT_THAT(r->err, HasSubstr("error: Error: worker 1 gives up"));
+  EXPECT_THAT(r->err, HasSubstr("stopped the other 1 worker(s)"));
+}
+
+TEST(Launch, AWorkerKilledBySigkillIsNamedAsTheRootCause) {
+  auto r = run(launch({"-n", "2", "--main_process_port", "0", "--grace_period", "2"}, {"sigkill", "1"}), 30);
+  EXPECT_EQ(r->exit_code(), 128 + SIGKILL);
+  EXPECT_THAT(r->err, HasSubstr("worker rank 1"));
+  EXPECT_THAT(r->err, HasSubstr("killed by signal 9 (SIGKILL)"));
+}
+
+TEST(Launch, AWorkerIgnoringSigtermIsKilledAfterTheGracePeriod) {
+  auto r = run(launch({"-n", "2", "--main_process_port", "0", "--grace_period", "1"}, {"ignore_term", "1", "5"}), 30);
+  EXPECT_EQ(r->exit_code(), 5);
+  EXPECT_THAT(r->out, HasSubstr("[rank0]: ignoring SIGTERM"));
+  EXPECT_THAT(r->err, HasSubstr("1 worker(s) still running 1"));
+  EXPECT_THAT(r->err, HasSubstr("sending SIGKILL"));
+}
+
+TEST(Launch, AnExceptionEscapingMainIsReportedWithItsMessage) {
+  auto r = run(launch({"-n", "2", "--main_process_port", "0", "--grace_period", "2"}, {"throw", "1"}), 60);
+  EXPECT_EQ(r->exit_code(), 128 + SIGABRT);
+  EXPECT_THAT(r->err, HasSubstr("worker rank 1"));
+  EXPECT_THAT(r->err, HasSubstr("SIGABRT"));
+  EXPECT_THAT(r->err, HasSubstr("error: boom from rank 1"));
+}
+
+TEST(Launch, SigtermToTheLauncherIsForwardedToEveryWorker) {
+  TempDir dir;
+  Running launcher(launch({"-n", "2", "--main_process_port", "0", "--grace_period", "3"}, {"sleep", dir.str()}));
+  const int pid0 = wait_for_int_file(dir.str() + "/pid_0", 30);
+  const int pid1 = wait_for_int_file(dir.str() + "/pid_1", 30);
+  ASSERT_GT(pid0, 0);
+  ASSERT_GT(pid1, 0);
+  launcher.signal(SIGTERM);
+  launcher.wait(30);
+  EXPECT_EQ(launcher.exit_code(), 128 + SIGTERM);
+  EXPECT_THAT(launcher.err, HasSubstr("received SIGTERM, forwarding it to 2 worker(s)"));
+  EXPECT_TRUE(process_gone(pid0));
+  EXPECT_TRUE(process_gone(pid1));
+}
+
+TEST(Launch, WorkersDieWhenTheLauncherIsKilledWithSigkill) {
+  TempDir dir;
+  Running launcher(launch({"-n", "2", "--main_process_port", "0"}, {"sleep", dir.str()}));
+  const int pid0 = wait_for_int_file(dir.str() + "/pid_0", 30);
+  const int pid1 = wait_for_int_file(dir.str() + "/pid_1", 30);
+  ASSERT_GT(pid0, 0);
+  ASSERT_GT(pid1, 0);
+  launcher.signal(SIGKILL);
+  launcher.wait(30);
+  EXPECT_EQ(launcher.exit_code(), 128 + SIGKILL);
+  EXPECT_TRUE(wait_gone(pid0, 10)) << "worker 0 outlived its launcher";
+  EXPECT_TRUE(wait_gone(pid1, 10)) << "worker 1 outlived its launcher";
+}
+
+TEST(Launch, MaxRestartsRestartsTheWholeGroupAfterAFailure) {
+  auto r = run(launch({"-n", "2", "--main_process_port", "0", "--max_restarts", "1", "--grace_period", "2"},
+                      {"fail_once", "1"}),
+               60);
+  ASSERT_EQ(r->exit_code(), 0) << r->err;
+  EXPECT_THAT(r->err, HasSubstr("worker rank 1 (local rank 1"));
+  EXPECT_THAT(r->err, HasSubstr("restarting all 2 worker(s) (restart 1 of 1)"));
+  EXPECT_THAT(r->out, HasSubstr("[rank0]: attempt 1 ok"));
+  EXPECT_THAT(r->out, HasSubstr("[rank1]: attempt 1 ok"));
+  EXPECT_THAT(r->out, Not(HasSubstr("attempt 0 ok")));
+}
+
+TEST(Launch, WithoutRestartsTheFirstFailureEndsTheJob) {
+  auto r = run(launch({"-n", "2", "--main_process_port", "0", "--grace_period", "2"}, {"fail_once", "1"}), 60);
+  EXPECT_EQ(r->exit_code(), 3);
+  EXPECT_THAT(r->err, Not(HasSubstr("restarting")));
+}
+
+TEST(Launch, APortInUseIsNamedInTheError) {
+  // Hold a port the way another job would.
+  int fd = ::socket(AF_INET6, SOCK_STREAM, 0);
+  int off = 0;
+  ::setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &off, sizeof(off));
+  sockaddr_in6 addr{};
+  addr.sin6_family = AF_INET6;
+  addr.sin6_addr = in6addr_any;
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(::listen(fd, 1), 0);
+  socklen_t len = sizeof(addr);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  const int port = ntohs(addr.sin6_port);
+  auto r = run(launch({"-n", "2", "--main_process_port", std::to_string(port)}, {"state"}), 30);
+  ::close(fd);
+  EXPECT_NE(r->exit_code(), 0);
+  EXPECT_THAT(r->err, HasSubstr("port " + std::to_string(port) + " is already in use"));
+  EXPECT_THAT(r->out, Not(HasSubstr("[rank")));  // no worker was started
+}
+
+TEST(Launch, APeerThatNeverArrivesFailsWithinTheRendezvousTimeout) {
+  // Machine 0 of a two-machine job whose machine 1 never starts.
+  const std::string port = std::to_string(free_port());
+  auto r = run(launch({"--num_processes", "2", "--num_machines", "2", "--machine_rank", "0", "--main_process_ip",
+                       "127.0.0.1", "--main_process_port", port, "--rdzv_timeout", "2"},
+                      {"state"}),
+               60);
+  EXPECT_NE(r->exit_code(), 0);
+  EXPECT_THAT(r->err, HasSubstr("rendezvous timed out after 2s: only 1 of 2 processes joined"));
+}
+
+TEST(Launch, AnUnreachableMainProcessFailsWithinTheRendezvousTimeout) {
+  // Machine 1 of a job whose machine 0 (the store) is not there.
+  const std::string port = std::to_string(free_port());
+  auto r = run(launch({"--num_processes", "2", "--num_machines", "2", "--machine_rank", "1", "--main_process_ip",
+                       "127.0.0.1", "--main_process_port", port, "--rdzv_timeout", "2"},
+                      {"state"}),
+               60);
+  EXPECT_NE(r->exit_code(), 0);
+  EXPECT_THAT(r->err, HasSubstr("could not reach the rendezvous store at 127.0.0.1:" + port));
+}
+
+TEST(Launch, TwoLaunchersFormOneJobAcrossTwoMachineRanks) {
+  const std::string port = std::to_string(free_port());
+  auto flags = [&](const char* machine_rank) {
+    return std::vector<std::string>{"--num_processes", "4", "--num_machines", "2", "--machine_rank", machine_rank,
+                                    "--main_process_ip", "127.0.0.1", "--main_process_port", port,
+                                    "--rdzv_timeout", "30"};
+  };
+  Running machine0(launch(flags("0"), {"state"}));
+  Running machine1(launch(flags("1"), {"state"}));
+  machine0.wait(60);
+  machine1.wait(60);
+  ASSERT_EQ(machine0.exit_code(), 0) << machine0.err;
+  ASSERT_EQ(machine1.exit_code(), 0) << machine1.err;
+  EXPECT_THAT(machine0.out, HasSubstr("[rank0]: process 0 of 4 local 0"));
+  EXPECT_THAT(machine0.out, HasSubstr("[rank1]: process 1 of 4 local 1"));
+  EXPECT_THAT(machine1.out, HasSubstr("[rank2]: process 2 of 4 local 0"));
+  EXPECT_THAT(machine1.out, HasSubstr("[rank3]: process 3 of 4 local 1"));
+  EXPECT_THAT(machine0.out, HasSubstr("[rank0]: trigger seen"));
+}
+
+TEST(Launch, LogDirKeepsEachWorkersOutputInItsOwnFiles) {
+  TempDir dir;
+  auto r = run(launch({"-n", "2", "--main_process_port", "0", "--log_dir", dir.str(), "--tee", "0"},
+                      {"env", "RANK"}));
+  ASSERT_EQ(r->exit_code(), 0) << r->err;
+  EXPECT_THAT(r->out, Not(HasSubstr("RANK=")));  // --tee 0: nothing on the console
+  for (int rank : {0, 1}) {
+    std::ifstream in(dir.path() / "attempt_0" / ("rank_" + std::to_string(rank)) / "stdout.log");
+    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    EXPECT_EQ(text, "RANK=" + std::to_string(rank) + "\n");
+  }
+}
+
+TEST(Launch, AMissingProgramIsAClearError) {
+  auto r = run({accelerate_bin(), "launch", "-n", "2", "no-such-program-here"}, 30);
+  EXPECT_EQ(r->exit_code(), 2);
+  EXPECT_THAT(r->err, HasSubstr("the program 'no-such-program-here' was not found in PATH"));
+}
+
+TEST(Launch, AnUnknownFlagIsAClearError) {
+  auto r = run({accelerate_bin(), "launch", "--num_procs", "2", worker_bin(), "state"}, 30);
+  EXPECT_EQ(r->exit_code(), 2);
+  EXPECT_THAT(r->err, HasSubstr("--num_procs"));
+}
+
+TEST(Launch, HelpListsTheFlagsAndSucceeds) {
+  auto r = run({accelerate_bin(), "launch", "--help"}, 30);
+  EXPECT_EQ(r->exit_code(), 0);
+  EXPECT_THAT(r->out, HasSubstr("--num_processes"));
+  EXPECT_THAT(r->out, HasSubstr("--max_restarts"));
+}
+
+}  // namespace
+}  // namespace accelerate::testing
