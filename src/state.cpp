@@ -216,9 +216,9 @@ void PartialState::wait_for_everyone() const {
   try {
     pg->barrier()->wait(impl_->timeout);
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, "[wait_for_everyone] process ", process_index(), " of ", num_processes(),
+    C10_THROW_ERROR(Error, c10::str("[wait_for_everyone] process ", process_index(), " of ", num_processes(),
                 " failed while waiting for the others (a peer died, or did not arrive within ",
-                impl_->timeout.count() / 1000.0, "s): ", detail::error_message(e));
+                impl_->timeout.count() / 1000.0, "s): ", detail::error_message(e)));
   }
 }
 
@@ -313,8 +313,8 @@ PrecisionType resolve_precision(const std::string& option) {
     try {
       return parse_precision_type(*env);
     } catch (const c10::ValueError& e) {
-      TORCH_CHECK_VALUE(false, "[AcceleratorState] environment variable ACCELERATE_MIXED_PRECISION: ",
-                        e.what_without_backtrace());
+      C10_THROW_ERROR(ValueError, c10::str("[AcceleratorState] environment variable ACCELERATE_MIXED_PRECISION: ",
+                        e.what_without_backtrace()));
     }
   }
   return PrecisionType::kNo;

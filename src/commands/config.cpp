@@ -35,7 +35,7 @@ struct Reader {
 
   [[noreturn]] void fail(const std::string& key, const std::string& expected, const YAML::Node& node) const {
     std::string got = node.IsScalar() ? "'" + node.Scalar() + "'" : (node.IsSequence() ? "a list" : "a mapping");
-    TORCH_CHECK_VALUE(false, "[load_config_from_file] ", path, ": key '", key, "' expects ", expected, ", got ", got);
+    C10_THROW_ERROR(ValueError, c10::str("[load_config_from_file] ", path, ": key '", key, "' expects ", expected, ", got ", got));
   }
   bool boolean(const std::string& key, const YAML::Node& node) const {
     if (!node.IsScalar()) fail(key, "a boolean", node);
@@ -91,7 +91,7 @@ ClusterConfig load_config_from_file(const std::string& path) {
   try {
     root = YAML::LoadFile(path);
   } catch (const YAML::Exception& e) {
-    TORCH_CHECK_VALUE(false, "[load_config_from_file] ", path, " is not valid YAML: ", e.what());
+    C10_THROW_ERROR(ValueError, c10::str("[load_config_from_file] ", path, " is not valid YAML: ", e.what()));
   }
   TORCH_CHECK_VALUE(root.IsMap(), "[load_config_from_file] ", path,
                     " must hold a mapping of configuration keys, e.g. 'distributed_type: MULTI_CPU'");
@@ -107,8 +107,8 @@ ClusterConfig load_config_from_file(const std::string& path) {
     std::sort(unknown.begin(), unknown.end());
     std::string listed;
     for (const auto& key : unknown) listed += (listed.empty() ? "" : ", ") + key;
-    TORCH_CHECK_VALUE(false, "[load_config_from_file] the config file at ", path, " has unknown keys (", listed,
-                      "); fix or remove them");
+    C10_THROW_ERROR(ValueError, c10::str("[load_config_from_file] the config file at ", path, " has unknown keys (", listed,
+                      "); fix or remove them"));
   }
 
   const Reader r{path};
@@ -124,7 +124,7 @@ ClusterConfig load_config_from_file(const std::string& path) {
   try {
     config.distributed_type = parse_distributed_type(r.text("distributed_type", root["distributed_type"]));
   } catch (const c10::ValueError& e) {
-    TORCH_CHECK_VALUE(false, "[load_config_from_file] ", path, ": ", e.what_without_backtrace());
+    C10_THROW_ERROR(ValueError, c10::str("[load_config_from_file] ", path, ": ", e.what_without_backtrace()));
   }
   if (has("mixed_precision")) {
     config.mixed_precision = to_string(parse_precision_type(r.text("mixed_precision", root["mixed_precision"])));

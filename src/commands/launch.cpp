@@ -95,7 +95,7 @@ LaunchArgs parse_launch_args(const std::vector<std::string>& argv) {
     help.help = true;
     return help;
   } catch (const CLI::ParseError& e) {
-    TORCH_CHECK_VALUE(false, "[launch] ", e.what(), " (see `accelerate launch --help`)");
+    C10_THROW_ERROR(ValueError, c10::str("[launch] ", e.what(), " (see `accelerate launch --help`)"));
   }
   auto rest = cli.app.remaining();
   if (!rest.empty()) {

@@ -263,7 +263,7 @@ AttemptResult Supervisor::run(const std::vector<WorkerSpec>& specs, const Superv
     if (!any_alive) timeout = std::min<std::chrono::duration<double>>(timeout, std::chrono::milliseconds(200));
     const int timeout_ms = std::max(0, static_cast<int>(std::ceil(timeout.count() * 1000)));
     int ready = ::poll(fds.data(), fds.size(), timeout_ms);
-    if (ready < 0 && errno != EINTR) TORCH_CHECK(false, "[launch] poll failed: ", std::strerror(errno));
+    if (ready < 0 && errno != EINTR) C10_THROW_ERROR(Error, c10::str("[launch] poll failed: ", std::strerror(errno)));
 
     if (ready > 0 && (fds[0].revents & POLLIN) != 0) {
       struct signalfd_siginfo info {};

@@ -39,10 +39,10 @@ c10::intrusive_ptr<c10d::Store> connect_tcp_store(const RendezvousConfig& config
   try {
     return c10::make_intrusive<c10d::TCPStore>(topo.master_addr, opts);
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, "[PartialState] rank ", topo.rank, " could not reach the rendezvous store at ",
+    C10_THROW_ERROR(Error, c10::str("[PartialState] rank ", topo.rank, " could not reach the rendezvous store at ",
                 topo.master_addr, ":", topo.master_port, " within ", seconds(config.rdzv_timeout),
                 " (is the main process running, and are MASTER_ADDR/MASTER_PORT right?): ",
-                error_message(e));
+                error_message(e)));
   }
 }
 
@@ -79,10 +79,10 @@ void wait_for_all(const c10::intrusive_ptr<c10d::Store>& store, const Rendezvous
       now = store->add("joined", 0);
     } catch (const std::exception&) {
     }
-    TORCH_CHECK(false, "[PartialState] rendezvous timed out after ", seconds(config.rdzv_timeout), ": only ",
+    C10_THROW_ERROR(Error, c10::str("[PartialState] rendezvous timed out after ", seconds(config.rdzv_timeout), ": only ",
                 now < 0 ? std::string("an unknown number") : std::to_string(now), " of ", topo.world_size,
                 " processes joined at ", topo.master_addr, ":", topo.master_port,
-                " (the others never started, crashed, or point at another address)");
+                " (the others never started, crashed, or point at another address)"));
   }
 }
 
@@ -106,8 +106,8 @@ c10::intrusive_ptr<c10d::Store> serve_tcp_store(const std::string& host, int por
     TORCH_CHECK(!mentions(what, "in use") && !mentions(what, "EADDRINUSE"), "[rendezvous] port ", port,
                 " is already in use on this machine; pick another with --main_process_port (0 picks a free one) "
                 "or MASTER_PORT");
-    TORCH_CHECK(false, "[rendezvous] could not serve the rendezvous store on ", host, ":", port, ": ",
-                error_message(e));
+    C10_THROW_ERROR(Error, c10::str("[rendezvous] could not serve the rendezvous store on ", host, ":", port, ": ",
+                error_message(e)));
   }
 }
 
@@ -135,7 +135,7 @@ Rendezvous rendezvous(const RendezvousConfig& config) {
     options->devices.push_back(gloo_device(topo));
     out.process_group = c10::make_intrusive<c10d::ProcessGroupGloo>(pg_store, topo.rank, topo.world_size, options);
 #else
-    TORCH_CHECK(false, "[PartialState] this LibTorch was built without Gloo; use backend \"nccl\" or \"mpi\"");
+    C10_THROW_ERROR(Error, c10::str("[PartialState] this LibTorch was built without Gloo; use backend \"nccl\" or \"mpi\""));
 #endif
   } else if (config.backend == "nccl") {
 #ifdef USE_C10D_NCCL
@@ -143,12 +143,12 @@ Rendezvous rendezvous(const RendezvousConfig& config) {
     options->timeout = config.collective_timeout;
     out.process_group = c10::make_intrusive<c10d::ProcessGroupNCCL>(pg_store, topo.rank, topo.world_size, options);
 #else
-    TORCH_CHECK(false, "[PartialState] backend \"nccl\" needs a LibTorch built with CUDA and NCCL; this one has none "
-                       "(use \"gloo\")");
+    C10_THROW_ERROR(Error, c10::str("[PartialState] backend \"nccl\" needs a LibTorch built with CUDA and NCCL; this one has none "
+                       "(use \"gloo\")"));
 #endif
   } else {
-    TORCH_CHECK_VALUE(false, "[PartialState] unknown process-group backend \"", config.backend,
-                      "\"; expected \"gloo\" or \"nccl\"");
+    C10_THROW_ERROR(ValueError, c10::str("[PartialState] unknown process-group backend \"", config.backend,
+                      "\"; expected \"gloo\" or \"nccl\""));
   }
   return out;
 }

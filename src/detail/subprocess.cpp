@@ -51,7 +51,7 @@ std::string resolve_program(const std::string& program) {
     if (is_executable(candidate)) return candidate;
     start = end + 1;
   }
-  TORCH_CHECK_VALUE(false, "[launch] the program '", program, "' was not found in PATH");
+  C10_THROW_ERROR(ValueError, c10::str("[launch] the program '", program, "' was not found in PATH"));
 }
 
 ChildProcess spawn_child(const std::vector<std::string>& argv, const std::vector<std::string>& env) {
@@ -70,14 +70,14 @@ ChildProcess spawn_child(const std::vector<std::string>& argv, const std::vector
   if (::pipe2(out, O_CLOEXEC) != 0 || ::pipe2(err, O_CLOEXEC) != 0 || ::pipe2(status, O_CLOEXEC) != 0) {
     const int e = errno;
     for (int fd : {out[0], out[1], err[0], err[1], status[0], status[1]}) close_quietly(fd);
-    TORCH_CHECK(false, "[launch] could not create pipes for a worker: ", std::strerror(e));
+    C10_THROW_ERROR(Error, c10::str("[launch] could not create pipes for a worker: ", std::strerror(e)));
   }
   const pid_t parent = ::getpid();
   const pid_t pid = ::fork();
   if (pid < 0) {
     const int e = errno;
     for (int fd : {out[0], out[1], err[0], err[1], status[0], status[1]}) close_quietly(fd);
-    TORCH_CHECK(false, "[launch] fork failed: ", std::strerror(e));
+    C10_THROW_ERROR(Error, c10::str("[launch] fork failed: ", std::strerror(e)));
   }
   if (pid == 0) {
     ::setpgid(0, 0);
@@ -110,7 +110,7 @@ ChildProcess spawn_child(const std::vector<std::string>& argv, const std::vector
     ::waitpid(pid, nullptr, 0);
     close_quietly(out[0]);
     close_quietly(err[0]);
-    TORCH_CHECK(false, "[launch] could not start '", argv[0], "': ", std::strerror(exec_errno));
+    C10_THROW_ERROR(Error, c10::str("[launch] could not start '", argv[0], "': ", std::strerror(exec_errno)));
   }
   ::fcntl(out[0], F_SETFL, ::fcntl(out[0], F_GETFL) | O_NONBLOCK);
   ::fcntl(err[0], F_SETFL, ::fcntl(err[0], F_GETFL) | O_NONBLOCK);

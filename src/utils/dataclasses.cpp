@@ -30,8 +30,8 @@ DistributedType parse_distributed_type(std::string_view text) {
   if (text == "NO") return DistributedType::kNo;
   if (text == "MULTI_CPU") return DistributedType::kMultiCpu;
   if (text == "MULTI_GPU") return DistributedType::kMultiGpu;
-  TORCH_CHECK_VALUE(false, "[parse_distributed_type] expected one of NO, MULTI_CPU, MULTI_GPU, got '", text,
-                    "' (DeepSpeed, FSDP, Megatron-LM, XLA and the other Python-only back-ends are not supported)");
+  C10_THROW_ERROR(ValueError, c10::str("[parse_distributed_type] expected one of NO, MULTI_CPU, MULTI_GPU, got '", text,
+                    "' (DeepSpeed, FSDP, Megatron-LM, XLA and the other Python-only back-ends are not supported)"));
 }
 
 std::string to_string(PrecisionType precision) {
@@ -50,14 +50,14 @@ PrecisionType parse_precision_type(std::string_view text) {
   if (value == "bf16") return PrecisionType::kBf16;
   TORCH_CHECK_VALUE(value != "fp8", "[parse_precision_type] fp8 mixed precision is not supported by accelerate-cpp; "
                                     "use 'no', 'fp16' or 'bf16'");
-  TORCH_CHECK_VALUE(false, "[parse_precision_type] expected one of 'no', 'fp16', 'bf16', got '", text, "'");
+  C10_THROW_ERROR(ValueError, c10::str("[parse_precision_type] expected one of 'no', 'fp16', 'bf16', got '", text, "'"));
 }
 
 bool str_to_bool(std::string_view text) {
   const std::string value = lower(text);
   if (value == "1" || value == "true" || value == "yes" || value == "y" || value == "on" || value == "t") return true;
   if (value == "0" || value == "false" || value == "no" || value == "n" || value == "off" || value == "f") return false;
-  TORCH_CHECK_VALUE(false, "[str_to_bool] expected a boolean such as 1/0, true/false, yes/no, on/off, got '", text, "'");
+  C10_THROW_ERROR(ValueError, c10::str("[str_to_bool] expected a boolean such as 1/0, true/false, yes/no, on/off, got '", text, "'"));
 }
 
 }  // namespace accelerate

@@ -66,8 +66,8 @@ bool parse_flag_from_env(const std::string& key, bool default_value) {
   try {
     return str_to_bool(*value);
   } catch (const c10::ValueError&) {
-    TORCH_CHECK_VALUE(false, "[parse_flag_from_env] environment variable ", key,
-                      " must be a boolean (1/0, true/false, yes/no), got '", *value, "'");
+    C10_THROW_ERROR(ValueError, c10::str("[parse_flag_from_env] environment variable ", key,
+                      " must be a boolean (1/0, true/false, yes/no), got '", *value, "'"));
   }
 }
 
@@ -139,7 +139,7 @@ bool compare_versions(std::string_view lhs, std::string_view op, std::string_vie
   if (op == "!=") return cmp != 0;
   if (op == ">=") return cmp >= 0;
   if (op == ">") return cmp > 0;
-  TORCH_CHECK_VALUE(false, "[compare_versions] expected an operation among <, <=, ==, !=, >=, >, got '", op, "'");
+  C10_THROW_ERROR(ValueError, c10::str("[compare_versions] expected an operation among <, <=, ==, !=, >=, >, got '", op, "'"));
 }
 
 std::string torch_version() {
@@ -203,7 +203,7 @@ int set_numa_affinity(int local_process_index) {
   numa_set_preferred(node);
   return node;
 #else
-  TORCH_CHECK(false, "[set_numa_affinity] accelerate-cpp was built without libnuma (install libnuma-dev and rebuild)");
+  C10_THROW_ERROR(Error, c10::str("[set_numa_affinity] accelerate-cpp was built without libnuma (install libnuma-dev and rebuild)"));
 #endif
 }
 
