@@ -1,0 +1,206 @@
+// Collectives over a state's process group; see collectives.h.
+#include "detail/collectives.h"
+
+#include "detail/errors.h"
+#include "detail/state_impl.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/serialize.h>
+
+#include <cstring>
+#include <sstream>
+
+namespace accelerate::detail {
+namespace {
+
+// Waits for `work`, turning a failure or a timeout into an error that names the API.
+void wait(const PartialState& state, const c10::intrusive_ptr<c10d::Work>& work, const char* api) {
+  try {
+    work->wait(state.timeout());
+  } catch (const std::exception& e) {
+    C10_THROW_ERROR(Error, c10::str("[", api, "] the collective failed on process ", state.process_index(), " of ",
+                                    state.num_processes(), " (a peer died, skipped it, or did not arrive within ",
+                                    state.timeout().count() / 1000.0, "s): ", error_message(e)));
+  }
+}
+
+c10d::ReduceOp to_c10d(Reduction r) {
+  switch (r) {
+    case Reduction::kSum:
+    case Reduction::kMean: return c10d::ReduceOp::SUM;
+    case Reduction::kMax: return c10d::ReduceOp::MAX;
+    case Reduction::kMin: return c10d::ReduceOp::MIN;
+    case Reduction::kProduct: return c10d::ReduceOp::PRODUCT;
+  }
+  TORCH_INTERNAL_ASSERT(false, "unknown reduction");
+}
+
+// Gloo cannot reduce or move half-precision types on every path; move them as float.
+bool needs_float_path(const at::Tensor& t) {
+  return t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf;
+}
+
+std::string signature(const char* api, const at::Tensor& t, ShapeCheck check) {
+  std::ostringstream out;
+  out << "operation " << api;
+  if (!t.defined()) {
+    out << ", no tensor";
+    return out.str();
+  }
+  out << ", dtype " << t.scalar_type() << ", device " << t.device();
+  if (check == ShapeCheck::kExact) {
+    out << ", shape " << t.sizes();
+  } else if (check == ShapeCheck::kTrailing) {
+    out << ", shape [*";
+    for (int64_t d = 1; d < t.dim(); ++d) out << ", " << t.size(d);
+    out << "]";
+  } else {
+    out << ", " << t.dim() << " dims";
+  }
+  return out.str();
+}
+
+std::vector<std::vector<char>> raw_all_gather_bytes(const PartialState& state, const std::vector<char>& bytes,
+                                                    const char* api) {
+  auto pg = process_group(state, api);
+  const int n = state.num_processes();
+  // First the lengths, then payloads padded to the longest one.
+  std::vector<at::Tensor> mine{at::tensor({static_cast<int64_t>(bytes.size())}, at::kLong)};
+  std::vector<std::vector<at::Tensor>> lengths(1);
+  for (int i = 0; i < n; ++i) lengths[0].push_back(at::empty({1}, at::kLong));
+  wait(state, pg->allgather(lengths, mine), api);
+  int64_t longest = 0;
+  for (auto& l : lengths[0]) longest = std::max(longest, l.item<int64_t>());
+  auto payload = at::zeros({std::max<int64_t>(longest, 1)}, at::kByte);
+  if (!bytes.empty()) std::memcpy(payload.data_ptr(), bytes.data(), bytes.size());
+  std::vector<at::Tensor> send{payload};
+  std::vector<std::vector<at::Tensor>> recv(1);
+  for (int i = 0; i < n; ++i) recv[0].push_back(at::empty_like(payload));
+  wait(state, pg->allgather(recv, send), api);
+  std::vector<std::vector<char>> out(n);
+  for (int i = 0; i < n; ++i) {
+    const auto len = static_cast<size_t>(lengths[0][i].item<int64_t>());
+    const char* data = static_cast<const char*>(recv[0][i].data_ptr());
+    out[i].assign(data, data + len);
+  }
+  return out;
+}
+
+}  // namespace
+
+Reduction parse_reduction(const std::string& name, const char* api) {
+  if (name == "sum") return Reduction::kSum;
+  if (name == "mean") return Reduction::kMean;
+  if (name == "max") return Reduction::kMax;
+  if (name == "min") return Reduction::kMin;
+  if (name == "prod" || name == "product") return Reduction::kProduct;
+  C10_THROW_ERROR(ValueError, c10::str("[", api, "] expected a reduction among sum, mean, max, min, prod, got '",
+                                       name, "'"));
+}
+
+// Note [Debug-mode collective check]
+// Before a collective in debug mode, every process contributes a one-line signature of what it
+// is about to do (operation, dtype, device, shape as far as the operation requires them to agree)
+// through an all-gather of bytes whose lengths may differ. Every process then compares all
+// signatures, so a mismatch raises on every process with the same table instead of hanging on
+// one side or failing on the main process only.
+void verify_collective(const PartialState& state, const char* api, const at::Tensor& tensor, ShapeCheck check) {
+  if (!state.debug() || !state.use_distributed()) return;
+  const std::string mine = signature(api, tensor, check);
+  auto all = raw_all_gather_bytes(state, std::vector<char>(mine.begin(), mine.end()), api);
+  bool same = true;
+  for (const auto& s : all) same = same && std::string(s.begin(), s.end()) == mine;
+  if (same) return;
+  std::ostringstream table;
+  for (size_t i = 0; i < all.size(); ++i) {
+    table << "\n  process " << i << ": " << std::string(all[i].begin(), all[i].end());
+  }
+  C10_THROW_ERROR(ValueError, c10::str("[", api, "] debug mode found processes disagreeing on a collective "
+                                       "(they must call the same operation with the same dtype, device and shape):",
+                                       table.str()));
+}
+
+std::vector<at::Tensor> all_gather(const PartialState& state, const at::Tensor& tensor, const char* api) {
+  if (!state.use_distributed()) return {tensor};
+  verify_collective(state, api, tensor, ShapeCheck::kExact);
+  auto pg = process_group(state, api);
+  const bool cast = needs_float_path(tensor);
+  at::Tensor send = (cast ? tensor.to(at::kFloat) : tensor).contiguous();
+  std::vector<at::Tensor> inputs{send};
+  std::vector<std::vector<at::Tensor>> outputs(1);
+  for (int i = 0; i < state.num_processes(); ++i) outputs[0].push_back(at::empty_like(send));
+  wait(state, pg->allgather(outputs, inputs), api);
+  if (cast) {
+    for (auto& t : outputs[0]) t = t.to(tensor.scalar_type());
+  }
+  return outputs[0];
+}
+
+at::Tensor broadcast(const PartialState& state, const at::Tensor& tensor, int from_process, const char* api) {
+  TORCH_CHECK_INDEX(from_process >= 0 && from_process < state.num_processes(), "[", api, "] from_process ",
+                    from_process, " is outside [0, ", state.num_processes(), ")");
+  if (!state.use_distributed()) return tensor;
+  verify_collective(state, api, tensor, ShapeCheck::kExact);
+  auto pg = process_group(state, api);
+  const bool cast = needs_float_path(tensor);
+  std::vector<at::Tensor> buf{(cast ? tensor.to(at::kFloat) : tensor).contiguous().clone()};
+  c10d::BroadcastOptions opts;
+  opts.rootRank = from_process;
+  wait(state, pg->broadcast(buf, opts), api);
+  return cast ? buf[0].to(tensor.scalar_type()) : buf[0];
+}
+
+at::Tensor all_reduce(const PartialState& state, const at::Tensor& tensor, Reduction reduction, const char* api) {
+  if (!state.use_distributed()) return tensor.clone();
+  verify_collective(state, api, tensor, ShapeCheck::kExact);
+  auto pg = process_group(state, api);
+  const bool cast = needs_float_path(tensor);
+  std::vector<at::Tensor> buf{(cast ? tensor.to(at::kFloat) : tensor).contiguous().clone()};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = to_c10d(reduction);
+  wait(state, pg->allreduce(buf, opts), api);
+  at::Tensor out = buf[0];
+  if (reduction == Reduction::kMean) {
+    out = out.is_floating_point() ? out.div_(state.num_processes()) : out.div(state.num_processes());
+  }
+  return cast ? out.to(tensor.scalar_type()) : out;
+}
+
+std::vector<std::vector<char>> all_gather_bytes(const PartialState& state, const std::vector<char>& bytes,
+                                                const char* api) {
+  if (!state.use_distributed()) return {bytes};
+  verify_collective(state, api, at::empty({0}, at::kByte), ShapeCheck::kDtypeOnly);
+  return raw_all_gather_bytes(state, bytes, api);
+}
+
+std::vector<char> broadcast_bytes(const PartialState& state, const std::vector<char>& bytes, int from_process,
+                                  const char* api) {
+  if (!state.use_distributed()) return bytes;
+  verify_collective(state, api, at::empty({0}, at::kByte), ShapeCheck::kDtypeOnly);
+  auto length = broadcast(state, at::tensor({static_cast<int64_t>(bytes.size())}, at::kLong), from_process, api);
+  const auto n = length.item<int64_t>();
+  auto payload = at::zeros({std::max<int64_t>(n, 1)}, at::kByte);
+  if (state.process_index() == from_process && n > 0) std::memcpy(payload.data_ptr(), bytes.data(), bytes.size());
+  payload = broadcast(state, payload, from_process, api);
+  const char* data = static_cast<const char*>(payload.data_ptr());
+  return std::vector<char>(data, data + n);
+}
+
+std::vector<c10::IValue> all_gather_ivalue(const PartialState& state, const c10::IValue& value, const char* api) {
+  if (!state.use_distributed()) return {value};
+  auto all = all_gather_bytes(state, torch::pickle_save(value), api);
+  std::vector<c10::IValue> out;
+  out.reserve(all.size());
+  for (const auto& bytes : all) out.push_back(torch::pickle_load(bytes));
+  return out;
+}
+
+c10::IValue broadcast_ivalue(const PartialState& state, const c10::IValue& value, int from_process, const char* api) {
+  if (!state.use_distributed()) return value;
+  const bool sender = state.process_index() == from_process;
+  auto bytes = broadcast_bytes(state, sender ? torch::pickle_save(value) : std::vector<char>{}, from_process, api);
+  return torch::pickle_load(bytes);
+}
+
+}  // namespace accelerate::detail

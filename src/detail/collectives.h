@@ -1,0 +1,53 @@
+// Tensor and byte collectives over a state's process group: the primitives that the operations
+// module, the data loaders and the checkpoint code build on. Each one waits with the state's
+// timeout, names the calling API in its errors, and in debug mode first checks that every process
+// is calling the same operation on compatible tensors (see Note [Debug-mode collective check]).
+// With a single process every function is the identity.
+#pragma once
+
+#include "accelerate/state.h"
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
+
+#include <string>
+#include <vector>
+
+namespace accelerate::detail {
+
+/// How a reduction combines values.
+enum class Reduction { kSum, kMean, kMax, kMin, kProduct };
+/// Parses upstream's names: "sum", "mean", "max", "min", "prod"/"product".
+Reduction parse_reduction(const std::string& name, const char* api);
+
+/// What is compared across processes before a collective in debug mode.
+enum class ShapeCheck {
+  kExact,       ///< dtype, device and the full shape must agree
+  kTrailing,    ///< dtype, device, rank and every dimension but the first must agree
+  kDtypeOnly,   ///< sizes may differ (padding, variable-length payloads)
+};
+
+/// In debug mode, verifies that every process calls `api` with a matching tensor; raises on
+/// every process with each process's values otherwise. A no-op outside debug mode.
+void verify_collective(const PartialState& state, const char* api, const at::Tensor& tensor, ShapeCheck check);
+
+/// Every process's `tensor` (same shape everywhere), in process order.
+std::vector<at::Tensor> all_gather(const PartialState& state, const at::Tensor& tensor, const char* api);
+/// `tensor` of process `from_process` on every process (same shape and dtype everywhere).
+at::Tensor broadcast(const PartialState& state, const at::Tensor& tensor, int from_process, const char* api);
+/// The elementwise reduction of every process's `tensor`.
+at::Tensor all_reduce(const PartialState& state, const at::Tensor& tensor, Reduction reduction, const char* api);
+
+/// Every process's bytes, of any length, in process order.
+std::vector<std::vector<char>> all_gather_bytes(const PartialState& state, const std::vector<char>& bytes,
+                                                const char* api);
+/// The bytes of process `from_process`, on every process.
+std::vector<char> broadcast_bytes(const PartialState& state, const std::vector<char>& bytes, int from_process,
+                                  const char* api);
+
+/// Every process's value (pickled through LibTorch), in process order.
+std::vector<c10::IValue> all_gather_ivalue(const PartialState& state, const c10::IValue& value, const char* api);
+/// The value of process `from_process`, on every process.
+c10::IValue broadcast_ivalue(const PartialState& state, const c10::IValue& value, int from_process, const char* api);
+
+}  // namespace accelerate::detail
