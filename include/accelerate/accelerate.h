@@ -5,3 +5,5 @@
 #include "accelerate/state.h"
 #include "accelerate/utils/dataclasses.h"
 #include "accelerate/utils/environment.h"
+#include "accelerate/utils/operations.h"
+#include "accelerate/utils/tensor_tree.h"
