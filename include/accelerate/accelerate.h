@@ -2,6 +2,7 @@
 // in the whole public surface.
 #pragma once
 
+#include "accelerate/accelerator.h"
 #include "accelerate/state.h"
 #include "accelerate/utils/dataclasses.h"
 #include "accelerate/utils/environment.h"

@@ -43,10 +43,12 @@ c10::IValue broadcast_ivalue_from(const PartialState& state, const c10::IValue& 
 
 /// Every process's tensors concatenated along the first dimension, on every process; 0-dim
 /// tensors become 1-dim. Shapes must agree across processes (see `pad_across_processes`).
+/// Like every collective here, non-tensor values in `data` raise a `TypeError` (use
+/// `gather_object` for them).
 template <typename T>
 T gather(const PartialState& state, const T& data) {
   if (state.debug()) detail::verify_operation(state, "gather", flatten_tensors(data), /*exact_shapes=*/true);
-  return recursively_apply([&](const at::Tensor& t) { return detail::gather_one(state, t); }, data);
+  return map_tensors_strict("gather", [&](const at::Tensor& t) { return detail::gather_one(state, t); }, data);
 }
 /// `gather` on the process-wide state.
 template <typename T>
@@ -81,7 +83,8 @@ std::vector<c10::IValue> gather_object(const PartialState& state, const c10::IVa
 template <typename T>
 T reduce(const PartialState& state, const T& data, const std::string& reduction = "mean", double scale = 1.0) {
   if (state.debug()) detail::verify_operation(state, "reduce", flatten_tensors(data), /*exact_shapes=*/true);
-  return recursively_apply([&](const at::Tensor& t) { return detail::reduce_one(state, t, reduction, scale); }, data);
+  return map_tensors_strict(
+      "reduce", [&](const at::Tensor& t) { return detail::reduce_one(state, t, reduction, scale); }, data);
 }
 /// `reduce` on the process-wide state.
 template <typename T>
@@ -93,7 +96,8 @@ T reduce(const T& data, const std::string& reduction = "mean", double scale = 1.
 template <typename T>
 T broadcast(const PartialState& state, const T& data, int from_process = 0) {
   if (state.debug()) detail::verify_operation(state, "broadcast", flatten_tensors(data), /*exact_shapes=*/true);
-  return recursively_apply([&](const at::Tensor& t) { return detail::broadcast_one(state, t, from_process); }, data);
+  return map_tensors_strict(
+      "broadcast", [&](const at::Tensor& t) { return detail::broadcast_one(state, t, from_process); }, data);
 }
 /// `broadcast` on the process-wide state.
 template <typename T>
@@ -131,8 +135,9 @@ template <typename T>
 T pad_across_processes(const PartialState& state, const T& data, int64_t dim = 0, double pad_index = 0,
                        bool pad_first = false) {
   if (state.debug()) detail::verify_operation(state, "pad_across_processes", flatten_tensors(data), /*exact_shapes=*/false);
-  return recursively_apply(
-      [&](const at::Tensor& t) { return detail::pad_one(state, t, dim, pad_index, pad_first); }, data);
+  return map_tensors_strict(
+      "pad_across_processes", [&](const at::Tensor& t) { return detail::pad_one(state, t, dim, pad_index, pad_first); },
+      data);
 }
 /// `pad_across_processes` on the process-wide state.
 template <typename T>

@@ -22,6 +22,7 @@
 #include <ATen/core/ivalue.h>
 #include <torch/data/example.h>
 #include <torch/ordered_dict.h>
+#include <c10/util/Type.h>
 
 #include <array>
 #include <functional>
@@ -137,7 +138,7 @@ T map_tree(const T& data, const TreeVisitor& visitor) {
   } else if constexpr (has_tree<U>::value) {
     return TensorTree<U>::map(data, [&](const auto& member) { return map_tree(member, visitor); });
   } else {
-    if (visitor.other) visitor.other(typeid(U).name());
+    if (visitor.other) visitor.other(c10::demangle(typeid(U).name()).c_str());
     return data;
   }
 }
@@ -177,20 +178,28 @@ T unflatten_tensors(const T& data, const std::vector<at::Tensor>& tensors) {
   return out;
 }
 
+/// Applies `fn` to every tensor of `data`, raising a `TypeError` that names `api` on any
+/// non-tensor leaf.
+template <typename T>
+T map_tensors_strict(const char* api, const std::function<at::Tensor(const at::Tensor&)>& fn, const T& data) {
+  TreeVisitor visitor;
+  visitor.tensor = fn;
+  visitor.other = [api](const char* type_name) {
+    C10_THROW_ERROR(TypeError, c10::str("[", api, "] unsupported type (", type_name,
+                                        ") in nested data: only tensors nested in vectors, arrays, tuples, pairs, "
+                                        "optionals, maps and TensorTree structs are accepted"));
+  };
+  return map_tree(data, visitor);
+}
+
 /// Applies `fn` to every tensor of `data` and returns the same structure (upstream:
 /// `recursively_apply`). With `error_on_other_type`, a non-tensor leaf raises a `TypeError`.
 template <typename T>
 T recursively_apply(const std::function<at::Tensor(const at::Tensor&)>& fn, const T& data,
                     bool error_on_other_type = false) {
+  if (error_on_other_type) return map_tensors_strict("recursively_apply", fn, data);
   TreeVisitor visitor;
   visitor.tensor = fn;
-  if (error_on_other_type) {
-    visitor.other = [](const char* type_name) {
-      C10_THROW_ERROR(TypeError, c10::str("[recursively_apply] unsupported type (", type_name,
-                                          ") in nested data: only tensors nested in vectors, tuples, maps, "
-                                          "optionals and TensorTree structs are accepted"));
-    };
-  }
   return map_tree(data, visitor);
 }
 
