@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs every build, test and benchmark dependency from Debian packages.
-# Safe to run repeatedly; needs root (or sudo) on Debian 12.
+# Safe to run repeatedly; needs root (or sudo) on Debian 12. `--bench` adds what the
+# benchmarks' PyTorch twins need.
 set -euo pipefail
 
 packages=(
@@ -13,6 +14,11 @@ packages=(
   libgtest-dev libgmock-dev googletest libbenchmark-dev
   python3
 )
+
+# The benchmarks compare against PyTorch twins, which need Debian's PyTorch (the same LibTorch).
+if [ "${1:-}" = "--bench" ]; then
+  packages+=(python3-torch)
+fi
 
 if [ "$(id -u)" -ne 0 ]; then
   if command -v sudo >/dev/null 2>&1; then sudo=sudo; else

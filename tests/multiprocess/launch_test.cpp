@@ -225,6 +225,16 @@ TEST(Launch, LogDirKeepsEachWorkersOutputInItsOwnFiles) {
   }
 }
 
+TEST(Launch, DebugModeMakesEveryWorkerReportAMismatchedCollective) {
+  auto r = run(launch({"-n", "2", "--main_process_port", "0", "--debug", "--grace_period", "2"}, {"mismatch"}), 60);
+  EXPECT_EQ(r->exit_code(), 3);
+  for (const char* rank : {"[rank0]: ", "[rank1]: "}) {
+    EXPECT_THAT(r->err, HasSubstr(std::string(rank) + "caught: [gather] debug mode found processes disagreeing"));
+  }
+  EXPECT_THAT(r->err, HasSubstr("process 0: 1 tensor(s): dtype Float device cpu shape [3]"));
+  EXPECT_THAT(r->err, HasSubstr("process 1: 1 tensor(s): dtype Float device cpu shape [4]"));
+}
+
 TEST(Launch, AMissingProgramIsAClearError) {
   auto r = run({accelerate_bin(), "launch", "-n", "2", "no-such-program-here"}, 30);
   EXPECT_EQ(r->exit_code(), 2);

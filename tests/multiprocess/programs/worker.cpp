@@ -9,7 +9,12 @@
 //   worker throw RANK              RANK throws an exception out of main after rendezvous
 //   worker sleep DIR               write pid to DIR/pid_<rank>, print "ready", sleep
 //   worker fail_once RANK          on the first attempt RANK exits 3; later attempts succeed
+//   worker mismatch                every rank gathers a tensor of a different length; prints
+//                                  the error it gets, meets the others, exits 3
 #include "accelerate/state.h"
+#include "accelerate/utils/operations.h"
+
+#include <ATen/ATen.h>
 
 #include <chrono>
 #include <csignal>
@@ -104,6 +109,18 @@ int main(int argc, char** argv) {
     state.wait_for_everyone();
     std::cout << "attempt " << attempt << " ok" << std::endl;
     return 0;
+  }
+  if (mode == "mismatch") {
+    accelerate::PartialState state;
+    try {
+      accelerate::gather(state, at::zeros({state.process_index() + 3}));
+      std::cout << "no error" << std::endl;
+      return 0;
+    } catch (const c10::Error& e) {
+      std::cerr << "caught: " << e.what_without_backtrace() << std::endl;
+    }
+    state.wait_for_everyone();  // the check itself completed, so the group is still usable
+    return 3;
   }
   std::cerr << "worker: unknown mode '" << mode << "'" << std::endl;
   return 2;
