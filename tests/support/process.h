@@ -36,8 +36,10 @@ inline std::string required_env(const char* key) {
   return value;
 }
 
-inline std::string accelerate_bin() { return required_env("ACCELERATE_BIN"); }
-inline std::string worker_bin() { return required_env("MP_WORKER"); }
+/// A program built under the build tree, e.g. `built("bin/accelerate")`.
+inline std::string built(const std::string& relative) { return required_env("ACCELERATE_BINARY_DIR") + "/" + relative; }
+inline std::string accelerate_bin() { return built("bin/accelerate"); }
+inline std::string worker_bin() { return built("tests/mp_worker"); }
 
 /// A program running in the background with its output captured.
 class Running {
