@@ -5,3 +5,6 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh
 scripts/build.sh dev
 ctest --preset dev "$@"
+# The unit tests again under AddressSanitizer + UndefinedBehaviorSanitizer.
+scripts/build.sh asan accelerate_unit_tests
+ctest --preset asan "$@"

@@ -14,29 +14,11 @@ using ::testing::HasSubstr;
 // Runs `fn` with an Accelerator per rank, each over its own standalone state.
 void run_accelerators(int n, const std::function<void(const Accelerator&)>& fn, AcceleratorOptions base = {}) {
   Store store = Store::in_memory();
-  std::vector<std::thread> threads;
-  std::vector<std::exception_ptr> errors(n);
-  for (int rank = 0; rank < n; ++rank) {
-    threads.emplace_back([&, rank] {
-      try {
-        AcceleratorOptions options = base;
-        PartialStateOptions partial;
-        partial.process_index = rank;
-        partial.num_processes = n;
-        partial.store = store;
-        partial.rdzv_timeout = std::chrono::seconds(30);
-        options.standalone_state = partial;
-        Accelerator accelerator(options);
-        fn(accelerator);
-      } catch (...) {
-        errors[rank] = std::current_exception();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (auto& e : errors) {
-    if (e) std::rethrow_exception(e);
-  }
+  run_threads(n, [&](int rank) {
+    AcceleratorOptions options = base;
+    options.standalone_state = rank_options({}, rank, n, store);
+    fn(Accelerator(options));
+  });
 }
 
 TEST(Accelerator, ReportsItsTopologyAndMixedPrecision) {

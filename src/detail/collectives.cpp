@@ -105,20 +105,25 @@ Reduction parse_reduction(const std::string& name, const char* api) {
 // through an all-gather of bytes whose lengths may differ. Every process then compares all
 // signatures, so a mismatch raises on every process with the same table instead of hanging on
 // one side or failing on the main process only.
-void verify_collective(const PartialState& state, const char* api, const at::Tensor& tensor, ShapeCheck check) {
+void verify_signature(const PartialState& state, const char* api, const std::string& signature,
+                      const char* must_agree) {
   if (!state.debug() || !state.use_distributed()) return;
-  const std::string mine = signature(api, tensor, check);
-  auto all = raw_all_gather_bytes(state, std::vector<char>(mine.begin(), mine.end()), api);
+  auto all = raw_all_gather_bytes(state, std::vector<char>(signature.begin(), signature.end()), api);
   bool same = true;
-  for (const auto& s : all) same = same && std::string(s.begin(), s.end()) == mine;
+  for (const auto& s : all) same = same && std::string(s.begin(), s.end()) == signature;
   if (same) return;
   std::ostringstream table;
   for (size_t i = 0; i < all.size(); ++i) {
     table << "\n  process " << i << ": " << std::string(all[i].begin(), all[i].end());
   }
-  C10_THROW_ERROR(ValueError, c10::str("[", api, "] debug mode found processes disagreeing on a collective "
-                                       "(they must call the same operation with the same dtype, device and shape):",
-                                       table.str()));
+  C10_THROW_ERROR(ValueError, c10::str("[", api, "] debug mode found processes disagreeing on a collective (every "
+                                       "process must ", must_agree, "):", table.str()));
+}
+
+void verify_collective(const PartialState& state, const char* api, const at::Tensor& tensor, ShapeCheck check) {
+  if (!state.debug() || !state.use_distributed()) return;
+  verify_signature(state, api, signature(api, tensor, check),
+                   "call the same operation with the same dtype, device and shape");
 }
 
 std::vector<at::Tensor> all_gather(const PartialState& state, const at::Tensor& tensor, const char* api) {

@@ -31,6 +31,12 @@ enum class ShapeCheck {
 /// every process with each process's values otherwise. A no-op outside debug mode.
 void verify_collective(const PartialState& state, const char* api, const at::Tensor& tensor, ShapeCheck check);
 
+/// In debug mode, compares `signature` (a one-line description of what this process is about to
+/// do) with every other process's; raises on every process with each one's line when they
+/// differ. `must_agree` completes "every process must …" in the message. A no-op outside debug mode.
+void verify_signature(const PartialState& state, const char* api, const std::string& signature,
+                      const char* must_agree);
+
 /// Every process's `tensor` (same shape everywhere), in process order.
 std::vector<at::Tensor> all_gather(const PartialState& state, const at::Tensor& tensor, const char* api);
 /// `tensor` of process `from_process` on every process (same shape and dtype everywhere).

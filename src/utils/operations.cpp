@@ -63,19 +63,9 @@ void verify_operation(const PartialState& state, const char* api, const std::vec
       signature << " dims " << t.dim();
     }
   }
-  const std::string mine = signature.str();
-  auto all = all_gather_bytes(state, std::vector<char>(mine.begin(), mine.end()), api);
-  bool same = true;
-  for (const auto& s : all) same = same && std::string(s.begin(), s.end()) == mine;
-  if (same) return;
-  std::ostringstream table;
-  for (size_t i = 0; i < all.size(); ++i) {
-    table << "\n  process " << i << ": " << std::string(all[i].begin(), all[i].end());
-  }
-  C10_THROW_ERROR(ValueError, c10::str("[", api, "] debug mode found processes disagreeing on the operation (every "
-                                       "process must pass the same number of tensors with the same dtype, device",
-                                       exact_shapes ? " and shape" : " and number of dimensions", "):",
-                                       table.str()));
+  verify_signature(state, api, signature.str(),
+                   exact_shapes ? "pass the same number of tensors with the same dtype, device and shape"
+                                : "pass the same number of tensors with the same dtype, device and number of dimensions");
 }
 
 at::Tensor gather_one(const PartialState& state, const at::Tensor& tensor) {

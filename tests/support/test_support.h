@@ -38,24 +38,14 @@ class TempDir {
   std::filesystem::path path_;
 };
 
-/// Runs `fn(state)` on `world_size` ranks, each a thread with its own standalone `PartialState`
-/// connected through one in-memory store. Rethrows the first exception of any rank.
-inline void run_ranks(int world_size, const std::function<void(const PartialState&)>& fn,
-                      PartialStateOptions base = {}) {
-  Store store = Store::in_memory();
+/// Runs `fn(rank)` on `count` threads and rethrows the first exception of any of them.
+inline void run_threads(int count, const std::function<void(int)>& fn) {
   std::vector<std::thread> threads;
-  std::vector<std::exception_ptr> errors(world_size);
-  for (int rank = 0; rank < world_size; ++rank) {
+  std::vector<std::exception_ptr> errors(count);
+  for (int rank = 0; rank < count; ++rank) {
     threads.emplace_back([&, rank] {
       try {
-        PartialStateOptions options = base;
-        options.process_index = rank;
-        options.num_processes = world_size;
-        options.store = store;
-        if (!options.rdzv_timeout) options.rdzv_timeout = std::chrono::seconds(30);
-        if (!options.init_kwargs.timeout) options.init_kwargs.timeout = std::chrono::seconds(30);
-        PartialState state = PartialState::standalone(options);
-        fn(state);
+        fn(rank);
       } catch (...) {
         errors[rank] = std::current_exception();
       }
@@ -65,6 +55,24 @@ inline void run_ranks(int world_size, const std::function<void(const PartialStat
   for (auto& e : errors) {
     if (e) std::rethrow_exception(e);
   }
+}
+
+/// Options for rank `rank` of `world_size` ranks joined through `store`, with short timeouts.
+inline PartialStateOptions rank_options(PartialStateOptions options, int rank, int world_size, const Store& store) {
+  options.process_index = rank;
+  options.num_processes = world_size;
+  options.store = store;
+  if (!options.rdzv_timeout) options.rdzv_timeout = std::chrono::seconds(30);
+  if (!options.init_kwargs.timeout) options.init_kwargs.timeout = std::chrono::seconds(30);
+  return options;
+}
+
+/// Runs `fn(state)` on `world_size` ranks, each a thread with its own standalone `PartialState`
+/// connected through one in-memory store. Rethrows the first exception of any rank.
+inline void run_ranks(int world_size, const std::function<void(const PartialState&)>& fn,
+                      PartialStateOptions base = {}) {
+  Store store = Store::in_memory();
+  run_threads(world_size, [&](int rank) { fn(PartialState::standalone(rank_options(base, rank, world_size, store))); });
 }
 
 /// The message of the exception thrown by `fn`, or a failure when nothing is thrown.
