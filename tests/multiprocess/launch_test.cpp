@@ -56,7 +56,8 @@ TEST(Launch, EachWorkerSeesTheEnvironmentContract) {
 }
 
 TEST(Launch, TwoWorkersRendezvousAndRunCollectives) {
-  auto r = run(launch({"-n", "2", "--main_process_port", "0"}, {"state"}));
+  // With --enable_cpu_affinity each worker also binds itself to a NUMA node on start-up.
+  auto r = run(launch({"-n", "2", "--main_process_port", "0", "--enable_cpu_affinity"}, {"state"}));
   ASSERT_EQ(r->exit_code(), 0) << r->err;
   EXPECT_THAT(r->out, HasSubstr("[rank0]: process 0 of 2 local 0 type MULTI_CPU backend gloo"));
   EXPECT_THAT(r->out, HasSubstr("[rank1]: process 1 of 2 local 1 type MULTI_CPU backend gloo"));
@@ -103,20 +104,26 @@ TEST(Launch, AnExceptionEscapingMainIsReportedWithItsMessage) {
   EXPECT_THAT(r->err, HasSubstr("error: boom from rank 1"));
 }
 
-TEST(Launch, SigtermToTheLauncherIsForwardedToEveryWorker) {
+class LaunchSignal : public ::testing::TestWithParam<int> {};
+
+TEST_P(LaunchSignal, ASignalToTheLauncherIsForwardedToEveryWorker) {
+  const int sig = GetParam();
   TempDir dir;
   Running launcher(launch({"-n", "2", "--main_process_port", "0", "--grace_period", "3"}, {"sleep", dir.str()}));
   const int pid0 = wait_for_int_file(dir.str() + "/pid_0", 30);
   const int pid1 = wait_for_int_file(dir.str() + "/pid_1", 30);
   ASSERT_GT(pid0, 0);
   ASSERT_GT(pid1, 0);
-  launcher.signal(SIGTERM);
+  launcher.signal(sig);
   launcher.wait(30);
-  EXPECT_EQ(launcher.exit_code(), 128 + SIGTERM);
-  EXPECT_THAT(launcher.err, HasSubstr("received SIGTERM, forwarding it to 2 worker(s)"));
+  EXPECT_EQ(launcher.exit_code(), 128 + sig);
+  EXPECT_THAT(launcher.err, HasSubstr("received " + detail::signal_name(sig) + ", forwarding it to 2 worker(s)"));
   EXPECT_TRUE(process_gone(pid0));
   EXPECT_TRUE(process_gone(pid1));
 }
+
+INSTANTIATE_TEST_SUITE_P(Signals, LaunchSignal, ::testing::Values(SIGTERM, SIGINT, SIGHUP),
+                         [](const auto& info) { return detail::signal_name(info.param); });
 
 TEST(Launch, WorkersDieWhenTheLauncherIsKilledWithSigkill) {
   TempDir dir;
