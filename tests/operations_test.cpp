@@ -13,6 +13,20 @@
 #include <optional>
 #include <tuple>
 
+struct Batch {
+  at::Tensor input;
+  std::vector<at::Tensor> extras;
+  int64_t step = 0;
+};
+
+template <>
+struct accelerate::TensorTree<Batch> {
+  template <typename F>
+  static Batch map(const Batch& b, F&& f) {
+    return {f(b.input), f(b.extras), f(b.step)};
+  }
+};
+
 namespace accelerate::testing {
 namespace {
 
@@ -103,6 +117,41 @@ TEST_P(Operations, NestedDataKeepsItsTypesThroughGather) {
     EXPECT_EQ(std::get<1>(out.at("a"))[1].sizes(), (std::vector<int64_t>{n, 2}));
     EXPECT_FALSE(std::get<2>(out.at("a")).has_value());
     EXPECT_EQ(values(*std::get<2>(out.at("b"))).back(), 20.0f + static_cast<float>(n - 1));
+  });
+}
+
+TEST_P(Operations, EverySupportedContainerRoundTripsThroughGather) {
+  const int n = GetParam();
+  run_ranks(n, [n](const PartialState& state) {
+    const float r = static_cast<float>(state.process_index());
+    // A user struct through its TensorTree specialisation: local operations keep the step,
+    // collectives refuse it by type, as they refuse any non-tensor value.
+    Batch batch{at::full({1}, r).to(at::kBFloat16), {at::full({2}, r)}, 7};
+    Batch fp32 = convert_to_fp32(batch);
+    EXPECT_EQ(fp32.input.scalar_type(), at::kFloat);
+    EXPECT_EQ(fp32.step, 7);
+    EXPECT_THROWS_WITH(gather(state, batch), "[gather] unsupported type (long)");
+    auto pair = gather(state, std::make_pair(fp32.input, fp32.extras));
+    EXPECT_EQ(pair.first.size(0), n);
+    EXPECT_EQ(pair.second[0].size(0), 2 * n);
+    // torch::data::Example with and without a target.
+    auto ex = gather(state, torch::data::Example<>(at::full({1}, r), at::full({1}, 10 + r)));
+    EXPECT_EQ(values(ex.target).back(), 10.0f + static_cast<float>(n - 1));
+    auto only_data = gather(state, torch::data::TensorExample(at::full({1}, r)));
+    EXPECT_EQ(only_data.data.size(0), n);
+    // torch::OrderedDict keeps its key order; std::array its size.
+    torch::OrderedDict<std::string, at::Tensor> dict;
+    dict.insert("z", at::full({1}, r));
+    dict.insert("a", at::full({1}, 2 * r));
+    auto d = gather(state, dict);
+    EXPECT_EQ(d.keys(), (std::vector<std::string>{"z", "a"}));
+    EXPECT_EQ(values(d["a"]).back(), 2.0f * static_cast<float>(n - 1));
+    auto arr = gather(state, std::array<at::Tensor, 2>{at::full({1}, r), at::full({3}, r)});
+    EXPECT_EQ(arr[1].size(0), 3 * n);
+    // c10::IValue: a tuple holding a list of tensors.
+    c10::IValue iv = c10::ivalue::Tuple::create({c10::IValue(c10::List<at::Tensor>({at::full({2}, r)}))});
+    auto gathered = gather(state, iv);
+    EXPECT_EQ(gathered.toTupleRef().elements()[0].toList().get(0).toTensor().size(0), 2 * n);
   });
 }
 
