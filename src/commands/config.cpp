@@ -7,6 +7,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
+#include <cctype>
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -67,7 +68,24 @@ struct Reader {
     const std::string& s = node.Scalar();
     return !(s.empty() || s == "false" || s == "False" || s == "no" || s == "NO" || s == "null");
   }
+  // True when a section of switches turns one on; upstream writes `ipex_config: {ipex: false}`.
+  static bool turns_on(const YAML::Node& node) {
+    if (!node || !node.IsMap()) return requests(node);
+    for (const auto& entry : node) {
+      if (requests(entry.second)) return true;
+    }
+    return false;
+  }
 };
+
+// Whether PyYAML (YAML 1.1) would read `value` as something other than a string when unquoted.
+bool needs_quotes(const std::string& value) {
+  std::string lower(value);
+  std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char c) { return std::tolower(c); });
+  static const std::set<std::string> special = {"yes", "no", "true", "false", "on", "off", "y", "n", "null", "~"};
+  return value.empty() || special.count(lower) > 0 ||
+         std::all_of(value.begin(), value.end(), [](char c) { return (c >= '0' && c <= '9') || c == ','; });
+}
 
 }  // namespace
 
@@ -127,7 +145,12 @@ ClusterConfig load_config_from_file(const std::string& path) {
     C10_THROW_ERROR(ValueError, c10::str("[load_config_from_file] ", path, ": ", e.what_without_backtrace()));
   }
   if (has("mixed_precision")) {
-    config.mixed_precision = to_string(parse_precision_type(r.text("mixed_precision", root["mixed_precision"])));
+    const std::string text = r.text("mixed_precision", root["mixed_precision"]);
+    try {
+      config.mixed_precision = to_string(parse_precision_type(text));
+    } catch (const c10::ValueError& e) {
+      C10_THROW_ERROR(ValueError, c10::str("[load_config_from_file] ", path, ": ", e.what_without_backtrace()));
+    }
   } else if (has("fp16") && r.boolean("fp16", root["fp16"])) {
     config.mixed_precision = "fp16";  // older schema
   }
@@ -158,7 +181,8 @@ ClusterConfig load_config_from_file(const std::string& path) {
 
   for (const char* key : {"deepspeed_config", "fsdp_config", "megatron_lm_config", "fp8_config", "parallelism_config",
                           "ipex_config", "tpu_name", "tpu_use_cluster", "command_file", "commands"}) {
-    TORCH_CHECK_VALUE(!Reader::requests(root[key]), "[load_config_from_file] ", path, ": '", key,
+    const bool asked = std::string(key) == "ipex_config" ? Reader::turns_on(root[key]) : Reader::requests(root[key]);
+    TORCH_CHECK_VALUE(!asked, "[load_config_from_file] ", path, ": '", key,
                       "' configures a Python-only integration that accelerate-cpp does not support; remove it");
   }
   for (const char* key : {"dynamo_config", "dynamo_backend"}) {
@@ -185,8 +209,7 @@ void save_config_file(const ClusterConfig& config, const std::string& path) {
   auto quoted = [&](const char* key, const std::string& value) {
     out << YAML::Key << key << YAML::Value;
     // Strings YAML would read as booleans or numbers are quoted, as yaml.safe_dump does.
-    if (value == "no" || value == "yes" || value == "true" || value == "false" || value.empty() ||
-        std::all_of(value.begin(), value.end(), [](char c) { return (c >= '0' && c <= '9') || c == ','; })) {
+    if (needs_quotes(value)) {
       out << YAML::SingleQuoted << value;
     } else {
       out << value;

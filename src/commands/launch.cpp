@@ -98,6 +98,10 @@ LaunchArgs parse_launch_args(const std::vector<std::string>& argv) {
     C10_THROW_ERROR(ValueError, c10::str("[launch] ", e.what(), " (see `accelerate launch --help`)"));
   }
   auto rest = cli.app.remaining();
+  // Everything from the program on is left unparsed, so a mistyped flag would otherwise be taken
+  // for the program's name.
+  TORCH_CHECK_VALUE(rest.empty() || rest.front().empty() || rest.front()[0] != '-', "[launch] unknown flag '",
+                    rest.empty() ? "" : rest.front(), "' (see `accelerate launch --help`)");
   if (!rest.empty()) {
     cli.args.training_script = rest.front();
     cli.args.training_script_args.assign(rest.begin() + 1, rest.end());

@@ -61,11 +61,15 @@ int parse_env_int(const std::string& key, const std::string& value) {
 }
 
 std::string first_slurm_host(std::string_view nodelist) {
-  // Hosts are separated by commas outside brackets; a bracket holds ranges of suffixes.
+  // Hosts are separated by commas outside brackets; each bracket holds suffixes (single ones or
+  // ranges), of which the first is taken: "rack[1-2]-node[01-04]" → "rack1-node01".
   std::string host;
   size_t i = 0;
-  for (; i < nodelist.size() && nodelist[i] != ',' && nodelist[i] != '['; ++i) host += nodelist[i];
-  if (i < nodelist.size() && nodelist[i] == '[') {
+  while (i < nodelist.size() && nodelist[i] != ',') {
+    if (nodelist[i] != '[') {
+      host += nodelist[i++];
+      continue;
+    }
     ++i;
     std::string suffix;
     for (; i < nodelist.size() && (std::isalnum(static_cast<unsigned char>(nodelist[i])) != 0); ++i) {
@@ -73,6 +77,10 @@ std::string first_slurm_host(std::string_view nodelist) {
     }
     TORCH_CHECK_VALUE(!suffix.empty(), "[PartialState] cannot read a host from the Slurm node list '", nodelist, "'");
     host += suffix;
+    while (i < nodelist.size() && nodelist[i] != ']') ++i;
+    TORCH_CHECK_VALUE(i < nodelist.size(), "[PartialState] cannot read a host from the Slurm node list '", nodelist,
+                      "' (unclosed bracket)");
+    ++i;
   }
   TORCH_CHECK_VALUE(!host.empty(), "[PartialState] cannot read a host from the Slurm node list '", nodelist, "'");
   return host;
@@ -91,6 +99,11 @@ std::optional<int> int_var(const EnvLookup& env, const std::string& key) {
   auto value = env(key);
   if (!value || value->empty()) return std::nullopt;
   return parse_env_int(key, *value);
+}
+
+// A variable whose presence selected the launcher family, so it must hold an integer.
+int required_int_var(const EnvLookup& env, const std::string& key) {
+  return parse_env_int(key, env(key).value_or(""));
 }
 
 // Fills the rendezvous address from MASTER_ADDR/MASTER_PORT when set.
@@ -130,8 +143,8 @@ Topology detect_topology(const EnvLookup& env) {
   }
   if (env("SLURM_PROCID") && env("SLURM_NTASKS")) {
     topo.family = LauncherFamily::kSlurm;
-    topo.rank = *int_var(env, "SLURM_PROCID");
-    topo.world_size = *int_var(env, "SLURM_NTASKS");
+    topo.rank = required_int_var(env, "SLURM_PROCID");
+    topo.world_size = required_int_var(env, "SLURM_NTASKS");
     topo.local_rank = int_var(env, "SLURM_LOCALID").value_or(0);
     if (auto per_node = env("SLURM_NTASKS_PER_NODE"); per_node && !per_node->empty()) {
       topo.local_world_size = parse_slurm_tasks_per_node(*per_node);
@@ -155,7 +168,7 @@ Topology detect_topology(const EnvLookup& env) {
   }
   if (env("OMPI_COMM_WORLD_SIZE")) {
     topo.family = LauncherFamily::kMpi;
-    topo.world_size = *int_var(env, "OMPI_COMM_WORLD_SIZE");
+    topo.world_size = required_int_var(env, "OMPI_COMM_WORLD_SIZE");
     topo.rank = int_var(env, "OMPI_COMM_WORLD_RANK").value_or(0);
     topo.local_rank = int_var(env, "OMPI_COMM_WORLD_LOCAL_RANK").value_or(topo.rank);
     topo.local_world_size = int_var(env, "OMPI_COMM_WORLD_LOCAL_SIZE").value_or(topo.world_size);
@@ -169,8 +182,8 @@ Topology detect_topology(const EnvLookup& env) {
   }
   if (env("PMI_SIZE") && env("PMI_RANK")) {
     topo.family = LauncherFamily::kMpi;
-    topo.world_size = *int_var(env, "PMI_SIZE");
-    topo.rank = *int_var(env, "PMI_RANK");
+    topo.world_size = required_int_var(env, "PMI_SIZE");
+    topo.rank = required_int_var(env, "PMI_RANK");
     topo.local_rank = int_var(env, "MPI_LOCALRANKID").value_or(topo.rank);
     topo.local_world_size = int_var(env, "MPI_LOCALNRANKS").value_or(topo.world_size);
     read_master(env, topo);

@@ -59,31 +59,53 @@ std::shared_ptr<::gloo::transport::Device> gloo_device(const Topology& topo) {
 }
 #endif
 
-// Every rank adds itself to a counter; the one that completes it releases the others. A rank
-// that waits past the timeout reports how many arrived.
+// Every rank adds itself to the counter `key`; the one that completes it releases the others.
+// Returns false when the release does not come within `timeout`, with the count seen then.
+bool store_barrier(const c10::intrusive_ptr<c10d::Store>& store, const std::string& key, int world_size,
+                   std::chrono::milliseconds timeout, int64_t& count) {
+  count = store->add(key, 1);
+  if (count >= world_size) {
+    store->set(key + "/complete", std::vector<uint8_t>{1});
+    return true;
+  }
+  try {
+    store->wait({key + "/complete"}, timeout);
+    return true;
+  } catch (const std::exception&) {
+    try {
+      count = store->add(key, 0);
+    } catch (const std::exception&) {
+      count = -1;
+    }
+    return false;
+  }
+}
+
 void wait_for_all(const c10::intrusive_ptr<c10d::Store>& store, const RendezvousConfig& config) {
   const Topology& topo = config.topology;
-  const int64_t joined = store->add("joined", 1);
-  if (joined == topo.world_size) {
-    store->set("complete", std::vector<uint8_t>{1});
-    return;
-  }
-  TORCH_CHECK(joined < topo.world_size, "[PartialState] rendezvous saw ", joined, " processes join a job of ",
-              topo.world_size, ": another job is using the same MASTER_ADDR:MASTER_PORT (",
-              topo.master_addr, ":", topo.master_port, ")");
-  try {
-    store->wait({"complete"}, config.rdzv_timeout);
-  } catch (const std::exception&) {
-    int64_t now = -1;
-    try {
-      now = store->add("joined", 0);
-    } catch (const std::exception&) {
-    }
-    C10_THROW_ERROR(Error, c10::str("[PartialState] rendezvous timed out after ", seconds(config.rdzv_timeout), ": only ",
-                now < 0 ? std::string("an unknown number") : std::to_string(now), " of ", topo.world_size,
-                " processes joined at ", topo.master_addr, ":", topo.master_port,
-                " (the others never started, crashed, or point at another address)"));
-  }
+  int64_t joined = 0;
+  const bool complete = store_barrier(store, "joined", topo.world_size, config.rdzv_timeout, joined);
+  TORCH_CHECK(joined <= topo.world_size, "[PartialState] rendezvous saw ", joined, " processes join a job of ",
+              topo.world_size, ": another job is using the same MASTER_ADDR:MASTER_PORT (", topo.master_addr, ":",
+              topo.master_port, ")");
+  if (complete) return;
+  C10_THROW_ERROR(Error, c10::str("[PartialState] rendezvous timed out after ", seconds(config.rdzv_timeout), ": only ",
+                                  joined < 0 ? std::string("an unknown number") : std::to_string(joined), " of ",
+                                  topo.world_size, " processes joined at ", topo.master_addr, ":", topo.master_port,
+                                  " (the others never started, crashed, or point at another address)"));
+}
+
+// Note [Every process group is built]
+// A Gloo process group is usable on one rank before its peers have finished connecting to it.
+// Were a rank to destroy its group (or exit) right away, a peer still in its side of the
+// handshake would fail with "Connection closed by peer". So no rank leaves the rendezvous until
+// every rank has built its group.
+void wait_until_every_group_is_built(const c10::intrusive_ptr<c10d::Store>& store, const RendezvousConfig& config) {
+  int64_t built = 0;
+  if (store_barrier(store, "pg_built", config.topology.world_size, config.rdzv_timeout, built)) return;
+  C10_THROW_ERROR(Error, c10::str("[PartialState] process ", config.topology.rank, " of ", config.topology.world_size,
+                                  " built its process group, but only ", built, " processes did within ",
+                                  seconds(config.rdzv_timeout)));
 }
 
 }  // namespace
@@ -150,6 +172,7 @@ Rendezvous rendezvous(const RendezvousConfig& config) {
     C10_THROW_ERROR(ValueError, c10::str("[PartialState] unknown process-group backend \"", config.backend,
                       "\"; expected \"gloo\" or \"nccl\""));
   }
+  wait_until_every_group_is_built(store, config);
   return out;
 }
 

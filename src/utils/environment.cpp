@@ -84,7 +84,8 @@ int get_int_from_env(const std::vector<std::string>& keys, int default_value) {
     }
     TORCH_CHECK_VALUE(used == value->size() && used > 0, "[get_int_from_env] environment variable ", key,
                       " must be an integer, got '", *value, "'");
-    return parsed;
+    if (parsed >= 0) return parsed;  // as upstream, a negative value counts as unset
+
   }
   return default_value;
 }

@@ -21,8 +21,8 @@ std::optional<std::string> get_env(const std::string& key);
 /// `parse_flag_from_env`); a value that is not a boolean throws naming the variable.
 bool parse_flag_from_env(const std::string& key, bool default_value = false);
 
-/// Returns the first of `keys` that is set, parsed as an integer, else `default_value`
-/// (upstream: `get_int_from_env`); a non-integer value throws naming the variable.
+/// Returns the first of `keys` that holds a non-negative integer, else `default_value` (upstream:
+/// `get_int_from_env`); a non-integer value throws naming the variable.
 int get_int_from_env(const std::vector<std::string>& keys, int default_value);
 
 /// Sets environment variables for its lifetime and restores the previous values (or absence)

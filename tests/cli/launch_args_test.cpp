@@ -1,0 +1,331 @@
+// `accelerate launch` flags, their merge with the configuration file, and the environment each
+// worker receives (commands/launch.h), without starting any process.
+#include "accelerate/commands/launch.h"
+
+#include "accelerate/utils/environment.h"
+#include "detail/env.h"
+#include "support/test_support.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+
+namespace accelerate::testing {
+namespace {
+
+using commands::LaunchArgs;
+using commands::LaunchPlan;
+using commands::parse_launch_args;
+using commands::resolve_launch;
+using commands::worker_environment;
+using ::testing::ElementsAre;
+using ::testing::EndsWith;
+using ::testing::HasSubstr;
+
+using Args = std::vector<std::string>;
+
+// Every test sees an empty HF_HOME, so a default configuration file of this machine never leaks in.
+class LaunchTest : public ::testing::Test {
+ protected:
+  std::string write_config(const std::string& name, const std::string& text) const {
+    const std::string path = (home_.path() / name).string();
+    std::filesystem::create_directories(std::filesystem::path(path).parent_path());
+    std::ofstream(path) << text;
+    return path;
+  }
+  LaunchPlan resolve(const Args& argv) const { return resolve_launch(parse_launch_args(argv)); }
+
+  TempDir home_;
+  EnvironmentPatch env_{std::map<std::string, std::string>{{"HF_HOME", home_.str()}}};
+};
+
+class ParseLaunchArgs : public LaunchTest {};
+class ResolveLaunch : public LaunchTest {};
+class WorkerEnvironment : public LaunchTest {};
+
+// ---- parse_launch_args ----------------------------------------------------------------------
+
+TEST_F(ParseLaunchArgs, HyphenatedFlagsAreAccepted) {
+  const LaunchArgs args = parse_launch_args({"--num-processes", "2", "--mixed-precision", "bf16",
+                                             "--main-process-port", "0", "--num-cpu-threads-per-process", "3",
+                                             "/bin/true"});
+  EXPECT_EQ(args.num_processes, std::optional<int>(2));
+  EXPECT_EQ(args.mixed_precision, std::optional<std::string>("bf16"));
+  EXPECT_EQ(args.main_process_port, std::optional<int>(0));
+  EXPECT_EQ(args.num_cpu_threads_per_process, std::optional<int>(3));
+  EXPECT_EQ(args.training_script, "/bin/true");
+  EXPECT_TRUE(args.training_script_args.empty());
+}
+
+TEST_F(ParseLaunchArgs, UnderscoredFlagsShortNamesAndEqualsSignsAreAccepted) {
+  const LaunchArgs args =
+      parse_launch_args({"-n", "3", "--machine_rank=1", "--num_machines", "3", "--cpu", "--debug", "/bin/true"});
+  EXPECT_EQ(args.num_processes, std::optional<int>(3));
+  EXPECT_EQ(args.machine_rank, std::optional<int>(1));
+  EXPECT_EQ(args.num_machines, std::optional<int>(3));
+  EXPECT_TRUE(args.cpu);
+  EXPECT_TRUE(args.debug);
+  EXPECT_FALSE(args.multi_gpu);
+}
+
+TEST_F(ParseLaunchArgs, UnsetFlagsStayUnset) {
+  const LaunchArgs args = parse_launch_args({"/bin/true"});
+  EXPECT_EQ(args.num_processes, std::nullopt);
+  EXPECT_EQ(args.mixed_precision, std::nullopt);
+  EXPECT_EQ(args.config_file, std::nullopt);
+  EXPECT_FALSE(args.cpu);
+  EXPECT_FALSE(args.help);
+  EXPECT_EQ(args.max_restarts, 0);
+}
+
+TEST_F(ParseLaunchArgs, AnUnknownFlagIsRefusedNamingIt) {
+  EXPECT_THROWS_WITH(parse_launch_args({"--num_proceses", "2", "/bin/true"}), "--num_proceses");
+}
+
+TEST_F(ParseLaunchArgs, ANonIntegerProcessCountIsRefusedNamingTheFlag) {
+  EXPECT_THROWS_WITH(parse_launch_args({"--num_processes", "two", "/bin/true"}), "num_processes");
+}
+
+TEST_F(ParseLaunchArgs, ArgumentsAfterTheProgramBelongToItEvenWhenTheyLookLikeFlags) {
+  const LaunchArgs args =
+      parse_launch_args({"--cpu", "./prog", "--num_processes", "7", "-n", "3", "--help", "--", "x"});
+  EXPECT_EQ(args.training_script, "./prog");
+  EXPECT_THAT(args.training_script_args, ElementsAre("--num_processes", "7", "-n", "3", "--help", "--", "x"));
+  EXPECT_EQ(args.num_processes, std::nullopt);
+  EXPECT_FALSE(args.help);
+  EXPECT_TRUE(args.cpu);
+}
+
+TEST_F(ParseLaunchArgs, HelpIsRecognised) {
+  EXPECT_TRUE(parse_launch_args({"--help"}).help);
+  EXPECT_TRUE(parse_launch_args({"-h"}).help);
+  EXPECT_THAT(commands::launch_help(), HasSubstr("--num_processes"));
+}
+
+// ---- resolve_launch -------------------------------------------------------------------------
+
+TEST_F(ResolveLaunch, WithoutFlagsOrConfigOneLocalProcessRuns) {
+  const LaunchPlan plan = resolve({"/bin/true", "a", "b"});
+  EXPECT_EQ(plan.num_processes, 1);
+  EXPECT_EQ(plan.num_machines, 1);
+  EXPECT_EQ(plan.machine_rank, 0);
+  EXPECT_EQ(plan.local_num_processes, 1);
+  EXPECT_EQ(plan.main_process_ip, "127.0.0.1");
+  EXPECT_EQ(plan.main_process_port, 29500);
+  EXPECT_EQ(plan.mixed_precision, "no");
+  EXPECT_FALSE(plan.debug);
+  EXPECT_EQ(plan.tee, 3);
+  EXPECT_THAT(plan.command, ElementsAre("/bin/true", "a", "b"));
+}
+
+TEST_F(ResolveLaunch, ConfigFileValuesAreUsedWhenFlagsAreAbsent) {
+  const std::string config = write_config("c.yaml", R"(distributed_type: MULTI_CPU
+mixed_precision: bf16
+num_processes: 4
+main_process_port: 29610
+use_cpu: true
+debug: true
+enable_cpu_affinity: true
+)");
+  const LaunchPlan plan = resolve({"--config_file", config, "/bin/true"});
+  EXPECT_EQ(plan.num_processes, 4);
+  EXPECT_EQ(plan.local_num_processes, 4);
+  EXPECT_EQ(plan.mixed_precision, "bf16");
+  EXPECT_EQ(plan.main_process_port, 29610);
+  EXPECT_TRUE(plan.use_cpu);
+  EXPECT_TRUE(plan.debug);
+  EXPECT_TRUE(plan.enable_cpu_affinity);
+}
+
+TEST_F(ResolveLaunch, FlagsOverrideTheConfigFile) {
+  const std::string config =
+      write_config("c.yaml", "distributed_type: MULTI_CPU\nmixed_precision: bf16\nnum_processes: 4\n"
+                             "main_process_port: 29610\n");
+  const LaunchPlan plan = resolve({"--config_file", config, "--num_processes", "2", "--mixed_precision", "no",
+                                   "--main_process_port", "29620", "/bin/true"});
+  EXPECT_EQ(plan.num_processes, 2);
+  EXPECT_EQ(plan.mixed_precision, "no");
+  EXPECT_EQ(plan.main_process_port, 29620);
+}
+
+TEST_F(ResolveLaunch, TheDefaultConfigFileIsUsedWithoutConfigFileFlag) {
+  write_config("accelerate/default_config.yaml",
+               "distributed_type: MULTI_CPU\nnum_processes: 3\nmixed_precision: fp16\n");
+  const LaunchPlan plan = resolve({"/bin/true"});
+  EXPECT_EQ(plan.num_processes, 3);
+  EXPECT_EQ(plan.mixed_precision, "fp16");
+}
+
+TEST_F(ResolveLaunch, AMissingConfigFileIsAnError) {
+  EXPECT_THROWS_WITH(resolve({"--config_file", (home_.path() / "none.yaml").string(), "/bin/true"}),
+                     "does not exist");
+}
+
+TEST_F(ResolveLaunch, ProcessesMustBeAMultipleOfMachines) {
+  EXPECT_THROWS_WITH(resolve({"--num_processes", "3", "--num_machines", "2", "--main_process_ip", "10.0.0.1",
+                              "/bin/true"}),
+                     "must be a multiple of --num_machines (2)");
+}
+
+TEST_F(ResolveLaunch, SeveralMachinesNeedTheMainProcessAddress) {
+  EXPECT_THROWS_WITH(resolve({"--num_processes", "4", "--num_machines", "2", "/bin/true"}),
+                     "needs --main_process_ip");
+}
+
+TEST_F(ResolveLaunch, TheMainProcessAddressCanComeFromTheConfigFile) {
+  const std::string config =
+      write_config("c.yaml", "distributed_type: MULTI_CPU\nnum_machines: 2\nnum_processes: 4\n"
+                             "main_process_ip: 10.0.0.7\n");
+  const LaunchPlan plan = resolve({"--config_file", config, "--machine_rank", "1", "/bin/true"});
+  EXPECT_EQ(plan.main_process_ip, "10.0.0.7");
+  EXPECT_EQ(plan.machine_rank, 1);
+  EXPECT_EQ(plan.local_num_processes, 2);
+}
+
+TEST_F(ResolveLaunch, SeveralMachinesNeedAFixedPort) {
+  EXPECT_THROWS_WITH(resolve({"--num_processes", "4", "--num_machines", "2", "--main_process_ip", "10.0.0.1",
+                              "--main_process_port", "0", "/bin/true"}),
+                     "needs a fixed --main_process_port");
+}
+
+TEST_F(ResolveLaunch, AMachineRankOutsideTheMachinesIsRefused) {
+  EXPECT_THROWS_WITH(resolve({"--num_machines", "2", "--machine_rank", "2", "--num_processes", "2",
+                              "--main_process_ip", "10.0.0.1", "/bin/true"}),
+                     "--machine_rank 2 is outside [0, --num_machines=2)");
+}
+
+TEST_F(ResolveLaunch, TeeAcceptsOnlyZeroToThree) {
+  EXPECT_THROWS_WITH(resolve({"--tee", "5", "/bin/true"}), "--tee must be 0, 1, 2 or 3, got '5'");
+  EXPECT_THROWS_WITH(resolve({"--tee", "12", "/bin/true"}), "got '12'");
+  EXPECT_EQ(resolve({"--tee", "2", "/bin/true"}).tee, 2);
+}
+
+TEST_F(ResolveLaunch, Fp8MixedPrecisionIsRefused) {
+  EXPECT_THROWS_WITH(resolve({"--mixed_precision", "fp8", "/bin/true"}), "fp8 mixed precision is not supported");
+}
+
+TEST_F(ResolveLaunch, MixedPrecisionIsNormalisedToUpstreamsSpelling) {
+  EXPECT_EQ(resolve({"--mixed_precision", "BF16", "/bin/true"}).mixed_precision, "bf16");
+}
+
+TEST_F(ResolveLaunch, MultiGpuNeedsCuda) {
+  if (is_cuda_available()) GTEST_SKIP() << "CUDA is available here, so --multi_gpu is valid";
+  EXPECT_THROWS_WITH(resolve({"--multi_gpu", "/bin/true"}), "needs CUDA devices");
+  const std::string config = write_config("gpu.yaml", "distributed_type: MULTI_GPU\nnum_processes: 2\n");
+  EXPECT_THROWS_WITH(resolve({"--config_file", config, "/bin/true"}), "needs CUDA devices");
+}
+
+TEST_F(ResolveLaunch, CpuOverridesAMultiGpuConfigFile) {
+  const std::string config = write_config("gpu.yaml", "distributed_type: MULTI_GPU\nnum_processes: 2\n");
+  const LaunchPlan plan = resolve({"--config_file", config, "--cpu", "/bin/true"});
+  EXPECT_FALSE(plan.multi_gpu);
+  EXPECT_TRUE(plan.use_cpu);
+  EXPECT_EQ(plan.num_processes, 2);
+}
+
+TEST_F(ResolveLaunch, CpuAndMultiGpuExcludeEachOther) {
+  EXPECT_THROWS_WITH(resolve({"--cpu", "--multi_gpu", "/bin/true"}), "--cpu and --multi_gpu exclude each other");
+}
+
+TEST_F(ResolveLaunch, APythonScriptRunsUnderPython3) {
+  const std::string script = write_config("train.py", "print('hi')\n");
+  const LaunchPlan plan = resolve({script, "--lr", "0.1"});
+  ASSERT_EQ(plan.command.size(), 4u);
+  EXPECT_THAT(plan.command[0], EndsWith("/python3"));
+  EXPECT_EQ(plan.command[1], script);
+  EXPECT_EQ(plan.command[2], "--lr");
+  EXPECT_EQ(plan.command[3], "0.1");
+}
+
+TEST_F(ResolveLaunch, AModuleRunsUnderPython3DashM) {
+  const LaunchPlan plan = resolve({"-m", "pkg.train", "--epochs", "2"});
+  ASSERT_EQ(plan.command.size(), 5u);
+  EXPECT_THAT(plan.command[0], EndsWith("/python3"));
+  EXPECT_THAT(std::vector<std::string>(plan.command.begin() + 1, plan.command.end()),
+              ElementsAre("-m", "pkg.train", "--epochs", "2"));
+}
+
+TEST_F(ResolveLaunch, AProgramNotInPathIsRefusedByName) {
+  EXPECT_THROWS_WITH(resolve({"no-such-program-for-accelerate"}),
+                     "the program 'no-such-program-for-accelerate' was not found in PATH");
+}
+
+TEST_F(ResolveLaunch, NoProgramIsAnError) {
+  EXPECT_THROWS_WITH(resolve({"--cpu"}), "no program to run was given");
+}
+
+TEST_F(ResolveLaunch, ZeroAccumulationStepsAreRefused) {
+  EXPECT_THROWS_WITH(resolve({"--gradient_accumulation_steps", "0", "/bin/true"}),
+                     "--gradient_accumulation_steps must be at least 1, got 0");
+}
+
+TEST_F(ResolveLaunch, AnUnknownBackendIsRefused) {
+  EXPECT_THROWS_WITH(resolve({"--backend", "carrier-pigeon", "/bin/true"}),
+                     "--backend must be gloo, nccl or mpi, got 'carrier-pigeon'");
+}
+
+TEST_F(ResolveLaunch, ThreadsPerProcessComeFromOmpNumThreadsWhenNotGiven) {
+  auto omp = patch_environment({{"OMP_NUM_THREADS", "3"}});
+  EXPECT_EQ(resolve({"/bin/true"}).num_cpu_threads_per_process, 3);
+  EXPECT_EQ(resolve({"--num_cpu_threads_per_process", "5", "/bin/true"}).num_cpu_threads_per_process, 5);
+}
+
+// ---- worker_environment ---------------------------------------------------------------------
+
+TEST_F(WorkerEnvironment, RanksFollowTheMachineRankAndLocalIndex) {
+  const LaunchPlan plan = resolve({"--num_processes", "4", "--num_machines", "2", "--machine_rank", "1",
+                                   "--main_process_ip", "10.0.0.1", "--mixed_precision", "bf16", "--debug", "--cpu",
+                                   "--num_cpu_threads_per_process", "3", "/bin/true"});
+  const auto env = worker_environment(plan, /*local_rank=*/1, /*master_port=*/12345, /*restart_count=*/0);
+  EXPECT_EQ(env.at("RANK"), "3");
+  EXPECT_EQ(env.at("WORLD_SIZE"), "4");
+  EXPECT_EQ(env.at("LOCAL_RANK"), "1");
+  EXPECT_EQ(env.at("LOCAL_WORLD_SIZE"), "2");
+  EXPECT_EQ(env.at("MASTER_ADDR"), "10.0.0.1");
+  EXPECT_EQ(env.at("MASTER_PORT"), "12345");
+  EXPECT_EQ(env.at("OMP_NUM_THREADS"), "3");
+  EXPECT_EQ(env.at("OPENBLAS_NUM_THREADS"), "3");
+  EXPECT_EQ(env.at("ACCELERATE_MIXED_PRECISION"), "bf16");
+  EXPECT_EQ(env.at("ACCELERATE_DEBUG_MODE"), "true");
+  EXPECT_EQ(env.at("ACCELERATE_USE_CPU"), "true");
+  EXPECT_EQ(env.count("ACCELERATE_GRADIENT_ACCUMULATION_STEPS"), 0u);
+}
+
+TEST_F(WorkerEnvironment, TheFirstMachineStartsAtRankZero) {
+  const LaunchPlan plan = resolve({"--num_processes", "2", "/bin/true"});
+  EXPECT_EQ(worker_environment(plan, 0, 29500, 0).at("RANK"), "0");
+  EXPECT_EQ(worker_environment(plan, 1, 29500, 0).at("RANK"), "1");
+  EXPECT_EQ(worker_environment(plan, 1, 29500, 0).at("ACCELERATE_DEBUG_MODE"), "false");
+  EXPECT_EQ(worker_environment(plan, 1, 29500, 0).at("ACCELERATE_USE_CPU"), "false");
+  EXPECT_EQ(worker_environment(plan, 1, 29500, 0).at("ACCELERATE_MIXED_PRECISION"), "no");
+}
+
+TEST_F(WorkerEnvironment, AccumulationStepsArePassedOnlyWhenSet) {
+  const LaunchPlan plan = resolve({"--gradient_accumulation_steps", "4", "/bin/true"});
+  EXPECT_EQ(worker_environment(plan, 0, 29500, 0).at("ACCELERATE_GRADIENT_ACCUMULATION_STEPS"), "4");
+}
+
+TEST_F(WorkerEnvironment, TheRestartCountIsPassedOn) {
+  const LaunchPlan plan = resolve({"--max_restarts", "2", "/bin/true"});
+  const auto env = worker_environment(plan, 0, 29500, 1);
+  EXPECT_EQ(env.at("TORCHELASTIC_RESTART_COUNT"), "1");
+  EXPECT_EQ(env.at("TORCHELASTIC_MAX_RESTARTS"), "2");
+}
+
+TEST_F(WorkerEnvironment, AWorkerReadsBackTheTopologyTheLauncherMeant) {
+  const LaunchPlan plan = resolve({"--num_processes", "6", "--num_machines", "3", "--machine_rank", "2",
+                                   "--main_process_ip", "head", "--main_process_port", "29700", "/bin/true"});
+  const detail::Topology topo = detail::detect_topology(detail::map_env(worker_environment(plan, 1, 29700, 0)));
+  EXPECT_EQ(topo.family, detail::LauncherFamily::kTorchrun);
+  EXPECT_EQ(topo.rank, 5);
+  EXPECT_EQ(topo.world_size, 6);
+  EXPECT_EQ(topo.local_rank, 1);
+  EXPECT_EQ(topo.local_world_size, 2);
+  EXPECT_EQ(topo.master_addr, "head");
+  EXPECT_EQ(topo.master_port, 29700);
+}
+
+}  // namespace
+}  // namespace accelerate::testing
