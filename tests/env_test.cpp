@@ -291,7 +291,7 @@ TEST(ParseSlurmTasksPerNode, TheFirstNodesCountIsTaken) {
 
 TEST(ParseSlurmTasksPerNode, TextWithoutALeadingCountIsRefused) {
   for (const char* text : {"", "(x2)", "x", "-1", " 4"}) {
-    EXPECT_THROWS_WITH(parse_slurm_tasks_per_node(text), "cannot read a task count from the Slurm value") << text;
+    EXPECT_THROWS_WITH(parse_slurm_tasks_per_node(text), "cannot read a task count from SLURM_NTASKS_PER_NODE=") << text;
   }
 }
 
@@ -306,6 +306,31 @@ TEST(ParseEnvInt, ReadsIntegersAndNamesTheVariableOtherwise) {
   EXPECT_EQ(detail::parse_env_int("X", "-3"), -3);
   EXPECT_THROWS_WITH(detail::parse_env_int("MY_VAR", ""), "MY_VAR must be an integer, got ''");
   EXPECT_THROWS_WITH(detail::parse_env_int("MY_VAR", "4 "), "MY_VAR must be an integer, got '4 '");
+}
+
+}  // namespace
+}  // namespace accelerate::testing
+
+namespace accelerate::testing {
+namespace {
+
+TEST(DetectTopologyErrors, AnOutOfRangeMasterPortIsRefusedEvenWithoutALauncher) {
+  EXPECT_THROWS_WITH(detail::detect_topology(detail::map_env({{"MASTER_PORT", "70000"}})),
+                     "MASTER_PORT must be a TCP port (0-65535), got 70000");
+}
+
+TEST(DetectTopologyErrors, AnEmptyMasterAddrDoesNotSatisfyAMultiMachineOpenMpiJob) {
+  EXPECT_THROWS_WITH(detail::detect_topology(detail::map_env({{"OMPI_COMM_WORLD_SIZE", "4"},
+                                                              {"OMPI_COMM_WORLD_RANK", "0"},
+                                                              {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"},
+                                                              {"MASTER_ADDR", ""}})),
+                     "needs MASTER_ADDR");
+}
+
+TEST(DetectTopologyErrors, ABadSlurmTaskCountNamesTheVariableItCameFrom) {
+  EXPECT_THROWS_WITH(detail::detect_topology(detail::map_env(
+                         {{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}, {"SLURM_TASKS_PER_NODE", "(x2)"}})),
+                     "SLURM_TASKS_PER_NODE");
 }
 
 }  // namespace

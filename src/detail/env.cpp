@@ -86,11 +86,11 @@ std::string first_slurm_host(std::string_view nodelist) {
   return host;
 }
 
-int parse_slurm_tasks_per_node(std::string_view text) {
+int parse_slurm_tasks_per_node(std::string_view text, const char* variable) {
   size_t end = 0;
   while (end < text.size() && std::isdigit(static_cast<unsigned char>(text[end])) != 0) ++end;
-  TORCH_CHECK_VALUE(end > 0, "[PartialState] cannot read a task count from the Slurm value '", text, "'");
-  return parse_env_int("SLURM_NTASKS_PER_NODE", std::string(text.substr(0, end)));
+  TORCH_CHECK_VALUE(end > 0, "[PartialState] cannot read a task count from ", variable, "='", text, "'");
+  return parse_env_int(variable, std::string(text.substr(0, end)));
 }
 
 namespace {
@@ -147,11 +147,11 @@ Topology detect_topology(const EnvLookup& env) {
     topo.world_size = required_int_var(env, "SLURM_NTASKS");
     topo.local_rank = int_var(env, "SLURM_LOCALID").value_or(0);
     if (auto per_node = env("SLURM_NTASKS_PER_NODE"); per_node && !per_node->empty()) {
-      topo.local_world_size = parse_slurm_tasks_per_node(*per_node);
+      topo.local_world_size = parse_slurm_tasks_per_node(*per_node, "SLURM_NTASKS_PER_NODE");
     } else if (auto tasks = env("SLURM_STEP_TASKS_PER_NODE"); tasks && !tasks->empty()) {
-      topo.local_world_size = parse_slurm_tasks_per_node(*tasks);
+      topo.local_world_size = parse_slurm_tasks_per_node(*tasks, "SLURM_STEP_TASKS_PER_NODE");
     } else if (auto tasks = env("SLURM_TASKS_PER_NODE"); tasks && !tasks->empty()) {
-      topo.local_world_size = parse_slurm_tasks_per_node(*tasks);
+      topo.local_world_size = parse_slurm_tasks_per_node(*tasks, "SLURM_TASKS_PER_NODE");
     } else {
       topo.local_world_size = topo.world_size;
     }
@@ -175,7 +175,8 @@ Topology detect_topology(const EnvLookup& env) {
     read_master(env, topo);
     validate(topo, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
              "OMPI_COMM_WORLD_LOCAL_SIZE");
-    TORCH_CHECK_VALUE(topo.local_world_size == topo.world_size || env("MASTER_ADDR"),
+    const auto master = env("MASTER_ADDR");
+    TORCH_CHECK_VALUE(topo.local_world_size == topo.world_size || (master && !master->empty()),
                       "[PartialState] an Open MPI job spanning several machines needs MASTER_ADDR set to the "
                       "address of the machine running rank 0");
     return topo;
@@ -191,6 +192,7 @@ Topology detect_topology(const EnvLookup& env) {
     return topo;
   }
   read_master(env, topo);
+  validate(topo, "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE");
   return topo;
 }
 

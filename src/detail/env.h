@@ -42,8 +42,8 @@ Topology detect_topology(const EnvLookup& env);
 
 /// The first host of a Slurm node list: "node[07-09,12],gpu3" → "node07".
 std::string first_slurm_host(std::string_view nodelist);
-/// Tasks on the first node from a Slurm tasks-per-node list: "4(x2),3" → 4.
-int parse_slurm_tasks_per_node(std::string_view text);
+/// Tasks on the first node from a Slurm tasks-per-node list: "4(x2),3" → 4; errors name `variable`.
+int parse_slurm_tasks_per_node(std::string_view text, const char* variable = "SLURM_NTASKS_PER_NODE");
 
 /// Every variable of the process environment, in its order.
 std::vector<std::pair<std::string, std::string>> environment_entries();
