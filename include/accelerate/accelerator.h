@@ -56,6 +56,7 @@ class Accelerator {
   /// The gradient-accumulation and data-loader state shared with prepared objects.
   const GradientState& gradient_state() const { return gradient_state_; }
 
+  // Topology, forwarded from `state()`; see `PartialState` for each one.
   c10::Device device() const { return state_.device(); }
   DistributedType distributed_type() const { return state_.distributed_type(); }
   int num_processes() const { return state_.num_processes(); }

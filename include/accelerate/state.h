@@ -281,6 +281,7 @@ class AcceleratorState {
   /// The mixed-precision mode.
   PrecisionType mixed_precision() const { return mixed_precision_; }
 
+  // The topology and process control below forward to `partial_state()`; see `PartialState`.
   DistributedType distributed_type() const { return partial_.distributed_type(); }
   c10::Device device() const { return partial_.device(); }
   int num_processes() const { return partial_.num_processes(); }
