@@ -3,6 +3,7 @@
 #pragma once
 
 #include "accelerate/accelerator.h"
+#include "accelerate/data_loader.h"
 #include "accelerate/state.h"
 #include "accelerate/utils/dataclasses.h"
 #include "accelerate/utils/environment.h"
