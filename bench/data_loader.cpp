@@ -88,9 +88,10 @@ double batches_per_second(const acc::PartialState& state, const acc::GradientSta
 
 void report(const acc::PartialState& state, const char* workload, int workers, double rate) {
   if (!state.is_main_process()) return;
-  std::printf("{\"side\": \"cpp\", \"workload\": \"%s\", \"num_workers\": %d, \"processes\": %d, "
-              "\"batch_size\": %lld, \"batches_per_s\": %.2f}\n",
-              workload, workers, state.num_processes(), static_cast<long long>(kBatchSize), rate);
+  std::printf(
+      "{\"side\": \"cpp\", \"workload\": \"%s\", \"num_workers\": %d, \"processes\": %d, "
+      "\"batch_size\": %lld, \"batches_per_s\": %.2f}\n",
+      workload, workers, state.num_processes(), static_cast<long long>(kBatchSize), rate);
   std::fflush(stdout);
 }
 
@@ -104,16 +105,17 @@ int main(int argc, char** argv) {
 
   const auto tokens = std::make_shared<Tokens>(make_tokens());
   auto token_dataset = acc::make_dataset(kSamples, [tokens](int64_t i) {
-    return acc::Example{tokens->ids[static_cast<size_t>(i)], tokens->labels[i],
+    return acc::Example{tokens->ids[static_cast<size_t>(i)],
+                        tokens->labels[i],
                         {{"features", tokens->features[static_cast<size_t>(i)]}}};
   });
   auto gen = at::make_generator<at::CPUGeneratorImpl>(1);
-  auto mlp_dataset =
-      std::make_shared<acc::TensorDataset>(at::randn({kSamples, 512}, gen), at::randint(0, 10, {kSamples}, gen, at::kLong));
+  auto mlp_dataset = std::make_shared<acc::TensorDataset>(at::randn({kSamples, 512}, gen),
+                                                          at::randint(0, 10, {kSamples}, gen, at::kLong));
 
   for (int workers : {0, 2}) {
-    acc::DataLoader tokens_loader(token_dataset, {.batch_size = kBatchSize, .shuffle = true, .num_workers = workers,
-                                                  .collate_fn = pad_collate});
+    acc::DataLoader tokens_loader(
+        token_dataset, {.batch_size = kBatchSize, .shuffle = true, .num_workers = workers, .collate_fn = pad_collate});
     report(state, "padded_tokens", workers, batches_per_second(state, gradient_state, tokens_loader, epochs));
     acc::DataLoader mlp_loader(mlp_dataset, {.batch_size = kBatchSize, .shuffle = true, .num_workers = workers});
     report(state, "mlp_features", workers, batches_per_second(state, gradient_state, mlp_loader, epochs));

@@ -103,9 +103,9 @@ Example default_collate(std::vector<Example> samples) {
   const auto& first = samples[0].fields;
   for (size_t i = 1; i < n; ++i) {
     const auto& fields = samples[i].fields;
-    const bool same = fields.size() == first.size() &&
-                      std::equal(fields.begin(), fields.end(), first.begin(),
-                                 [](const auto& a, const auto& b) { return a.first == b.first; });
+    const bool same =
+        fields.size() == first.size() && std::equal(fields.begin(), fields.end(), first.begin(),
+                                                    [](const auto& a, const auto& b) { return a.first == b.first; });
     TORCH_CHECK_VALUE(same, "[default_collate] every sample must have the same fields: sample 0 has ", join_keys(first),
                       ", sample ", i, " has ", join_keys(fields));
   }
@@ -178,14 +178,15 @@ std::shared_ptr<Dataset> make_dataset(int64_t size, std::function<Example(int64_
 
 std::shared_ptr<IterableDataset> make_iterable_dataset(std::function<ExampleGenerator()> iter,
                                                        std::optional<int64_t> size) {
-  TORCH_CHECK_VALUE(static_cast<bool>(iter), "[make_iterable_dataset] expected a function starting a pass, got an empty one");
+  TORCH_CHECK_VALUE(static_cast<bool>(iter),
+                    "[make_iterable_dataset] expected a function starting a pass, got an empty one");
   TORCH_CHECK_VALUE(!size || *size >= 0, "[make_iterable_dataset] size must be >= 0, got ", size.value_or(0));
   return std::make_shared<FunctionIterableDataset>(std::move(iter), size);
 }
 
 void data_detail::throw_unsized_torch_dataset() {
-  TORCH_CHECK_VALUE(false, "[make_dataset] expected a LibTorch dataset with a known size, got one whose size() is "
-                    "empty; read it through an IterableDataset instead");
+  C10_THROW_ERROR(ValueError, c10::str("[make_dataset] expected a LibTorch dataset with a known size, got one whose size() is "
+                    "empty; read it through an IterableDataset instead"));
   TORCH_INTERNAL_ASSERT(false);
 }
 
@@ -304,14 +305,16 @@ BatchSampler::BatchSampler(std::shared_ptr<Sampler> sampler, int64_t batch_size,
 }
 
 int64_t BatchSampler::size() const {
-  TORCH_CHECK(sampler_ != nullptr && batch_size_, "[BatchSampler] a batch sampler without a sampler must override size()");
+  TORCH_CHECK(sampler_ != nullptr && batch_size_,
+              "[BatchSampler] a batch sampler without a sampler must override size()");
   const int64_t n = sampler_->size();
   const int64_t bs = *batch_size_;
   return drop_last_ ? n / bs : (n + bs - 1) / bs;
 }
 
 IndexBatchGenerator BatchSampler::iter() {
-  TORCH_CHECK(sampler_ != nullptr && batch_size_, "[BatchSampler] a batch sampler without a sampler must override iter()");
+  TORCH_CHECK(sampler_ != nullptr && batch_size_,
+              "[BatchSampler] a batch sampler without a sampler must override iter()");
   return [indices = sampler_->iter(), bs = *batch_size_, drop_last = drop_last_,
           ended = false]() mutable -> std::optional<std::vector<int64_t>> {
     if (ended) return std::nullopt;
@@ -334,9 +337,7 @@ void BatchSampler::set_epoch(int64_t epoch) {
   if (sampler_) sampler_->set_epoch(epoch);
 }
 
-std::optional<at::Generator> BatchSampler::generator() const {
-  return sampler_ ? sampler_->generator() : std::nullopt;
-}
+std::optional<at::Generator> BatchSampler::generator() const { return sampler_ ? sampler_->generator() : std::nullopt; }
 
 ListBatchSampler::ListBatchSampler(std::vector<std::vector<int64_t>> batches, bool drop_last)
     : BatchSampler(std::nullopt, drop_last),
@@ -349,8 +350,8 @@ IndexBatchGenerator ListBatchSampler::iter() {
   };
 }
 
-BatchSamplerShard::BatchSamplerShard(std::shared_ptr<BatchSampler> batch_sampler, int num_processes,
-                                     int process_index, BatchSamplerShardOptions options)
+BatchSamplerShard::BatchSamplerShard(std::shared_ptr<BatchSampler> batch_sampler, int num_processes, int process_index,
+                                     BatchSamplerShardOptions options)
     : BatchSampler(batch_sampler ? batch_sampler->batch_size() : std::nullopt,
                    batch_sampler ? batch_sampler->drop_last() : false),
       batch_sampler_(std::move(batch_sampler)),
@@ -359,14 +360,18 @@ BatchSamplerShard::BatchSamplerShard(std::shared_ptr<BatchSampler> batch_sampler
       options_(options) {
   TORCH_CHECK_VALUE(batch_sampler_ != nullptr, "[BatchSamplerShard] expected a batch sampler, got null");
   TORCH_CHECK_VALUE(num_processes >= 1, "[BatchSamplerShard] num_processes must be >= 1, got ", num_processes);
-  TORCH_CHECK_INDEX(process_index >= 0 && process_index < num_processes, "[BatchSamplerShard] process_index must be in [0, ",
-                    num_processes, "), got ", process_index);
+  TORCH_CHECK_INDEX(process_index >= 0 && process_index < num_processes,
+                    "[BatchSamplerShard] process_index must be in [0, ", num_processes, "), got ", process_index);
   if (options.split_batches) {
     const auto bs = batch_size();
-    TORCH_CHECK_VALUE(bs.has_value(), "[BatchSamplerShard] split_batches needs a batch sampler with a batch size that is a "
-                      "round multiple of the number of processes (", num_processes, "), got one of varying batch sizes");
-    TORCH_CHECK_VALUE(*bs % num_processes == 0, "[BatchSamplerShard] split_batches needs a batch size that is a round "
-                      "multiple of the number of processes (", num_processes, "), got ", *bs);
+    TORCH_CHECK_VALUE(bs.has_value(),
+                      "[BatchSamplerShard] split_batches needs a batch sampler with a batch size that is a "
+                      "round multiple of the number of processes (",
+                      num_processes, "), got one of varying batch sizes");
+    TORCH_CHECK_VALUE(*bs % num_processes == 0,
+                      "[BatchSamplerShard] split_batches needs a batch size that is a round "
+                      "multiple of the number of processes (",
+                      num_processes, "), got ", *bs);
   }
 }
 
@@ -411,7 +416,7 @@ struct UnsplitShardState {
   std::vector<std::vector<int64_t>> first_batches{};  // varying batch sizes: the first round's batches
   std::optional<std::vector<int64_t>> pending{};      // this process's batch of the current round
   std::vector<int64_t> last{};                        // the last batch of the sampler
-  int64_t index = -1;                               // index of the last batch of the sampler
+  int64_t index = -1;                                 // index of the last batch of the sampler
   bool sampler_ended = false;
   bool tail_built = false;
   std::deque<std::vector<int64_t>> tail{};
@@ -563,7 +568,8 @@ IndexBatchGenerator SkipBatchSampler::iter() {
 
 // ---- iterable shards ------------------------------------------------------------------------
 
-IterableDatasetShard::IterableDatasetShard(std::shared_ptr<IterableDataset> dataset, IterableDatasetShardOptions options)
+IterableDatasetShard::IterableDatasetShard(std::shared_ptr<IterableDataset> dataset,
+                                           IterableDatasetShardOptions options)
     : dataset_(std::move(dataset)), options_(options) {
   TORCH_CHECK_VALUE(dataset_ != nullptr, "[IterableDatasetShard] expected a dataset, got null");
   TORCH_CHECK_VALUE(options.batch_size >= 1, "[IterableDatasetShard] batch_size must be a positive integer, got ",
@@ -575,7 +581,8 @@ IterableDatasetShard::IterableDatasetShard(std::shared_ptr<IterableDataset> data
                     options.process_index);
   TORCH_CHECK_VALUE(!options.split_batches || options.batch_size % options.num_processes == 0,
                     "[IterableDatasetShard] split_batches needs a batch size that is a round multiple of the number "
-                    "of processes (", options.num_processes, "), got ", options.batch_size);
+                    "of processes (",
+                    options.num_processes, "), got ", options.batch_size);
 }
 
 int64_t IterableDatasetShard::round_size() const {
@@ -747,8 +754,8 @@ void set_generator_state_hex(at::Generator generator, const std::string& hex, co
   try {
     generator.set_state(state);
   } catch (const c10::Error& e) {
-    TORCH_CHECK_VALUE(false, "[", api, "] the generator refused the saved state (", state.numel(),
-                      " bytes): ", e.what_without_backtrace());
+    C10_THROW_ERROR(ValueError, c10::str("[", api, "] the generator refused the saved state (", state.numel(),
+                      " bytes): ", e.what_without_backtrace()));
   }
 }
 
@@ -794,7 +801,8 @@ int64_t loader_size(const DataLoaderImpl& impl) {
     size = impl.split_batches ? whole : impl.drop_last ? whole / n : (whole + n - 1) / n;
   } else if (impl.iterable) {
     const auto samples = impl.iterable->size();
-    TORCH_CHECK_VALUE(samples.has_value(), "[DataLoader] size() needs an iterable dataset of known size, got one whose "
+    TORCH_CHECK_VALUE(samples.has_value(),
+                      "[DataLoader] size() needs an iterable dataset of known size, got one whose "
                       "size() is empty");
     const int64_t bs = *impl.batch_size;
     size = impl.drop_last ? *samples / bs : (*samples + bs - 1) / bs;
@@ -928,20 +936,19 @@ class BatchStream {
   std::vector<std::thread> workers_;
 };
 
-Example load_batch(Dataset& dataset, const std::vector<int64_t>& indices, const CollateFn& collate,
-                   bool batched_read) {
+Example load_batch(Dataset& dataset, const std::vector<int64_t>& indices, const CollateFn& collate, bool batched_read) {
   const int64_t size = dataset.size();
   for (const int64_t index : indices) {
     TORCH_CHECK_INDEX(index >= 0 && index < size, "[DataLoader] the sampler yielded index ", index,
                       ", outside the dataset's ", size, " samples [0, ", size, ")");
   }
-  if (batched_read) {
+  if (batched_read && !indices.empty()) {
     std::optional<Example> batch;
     try {
       batch = dataset.get_batch(indices);
     } catch (const std::exception& e) {
-      TORCH_CHECK(false, "[DataLoader] loading a batch of ", indices.size(), " samples from index ",
-                  indices.empty() ? -1 : indices.front(), " failed: dataset.get_batch threw: ", error_message(e));
+      C10_THROW_ERROR(Error, c10::str("[DataLoader] loading a batch of ", indices.size(), " samples from index ",
+                  indices.empty() ? -1 : indices.front(), " failed: dataset.get_batch threw: ", error_message(e)));
     }
     if (batch) return std::move(*batch);
   }
@@ -951,8 +958,8 @@ Example load_batch(Dataset& dataset, const std::vector<int64_t>& indices, const 
     try {
       samples.push_back(dataset.get(index));
     } catch (const std::exception& e) {
-      TORCH_CHECK(false, "[DataLoader] loading sample ", index, " failed: dataset.get(", index, ") threw: ",
-                  error_message(e));
+      C10_THROW_ERROR(Error, c10::str("[DataLoader] loading sample ", index, " failed: dataset.get(", index,
+                  ") threw: ", error_message(e)));
     }
   }
   return collate(std::move(samples));
@@ -976,7 +983,8 @@ TaskSource map_tasks(std::shared_ptr<Dataset> dataset, IndexBatchGenerator batch
   };
 }
 
-TaskSource iterable_tasks(ExampleGenerator samples, int64_t batch_size, bool drop_last, CollateFn collate, SkipPlan plan) {
+TaskSource iterable_tasks(ExampleGenerator samples, int64_t batch_size, bool drop_last, CollateFn collate,
+                          SkipPlan plan) {
   return [samples = std::move(samples), batch_size, drop_last, collate = std::move(collate), plan, read = int64_t{0},
           emitted = int64_t{0}]() mutable -> std::optional<Task> {
     auto take = [&]() -> std::optional<std::vector<Example>> {
@@ -987,7 +995,8 @@ TaskSource iterable_tasks(ExampleGenerator samples, int64_t batch_size, bool dro
         try {
           sample = samples();
         } catch (const std::exception& e) {
-          TORCH_CHECK(false, "[DataLoader] reading sample ", read, " of the iterable dataset failed: ", error_message(e));
+          C10_THROW_ERROR(Error, c10::str("[DataLoader] reading sample ", read,
+                      " of the iterable dataset failed: ", error_message(e)));
         }
         if (!sample) break;
         ++read;
@@ -1009,9 +1018,9 @@ TaskSource iterable_tasks(ExampleGenerator samples, int64_t batch_size, bool dro
 }
 
 std::unique_ptr<BatchStream> open_stream(const DataLoaderImpl& impl, SkipPlan plan) {
-  TaskSource source = impl.iterable
-                          ? iterable_tasks(impl.iterable->iter(), *impl.batch_size, impl.drop_last, impl.collate, plan)
-                          : map_tasks(impl.dataset, impl.batch_sampler->iter(), impl.collate, impl.default_collate, plan);
+  TaskSource source =
+      impl.iterable ? iterable_tasks(impl.iterable->iter(), *impl.batch_size, impl.drop_last, impl.collate, plan)
+                    : map_tasks(impl.dataset, impl.batch_sampler->iter(), impl.collate, impl.default_collate, plan);
   return std::make_unique<BatchStream>(std::move(source), impl.num_workers, impl.prefetch_factor);
 }
 
@@ -1061,8 +1070,8 @@ int64_t rows_of(const Example& batch) {
   for (const auto& [key, value] : batch.fields) {
     if (value.isList()) return static_cast<int64_t>(value.toListRef().size());
   }
-  TORCH_CHECK_VALUE(false, "[DataLoaderDispatcher] cannot tell the batch size: the batch holds no tensor with a first "
-                    "dimension and no list");
+  C10_THROW_ERROR(ValueError, c10::str("[DataLoaderDispatcher] cannot tell the batch size: the batch holds no tensor with a first "
+                    "dimension and no list"));
 }
 
 c10::IValue slice_value(const c10::IValue& value, int64_t start, int64_t end) {
@@ -1156,10 +1165,13 @@ class DispatchSource final : public StepSource {
     try {
       return concatenate_examples(parts);
     } catch (const std::exception& e) {
-      TORCH_CHECK_VALUE(false, "[DataLoaderDispatcher] cannot concatenate ", parts.size(), " batches into one to "
+      C10_THROW_ERROR(ValueError, c10::str("[DataLoaderDispatcher] cannot concatenate ", parts.size(),
+                        " batches into one to "
                         "dispatch: without split_batches, dispatch_batches needs batches of the same shape beyond the "
-                        "first dimension (", error_message(e), "); pass split_batches=true to split one batch "
-                        "instead, or dispatch_batches=false to let every process read its own batches");
+                        "first dimension (",
+                        error_message(e),
+                        "); pass split_batches=true to split one batch "
+                        "instead, or dispatch_batches=false to let every process read its own batches"));
     }
   }
 
@@ -1378,8 +1390,9 @@ DataLoader::DataLoader(std::shared_ptr<Dataset> dataset, DataLoaderOptions optio
   if (options.batch_sampler) {
     TORCH_CHECK_VALUE(options.batch_size == 1 && !options.shuffle && !options.sampler && !options.drop_last,
                       "[DataLoader] batch_sampler is mutually exclusive with batch_size, shuffle, sampler and "
-                      "drop_last, got batch_size=", options.batch_size, ", shuffle=", options.shuffle,
-                      ", a sampler: ", options.sampler != nullptr, ", drop_last=", options.drop_last);
+                      "drop_last, got batch_size=",
+                      options.batch_size, ", shuffle=", options.shuffle, ", a sampler: ", options.sampler != nullptr,
+                      ", drop_last=", options.drop_last);
     L.batch_sampler = std::move(options.batch_sampler);
     L.batch_size = L.batch_sampler->batch_size();
   } else {
@@ -1411,7 +1424,8 @@ DataLoader::DataLoader(std::shared_ptr<IterableDataset> dataset, DataLoaderOptio
   check_common_options(options);
   TORCH_CHECK_VALUE(!options.shuffle && !options.sampler && !options.batch_sampler,
                     "[DataLoader] an iterable dataset decides its own order: expected no shuffle, sampler or "
-                    "batch_sampler, got shuffle=", options.shuffle, ", a sampler: ", options.sampler != nullptr,
+                    "batch_sampler, got shuffle=",
+                    options.shuffle, ", a sampler: ", options.sampler != nullptr,
                     ", a batch_sampler: ", options.batch_sampler != nullptr);
   TORCH_CHECK_VALUE(options.batch_size >= 1, "[DataLoader] batch_size must be a positive integer, got ",
                     options.batch_size);
@@ -1535,8 +1549,7 @@ DataLoaderState DataLoaderState::from_json(const std::string& text) {
   try {
     j = nlohmann::json::parse(text);
   } catch (const nlohmann::json::parse_error& e) {
-    TORCH_CHECK_VALUE(false, "[DataLoaderState::from_json] expected a JSON object, got text that does not parse: ",
-                      e.what());
+    C10_THROW_ERROR(ValueError, c10::str("[DataLoaderState::from_json] expected a JSON object, got text that does not parse: ", e.what()));
   }
   TORCH_CHECK_VALUE(j.is_object(), "[DataLoaderState::from_json] expected a JSON object, got ", j.type_name());
   auto integer = [&](const char* key) {
@@ -1557,9 +1570,10 @@ DataLoaderState DataLoaderState::from_json(const std::string& text) {
                     "[DataLoaderState::from_json] expected \"generator_state\" to be a string, got ",
                     j.contains("generator_state") ? j.at("generator_state").dump() : std::string("nothing"));
   state.generator_state = j.at("generator_state").get<std::string>();
-  TORCH_CHECK_VALUE(detail::is_hex(state.generator_state),
-                    "[DataLoaderState::from_json] expected \"generator_state\" to be an even number of hex digits, got ",
-                    state.generator_state.size(), " characters that are not");
+  TORCH_CHECK_VALUE(
+      detail::is_hex(state.generator_state),
+      "[DataLoaderState::from_json] expected \"generator_state\" to be an even number of hex digits, got ",
+      state.generator_state.size(), " characters that are not");
   return state;
 }
 
@@ -1581,7 +1595,8 @@ DataLoader prepare_data_loader(const DataLoader& loader, const PartialState& sta
                                const PrepareDataLoaderOptions& options) {
   using detail::LoaderKind;
   const auto& src = *loader.impl();
-  TORCH_CHECK_VALUE(src.kind == LoaderKind::kPlain, "[prepare_data_loader] expected a data loader that is not prepared "
+  TORCH_CHECK_VALUE(src.kind == LoaderKind::kPlain,
+                    "[prepare_data_loader] expected a data loader that is not prepared "
                     "yet, got one returned by prepare_data_loader");
   const bool iterable = src.iterable != nullptr;
   const bool dispatch = options.dispatch_batches.value_or(options.put_on_device && iterable);
@@ -1590,16 +1605,21 @@ DataLoader prepare_data_loader(const DataLoader& loader, const PartialState& sta
   const int num_processes = options.num_processes.value_or(state.num_processes());
   const int process_index = options.process_index.value_or(state.process_index());
   TORCH_CHECK_VALUE(num_processes >= 1, "[prepare_data_loader] num_processes must be >= 1, got ", num_processes);
-  TORCH_CHECK_INDEX(process_index >= 0 && process_index < num_processes, "[prepare_data_loader] process_index must be "
-                    "in [0, ", num_processes, "), got ", process_index);
+  TORCH_CHECK_INDEX(process_index >= 0 && process_index < num_processes,
+                    "[prepare_data_loader] process_index must be "
+                    "in [0, ",
+                    num_processes, "), got ", process_index);
   // The dispatcher always splits over the processes of the state.
   const int shards = dispatch ? state.num_processes() : num_processes;
   const auto batch_size = src.batch_size;
   if (options.split_batches) {
-    TORCH_CHECK_VALUE(batch_size.has_value(), "[prepare_data_loader] split_batches needs a batch size, but the loader's "
+    TORCH_CHECK_VALUE(batch_size.has_value(),
+                      "[prepare_data_loader] split_batches needs a batch size, but the loader's "
                       "batch sampler yields batches of varying sizes");
-    TORCH_CHECK_VALUE(*batch_size % shards == 0, "[prepare_data_loader] split_batches needs a batch size that is a round "
-                      "multiple of the number of processes (", shards, "), got ", *batch_size);
+    TORCH_CHECK_VALUE(*batch_size % shards == 0,
+                      "[prepare_data_loader] split_batches needs a batch size that is a round "
+                      "multiple of the number of processes (",
+                      shards, "), got ", *batch_size);
   }
 
   auto impl = std::make_shared<detail::DataLoaderImpl>(src);
@@ -1627,7 +1647,8 @@ DataLoader prepare_data_loader(const DataLoader& loader, const PartialState& sta
       auto seedable = std::make_shared<SeedableRandomSampler>(
           random->data_size(), RandomSamplerOptions{random->replacement(), random->size(), random->generator()},
           options.data_seed);
-      batch_sampler = std::make_shared<BatchSampler>(seedable, *batch_sampler->batch_size(), batch_sampler->drop_last());
+      batch_sampler =
+          std::make_shared<BatchSampler>(seedable, *batch_sampler->batch_size(), batch_sampler->drop_last());
     }
   }
   impl->batch_sampler = batch_sampler;
@@ -1641,12 +1662,12 @@ DataLoader prepare_data_loader(const DataLoader& loader, const PartialState& sta
   } else if (num_processes != 1) {
     if (iterable) {
       impl->iterable = std::make_shared<IterableDatasetShard>(
-          src.iterable, IterableDatasetShardOptions{*batch_size, src.drop_last, num_processes, process_index,
-                                                    options.split_batches});
+          src.iterable,
+          IterableDatasetShardOptions{*batch_size, src.drop_last, num_processes, process_index, options.split_batches});
     } else {
-      impl->batch_sampler = std::make_shared<BatchSamplerShard>(
-          batch_sampler, num_processes, process_index,
-          BatchSamplerShardOptions{options.split_batches, options.even_batches});
+      impl->batch_sampler =
+          std::make_shared<BatchSamplerShard>(batch_sampler, num_processes, process_index,
+                                              BatchSamplerShardOptions{options.split_batches, options.even_batches});
       impl->synchronize_generator = !options.use_seedable_sampler;
     }
   }

@@ -98,6 +98,7 @@ struct ShardCase {
 
 // Generated from upstream's BatchSamplerShard over BatchSampler(range(n), batch_size, drop_last);
 // the 2-process rows are upstream's own test tables.
+// clang-format off
 const ShardCase kShardCases[] = {
     {24, 3, false, 2, false, true, {{{0, 1, 2}, {6, 7, 8}, {12, 13, 14}, {18, 19, 20}}, {{3, 4, 5}, {9, 10, 11}, {15, 16, 17}, {21, 22, 23}}}, {4, 4}},
     {24, 3, true, 2, false, true, {{{0, 1, 2}, {6, 7, 8}, {12, 13, 14}, {18, 19, 20}}, {{3, 4, 5}, {9, 10, 11}, {15, 16, 17}, {21, 22, 23}}}, {4, 4}},
@@ -208,6 +209,7 @@ const ShardCase kShardCases[] = {
     {7, 4, false, 1, true, false, {{{0, 1, 2, 3}, {4, 5, 6}}}, {2}},
     {7, 4, true, 1, true, false, {{{0, 1, 2, 3}}}, {1}},
 };
+// clang-format on
 
 void PrintTo(const ShardCase& c, std::ostream* os) {
   *os << "range(" << c.n << ") batch_size " << c.batch_size << (c.drop_last ? " drop_last" : "") << " over "
@@ -366,7 +368,8 @@ TEST(RandomSampler, IsAPermutationDrawnFromItsGenerator) {
 }
 
 TEST(RandomSampler, DrawsWithReplacementAndAnyNumberOfSamples) {
-  RandomSampler with(4, {.replacement = true, .num_samples = 50, .generator = at::make_generator<at::CPUGeneratorImpl>(1)});
+  RandomSampler with(
+      4, {.replacement = true, .num_samples = 50, .generator = at::make_generator<at::CPUGeneratorImpl>(1)});
   EXPECT_EQ(with.size(), 50);
   int64_t count = 0;
   auto next = with.iter();
@@ -434,6 +437,7 @@ struct StreamCase {
 };
 
 // Generated from upstream's IterableDatasetShard over a stream of 0..n-1.
+// clang-format off
 const StreamCase kStreamCases[] = {
     {0, 4, false, 2, false, {{}, {}}},
     {0, 4, true, 2, false, {{}, {}}},
@@ -532,6 +536,7 @@ const StreamCase kStreamCases[] = {
     {24, 4, false, 4, true, {{0, 4, 8, 12, 16, 20}, {1, 5, 9, 13, 17, 21}, {2, 6, 10, 14, 18, 22}, {3, 7, 11, 15, 19, 23}}},
     {24, 4, true, 4, true, {{0, 4, 8, 12, 16, 20}, {1, 5, 9, 13, 17, 21}, {2, 6, 10, 14, 18, 22}, {3, 7, 11, 15, 19, 23}}},
 };
+// clang-format on
 
 void PrintTo(const StreamCase& c, std::ostream* os) {
   *os << "stream of " << c.n << " batch_size " << c.batch_size << (c.drop_last ? " drop_last" : "") << " over "
@@ -549,8 +554,10 @@ class IterableDatasetShardTable : public ::testing::TestWithParam<StreamCase> {}
 TEST_P(IterableDatasetShardTable, EveryProcessGetsUpstreamsSamplesAndItsSizeCountsThem) {
   const auto& c = GetParam();
   for (int p = 0; p < c.num_processes; ++p) {
-    IterableDatasetShard shard(range_stream(c.n), {.batch_size = c.batch_size, .drop_last = c.drop_last,
-                                                   .num_processes = c.num_processes, .process_index = p,
+    IterableDatasetShard shard(range_stream(c.n), {.batch_size = c.batch_size,
+                                                   .drop_last = c.drop_last,
+                                                   .num_processes = c.num_processes,
+                                                   .process_index = p,
                                                    .split_batches = c.split_batches});
     std::vector<int64_t> seen;
     auto next = shard.iter();
@@ -572,16 +579,17 @@ TEST(IterableDatasetShard, InterleavingTheShardsRebuildsTheStreamWrappedAround) 
     const int64_t share = split ? bs / n : bs;
     std::vector<std::vector<int64_t>> shards;
     for (int p = 0; p < n; ++p) {
-      IterableDatasetShard shard(range_stream(29), {.batch_size = bs, .num_processes = n, .process_index = p,
-                                                    .split_batches = split});
+      IterableDatasetShard shard(range_stream(29),
+                                 {.batch_size = bs, .num_processes = n, .process_index = p, .split_batches = split});
       shards.emplace_back();
       auto next = shard.iter();
       while (auto e = next()) shards.back().push_back(e->data.item<int64_t>());
     }
     std::vector<int64_t> observed;
     for (size_t i = 0; i < shards[0].size(); i += static_cast<size_t>(share)) {
-      for (const auto& s : shards) observed.insert(observed.end(), s.begin() + static_cast<long>(i),
-                                                   s.begin() + static_cast<long>(i + static_cast<size_t>(share)));
+      for (const auto& s : shards)
+        observed.insert(observed.end(), s.begin() + static_cast<long>(i),
+                        s.begin() + static_cast<long>(i + static_cast<size_t>(share)));
     }
     const std::vector<int64_t> stream = iota(29);
     std::vector<int64_t> reference;
@@ -599,18 +607,22 @@ TEST(IterableDatasetShard, SizeIsUnknownForAStreamOfUnknownSize) {
 
 TEST(IterableDatasetShard, SettingsAreChecked) {
   EXPECT_THROWS_WITH(IterableDatasetShard(nullptr), "expected a dataset, got null");
-  EXPECT_THROWS_WITH(IterableDatasetShard(range_stream(4), {.batch_size = 0}), "batch_size must be a positive integer, got 0");
+  EXPECT_THROWS_WITH(IterableDatasetShard(range_stream(4), {.batch_size = 0}),
+                     "batch_size must be a positive integer, got 0");
   EXPECT_THROWS_WITH(IterableDatasetShard(range_stream(4), {.num_processes = 0}), "num_processes must be >= 1, got 0");
   EXPECT_THROWS_WITH(IterableDatasetShard(range_stream(4), {.num_processes = 2, .process_index = 5}),
                      "process_index must be in [0, 2), got 5");
-  EXPECT_THROWS_WITH(IterableDatasetShard(range_stream(4), {.batch_size = 3, .num_processes = 2, .split_batches = true}),
-                     "split_batches needs a batch size that is a round multiple of the number of processes (2), got 3");
+  EXPECT_THROWS_WITH(
+      IterableDatasetShard(range_stream(4), {.batch_size = 3, .num_processes = 2, .split_batches = true}),
+      "split_batches needs a batch size that is a round multiple of the number of processes (2), got 3");
 }
 
 TEST(IterableDatasetShard, ForwardsTheEpochToTheDataset) {
   struct Recording final : IterableDataset {
     int64_t epoch = -1;
-    ExampleGenerator iter() override { return [] { return std::optional<Example>(); }; }
+    ExampleGenerator iter() override {
+      return [] { return std::optional<Example>(); };
+    }
     void set_epoch(int64_t e) override { epoch = e; }
   };
   auto dataset = std::make_shared<Recording>();
@@ -624,7 +636,8 @@ TEST(IterableDatasetShard, ForwardsTheEpochToTheDataset) {
 TEST(DefaultCollate, StacksTensorsAndTurnsNumbersIntoTensorsAndOtherFieldsIntoLists) {
   std::vector<Example> samples;
   for (int64_t i = 0; i < 3; ++i) {
-    samples.push_back(Example{at::full({2}, static_cast<double>(i)), at::scalar_tensor(i, at::kLong),
+    samples.push_back(Example{at::full({2}, static_cast<double>(i)),
+                              at::scalar_tensor(i, at::kLong),
                               {{"id", c10::IValue(i)},
                                {"mask", at::ones({4}, at::kBool)},
                                {"name", c10::IValue("s" + std::to_string(i))},
@@ -652,14 +665,16 @@ TEST(DefaultCollate, LeavesAMissingTargetUndefined) {
 
 TEST(DefaultCollate, RefusesSamplesThatDoNotAgree) {
   EXPECT_THROWS_WITH(default_collate({}), "[default_collate] expected at least one sample, got an empty batch");
-  EXPECT_THROWS_WITH(default_collate({Example{at::ones({2})}, Example{at::ones({3})}}),
-                     "cannot stack data: every sample must have the same shape, but sample 0 has [2] and sample 1 has [3]");
+  EXPECT_THROWS_WITH(
+      default_collate({Example{at::ones({2})}, Example{at::ones({3})}}),
+      "cannot stack data: every sample must have the same shape, but sample 0 has [2] and sample 1 has [3]");
   EXPECT_THROWS_WITH(default_collate({Example{at::ones({2}), at::ones({1})}, Example{at::ones({2})}}),
                      "every sample must have target or none must: sample 0 has, sample 1 has none");
   EXPECT_THROWS_WITH(default_collate({Example{at::ones({2}), {}, {{"a", 1}}}, Example{at::ones({2}), {}, {{"b", 1}}}}),
                      "every sample must have the same fields: sample 0 has {a}, sample 1 has {b}");
-  EXPECT_THROWS_WITH(default_collate({Example{{}, {}, {{"m", at::ones({2})}}}, Example{{}, {}, {{"m", at::ones({5})}}}}),
-                     "cannot stack field 'm'");
+  EXPECT_THROWS_WITH(
+      default_collate({Example{{}, {}, {{"m", at::ones({2})}}}, Example{{}, {}, {{"m", at::ones({5})}}}}),
+      "cannot stack field 'm'");
 }
 
 // ---- datasets ------------------------------------------------------------------------------------
@@ -673,7 +688,58 @@ TEST(TensorDataset, SamplesAreRows) {
   EXPECT_THROWS_WITH(dataset.get(6), "[TensorDataset] index 6 is outside [0, 6)");
   EXPECT_THROWS_WITH(TensorDataset(at::ones({3}), at::ones({4})),
                      "data and target must have the same first dimension, got 3 and 4");
-  EXPECT_THROWS_WITH(TensorDataset(at::scalar_tensor(1)), "expected a data tensor with a first dimension, got a 0-dim tensor");
+  EXPECT_THROWS_WITH(TensorDataset(at::scalar_tensor(1)),
+                     "expected a data tensor with a first dimension, got a 0-dim tensor");
+}
+
+TEST(TensorDataset, ABatchedReadEqualsCollatingTheSamples) {
+  TensorDataset dataset(at::randn({10, 3}), at::arange(10) * 2);
+  const auto batch = dataset.get_batch({3, 1, 7});
+  ASSERT_TRUE(batch.has_value());
+  const auto collated = default_collate({dataset.get(3), dataset.get(1), dataset.get(7)});
+  EXPECT_TRUE(batch->data.equal(collated.data));
+  EXPECT_TRUE(batch->target.equal(collated.target));
+  EXPECT_FALSE(TensorDataset(at::ones({2, 2})).get_batch({1})->target.defined());
+}
+
+// Counts how it is read; reads batches at once unless `batched` is false.
+struct CountingDataset final : Dataset {
+  explicit CountingDataset(bool batched) : batched(batched) {}
+  int64_t size() const override { return 6; }
+  Example get(int64_t i) override {
+    ++singles;
+    return Example{at::scalar_tensor(i, at::kLong)};
+  }
+  std::optional<Example> get_batch(const std::vector<int64_t>& indices) override {
+    ++batches;
+    if (!batched) return std::nullopt;
+    if (indices.front() == 4) throw std::runtime_error("disk full");
+    return Example{at::tensor(indices, at::kLong)};
+  }
+  bool batched;
+  std::atomic<int> singles{0};
+  std::atomic<int> batches{0};
+};
+
+TEST(DataLoader, ADatasetsBatchedReadIsUsedOnlyWithTheDefaultCollate) {
+  auto fast = std::make_shared<CountingDataset>(true);
+  DataLoader loader(fast, {.batch_size = 2});
+  EXPECT_THROWS_WITH(
+      batches_of(loader),
+      "[DataLoader] loading a batch of 2 samples from index 4 failed: dataset.get_batch threw: disk full");
+  EXPECT_EQ(fast->batches.load(), 3);
+  EXPECT_EQ(fast->singles.load(), 0);
+  // A custom collate function gets the samples one by one.
+  DataLoader custom(fast, {.batch_size = 2, .collate_fn = [](std::vector<Example> s) { return default_collate(s); }});
+  EXPECT_EQ(flat(batches_of(custom)), iota(6));
+  EXPECT_EQ(fast->batches.load(), 3);
+  EXPECT_EQ(fast->singles.load(), 6);
+  // A dataset that declines reads sample by sample.
+  auto slow = std::make_shared<CountingDataset>(false);
+  DataLoader fallback(slow, {.batch_size = 4});
+  EXPECT_EQ(flat(batches_of(fallback)), iota(6));
+  EXPECT_EQ(slow->batches.load(), 2);
+  EXPECT_EQ(slow->singles.load(), 6);
 }
 
 TEST(MakeDataset, LibTorchsTensorDatasetWorksDirectly) {
@@ -739,8 +805,8 @@ TEST(DataLoader, AnEmptyDatasetGivesNoBatches) {
 }
 
 TEST(DataLoader, ShufflesWithItsGeneratorLikePyTorch) {
-  DataLoader loader(range_dataset(10), {.batch_size = 10, .shuffle = true,
-                                        .generator = at::make_generator<at::CPUGeneratorImpl>(5)});
+  DataLoader loader(range_dataset(10),
+                    {.batch_size = 10, .shuffle = true, .generator = at::make_generator<at::CPUGeneratorImpl>(5)});
   EXPECT_EQ(flat(batches_of(loader)), values(at::randperm(10, at::make_generator<at::CPUGeneratorImpl>(5), at::kLong)));
 }
 
@@ -754,12 +820,13 @@ TEST(DataLoader, UsesACustomSamplerAndCollate) {
       };
     }
   };
-  DataLoader loader(range_dataset(5), {.batch_size = 2, .sampler = std::make_shared<Reverse>(),
-                                       .collate_fn = [](std::vector<Example> samples) {
-                                         auto batch = default_collate(std::move(samples));
-                                         batch.data = batch.data * 10;
-                                         return batch;
-                                       }});
+  DataLoader loader(
+      range_dataset(5),
+      {.batch_size = 2, .sampler = std::make_shared<Reverse>(), .collate_fn = [](std::vector<Example> samples) {
+         auto batch = default_collate(std::move(samples));
+         batch.data = batch.data * 10;
+         return batch;
+       }});
   EXPECT_EQ(batches_of(loader), (Batches{{40, 30}, {20, 10}, {0}}));
 }
 
@@ -771,12 +838,14 @@ TEST(DataLoader, RefusesABatchSizeOfZero) {
 }
 
 TEST(DataLoader, RefusesConflictingOptions) {
-  EXPECT_THROWS_WITH(DataLoader(range_dataset(4), {.batch_size = 2, .batch_sampler = range_batches(4, 2, false)}),
-                     "batch_sampler is mutually exclusive with batch_size, shuffle, sampler and drop_last, got batch_size=2");
+  EXPECT_THROWS_WITH(
+      DataLoader(range_dataset(4), {.batch_size = 2, .batch_sampler = range_batches(4, 2, false)}),
+      "batch_sampler is mutually exclusive with batch_size, shuffle, sampler and drop_last, got batch_size=2");
   EXPECT_THROWS_WITH(DataLoader(range_dataset(4), {.shuffle = true, .sampler = std::make_shared<SequentialSampler>(4)}),
                      "sampler is mutually exclusive with shuffle");
-  EXPECT_THROWS_WITH(DataLoader(range_stream(4), {.shuffle = true}),
-                     "an iterable dataset decides its own order: expected no shuffle, sampler or batch_sampler, got shuffle=1");
+  EXPECT_THROWS_WITH(
+      DataLoader(range_stream(4), {.shuffle = true}),
+      "an iterable dataset decides its own order: expected no shuffle, sampler or batch_sampler, got shuffle=1");
   EXPECT_THROWS_WITH(DataLoader(range_dataset(4), {.num_workers = -1}), "num_workers must be >= 0, got -1");
   EXPECT_THROWS_WITH(DataLoader(range_dataset(4), {.prefetch_factor = 0}), "prefetch_factor must be >= 1, got 0");
   EXPECT_THROWS_WITH(DataLoader(std::shared_ptr<Dataset>()), "[DataLoader] expected a dataset, got null");
@@ -866,7 +935,8 @@ TEST_P(DataLoaderErrors, ASamplerIndexOutOfRangeIsAnError) {
     }
   };
   DataLoader loader(range_dataset(5), {.sampler = std::make_shared<Beyond>(), .num_workers = GetParam()});
-  EXPECT_THROWS_WITH(batches_of(loader), "[DataLoader] the sampler yielded index 12, outside the dataset's 5 samples [0, 5)");
+  EXPECT_THROWS_WITH(batches_of(loader),
+                     "[DataLoader] the sampler yielded index 12, outside the dataset's 5 samples [0, 5)");
 }
 
 TEST_P(DataLoaderErrors, AnIterableDatasetErrorReachesTheLoop) {
@@ -877,7 +947,8 @@ TEST_P(DataLoaderErrors, AnIterableDatasetErrorReachesTheLoop) {
     };
   });
   DataLoader loader(stream, {.batch_size = 2, .num_workers = GetParam()});
-  EXPECT_THROWS_WITH(batches_of(loader), "[DataLoader] reading sample 5 of the iterable dataset failed: connection reset");
+  EXPECT_THROWS_WITH(batches_of(loader),
+                     "[DataLoader] reading sample 5 of the iterable dataset failed: connection reset");
 }
 
 INSTANTIATE_TEST_SUITE_P(Workers, DataLoaderErrors, ::testing::Values(0, 2));
@@ -981,13 +1052,15 @@ TEST(PrepareDataLoader, RemainderFollowsUpstream) {
   EXPECT_EQ(remainder_of(DataLoader(range_dataset(22), {.batch_size = 3}), {.num_processes = 2}), 22 % 6);
   EXPECT_EQ(remainder_of(DataLoader(range_dataset(22), {.batch_size = 4}), {.num_processes = 2, .split_batches = true}),
             22 % 4);
-  EXPECT_EQ(remainder_of(DataLoader(range_dataset(22), {.batch_size = 3, .drop_last = true}), {.num_processes = 2}), -1);
+  EXPECT_EQ(remainder_of(DataLoader(range_dataset(22), {.batch_size = 3, .drop_last = true}), {.num_processes = 2}),
+            -1);
   // Unknown for a stream of unknown size and for varying batch sizes.
   EXPECT_EQ(remainder_of(DataLoader(range_stream(9, /*sized=*/false), {.batch_size = 2}), {}), -1);
-  EXPECT_EQ(remainder_of(DataLoader(range_dataset(5), {.batch_sampler = std::make_shared<ListBatchSampler>(
-                                                                           Batches{{0, 1, 2}, {3}, {4}})}),
-                         {}),
-            -1);
+  EXPECT_EQ(
+      remainder_of(DataLoader(range_dataset(5),
+                              {.batch_sampler = std::make_shared<ListBatchSampler>(Batches{{0, 1, 2}, {3}, {4}})}),
+                   {}),
+      -1);
 }
 
 TEST(PrepareDataLoader, ExplicitProcessesShardWithoutAProcessGroup) {
@@ -1024,8 +1097,9 @@ TEST(PrepareDataLoader, RefusesBadSettings) {
                      "[prepare_data_loader] split_batches needs a batch size that is a round multiple of the number of "
                      "processes (2), got 3");
   DataLoader varying(range_dataset(5), {.batch_sampler = std::make_shared<ListBatchSampler>(Batches{{0, 1}, {2}})});
-  EXPECT_THROWS_WITH(prepare_data_loader(varying, state, gs, {.split_batches = true}),
-                     "split_batches needs a batch size, but the loader's batch sampler yields batches of varying sizes");
+  EXPECT_THROWS_WITH(
+      prepare_data_loader(varying, state, gs, {.split_batches = true}),
+      "split_batches needs a batch size, but the loader's batch sampler yields batches of varying sizes");
   EXPECT_THROWS_WITH(prepare_data_loader(loader, state, gs, {.dispatch_batches = true}),
                      "[prepare_data_loader] dispatch_batches=true requires put_on_device=true");
   EXPECT_THROWS_WITH(prepare_data_loader(loader, state, gs, {.num_processes = 2, .process_index = 2}),
@@ -1041,9 +1115,13 @@ TEST(PrepareDataLoader, PutOnDeviceMovesBatchesAndAConfigurationMapsToOptions) {
   auto loader = prepare_data_loader(DataLoader(range_dataset(4), {.batch_size = 2}), state, gs,
                                     {.put_on_device = true, .non_blocking = true});
   for (auto& batch : loader) EXPECT_EQ(batch.data.device(), state.device());
-  const auto options = PrepareDataLoaderOptions::from_config(
-      {.split_batches = true, .dispatch_batches = false, .even_batches = false, .use_seedable_sampler = true,
-       .data_seed = 9, .non_blocking = true, .use_stateful_dataloader = true});
+  const auto options = PrepareDataLoaderOptions::from_config({.split_batches = true,
+                                                              .dispatch_batches = false,
+                                                              .even_batches = false,
+                                                              .use_seedable_sampler = true,
+                                                              .data_seed = 9,
+                                                              .non_blocking = true,
+                                                              .use_stateful_dataloader = true});
   EXPECT_TRUE(options.split_batches);
   EXPECT_EQ(options.dispatch_batches, false);
   EXPECT_FALSE(options.even_batches);
@@ -1262,10 +1340,10 @@ TEST(PrepareDataLoader, IterableDatasetsAreShardedAcrossRanks) {
 // ---- dispatching ---------------------------------------------------------------------------------
 
 struct Dispatched {
-  std::vector<Batches> batches;                // per rank
-  std::vector<std::vector<bool>> ends;         // per rank: end_of_dataloader at each batch
-  std::vector<int64_t> remainders;             // per rank: remainder on the last batch
-  std::vector<int64_t> sizes;                  // per rank: size()
+  std::vector<Batches> batches;         // per rank
+  std::vector<std::vector<bool>> ends;  // per rank: end_of_dataloader at each batch
+  std::vector<int64_t> remainders;      // per rank: remainder on the last batch
+  std::vector<int64_t> sizes;           // per rank: size()
 };
 
 Dispatched dispatch(int ranks, const std::function<DataLoader()>& make, PrepareDataLoaderOptions options) {
@@ -1357,7 +1435,8 @@ TEST(DataLoaderDispatcher, DispatchesTheStreamOfAnIterableDatasetByDefault) {
   std::vector<Batches> seen(2);
   run_ranks(2, [&](const PartialState& state) {
     const auto gs = GradientState::standalone();
-    auto loader = prepare_data_loader(DataLoader(range_stream(10), {.batch_size = 2}), state, gs, {.put_on_device = true});
+    auto loader =
+        prepare_data_loader(DataLoader(range_stream(10), {.batch_size = 2}), state, gs, {.put_on_device = true});
     EXPECT_TRUE(loader.dispatch_batches());
     for (auto& batch : loader) seen[static_cast<size_t>(state.process_index())].push_back(values(batch.data));
   });
@@ -1371,7 +1450,8 @@ TEST(DataLoaderDispatcher, NonTensorFieldsAndTargetsTravelToo) {
   run_ranks(2, [&](const PartialState& state) {
     const auto gs = GradientState::standalone();
     auto dataset = make_dataset(8, [](int64_t i) {
-      return Example{at::full({3}, static_cast<double>(i)), at::scalar_tensor(100 + i, at::kLong),
+      return Example{at::full({3}, static_cast<double>(i)),
+                     at::scalar_tensor(100 + i, at::kLong),
                      {{"name", c10::IValue("n" + std::to_string(i))}, {"tokens", at::ones({2}, at::kLong) * i}}};
     });
     auto loader = prepare_data_loader(DataLoader(dataset, {.batch_size = 4}), state, gs,
@@ -1433,11 +1513,14 @@ TEST(DataLoaderDispatcher, ABatchWithoutRowsHasNoBatchSizeToSplit) {
   const auto state = single_state();
   const auto gs = GradientState::standalone();
   auto loader = prepare_data_loader(
-      DataLoader(range_dataset(4), {.batch_size = 2, .collate_fn = [](std::vector<Example>) {
-                                      return Example{{}, {}, {{"note", c10::IValue("no tensors")}}};
-                                    }}),
+      DataLoader(range_dataset(4), {.batch_size = 2,
+                                    .collate_fn =
+                                        [](std::vector<Example>) {
+                                          return Example{{}, {}, {{"note", c10::IValue("no tensors")}}};
+                                        }}),
       state, gs, {.put_on_device = true, .dispatch_batches = true});
-  EXPECT_THROWS_WITH(batches_of(loader), "[DataLoaderDispatcher] cannot tell the batch size: the batch holds no tensor");
+  EXPECT_THROWS_WITH(batches_of(loader),
+                     "[DataLoaderDispatcher] cannot tell the batch size: the batch holds no tensor");
 }
 
 TEST(DataLoaderDispatcher, EndOfDataloaderOnTheFirstAndSecondPass) {
@@ -1486,9 +1569,9 @@ TEST(DataLoaderDispatcher, ACustomSliceFunctionChoosesEachProcessesPart) {
       out.data = batch.data.slice(0, process_index, batch.data.size(0), num_processes);
       return out;
     };
-    auto loader = prepare_data_loader(DataLoader(range_dataset(8), {.batch_size = 4}), state, gs,
-                                      {.split_batches = true, .put_on_device = true, .dispatch_batches = true,
-                                       .slice_fn_for_dispatch = every_other});
+    auto loader = prepare_data_loader(
+        DataLoader(range_dataset(8), {.batch_size = 4}), state, gs,
+        {.split_batches = true, .put_on_device = true, .dispatch_batches = true, .slice_fn_for_dispatch = every_other});
     for (auto& batch : loader) seen[static_cast<size_t>(state.process_index())].push_back(values(batch.data));
   });
   EXPECT_EQ(seen[0], (Batches{{0, 2}, {4, 6}}));
@@ -1564,7 +1647,9 @@ class Resume : public ::testing::TestWithParam<int> {};
 TEST_P(Resume, AStateSavedMidEpochResumesAtTheNextBatch) {
   const int workers = GetParam();
   auto make = [&] {
-    return DataLoader(jittery_range(40), {.batch_size = 4, .shuffle = true, .num_workers = workers,
+    return DataLoader(jittery_range(40), {.batch_size = 4,
+                                          .shuffle = true,
+                                          .num_workers = workers,
                                           .generator = at::make_generator<at::CPUGeneratorImpl>(3)});
   };
   auto loader = make();
@@ -1592,7 +1677,9 @@ TEST_P(Resume, AStateSavedMidEpochResumesAtTheNextBatch) {
 TEST_P(Resume, AStateSavedOnTheLastBatchResumesAtTheNextEpoch) {
   const int workers = GetParam();
   auto make = [&] {
-    return DataLoader(range_dataset(12), {.batch_size = 4, .shuffle = true, .num_workers = workers,
+    return DataLoader(range_dataset(12), {.batch_size = 4,
+                                          .shuffle = true,
+                                          .num_workers = workers,
                                           .generator = at::make_generator<at::CPUGeneratorImpl>(8)});
   };
   auto loader = make();
@@ -1662,7 +1749,9 @@ TEST_P(Resume, ADispatchingLoaderResumesAtTheNextBatch) {
     const auto gs = GradientState::standalone();
     auto make = [&] {
       return prepare_data_loader(
-          DataLoader(range_dataset(27), {.batch_size = 3, .shuffle = true, .num_workers = workers,
+          DataLoader(range_dataset(27), {.batch_size = 3,
+                                         .shuffle = true,
+                                         .num_workers = workers,
                                          .generator = at::make_generator<at::CPUGeneratorImpl>(11)}),
           state, gs, {.put_on_device = true, .dispatch_batches = true});
     };
@@ -1697,7 +1786,8 @@ TEST(Resume, AStateThatDoesNotFitTheLoaderIsRefused) {
   truncated.generator_state.resize(20);
   EXPECT_THROWS_WITH(shuffled.load_state_dict(truncated), "the generator refused the saved state (10 bytes)");
   truncated.generator_state = "zz";
-  EXPECT_THROWS_WITH(shuffled.load_state_dict(truncated), "expected the generator state as an even number of hex digits");
+  EXPECT_THROWS_WITH(shuffled.load_state_dict(truncated),
+                     "expected the generator state as an even number of hex digits");
 }
 
 TEST(DataLoaderState, RoundTripsThroughJson) {
@@ -1718,12 +1808,11 @@ TEST(DataLoaderState, RefusesHostileJson) {
                      "expected \"batches_yielded\" to be an integer >= 0, got \"2\"");
   EXPECT_THROWS_WITH(DataLoaderState::from_json(R"({"epoch": 1.5, "batches_yielded": 2, )" + good + "}"),
                      "expected \"epoch\" to be an integer >= 0, got 1.5");
-  EXPECT_THROWS_WITH(
-      DataLoaderState::from_json(R"({"epoch": 1, "batches_yielded": 2, "iterator_finished": 1, "generator_state": ""})"),
-      "expected \"iterator_finished\" to be true or false, got 1");
-  EXPECT_THROWS_WITH(
-      DataLoaderState::from_json(R"({"epoch": 1, "batches_yielded": 2, "iterator_finished": true})"),
-      "expected \"generator_state\" to be a string, got nothing");
+  EXPECT_THROWS_WITH(DataLoaderState::from_json(
+                         R"({"epoch": 1, "batches_yielded": 2, "iterator_finished": 1, "generator_state": ""})"),
+                     "expected \"iterator_finished\" to be true or false, got 1");
+  EXPECT_THROWS_WITH(DataLoaderState::from_json(R"({"epoch": 1, "batches_yielded": 2, "iterator_finished": true})"),
+                     "expected \"generator_state\" to be a string, got nothing");
   EXPECT_THROWS_WITH(DataLoaderState::from_json(
                          R"({"epoch": 1, "batches_yielded": 2, "iterator_finished": true, "generator_state": "abc"})"),
                      "expected \"generator_state\" to be an even number of hex digits, got 3 characters");

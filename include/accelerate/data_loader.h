@@ -572,7 +572,9 @@ class DataLoader::Iterator {
   /// Delivers the next batch (loading the one after it), or ends the pass.
   Iterator& operator++();
   void operator++(int) { ++*this; }
-  friend bool operator==(const Iterator& a, const Iterator& b) { return a.done() == b.done() && (a.done() || a.it_ == b.it_); }
+  friend bool operator==(const Iterator& a, const Iterator& b) {
+    return a.done() == b.done() && (a.done() || a.it_ == b.it_);
+  }
 
  private:
   friend class DataLoader;
@@ -604,8 +606,8 @@ struct DataLoaderConfiguration {
 };
 
 /// Slices a dispatched batch for one process: rows [start, end) of every tensor by default.
-using SliceFn = std::function<Example(const Example& batch, int64_t start, int64_t end, int process_index,
-                                      int num_processes)>;
+using SliceFn =
+    std::function<Example(const Example& batch, int64_t start, int64_t end, int process_index, int num_processes)>;
 
 /// Arguments of `prepare_data_loader` (upstream: its keyword arguments).
 struct PrepareDataLoaderOptions {
@@ -644,8 +646,8 @@ struct PrepareDataLoaderOptions {
 /// `prepare_data_loader`). Batches are sharded by `BatchSamplerShard` or `IterableDatasetShard`,
 /// or dispatched from the main process; the end of each pass and the padding of the last batch
 /// are reported to `gradient_state`. The original loader's dataset and samplers are shared.
-DataLoader prepare_data_loader(const DataLoader& loader, const PartialState& state,
-                               const GradientState& gradient_state, const PrepareDataLoaderOptions& options = {});
+DataLoader prepare_data_loader(const DataLoader& loader, const PartialState& state, const GradientState& gradient_state,
+                               const PrepareDataLoaderOptions& options = {});
 /// `prepare_data_loader` on the process-wide states.
 DataLoader prepare_data_loader(const DataLoader& loader, const PrepareDataLoaderOptions& options = {});
 

@@ -43,8 +43,8 @@ std::vector<int64_t> arange(int64_t n) {
 TEST(DataLoaderLaunch, TwoProcessesGatherExactlyTheDatasetInEveryMode) {
   const std::vector<std::string> ordered = {"shard", "split", "dispatch", "dispatch_split", "iterable", "workers"};
   const std::vector<std::string> shuffled = {"shuffle", "shuffle_split", "dispatch_shuffle"};
-  std::vector<std::string> argv = {accelerate_bin(), "launch", "-n", "2", "--main_process_port", "0",
-                                   built("tests/mp_data_loader")};
+  std::vector<std::string> argv = {
+      accelerate_bin(), "launch", "-n", "2", "--main_process_port", "0", built("tests/mp_data_loader")};
   argv.insert(argv.end(), ordered.begin(), ordered.end());
   argv.insert(argv.end(), shuffled.begin(), shuffled.end());
   argv.push_back("metrics");

@@ -57,8 +57,8 @@ int main(int argc, char** argv) {
     std::ostringstream line;
     line << mode << ":";
     for (auto& batch : loader) {
-      const auto all = metrics ? acc::gather_for_metrics(state, gradient_state, batch.data)
-                               : acc::gather(state, batch.data);
+      const auto all =
+          metrics ? acc::gather_for_metrics(state, gradient_state, batch.data) : acc::gather(state, batch.data);
       for (int64_t k = 0; k < all.numel(); ++k) line << " " << all[k].item<int64_t>();
     }
     if (state.is_main_process()) std::cout << line.str() << std::endl;
