@@ -6,11 +6,10 @@ Usage: python3 bench/collectives_twin.py [--quick] [--nproc 2]
 """
 import json
 import os
-import socket
-import subprocess
 import sys
 import time
 
+from twin_launch import run_as_workers
 import torch
 import torch.distributed as dist
 
@@ -70,21 +69,7 @@ def worker(quick):
 
 def main():
     quick = "--quick" in sys.argv
-    if "RANK" in os.environ:
-        worker(quick)
-        return
-    nproc = int(sys.argv[sys.argv.index("--nproc") + 1]) if "--nproc" in sys.argv else 2
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    threads = max(1, (os.cpu_count() or 1) // nproc)
-    procs = []
-    for rank in range(nproc):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads))
-        procs.append(subprocess.Popen([sys.executable] + sys.argv, env=env))
-    sys.exit(max(p.wait() for p in procs))
+    run_as_workers(lambda: worker(quick), nproc=int(sys.argv[sys.argv.index("--nproc") + 1]) if "--nproc" in sys.argv else 2)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,25 @@
+"""Starts the processes of a PyTorch twin with the environment contract of `accelerate launch`
+(RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, thread counts), since
+Debian's torchrun does not run on its Python."""
+import os
+import socket
+import subprocess
+import sys
+
+
+def run_as_workers(worker, nproc=2):
+    """In a worker (RANK set) calls `worker()`; otherwise restarts this script as `nproc` workers."""
+    if "RANK" in os.environ:
+        worker()
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    threads = max(1, (os.cpu_count() or 1) // nproc)
+    procs = []
+    for rank in range(nproc):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads))
+        procs.append(subprocess.Popen([sys.executable] + sys.argv, env=env))
+    sys.exit(max(p.wait() for p in procs))
