@@ -1,7 +1,33 @@
-// Accelerator construction; see include/accelerate/accelerator.h.
+// The Accelerator; see include/accelerate/accelerator.h.
 #include "accelerate/accelerator.h"
 
+#include "accelerate/utils/environment.h"
+
+#include <c10/util/Exception.h>
+#include <torch/nn/utils/clip_grad.h>
+
+#include <algorithm>
+#include <mutex>
+
 namespace accelerate {
+namespace detail {
+
+struct AcceleratorImpl {
+  AcceleratorOptions options;
+  bool standalone = false;
+  std::optional<GradScaler> scaler;
+  ProjectConfiguration project;
+
+  std::mutex mutex;  // guards the lists below and `step`
+  std::vector<DistributedDataParallel> models;
+  std::vector<AcceleratedOptimizer> optimizers;
+  std::vector<AcceleratedScheduler> schedulers;
+  std::vector<DataLoader> data_loaders;
+  int64_t step = 0;
+};
+
+}  // namespace detail
+
 namespace {
 
 AcceleratorState make_state(const AcceleratorOptions& options) {
@@ -20,10 +46,282 @@ AcceleratorState make_state(const AcceleratorOptions& options) {
   return AcceleratorState(state_options);
 }
 
+// Upstream reads ACCELERATE_GRADIENT_ACCUMULATION_STEPS over the argument when it is set.
+GradientAccumulationPlugin accumulation_plugin(const AcceleratorOptions& options) {
+  TORCH_CHECK_VALUE(!(options.gradient_accumulation_plugin && options.gradient_accumulation_steps),
+                    "[Accelerator] pass either gradient_accumulation_steps or gradient_accumulation_plugin, not both "
+                    "(set num_steps in the plugin)");
+  if (options.gradient_accumulation_plugin) return *options.gradient_accumulation_plugin;
+  GradientAccumulationPlugin plugin;
+  plugin.num_steps = options.gradient_accumulation_steps.value_or(1);
+  if (auto env = get_env("ACCELERATE_GRADIENT_ACCUMULATION_STEPS"); env && !env->empty()) {
+    size_t used = 0;
+    int parsed = 0;
+    try {
+      parsed = std::stoi(*env, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    TORCH_CHECK_VALUE(used == env->size() && parsed >= 1, "[Accelerator] environment variable "
+                                                         "ACCELERATE_GRADIENT_ACCUMULATION_STEPS must be a positive "
+                                                         "integer, got '", *env, "'");
+    plugin.num_steps = parsed;
+  }
+  TORCH_CHECK_VALUE(plugin.num_steps >= 1, "[Accelerator] gradient_accumulation_steps must be at least 1, got ",
+                    plugin.num_steps);
+  return plugin;
+}
+
+void check_options(const AcceleratorOptions& options) {
+  TORCH_CHECK_VALUE(options.log_with.empty(),
+                    "[Accelerator] log_with: experiment trackers are not available in this version of accelerate-cpp");
+  for (const auto& type : options.rng_types) {
+    TORCH_CHECK_VALUE(type == "torch" || type == "cuda" || type == "generator", "[Accelerator] rng_types: unknown "
+                                                                               "generator '", type,
+                      "'; expected 'torch', 'cuda' or 'generator'");
+  }
+}
+
 }  // namespace
 
+// ---- SyncGuard ------------------------------------------------------------------------------
+
+SyncGuard::SyncGuard(std::vector<DistributedDataParallel> models, std::optional<bool> sync, bool trigger_now) {
+  if (!sync) return;
+  saved_.reserve(models.size());
+  for (auto& model : models) {
+    saved_.push_back({model, model.require_backward_grad_sync(), model.require_forward_param_sync()});
+    model.set_require_backward_grad_sync(*sync);
+    if (trigger_now) {
+      model.set_require_forward_param_sync(true);
+      model.prepare_for_backward_now();
+    }
+  }
+}
+
+SyncGuard::~SyncGuard() {
+  for (auto& s : saved_) {
+    s.model.set_require_backward_grad_sync(s.backward_sync);
+    s.model.set_require_forward_param_sync(s.forward_sync);
+  }
+}
+
+// ---- Accelerator ----------------------------------------------------------------------------
+
 Accelerator::Accelerator(const AcceleratorOptions& options)
-    : state_(make_state(options)),
-      gradient_state_(options.standalone_state ? GradientState::standalone() : GradientState()) {}
+    : state_((check_options(options), make_state(options))),
+      gradient_state_(options.standalone_state ? GradientState::standalone(accumulation_plugin(options))
+                                               : GradientState(accumulation_plugin(options))),
+      impl_(std::make_shared<detail::AcceleratorImpl>()) {
+  impl_->options = options;
+  impl_->standalone = options.standalone_state.has_value();
+  impl_->project = options.project_config;
+  if (impl_->project.project_dir.empty()) impl_->project.project_dir = options.project_dir;
+  if (impl_->project.logging_dir.empty()) impl_->project.logging_dir = impl_->project.project_dir;
+  if (state_.mixed_precision() == PrecisionType::kFp16 && state_.device().is_cuda()) {
+    impl_->scaler = GradScaler(options.scaler_kwargs);
+  }
+}
+
+void Accelerator::set_gradient_accumulation_steps(int steps) const {
+  auto plugin = gradient_state_.plugin();
+  plugin.num_steps = steps;
+  gradient_state_.set_plugin(plugin);
+}
+
+bool Accelerator::optimizer_step_was_skipped() const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  return std::any_of(impl_->optimizers.begin(), impl_->optimizers.end(),
+                     [](const AcceleratedOptimizer& o) { return o.step_was_skipped(); });
+}
+
+bool Accelerator::split_batches() const { return impl_->options.dataloader_config.split_batches; }
+bool Accelerator::even_batches() const { return impl_->options.dataloader_config.even_batches; }
+bool Accelerator::device_placement() const { return impl_->options.device_placement; }
+bool Accelerator::step_scheduler_with_optimizer() const { return impl_->options.step_scheduler_with_optimizer; }
+int64_t Accelerator::step() const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  return impl_->step;
+}
+std::string Accelerator::project_dir() const { return impl_->project.project_dir; }
+std::string Accelerator::logging_dir() const { return impl_->project.logging_dir; }
+ProjectConfiguration Accelerator::project_configuration() const { return impl_->project; }
+std::optional<GradScaler> Accelerator::scaler() const { return impl_->scaler; }
+
+// ---- preparation ----------------------------------------------------------------------------
+
+namespace {
+
+// Note [Prepare after reset]
+// An accelerator over the process-wide state keeps a handle to it. After
+// `AcceleratorState::reset()` / `PartialState::reset()` that state is no longer the process's
+// (its process group may be gone), so preparing objects with it is refused instead of
+// silently building on a stale state.
+void check_state_current(const AcceleratorState& state, bool standalone, const char* api) {
+  if (standalone) return;
+  const bool current = PartialState::initialized() && PartialState().impl() == state.partial_state().impl();
+  TORCH_CHECK(current, "[", api, "] the process-wide state was reset after this Accelerator was created "
+                       "(AcceleratorState::reset or PartialState::reset); create a new Accelerator");
+}
+
+}  // namespace
+
+DistributedDataParallel Accelerator::prepare_module(const std::shared_ptr<torch::nn::Module>& module,
+                                                    std::optional<bool> device_placement,
+                                                    bool evaluation_mode) const {
+  check_state_current(state_, impl_->standalone, "Accelerator.prepare_model");
+  TORCH_CHECK_VALUE(module != nullptr, "[Accelerator.prepare_model] expected a module, got null");
+  {
+    std::lock_guard<std::mutex> lock(impl_->mutex);
+    for (const auto& prepared : impl_->models) {
+      if (prepared.module() == module) return prepared;
+    }
+  }
+  if (device_placement.value_or(impl_->options.device_placement)) module->to(state_.device());
+  ForwardOptions forward{state_.mixed_precision(), impl_->options.autocast_kwargs};
+  // Evaluation-only models are not synchronised: a one-process engine does no communication.
+  DistributedDataParallel ddp = evaluation_mode
+                                    ? DistributedDataParallel::local(module, state_.device(), forward)
+                                    : DistributedDataParallel(module, partial(), impl_->options.ddp_kwargs, forward);
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  impl_->models.push_back(ddp);
+  return ddp;
+}
+
+AcceleratedOptimizer Accelerator::prepare_optimizer(const std::shared_ptr<torch::optim::Optimizer>& optimizer,
+                                                    std::optional<bool> device_placement) const {
+  check_state_current(state_, impl_->standalone, "Accelerator.prepare_optimizer");
+  TORCH_CHECK_VALUE(optimizer != nullptr, "[Accelerator.prepare_optimizer] expected an optimizer, got null");
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  for (const auto& prepared : impl_->optimizers) {
+    if (prepared.optimizer() == optimizer) return prepared;
+  }
+  std::optional<c10::Device> device;
+  if (device_placement.value_or(impl_->options.device_placement)) device = state_.device();
+  AcceleratedOptimizer wrapped(optimizer, gradient_state_, impl_->scaler, device);
+  impl_->optimizers.push_back(wrapped);
+  return wrapped;
+}
+
+AcceleratedScheduler Accelerator::prepare_scheduler(const std::shared_ptr<LRScheduler>& scheduler) const {
+  check_state_current(state_, impl_->standalone, "Accelerator.prepare_scheduler");
+  TORCH_CHECK_VALUE(scheduler != nullptr, "[Accelerator.prepare_scheduler] expected a scheduler, got null");
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  for (const auto& prepared : impl_->schedulers) {
+    if (prepared.scheduler() == scheduler) return prepared;
+  }
+  std::vector<AcceleratedOptimizer> followed;
+  for (const auto& optimizer : impl_->optimizers) {
+    if (optimizer.optimizer() == scheduler->optimizer()) followed = {optimizer};
+  }
+  if (followed.empty()) followed = impl_->optimizers;
+  AcceleratedSchedulerOptions options;
+  options.step_with_optimizer = impl_->options.step_scheduler_with_optimizer;
+  options.split_batches = impl_->options.dataloader_config.split_batches;
+  options.num_processes = state_.num_processes();
+  AcceleratedScheduler wrapped(scheduler, std::move(followed), gradient_state_, options);
+  impl_->schedulers.push_back(wrapped);
+  return wrapped;
+}
+
+DataLoader Accelerator::prepare_data_loader(const DataLoader& loader, std::optional<bool> device_placement) const {
+  check_state_current(state_, impl_->standalone, "Accelerator.prepare_data_loader");
+  if (loader.prepared()) return loader;
+  auto options = PrepareDataLoaderOptions::from_config(impl_->options.dataloader_config);
+  options.put_on_device = device_placement.value_or(impl_->options.device_placement);
+  options.device = state_.device();
+  DataLoader prepared = accelerate::prepare_data_loader(loader, partial(), gradient_state_, options);
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  impl_->data_loaders.push_back(prepared);
+  return prepared;
+}
+
+// ---- training step --------------------------------------------------------------------------
+
+void Accelerator::backward(const at::Tensor& loss, std::optional<bool> retain_graph, bool create_graph) const {
+  TORCH_CHECK_VALUE(loss.defined(), "[Accelerator.backward] expected a loss tensor, got an undefined tensor");
+  at::Tensor scaled = loss / gradient_accumulation_steps();
+  if (impl_->scaler) scaled = impl_->scaler->scale(scaled);
+  scaled.backward({}, retain_graph ? c10::optional<bool>(*retain_graph) : c10::nullopt, create_graph);
+}
+
+std::optional<bool> Accelerator::begin_accumulation_step() const {
+  bool sync = false;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mutex);
+    if (gradient_state_.sync_with_dataloader() && gradient_state_.end_of_dataloader()) {
+      impl_->step = 0;
+      sync = true;
+    } else {
+      impl_->step += 1;
+      sync = impl_->step % gradient_state_.num_steps() == 0;
+    }
+  }
+  gradient_state_.set_sync_gradients(sync);
+  // Models keep synchronising on steps that must (or with sync_each_batch on several processes).
+  const bool allow = sync || (use_distributed() && gradient_state_.sync_each_batch());
+  if (allow) return std::nullopt;
+  return false;
+}
+
+AutocastGuard Accelerator::autocast(const std::optional<AutocastKwargs>& kwargs) const {
+  return AutocastGuard(device().type(), state_.mixed_precision(), kwargs.value_or(impl_->options.autocast_kwargs));
+}
+
+void Accelerator::unscale_gradients(const std::optional<AcceleratedOptimizer>& optimizer) const {
+  if (!impl_->scaler) return;
+  std::vector<AcceleratedOptimizer> targets;
+  if (optimizer) {
+    targets.push_back(*optimizer);
+  } else {
+    std::lock_guard<std::mutex> lock(impl_->mutex);
+    targets = impl_->optimizers;
+  }
+  for (auto& target : targets) {
+    if (!impl_->scaler->is_unscaled(*target)) impl_->scaler->unscale_(*target);
+  }
+}
+
+double Accelerator::clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_norm,
+                                    double norm_type) const {
+  TORCH_CHECK_VALUE(max_norm >= 0, "[Accelerator.clip_grad_norm_] max_norm must not be negative, got ", max_norm);
+  unscale_gradients();
+  return torch::nn::utils::clip_grad_norm_(parameters, max_norm, norm_type);
+}
+
+void Accelerator::clip_grad_value_(const std::vector<at::Tensor>& parameters, double clip_value) const {
+  TORCH_CHECK_VALUE(clip_value >= 0, "[Accelerator.clip_grad_value_] clip_value must not be negative, got ",
+                    clip_value);
+  unscale_gradients();
+  torch::nn::utils::clip_grad_value_(parameters, clip_value);
+}
+
+void Accelerator::free_memory() const {
+  {
+    std::lock_guard<std::mutex> lock(impl_->mutex);
+    impl_->models.clear();
+    impl_->optimizers.clear();
+    impl_->schedulers.clear();
+    impl_->data_loaders.clear();
+    impl_->step = 0;
+  }
+}
+
+std::vector<DataLoader> Accelerator::prepared_data_loaders() const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  return impl_->data_loaders;
+}
+std::vector<DistributedDataParallel> Accelerator::prepared_models() const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  return impl_->models;
+}
+std::vector<AcceleratedOptimizer> Accelerator::prepared_optimizers() const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  return impl_->optimizers;
+}
+std::vector<AcceleratedScheduler> Accelerator::prepared_schedulers() const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  return impl_->schedulers;
+}
 
 }  // namespace accelerate

@@ -320,6 +320,16 @@ PrecisionType resolve_precision(const std::string& option) {
   return PrecisionType::kNo;
 }
 
+// fp16 training needs CUDA (autocast and loss scaling); on the CPU it runs in full precision.
+PrecisionType supported_precision(PrecisionType precision, const PartialState& partial) {
+  if (precision == PrecisionType::kFp16 && !partial.device().is_cuda()) {
+    TORCH_WARN("[AcceleratorState] fp16 mixed precision needs a CUDA device, but this process runs on ",
+               partial.device(), "; mixed precision is disabled (use bf16 on the CPU)");
+    return PrecisionType::kNo;
+  }
+  return precision;
+}
+
 }  // namespace
 
 AcceleratorState::AcceleratorState() : AcceleratorState(AcceleratorStateOptions{}) {}
@@ -327,12 +337,14 @@ AcceleratorState::AcceleratorState() : AcceleratorState(AcceleratorStateOptions{
 AcceleratorState::AcceleratorState(const AcceleratorStateOptions& options)
     : partial_(options.partial), mixed_precision_(PrecisionType::kNo) {
   std::lock_guard<std::mutex> lock(g_state_mutex);
-  if (!g_mixed_precision) g_mixed_precision = resolve_precision(options.mixed_precision);
+  if (!g_mixed_precision) g_mixed_precision = supported_precision(resolve_precision(options.mixed_precision), partial_);
   mixed_precision_ = *g_mixed_precision;
 }
 
 AcceleratorState AcceleratorState::standalone(const AcceleratorStateOptions& options) {
-  return AcceleratorState(PartialState::standalone(options.partial), resolve_precision(options.mixed_precision));
+  auto partial = PartialState::standalone(options.partial);
+  const auto precision = supported_precision(resolve_precision(options.mixed_precision), partial);
+  return AcceleratorState(std::move(partial), precision);
 }
 
 void AcceleratorState::reset(bool reset_partial_state) {

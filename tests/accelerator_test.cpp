@@ -1,5 +1,6 @@
 // The Accelerator's process control and collectives, with ranks as threads.
 #include "accelerate/accelerator.h"
+#include "support/accelerators.h"
 #include "support/test_support.h"
 
 #include <ATen/ATen.h>
@@ -13,12 +14,7 @@ using ::testing::HasSubstr;
 
 // Runs `fn` with an Accelerator per rank, each over its own standalone state.
 void run_accelerators(int n, const std::function<void(const Accelerator&)>& fn, AcceleratorOptions base = {}) {
-  Store store = Store::in_memory();
-  run_threads(n, [&](int rank) {
-    AcceleratorOptions options = base;
-    options.standalone_state = rank_options({}, rank, n, store);
-    fn(Accelerator(options));
-  });
+  testing::run_accelerators(n, [&](const Accelerator& acc, int) { fn(acc); }, std::move(base));
 }
 
 TEST(Accelerator, ReportsItsTopologyAndMixedPrecision) {

@@ -4,7 +4,13 @@
 
 #include "accelerate/accelerator.h"
 #include "accelerate/data_loader.h"
+#include "accelerate/distributed.h"
+#include "accelerate/grad_scaler.h"
+#include "accelerate/lr_scheduler.h"
+#include "accelerate/optimizer.h"
+#include "accelerate/scheduler.h"
 #include "accelerate/state.h"
+#include "accelerate/utils/autocast.h"
 #include "accelerate/utils/dataclasses.h"
 #include "accelerate/utils/environment.h"
 #include "accelerate/utils/operations.h"

@@ -1,37 +1,109 @@
 // The `Accelerator`: the object a training or inference loop talks to (upstream:
-// accelerate/accelerator.py). This first part holds the process state, the process-control
-// helpers and the collectives over nested data (gather, gather_for_metrics, reduce,
-// pad_across_processes); preparing models, optimizers, schedulers and data loaders, gradient
-// accumulation and mixed-precision training are not part of it yet.
+// accelerate/accelerator.py). It prepares models (gradient synchronisation through c10d's
+// Reducer), optimizers, schedulers and data loaders for the processes of the job, runs the
+// backward pass with gradient accumulation and fp16 loss scaling, controls when gradients are
+// synchronised, and offers the process-control helpers and collectives over nested data.
+// Experiment tracking and checkpoints are not part of this file.
 //
 // Example:
-//   accelerate::Accelerator accelerator({.mixed_precision = "bf16"});
-//   auto all_predictions = accelerator.gather_for_metrics(predictions);
+//   accelerate::Accelerator accelerator({.mixed_precision = "bf16", .gradient_accumulation_steps = 2});
+//   auto [model, optimizer, loader] = accelerator.prepare(net, sgd, data);
+//   for (auto& batch : loader) {
+//     auto step = accelerator.accumulate(model);
+//     auto loss = torch::mse_loss(model(batch.data()), batch.target());
+//     accelerator.backward(loss);
+//     optimizer.step();
+//     optimizer.zero_grad();
+//   }
 #pragma once
 
+#include "accelerate/data_loader.h"
+#include "accelerate/distributed.h"
+#include "accelerate/grad_scaler.h"
+#include "accelerate/optimizer.h"
+#include "accelerate/scheduler.h"
 #include "accelerate/state.h"
+#include "accelerate/utils/autocast.h"
 #include "accelerate/utils/dataclasses.h"
 #include "accelerate/utils/operations.h"
 
 #include <optional>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
 namespace accelerate {
 
-/// Options of an `Accelerator`, upstream's constructor arguments as one aggregate.
+namespace detail {
+struct AcceleratorImpl;
+}  // namespace detail
+
+/// Options of an `Accelerator`, upstream's constructor arguments as one aggregate. Upstream's
+/// `kwargs_handlers` list becomes one field per handler type.
 struct AcceleratorOptions {
-  /// "no", "fp16" or "bf16"; empty reads `ACCELERATE_MIXED_PRECISION`, else "no".
-  std::string mixed_precision;
-  /// Force the CPU even when CUDA is available.
+  /// Move prepared models and data-loader batches to `device()` (per object: `prepare_model`,
+  /// `prepare_data_loader`).
+  bool device_placement = true;
+  /// "no", "fp16" or "bf16"; empty reads `ACCELERATE_MIXED_PRECISION`, else "no". fp16 needs a
+  /// CUDA device: on the CPU it is disabled with a warning.
+  std::string mixed_precision{};
+  /// Batches whose gradients are accumulated per optimizer step (default 1;
+  /// `ACCELERATE_GRADIENT_ACCUMULATION_STEPS` overrides it, as upstream). Not with
+  /// `gradient_accumulation_plugin`.
+  std::optional<int> gradient_accumulation_steps{};
+  /// Full accumulation settings; not with `gradient_accumulation_steps`.
+  std::optional<GradientAccumulationPlugin> gradient_accumulation_plugin{};
+  /// Force the CPU even when CUDA is available (`ACCELERATE_USE_CPU` also sets it).
   bool cpu = false;
-  /// Process-group settings (upstream passes an `InitProcessGroupKwargs` in `kwargs_handlers`).
-  InitProcessGroupKwargs init_process_group_kwargs;
+  /// How prepared data loaders shard, dispatch and shuffle.
+  DataLoaderConfiguration dataloader_config{};
+  /// Random generators synchronised from process 0 at the start of every pass of a prepared
+  /// data loader: "torch" (LibTorch's CPU generator), "cuda", "generator" (the loader's own,
+  /// always synchronised here). Empty: {"generator"}.
+  std::vector<std::string> rng_types{};
+  /// Experiment trackers ("tensorboard", …).
+  std::vector<std::string> log_with{};
+  /// Folder for checkpoints and logs (sets `project_config.project_dir` when that is empty).
+  std::string project_dir{};
+  /// Checkpoint naming and folders.
+  ProjectConfiguration project_config{};
+  /// Step prepared schedulers together with the optimizers (see `AcceleratedScheduler`).
+  bool step_scheduler_with_optimizer = true;
+  /// How prepared models synchronise gradients.
+  DistributedDataParallelKwargs ddp_kwargs{};
+  /// fp16 loss-scaler settings.
+  GradScalerKwargs scaler_kwargs{};
+  /// Process-group settings.
+  InitProcessGroupKwargs init_process_group_kwargs{};
+  /// Autocast settings of mixed-precision forward passes.
+  AutocastKwargs autocast_kwargs{};
   /// Run on a state of its own built from these settings instead of the process-wide one (for
   /// several ranks as threads of one process, or several jobs in one program).
-  std::optional<PartialStateOptions> standalone_state;
+  std::optional<PartialStateOptions> standalone_state{};
+};
+
+/// Restores the gradient-synchronisation flags of prepared models when it goes out of scope;
+/// returned by `Accelerator::accumulate`, `no_sync` and `trigger_sync_in_backward`.
+class [[nodiscard]] SyncGuard {
+ public:
+  /// Sets `require_backward_grad_sync` of every model to `sync` (when given); with
+  /// `trigger_now`, also makes the coming backward pass synchronise.
+  SyncGuard(std::vector<DistributedDataParallel> models, std::optional<bool> sync, bool trigger_now = false);
+  ~SyncGuard();
+  SyncGuard(const SyncGuard&) = delete;
+  SyncGuard& operator=(const SyncGuard&) = delete;
+  SyncGuard(SyncGuard&&) = delete;
+  SyncGuard& operator=(SyncGuard&&) = delete;
+
+ private:
+  struct Saved {
+    DistributedDataParallel model;
+    bool backward_sync;
+    bool forward_sync;
+  };
+  std::vector<Saved> saved_;
 };
 
 namespace accelerator_detail {
@@ -40,6 +112,12 @@ template <typename X, typename A>
 struct is_object_list<std::vector<X, A>>
     : std::bool_constant<std::is_arithmetic_v<X> || std::is_same_v<X, std::string> || std::is_same_v<X, at::Tensor> ||
                          std::is_same_v<X, c10::IValue>> {};
+template <typename T> struct is_optimizer_pointer : std::false_type {};
+template <typename O>
+struct is_optimizer_pointer<std::shared_ptr<O>> : std::is_base_of<torch::optim::Optimizer, O> {};
+template <typename T> struct is_scheduler_pointer : std::false_type {};
+template <typename S>
+struct is_scheduler_pointer<std::shared_ptr<S>> : std::is_base_of<LRScheduler, S> {};
 template <typename T> struct is_value_list : std::false_type {};
 template <typename X, typename A>
 struct is_value_list<std::vector<X, A>> : std::bool_constant<std::is_arithmetic_v<X> || std::is_same_v<X, std::string>> {};
@@ -70,6 +148,144 @@ class Accelerator {
   std::string mixed_precision() const { return to_string(state_.mixed_precision()); }
   /// Whether gradients are synchronised on this step.
   bool sync_gradients() const { return gradient_state_.sync_gradients(); }
+  /// Batches accumulated per optimizer step.
+  int gradient_accumulation_steps() const { return gradient_state_.num_steps(); }
+  /// Changes the number of batches accumulated per optimizer step.
+  void set_gradient_accumulation_steps(int steps) const;
+  /// Whether the last optimizer step was skipped because fp16 gradients overflowed.
+  bool optimizer_step_was_skipped() const;
+  /// Whether data loaders cut each batch across processes (`dataloader_config.split_batches`).
+  bool split_batches() const;
+  /// Whether prepared data loaders give every process the same number of batches.
+  bool even_batches() const;
+  /// Whether prepared models and batches are moved to `device()` by default.
+  bool device_placement() const;
+  /// Whether prepared schedulers follow the optimizer steps.
+  bool step_scheduler_with_optimizer() const;
+  /// Batches seen by `accumulate` since the last synchronisation (upstream: `step`).
+  int64_t step() const;
+  /// The project folder ("" when none).
+  std::string project_dir() const;
+  /// The folder of tracker logs ("" when none).
+  std::string logging_dir() const;
+  /// The project settings.
+  ProjectConfiguration project_configuration() const;
+  /// The loss scaler of fp16 training, if any.
+  std::optional<GradScaler> scaler() const;
+
+  // ---- preparation ----------------------------------------------------------------------------
+
+  /// Prepares every argument for the job — models (module holders such as `torch::nn::Linear` or
+  /// `std::shared_ptr` to modules), optimizers (`std::shared_ptr` to any `torch::optim::Optimizer`),
+  /// schedulers (`std::shared_ptr<LRScheduler>`) and `DataLoader`s — in any order and number, and
+  /// returns them in the same order (one object, or a tuple for several). Schedulers follow the
+  /// optimizer they schedule even when it is passed after them.
+  ///
+  /// Example:
+  ///   auto [model, optimizer, loader, scheduler] = accelerator.prepare(net, adam, loader, sched);
+  template <typename... Ts>
+  auto prepare(const Ts&... objects) const {
+    static_assert(sizeof...(Ts) > 0, "accelerate: prepare needs at least one object");
+    (prepare_optimizer_first(objects), ...);
+    if constexpr (sizeof...(Ts) == 1) {
+      return prepare_one(objects...);
+    } else {
+      // Braced initialisation runs left to right, the order upstream prepares objects in.
+      return std::tuple<decltype(prepare_one(objects))...>{prepare_one(objects)...};
+    }
+  }
+
+  /// Prepares a model: moves it to `device()` (unless `device_placement` is false), broadcasts its
+  /// parameters and buffers from process 0, and wraps it for gradient synchronisation and the
+  /// mixed-precision forward pass. With `evaluation_mode` it is not wrapped for training (no
+  /// gradient synchronisation). Preparing the same module again returns the same engine.
+  template <typename M>
+  PreparedModel<M> prepare_model(const M& model, std::optional<bool> device_placement = std::nullopt,
+                                 bool evaluation_mode = false) const {
+    static_assert(model_detail::is_model_v<M>,
+                  "accelerate: prepare_model expects a module holder (e.g. torch::nn::Linear or a TORCH_MODULE type) "
+                  "or a std::shared_ptr to a torch::nn::Module");
+    return PreparedModel<M>(model, prepare_module(model_detail::module_of(model), device_placement, evaluation_mode));
+  }
+  /// Prepares an optimizer: steps follow gradient synchronisation and the fp16 scaler.
+  AcceleratedOptimizer prepare_optimizer(const std::shared_ptr<torch::optim::Optimizer>& optimizer,
+                                         std::optional<bool> device_placement = std::nullopt) const;
+  /// Prepares a scheduler to follow the real steps of its optimizer (or of every prepared
+  /// optimizer when its own was not prepared).
+  AcceleratedScheduler prepare_scheduler(const std::shared_ptr<LRScheduler>& scheduler) const;
+  /// Prepares a data loader: shards it over the processes as `dataloader_config` says and moves
+  /// batches to `device()` (unless `device_placement` is false).
+  DataLoader prepare_data_loader(const DataLoader& loader, std::optional<bool> device_placement = std::nullopt) const;
+
+  /// The user's module inside a prepared model (upstream: `unwrap_model`).
+  template <typename M>
+  const M& unwrap_model(const PreparedModel<M>& model) const {
+    return model.module();
+  }
+
+  // ---- training step --------------------------------------------------------------------------
+
+  /// Backpropagates `loss` divided by `gradient_accumulation_steps()`, through the loss scaler
+  /// under fp16. `retain_graph` / `create_graph` as in `at::Tensor::backward`.
+  void backward(const at::Tensor& loss, std::optional<bool> retain_graph = std::nullopt,
+                bool create_graph = false) const;
+
+  /// Decides on entry whether this batch synchronises gradients — every
+  /// `gradient_accumulation_steps`-th batch, the last batch of the data loader (with
+  /// `sync_with_dataloader`) — and, when it does not, keeps the models' backward pass from
+  /// synchronising until the guard ends (unless `sync_each_batch`).
+  ///
+  /// Example:
+  ///   for (auto& batch : loader) {
+  ///     auto guard = accelerator.accumulate(model);
+  ///     accelerator.backward(loss_of(model, batch));
+  ///     optimizer.step();
+  ///     optimizer.zero_grad();
+  ///   }
+  template <typename... Ms>
+  SyncGuard accumulate(const PreparedModel<Ms>&... models) const {
+    return SyncGuard(std::vector<DistributedDataParallel>{models.ddp()...}, begin_accumulation_step());
+  }
+  /// Keeps `model`'s backward passes from synchronising gradients while the guard lives (they
+  /// accumulate locally); a no-op with one process.
+  template <typename M>
+  SyncGuard no_sync(const PreparedModel<M>& model) const {
+    return SyncGuard({model.ddp()}, use_distributed() ? std::optional<bool>(false) : std::nullopt);
+  }
+  /// Makes the next backward pass of `model` synchronise even though its forward pass ran inside
+  /// `no_sync` (upstream's experimental `trigger_sync_in_backward`); a no-op with one process.
+  template <typename M>
+  SyncGuard trigger_sync_in_backward(const PreparedModel<M>& model) const {
+    return SyncGuard({model.ddp()}, use_distributed() ? std::optional<bool>(true) : std::nullopt, use_distributed());
+  }
+
+  /// An autocast region in this accelerator's mixed precision (full precision with "no").
+  AutocastGuard autocast(const std::optional<AutocastKwargs>& kwargs = std::nullopt) const;
+
+  /// Divides the gradients of the prepared optimizers (or of `optimizer` only) by the fp16 loss
+  /// scale, at most once per optimizer step; a no-op without a scaler.
+  void unscale_gradients(const std::optional<AcceleratedOptimizer>& optimizer = std::nullopt) const;
+  /// Unscales the gradients, then clips their global `norm_type`-norm to `max_norm`; returns the
+  /// norm before clipping.
+  double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type = 2.0) const;
+  /// Unscales the gradients, then clamps each element to [-clip_value, clip_value].
+  void clip_grad_value_(const std::vector<at::Tensor>& parameters, double clip_value) const;
+
+  /// Drops this accelerator's references to the objects it prepared and restarts its step count
+  /// (upstream: `free_memory`); cached device memory is released.
+  void free_memory() const;
+  /// Same as `free_memory`.
+  void clear() const { free_memory(); }
+  /// The data loaders, models, optimizers and schedulers prepared so far.
+  std::vector<DataLoader> prepared_data_loaders() const;
+  std::vector<DistributedDataParallel> prepared_models() const;
+  std::vector<AcceleratedOptimizer> prepared_optimizers() const;
+  std::vector<AcceleratedScheduler> prepared_schedulers() const;
+
+  /// A loader like `loader` that skips its first `num_batches` batches (upstream: `skip_first_batches`).
+  DataLoader skip_first_batches(const DataLoader& loader, int64_t num_batches = 0) const {
+    return accelerate::skip_first_batches(loader, num_batches);
+  }
 
   /// Blocks until every process reaches this point.
   void wait_for_everyone() const { partial().wait_for_everyone(); }
@@ -164,8 +380,38 @@ class Accelerator {
  private:
   const PartialState& partial() const { return state_.partial_state(); }
 
+  template <typename T>
+  void prepare_optimizer_first(const T& object) const {
+    if constexpr (accelerator_detail::is_optimizer_pointer<T>::value) (void)prepare_optimizer(object);
+  }
+  template <typename T>
+  auto prepare_one(const T& object) const {
+    if constexpr (std::is_same_v<T, DataLoader>) {
+      return prepare_data_loader(object);
+    } else if constexpr (model_detail::is_model_v<T>) {
+      return prepare_model(object);
+    } else if constexpr (accelerator_detail::is_optimizer_pointer<T>::value) {
+      return prepare_optimizer(object);
+    } else if constexpr (accelerator_detail::is_scheduler_pointer<T>::value) {
+      return prepare_scheduler(object);
+    } else if constexpr (is_prepared_model<T>::value || std::is_same_v<T, AcceleratedOptimizer> ||
+                         std::is_same_v<T, AcceleratedScheduler>) {
+      return object;
+    } else {
+      static_assert(model_detail::is_model_v<T>,
+                    "accelerate: prepare accepts models (module holders or std::shared_ptr to a torch::nn::Module), "
+                    "std::shared_ptr to optimizers and to LRSchedulers, and DataLoaders");
+    }
+  }
+  DistributedDataParallel prepare_module(const std::shared_ptr<torch::nn::Module>& module,
+                                         std::optional<bool> device_placement, bool evaluation_mode) const;
+  // Upstream's `_do_sync`: advances the step count and decides whether this batch synchronises.
+  // Returns the backward-sync flag the models get for the batch (empty: leave them alone).
+  std::optional<bool> begin_accumulation_step() const;
+
   AcceleratorState state_;
   GradientState gradient_state_;
+  std::shared_ptr<detail::AcceleratorImpl> impl_;
 };
 
 }  // namespace accelerate

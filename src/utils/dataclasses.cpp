@@ -53,6 +53,25 @@ PrecisionType parse_precision_type(std::string_view text) {
   C10_THROW_ERROR(ValueError, c10::str("[parse_precision_type] expected one of 'no', 'fp16', 'bf16', got '", text, "'"));
 }
 
+std::string to_string(DDPCommunicationHookType hook) {
+  switch (hook) {
+    case DDPCommunicationHookType::kNo: return "no";
+    case DDPCommunicationHookType::kFp16: return "fp16";
+    case DDPCommunicationHookType::kBf16: return "bf16";
+  }
+  TORCH_INTERNAL_ASSERT(false, "unknown DDPCommunicationHookType");
+}
+
+DDPCommunicationHookType parse_comm_hook_type(std::string_view text) {
+  const std::string value = lower(text);
+  if (value == "no" || value.empty()) return DDPCommunicationHookType::kNo;
+  if (value == "fp16") return DDPCommunicationHookType::kFp16;
+  if (value == "bf16") return DDPCommunicationHookType::kBf16;
+  TORCH_CHECK_VALUE(value != "power_sgd" && value != "batched_power_sgd", "[parse_comm_hook_type] '", text,
+                    "' (PowerSGD) is not supported by accelerate-cpp; use 'no', 'fp16' or 'bf16'");
+  C10_THROW_ERROR(ValueError, c10::str("[parse_comm_hook_type] expected one of 'no', 'fp16', 'bf16', got '", text, "'"));
+}
+
 bool str_to_bool(std::string_view text) {
   const std::string value = lower(text);
   if (value == "1" || value == "true" || value == "yes" || value == "y" || value == "on" || value == "t") return true;

@@ -1,0 +1,203 @@
+// Data-parallel models: the counterpart of PyTorch's `DistributedDataParallel`, which upstream's
+// `Accelerator.prepare` wraps models in. Gradients are synchronised by c10d's `Reducer` — the
+// engine behind PyTorch DDP — which groups them into buckets and launches one asynchronous
+// allreduce per bucket from the autograd hooks as soon as the bucket is complete, overlapping
+// communication with the rest of the backward pass. `PreparedModel<M>` is what `prepare` returns:
+// it is called like the user's module and adds, around each forward pass, DDP's bookkeeping and
+// the mixed-precision region. Not here: DDP's join hooks for uneven inputs (see
+// `Accelerator::join_uneven_inputs`), PowerSGD, sparse gradients and multi-device modules.
+//
+// Example:
+//   auto prepared = accelerator.prepare(Net());          // a PreparedModel<Net>
+//   auto loss = torch::mse_loss(prepared(x), y);         // forward through the wrapper
+//   accelerator.backward(loss);                          // gradients averaged over processes
+//   Net original = accelerator.unwrap_model(prepared);
+#pragma once
+
+#include "accelerate/state.h"
+#include "accelerate/utils/autocast.h"
+#include "accelerate/utils/dataclasses.h"
+#include "accelerate/utils/operations.h"
+#include "accelerate/utils/tensor_tree.h"
+
+#include <torch/nn/module.h>
+
+#include <memory>
+#include <optional>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace accelerate {
+
+namespace detail {
+struct DistributedDataParallelImpl;
+}  // namespace detail
+
+/// How a prepared model runs its forward pass, beyond gradient synchronisation.
+struct ForwardOptions {
+  /// Precision of the forward pass: with fp16/bf16 it runs under autocast and floating-point
+  /// outputs come back in fp32, as upstream's `convert_outputs_to_fp32` does.
+  PrecisionType mixed_precision = PrecisionType::kNo;
+  /// Settings of that autocast region.
+  AutocastKwargs autocast{};
+};
+
+/// The type-erased engine of a prepared model: the module, its `Reducer` (when more than one
+/// process takes part) and the flags that decide whether the next backward pass synchronises.
+/// A cheap handle: copies share the engine.
+class DistributedDataParallel {
+ public:
+  /// Wraps `module`. With several processes this broadcasts every parameter and buffer from
+  /// process 0, checks that every process has the same parameter shapes (a clear error names the
+  /// first mismatch), and builds the reducer; with one process it only records the settings.
+  DistributedDataParallel(std::shared_ptr<torch::nn::Module> module, const PartialState& state,
+                          const DistributedDataParallelKwargs& kwargs = {}, const ForwardOptions& forward = {});
+
+  /// An engine that never synchronises (models prepared for evaluation only): it keeps the
+  /// forward-pass settings for a module living on `device`.
+  static DistributedDataParallel local(std::shared_ptr<torch::nn::Module> module, c10::Device device,
+                                       const ForwardOptions& forward = {});
+
+  /// The wrapped module.
+  const std::shared_ptr<torch::nn::Module>& module() const;
+  /// Whether a reducer synchronises the gradients (more than one process).
+  bool is_distributed() const;
+  /// The DDP settings.
+  const DistributedDataParallelKwargs& kwargs() const;
+  /// The forward-pass settings.
+  const ForwardOptions& forward_options() const;
+
+  /// Whether the next backward pass after a forward pass synchronises gradients (false inside `no_sync`).
+  bool require_backward_grad_sync() const;
+  /// Sets `require_backward_grad_sync` (used by the sync-control guards).
+  void set_require_backward_grad_sync(bool sync) const;
+  /// Whether buffers are broadcast before the next forward pass (DDP's `require_forward_param_sync`).
+  bool require_forward_param_sync() const;
+  /// Sets `require_forward_param_sync`.
+  void set_require_forward_param_sync(bool sync) const;
+  /// Makes the coming backward pass synchronise although the forward pass ran without it
+  /// (upstream's `trigger_sync_in_backward`); a no-op with one process.
+  void prepare_for_backward_now() const;
+  /// Forward passes that prepared a synchronising backward pass so far.
+  int64_t num_iterations() const;
+
+  /// What the forward pass of a `PreparedModel` does before calling the module: DDP bookkeeping,
+  /// the buffer broadcast, and the autocast region (closed when the scope ends).
+  class [[nodiscard]] ForwardScope {
+   public:
+    explicit ForwardScope(const DistributedDataParallel& ddp);
+    ForwardScope(const ForwardScope&) = delete;
+    ForwardScope& operator=(const ForwardScope&) = delete;
+    ForwardScope(ForwardScope&&) = delete;
+    ForwardScope& operator=(ForwardScope&&) = delete;
+
+   private:
+    std::optional<AutocastGuard> autocast_;
+  };
+
+  /// Finishes a forward pass that produced `output`: converts it to fp32 under mixed precision and
+  /// prepares the reducer for the backward pass.
+  template <typename T>
+  T finish_forward(T output) const {
+    if (forward_options().mixed_precision != PrecisionType::kNo) output = convert_to_fp32(output);
+    if (!is_distributed()) return output;
+    if (!wants_outputs()) {
+      after_forward({});
+      return output;
+    }
+    auto tensors = after_forward(flatten_tensors(output));
+    return tensors.empty() ? output : unflatten_tensors(output, tensors);
+  }
+
+  /// Implementation access for the library itself.
+  const std::shared_ptr<detail::DistributedDataParallelImpl>& impl() const { return impl_; }
+
+ private:
+  // Whether `after_forward` needs the output tensors (unused-parameter search, static graph).
+  bool wants_outputs() const;
+  // Prepares the backward pass; returns replacement output tensors when they must be routed
+  // through an autograd node of the engine (static graph, first iteration), else nothing.
+  std::vector<at::Tensor> after_forward(const std::vector<at::Tensor>& outputs) const;
+
+  explicit DistributedDataParallel(std::shared_ptr<detail::DistributedDataParallelImpl> impl) : impl_(std::move(impl)) {}
+  std::shared_ptr<detail::DistributedDataParallelImpl> impl_;
+};
+
+namespace model_detail {
+template <typename T> struct pointee { using type = void; };
+template <typename T> struct pointee<std::shared_ptr<T>> { using type = T; };
+template <typename T> struct is_shared_ptr : std::false_type {};
+template <typename T> struct is_shared_ptr<std::shared_ptr<T>> : std::true_type {};
+template <typename T, typename = void> struct is_module_holder : std::false_type {};
+template <typename T>
+struct is_module_holder<T, std::void_t<typename T::ContainedType>>
+    : std::is_base_of<torch::nn::Module, typename T::ContainedType> {};
+
+/// Whether `M` is a module holder or a shared pointer to a module.
+template <typename M>
+inline constexpr bool is_model_v =
+    is_module_holder<M>::value ||
+    (is_shared_ptr<M>::value && std::is_base_of_v<torch::nn::Module, typename pointee<M>::type>);
+
+/// The module behind a holder or a shared pointer.
+template <typename M>
+std::shared_ptr<torch::nn::Module> module_of(const M& model) {
+  if constexpr (is_shared_ptr<M>::value) {
+    return model;
+  } else {
+    return model.ptr();
+  }
+}
+}  // namespace model_detail
+
+/// A model returned by `Accelerator::prepare`: call it like the module (`prepared(x)`), reach the
+/// module's members with `->`, and get the module back with `module()` (upstream: the model
+/// wrapped in `DistributedDataParallel`, and `unwrap_model`). `M` is a module holder such as
+/// `torch::nn::Linear` or a `TORCH_MODULE` type, or a `std::shared_ptr` to a module.
+template <typename M>
+class PreparedModel {
+ public:
+  PreparedModel(M module, DistributedDataParallel ddp) : module_(std::move(module)), ddp_(std::move(ddp)) {}
+
+  /// Runs the module's `forward` with DDP's bookkeeping and the mixed-precision region.
+  template <typename... Args>
+  auto operator()(Args&&... args) const {
+    using Out = std::decay_t<decltype(std::declval<M&>()->forward(std::forward<Args>(args)...))>;
+    if constexpr (std::is_void_v<Out>) {
+      DistributedDataParallel::ForwardScope scope(ddp_);
+      module_->forward(std::forward<Args>(args)...);
+    } else {
+      Out output = [&] {
+        DistributedDataParallel::ForwardScope scope(ddp_);
+        return module_->forward(std::forward<Args>(args)...);
+      }();
+      return ddp_.finish_forward(std::move(output));
+    }
+  }
+
+  /// The module's members.
+  auto operator->() const {
+    if constexpr (model_detail::is_shared_ptr<M>::value) {
+      return module_.get();
+    } else {
+      return module_.operator->();
+    }
+  }
+  /// The user's module (upstream: `unwrap_model`).
+  const M& module() const { return module_; }
+  /// The synchronisation engine.
+  const DistributedDataParallel& ddp() const { return ddp_; }
+
+ private:
+  // A handle: calling through a const PreparedModel still runs (and may change) the module,
+  // as calling through a const std::shared_ptr does.
+  mutable M module_;
+  DistributedDataParallel ddp_;
+};
+
+/// Whether `T` is a `PreparedModel`.
+template <typename T> struct is_prepared_model : std::false_type {};
+template <typename M> struct is_prepared_model<PreparedModel<M>> : std::true_type {};
+
+}  // namespace accelerate

@@ -1,0 +1,286 @@
+// Data-parallel models over c10d's Reducer; see include/accelerate/distributed.h.
+#include "accelerate/distributed.h"
+
+#include "detail/collectives.h"
+#include "detail/state_impl.h"
+
+#include <c10/util/Exception.h>
+#include <torch/autograd.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/distributed/c10d/comm.hpp>
+#include <torch/csrc/distributed/c10d/default_comm_hooks.hpp>
+#include <torch/csrc/distributed/c10d/reducer.hpp>
+
+#include <limits>
+#include <sstream>
+#include <mutex>
+#include <unordered_map>
+
+namespace accelerate {
+namespace detail {
+
+struct DistributedDataParallelImpl {
+  std::shared_ptr<torch::nn::Module> module;
+  DistributedDataParallelKwargs kwargs;
+  ForwardOptions forward;
+  c10::DeviceType device_type = c10::kCPU;
+  c10::intrusive_ptr<c10d::ProcessGroup> process_group;
+  std::vector<at::Tensor> buffers;
+  std::unique_ptr<c10d::Reducer> reducer;
+  bool require_backward_grad_sync = true;
+  bool require_forward_param_sync = true;
+  int64_t num_iterations = 0;
+
+  ~DistributedDataParallelImpl() {
+    // The reducer's destructor may throw (c10d declares it noexcept(false)) when a backward pass
+    // was left unfinished; a dying model must not take the process down with it.
+    try {
+      reducer.reset();
+    } catch (const std::exception&) {
+    }
+  }
+};
+
+}  // namespace detail
+
+namespace {
+
+// Note [Broadcast bucket size]
+// PyTorch DDP broadcasts module states in coalesced chunks of 250 MiB; the first gradient bucket
+// is kept at 1 MiB so that the gradients produced first start travelling early.
+constexpr size_t kBroadcastBucketBytes = 250u * 1024 * 1024;
+constexpr size_t kFirstBucketBytes = 1024 * 1024;
+
+// bf16 compression hook. Gloo in LibTorch 1.13 cannot reduce bfloat16 tensors, so on Gloo the
+// bucket is rounded to bf16 (the precision the hook promises) and reduced in fp32; NCCL reduces
+// the bf16 tensor itself.
+// (It derives from the plain interface: LibTorch does not export the result parser of the
+// C++ hook template.)
+class Bf16CompressHook final : public c10d::CommHookInterface {
+ public:
+  explicit Bf16CompressHook(c10::intrusive_ptr<c10d::ProcessGroup> group) : state_(std::move(group)) {}
+
+  at::Tensor parseHookResult(const c10::IValue& result) override { return result.toTensor(); }
+
+  c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
+    auto compressed = bucket.getBufferRef().to(at::kBFloat16);
+    compressed.div_(state_->getSize());
+    if (state_->getBackendName() == "gloo") compressed = compressed.to(at::kFloat);
+    std::vector<at::Tensor> tensors{compressed};
+    auto future = state_->allreduce(tensors)->getFuture();
+    auto destination = bucket.getBufferRef();
+    return future->then(
+        [destination](c10::ivalue::Future& done) mutable {
+          destination.copy_(done.value().toTensorVector()[0]);
+          return c10::IValue(destination);
+        },
+        future->elementType());
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::ProcessGroup> state_;
+};
+
+// Note [Static graph first iteration]
+// With `static_graph`, the reducer records during the first backward pass which parameters get
+// gradients and reduces everything at the end of that pass; PyTorch DDP routes the outputs
+// through an autograd node whose backward queues that delayed reduction. This is that node.
+struct StaticGraphSink : torch::autograd::Function<StaticGraphSink> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, at::TensorList inputs,
+                                                std::shared_ptr<detail::DistributedDataParallelImpl> impl) {
+    ctx->saved_data["impl"] = c10::IValue(static_cast<int64_t>(reinterpret_cast<intptr_t>(impl.get())));
+    torch::autograd::variable_list outputs;
+    outputs.reserve(inputs.size());
+    for (const auto& t : inputs) outputs.push_back(t.clone());
+    return outputs;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto* impl = reinterpret_cast<detail::DistributedDataParallelImpl*>(
+        static_cast<intptr_t>(ctx->saved_data["impl"].toInt()));
+    torch::autograd::Engine::get_default_engine().queue_callback([impl] { impl->reducer->delay_all_reduce(); });
+    grads.emplace_back();  // no gradient for the engine argument
+    return grads;
+  }
+};
+
+// One line per parameter and buffer: name, shape, dtype. Every process compares every process's
+// description with process 0's, so all of them raise the same error naming the first difference.
+void check_same_model(const PartialState& state, const torch::nn::Module& module) {
+  std::ostringstream description;
+  for (const auto& item : module.named_parameters(/*recurse=*/true)) {
+    description << "parameter " << item.key() << " " << item.value().sizes() << " " << item.value().scalar_type()
+                << (item.value().requires_grad() ? "" : " frozen") << "\n";
+  }
+  for (const auto& item : module.named_buffers(/*recurse=*/true)) {
+    description << "buffer " << item.key() << " " << item.value().sizes() << " " << item.value().scalar_type() << "\n";
+  }
+  const std::string mine = description.str();
+  auto all = detail::all_gather_bytes(state, std::vector<char>(mine.begin(), mine.end()), "DistributedDataParallel");
+  auto lines = [](const std::vector<char>& bytes) {
+    std::vector<std::string> out;
+    std::istringstream in(std::string(bytes.begin(), bytes.end()));
+    for (std::string line; std::getline(in, line);) out.push_back(line);
+    return out;
+  };
+  const auto reference = lines(all[0]);
+  for (size_t rank = 1; rank < all.size(); ++rank) {
+    const auto other = lines(all[rank]);
+    for (size_t i = 0; i < std::max(reference.size(), other.size()); ++i) {
+      const std::string a = i < reference.size() ? reference[i] : "(nothing)";
+      const std::string b = i < other.size() ? other[i] : "(nothing)";
+      TORCH_CHECK_VALUE(a == b, "[DistributedDataParallel] the model differs between processes: process 0 has ", a,
+                        " where process ", rank, " has ", b);
+    }
+  }
+}
+
+std::vector<at::Tensor> trainable_parameters(const torch::nn::Module& module) {
+  std::vector<at::Tensor> params;
+  for (const auto& p : module.parameters(/*recurse=*/true)) {
+    if (p.requires_grad()) params.push_back(p);
+  }
+  return params;
+}
+
+}  // namespace
+
+DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Module> module, const PartialState& state,
+                                                 const DistributedDataParallelKwargs& kwargs,
+                                                 const ForwardOptions& forward)
+    : impl_(std::make_shared<detail::DistributedDataParallelImpl>()) {
+  TORCH_CHECK_VALUE(module != nullptr, "[DistributedDataParallel] expected a module, got null");
+  TORCH_CHECK_VALUE(kwargs.bucket_cap_mb > 0, "[DistributedDataParallel] bucket_cap_mb must be positive, got ",
+                    kwargs.bucket_cap_mb);
+  impl_->module = std::move(module);
+  impl_->kwargs = kwargs;
+  impl_->forward = forward;
+  impl_->device_type = state.device().type();
+  if (!state.use_distributed()) return;
+
+  auto group = detail::process_group(state, "DistributedDataParallel");
+  impl_->process_group = group;
+  auto params = trainable_parameters(*impl_->module);
+  TORCH_CHECK_VALUE(!params.empty(),
+                    "[DistributedDataParallel] the module has no parameter that requires a gradient: there is "
+                    "nothing to synchronise (prepare it without gradient synchronisation, or unfreeze a parameter)");
+  check_same_model(state, *impl_->module);
+
+  // Every process starts from process 0's parameters and buffers.
+  impl_->buffers = impl_->module->buffers(/*recurse=*/true);
+  {
+    torch::NoGradGuard no_grad;
+    std::vector<at::Tensor> states = impl_->module->parameters(/*recurse=*/true);
+    states.insert(states.end(), impl_->buffers.begin(), impl_->buffers.end());
+    if (!states.empty()) c10d::broadcast_coalesced(group, states, kBroadcastBucketBytes, 0);
+  }
+
+  // One bucket for the first pass unless unused parameters are searched (as PyTorch DDP): the
+  // reducer then rebuilds the buckets in the order gradients actually arrived.
+  const size_t cap = static_cast<size_t>(kwargs.bucket_cap_mb) * 1024 * 1024;
+  std::vector<size_t> limits = (kwargs.static_graph || !kwargs.find_unused_parameters)
+                                   ? std::vector<size_t>{std::numeric_limits<size_t>::max()}
+                                   : std::vector<size_t>{kFirstBucketBytes, cap};
+  std::vector<bool> sparse(params.size(), false);
+  auto [bucket_indices, per_bucket_limits] = c10d::compute_bucket_assignment_by_size(params, limits, sparse);
+  std::reverse(bucket_indices.begin(), bucket_indices.end());
+  std::reverse(per_bucket_limits.begin(), per_bucket_limits.end());
+
+  std::unordered_map<size_t, std::string> names;
+  size_t index = 0;
+  for (const auto& item : impl_->module->named_parameters(/*recurse=*/true)) {
+    if (item.value().requires_grad()) names.emplace(index++, item.key());
+  }
+  impl_->reducer = std::make_unique<c10d::Reducer>(params, std::move(bucket_indices), std::move(per_bucket_limits),
+                                                   group, sparse, static_cast<int64_t>(cap),
+                                                   kwargs.find_unused_parameters, kwargs.gradient_as_bucket_view,
+                                                   std::move(names), static_cast<int64_t>(kFirstBucketBytes));
+  if (kwargs.static_graph) impl_->reducer->set_static_graph();
+  switch (kwargs.comm_hook) {
+    case DDPCommunicationHookType::kNo: break;
+    case DDPCommunicationHookType::kFp16:
+      impl_->reducer->register_builtin_comm_hook(c10d::BuiltinCommHookType::FP16_COMPRESS);
+      break;
+    case DDPCommunicationHookType::kBf16:
+      impl_->reducer->register_comm_hook(std::make_unique<Bf16CompressHook>(group));
+      break;
+  }
+}
+
+DistributedDataParallel DistributedDataParallel::local(std::shared_ptr<torch::nn::Module> module, c10::Device device,
+                                                       const ForwardOptions& forward) {
+  TORCH_CHECK_VALUE(module != nullptr, "[DistributedDataParallel] expected a module, got null");
+  auto impl = std::make_shared<detail::DistributedDataParallelImpl>();
+  impl->module = std::move(module);
+  impl->forward = forward;
+  impl->device_type = device.type();
+  return DistributedDataParallel(std::move(impl));
+}
+
+const std::shared_ptr<torch::nn::Module>& DistributedDataParallel::module() const { return impl_->module; }
+bool DistributedDataParallel::is_distributed() const { return impl_->reducer != nullptr; }
+const DistributedDataParallelKwargs& DistributedDataParallel::kwargs() const { return impl_->kwargs; }
+const ForwardOptions& DistributedDataParallel::forward_options() const { return impl_->forward; }
+bool DistributedDataParallel::require_backward_grad_sync() const { return impl_->require_backward_grad_sync; }
+void DistributedDataParallel::set_require_backward_grad_sync(bool sync) const {
+  impl_->require_backward_grad_sync = sync;
+}
+bool DistributedDataParallel::require_forward_param_sync() const { return impl_->require_forward_param_sync; }
+void DistributedDataParallel::set_require_forward_param_sync(bool sync) const {
+  impl_->require_forward_param_sync = sync;
+}
+int64_t DistributedDataParallel::num_iterations() const { return impl_->num_iterations; }
+
+void DistributedDataParallel::prepare_for_backward_now() const {
+  if (impl_->reducer) impl_->reducer->prepare_for_backward({});
+}
+
+DistributedDataParallel::ForwardScope::ForwardScope(const DistributedDataParallel& ddp) {
+  auto& impl = *ddp.impl();
+  if (impl.reducer) {
+    const bool grad = at::GradMode::is_enabled();
+    if (grad && impl.require_backward_grad_sync) {
+      ++impl.num_iterations;
+      impl.reducer->prepare_for_forward();
+    }
+    // Once, after the first synchronised pass: buckets follow the order gradients arrived in.
+    if (grad) impl.reducer->rebuild_buckets();
+    if (impl.require_forward_param_sync && impl.kwargs.broadcast_buffers && !impl.buffers.empty()) {
+      torch::NoGradGuard no_grad;
+      c10d::broadcast_coalesced(impl.process_group, impl.buffers, kBroadcastBucketBytes, 0);
+    }
+  }
+  if (impl.forward.mixed_precision != PrecisionType::kNo) {
+    autocast_.emplace(impl.device_type, impl.forward.mixed_precision, impl.forward.autocast);
+  }
+}
+
+bool DistributedDataParallel::wants_outputs() const {
+  const auto& k = impl_->kwargs;
+  return (k.find_unused_parameters && !k.static_graph) || (k.static_graph && impl_->num_iterations == 1);
+}
+
+std::vector<at::Tensor> DistributedDataParallel::after_forward(const std::vector<at::Tensor>& outputs) const {
+  auto& impl = *impl_;
+  if (!(at::GradMode::is_enabled() && impl.require_backward_grad_sync)) {
+    impl.require_forward_param_sync = false;
+    return {};
+  }
+  impl.require_forward_param_sync = true;
+  const auto& k = impl.kwargs;
+  impl.reducer->prepare_for_backward(k.find_unused_parameters && !k.static_graph ? outputs
+                                                                                 : std::vector<at::Tensor>{});
+  if (k.static_graph && impl.num_iterations == 1) {
+    std::vector<at::Tensor> differentiable;
+    for (const auto& t : outputs) {
+      if (t.requires_grad()) differentiable.push_back(t);
+    }
+    TORCH_CHECK_VALUE(!differentiable.empty(), "[DistributedDataParallel] static_graph needs the first forward pass to "
+                                               "return at least one tensor that requires a gradient");
+    auto routed = StaticGraphSink::apply(at::TensorList(outputs), impl_);
+    return routed;
+  }
+  return {};
+}
+
+}  // namespace accelerate

@@ -1,0 +1,219 @@
+// Dynamic loss scaling; see include/accelerate/grad_scaler.h.
+#include "accelerate/grad_scaler.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <nlohmann/json.hpp>
+#include <torch/optim/optimizer.h>
+
+#include <cmath>
+#include <mutex>
+#include <unordered_map>
+
+namespace accelerate {
+namespace detail {
+
+// Where an optimizer stands within one step (PyTorch's OptState).
+enum class ScalerStage { kReady, kUnscaled, kStepped };
+
+struct OptimizerRecord {
+  ScalerStage stage = ScalerStage::kReady;
+  bool found_inf = false;
+};
+
+struct GradScalerImpl {
+  GradScalerKwargs kwargs;
+  double scale = 1.0;
+  int64_t growth_tracker = 0;
+  std::mutex mutex;
+  std::unordered_map<const torch::optim::Optimizer*, OptimizerRecord> optimizers;
+};
+
+}  // namespace detail
+
+namespace {
+
+std::vector<at::Tensor> gradients_of(torch::optim::Optimizer& optimizer) {
+  std::vector<at::Tensor> grads;
+  for (auto& group : optimizer.param_groups()) {
+    for (auto& p : group.params()) {
+      if (p.grad().defined()) grads.push_back(p.mutable_grad());
+    }
+  }
+  return grads;
+}
+
+// Divides every gradient by the scale (in fp32, as PyTorch computes the inverse) and reports
+// whether any element is inf or NaN.
+bool unscale_and_check(std::vector<at::Tensor>& grads, double scale) {
+  if (grads.empty()) return false;
+  const float inv_scale = static_cast<float>(1.0 / scale);
+  if (grads.front().is_cuda()) {
+    auto found = at::zeros({1}, grads.front().options().dtype(at::kFloat));
+    auto inv = at::full({1}, inv_scale, grads.front().options().dtype(at::kFloat));
+    at::_amp_foreach_non_finite_check_and_unscale_(grads, found, inv);
+    return found.item<float>() != 0.0f;
+  }
+  at::NoGradGuard no_grad;
+  auto found = at::zeros({}, grads.front().options().dtype(at::kBool));
+  for (auto& g : grads) {
+    TORCH_CHECK_VALUE(!g.is_sparse(), "[GradScaler.unscale_] sparse gradients are not supported");
+    g.mul_(inv_scale);
+    found.logical_or_(g.isfinite().logical_not().any());
+  }
+  return found.item<bool>();
+}
+
+}  // namespace
+
+GradScaler::GradScaler(const GradScalerKwargs& kwargs) : impl_(std::make_shared<detail::GradScalerImpl>()) {
+  TORCH_CHECK_VALUE(kwargs.init_scale > 0 && std::isfinite(kwargs.init_scale),
+                    "[GradScaler] init_scale must be a positive finite number, got ", kwargs.init_scale);
+  TORCH_CHECK_VALUE(kwargs.growth_factor > 1.0, "[GradScaler] growth_factor must be greater than 1, got ",
+                    kwargs.growth_factor);
+  TORCH_CHECK_VALUE(kwargs.backoff_factor > 0.0 && kwargs.backoff_factor < 1.0,
+                    "[GradScaler] backoff_factor must be in (0, 1), got ", kwargs.backoff_factor);
+  TORCH_CHECK_VALUE(kwargs.growth_interval > 0, "[GradScaler] growth_interval must be positive, got ",
+                    kwargs.growth_interval);
+  impl_->kwargs = kwargs;
+  impl_->scale = kwargs.enabled ? kwargs.init_scale : 1.0;
+}
+
+bool GradScaler::is_enabled() const { return impl_->kwargs.enabled; }
+
+at::Tensor GradScaler::scale(const at::Tensor& loss) const {
+  if (!impl_->kwargs.enabled) return loss;
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  return loss * impl_->scale;
+}
+
+void GradScaler::unscale_(torch::optim::Optimizer& optimizer) const {
+  if (!impl_->kwargs.enabled) return;
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  auto& record = impl_->optimizers[&optimizer];
+  TORCH_CHECK(record.stage != detail::ScalerStage::kUnscaled,
+              "[GradScaler.unscale_] unscale_() was already called on this optimizer since the last update()");
+  TORCH_CHECK(record.stage != detail::ScalerStage::kStepped,
+              "[GradScaler.unscale_] unscale_() is being called after step() without an update() in between");
+  auto grads = gradients_of(optimizer);
+  record.found_inf = unscale_and_check(grads, impl_->scale);
+  record.stage = detail::ScalerStage::kUnscaled;
+}
+
+bool GradScaler::is_unscaled(const torch::optim::Optimizer& optimizer) const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  auto it = impl_->optimizers.find(&optimizer);
+  return it != impl_->optimizers.end() && it->second.stage == detail::ScalerStage::kUnscaled;
+}
+
+bool GradScaler::step(torch::optim::Optimizer& optimizer) const {
+  if (!impl_->kwargs.enabled) {
+    optimizer.step();
+    return true;
+  }
+  bool found_inf = false;
+  {
+    std::unique_lock<std::mutex> lock(impl_->mutex);
+    auto stage = impl_->optimizers[&optimizer].stage;
+    TORCH_CHECK(stage != detail::ScalerStage::kStepped,
+                "[GradScaler.step] step() was already called on this optimizer since the last update()");
+    if (stage == detail::ScalerStage::kReady) {
+      lock.unlock();
+      unscale_(optimizer);
+      lock.lock();
+    }
+    auto& record = impl_->optimizers[&optimizer];
+    found_inf = record.found_inf;
+    record.stage = detail::ScalerStage::kStepped;
+  }
+  if (found_inf) return false;
+  optimizer.step();
+  return true;
+}
+
+void GradScaler::update() const {
+  if (!impl_->kwargs.enabled) return;
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  bool recorded = false;
+  bool found_inf = false;
+  for (const auto& [optimizer, record] : impl_->optimizers) {
+    if (record.stage == detail::ScalerStage::kReady) continue;
+    recorded = true;
+    found_inf = found_inf || record.found_inf;
+  }
+  TORCH_CHECK(recorded, "[GradScaler.update] no inf checks were recorded before update(): call step() or unscale_() "
+                        "on an optimizer first");
+  const auto& k = impl_->kwargs;
+  if (found_inf) {
+    impl_->scale *= k.backoff_factor;
+    impl_->growth_tracker = 0;
+  } else if (++impl_->growth_tracker == k.growth_interval) {
+    // PyTorch keeps the scale when growing it would overflow to infinity.
+    const double grown = impl_->scale * k.growth_factor;
+    if (std::isfinite(static_cast<float>(grown))) impl_->scale = grown;
+    impl_->growth_tracker = 0;
+  }
+  impl_->optimizers.clear();
+}
+
+void GradScaler::update(double new_scale) const {
+  if (!impl_->kwargs.enabled) return;
+  TORCH_CHECK_VALUE(new_scale > 0 && std::isfinite(new_scale), "[GradScaler.update] new_scale must be a positive "
+                                                              "finite number, got ", new_scale);
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  impl_->scale = new_scale;
+  impl_->growth_tracker = 0;
+  impl_->optimizers.clear();
+}
+
+double GradScaler::get_scale() const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  return impl_->scale;
+}
+
+int64_t GradScaler::get_growth_tracker() const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  return impl_->growth_tracker;
+}
+
+const GradScalerKwargs& GradScaler::kwargs() const { return impl_->kwargs; }
+
+nlohmann::json GradScaler::state_dict() const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  if (!impl_->kwargs.enabled) return nlohmann::json::object();
+  return {{"scale", impl_->scale},
+          {"growth_factor", impl_->kwargs.growth_factor},
+          {"backoff_factor", impl_->kwargs.backoff_factor},
+          {"growth_interval", impl_->kwargs.growth_interval},
+          {"_growth_tracker", impl_->growth_tracker}};
+}
+
+void GradScaler::load_state_dict(const nlohmann::json& state) const {
+  TORCH_CHECK_VALUE(state.is_object(), "[GradScaler.load_state_dict] expected a JSON object, got ", state.type_name());
+  if (!impl_->kwargs.enabled) return;
+  TORCH_CHECK_VALUE(!state.empty(), "[GradScaler.load_state_dict] the state is empty: it was saved from a disabled "
+                                    "scaler");
+  auto number = [&](const char* key) {
+    TORCH_CHECK_VALUE(state.contains(key) && state.at(key).is_number(), "[GradScaler.load_state_dict] key '", key,
+                      "' is missing or not a number");
+    return state.at(key).get<double>();
+  };
+  const double scale = number("scale");
+  const double growth = number("growth_factor");
+  const double backoff = number("backoff_factor");
+  const double interval = number("growth_interval");
+  const double tracker = number("_growth_tracker");
+  TORCH_CHECK_VALUE(scale > 0 && std::isfinite(scale), "[GradScaler.load_state_dict] 'scale' must be positive, got ",
+                    scale);
+  TORCH_CHECK_VALUE(growth > 1 && backoff > 0 && backoff < 1 && interval >= 1 && tracker >= 0,
+                    "[GradScaler.load_state_dict] growth_factor/backoff_factor/growth_interval/_growth_tracker out "
+                    "of range");
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  impl_->scale = scale;
+  impl_->kwargs.growth_factor = growth;
+  impl_->kwargs.backoff_factor = backoff;
+  impl_->kwargs.growth_interval = static_cast<int64_t>(interval);
+  impl_->growth_tracker = static_cast<int64_t>(tracker);
+}
+
+}  // namespace accelerate

@@ -1,0 +1,377 @@
+// Prepared models with two ranks as threads: gradient synchronisation through the Reducer and
+// the guards that control it (no_sync, accumulate, sync_each_batch, trigger_sync_in_backward).
+#include "accelerate/accelerator.h"
+#include "accelerate/distributed.h"
+#include "support/accelerators.h"
+#include "support/test_support.h"
+
+#include <ATen/autocast_mode.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+namespace accelerate::testing {
+namespace {
+
+constexpr int kRanks = 2;
+constexpr int64_t kPerRank = 4;
+
+struct NetImpl : torch::nn::Module {
+  explicit NetImpl(int64_t width = 3, int64_t in = 4)
+      : fc1(register_module("fc1", torch::nn::Linear(in, width))),
+        fc2(register_module("fc2", torch::nn::Linear(width, 1))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return fc2(torch::tanh(fc1(x))); }
+  torch::nn::Linear fc1;
+  torch::nn::Linear fc2;
+};
+TORCH_MODULE(Net);
+
+// Parameters that differ per `seed`, without touching the global generator.
+void fill(torch::nn::Module& module, int seed, double scale = 1.0) {
+  torch::NoGradGuard no_grad;
+  int i = 0;
+  for (auto& p : module.parameters()) {
+    p.copy_((torch::linspace(-0.5, 0.5, p.numel()).reshape(p.sizes()) * (1 + 0.1 * i++) + 0.05 * seed) * scale);
+  }
+}
+
+Net make_net(int seed, int64_t width = 3) {
+  Net net(width);
+  fill(*net, seed, 3.0 / static_cast<double>(width));
+  return net;
+}
+
+torch::Tensor inputs(int64_t rows = kRanks * kPerRank, int64_t in = 4) {
+  return torch::linspace(-1, 1, rows * in).reshape({rows, in});
+}
+torch::Tensor targets(const torch::Tensor& x) { return torch::sin(x.sum(1, true)); }
+torch::Tensor rows_of(const torch::Tensor& t, int rank) { return t.narrow(0, rank * kPerRank, kPerRank); }
+
+std::vector<torch::Tensor> grads_of(const torch::nn::Module& module) {
+  std::vector<torch::Tensor> grads;
+  for (const auto& p : module.parameters()) grads.push_back(p.grad().defined() ? p.grad().clone() : torch::zeros_like(p));
+  return grads;
+}
+
+torch::Tensor flat(const std::vector<torch::Tensor>& tensors) {
+  std::vector<torch::Tensor> parts;
+  for (const auto& t : tensors) parts.push_back(t.reshape(-1));
+  return torch::cat(parts);
+}
+
+// Whether every rank holds the same values (a collective).
+bool same_on_all_ranks(const Accelerator& acc, const torch::Tensor& t) {
+  auto all = acc.gather(t.reshape({1, -1}).contiguous());
+  return torch::equal(all[0], all[1]);
+}
+
+// Gradients of one full-batch step of the reference model (a copy of rank 0's initial model).
+std::vector<torch::Tensor> reference_gradients(int steps = 1) {
+  Net ref = make_net(0);
+  auto x = inputs();
+  for (int s = 0; s < steps; ++s) torch::mse_loss(ref(x), targets(x)).backward();
+  return grads_of(*ref);
+}
+
+TEST(DistributedDataParallel, BroadcastsRankZeroParametersWhenPrepared) {
+  run_accelerators(kRanks, [](const Accelerator& acc, int rank) {
+    Net net = make_net(rank);
+    ASSERT_EQ(same_on_all_ranks(acc, flat(net->parameters())), false);
+    auto model = acc.prepare(net);
+    EXPECT_TRUE(same_on_all_ranks(acc, flat(net->parameters())));
+    EXPECT_TRUE(torch::equal(flat(net->parameters()), flat(make_net(0)->parameters())));
+    EXPECT_TRUE(model.ddp().is_distributed());
+    EXPECT_EQ(acc.unwrap_model(model).ptr(), net.ptr());
+  });
+}
+
+TEST(DistributedDataParallel, GradientsEqualTheSingleProcessFullBatchGradients) {
+  const auto expected = flat(reference_gradients());
+  run_accelerators(kRanks, [&](const Accelerator& acc, int rank) {
+    auto model = acc.prepare(make_net(rank));
+    auto x = rows_of(inputs(), rank);
+    acc.backward(torch::mse_loss(model(x), targets(x)));
+    auto grads = flat(grads_of(*model.module()));
+    EXPECT_TRUE(same_on_all_ranks(acc, grads));
+    EXPECT_TRUE(torch::allclose(grads, expected, 1e-6, 1e-7)) << grads << expected;
+  });
+}
+
+// Training over several steps exercises the bucket rebuild after the first step and the
+// gradients-as-views path; the model is wide enough to need several 1 MiB buckets.
+class DdpKwargsTraining : public ::testing::TestWithParam<DistributedDataParallelKwargs> {};
+
+TEST_P(DdpKwargsTraining, ThreeSgdStepsMatchTheSingleProcessRun) {
+  const int64_t width = 600;  // fc1 holds 4*600 floats, fc2 600: with 1 MiB buckets that is one bucket each
+  auto x_all = inputs();
+  Net ref = make_net(0, width);
+  torch::optim::SGD ref_opt(ref->parameters(), 0.1);
+  for (int s = 0; s < 3; ++s) {
+    ref_opt.zero_grad();
+    torch::mse_loss(ref(x_all), targets(x_all)).backward();
+    ref_opt.step();
+  }
+  const auto expected = flat(ref->parameters()).detach();
+  AcceleratorOptions options;
+  options.ddp_kwargs = GetParam();
+  run_accelerators(kRanks, [&](const Accelerator& acc, int rank) {
+    Net net = make_net(rank, width);
+    auto [model, opt] = acc.prepare(net, std::make_shared<torch::optim::SGD>(net->parameters(), 0.1));
+    auto x = rows_of(x_all, rank);
+    for (int s = 0; s < 3; ++s) {
+      opt.zero_grad();
+      acc.backward(torch::mse_loss(model(x), targets(x)));
+      opt.step();
+    }
+    auto params = flat(net->parameters()).detach();
+    EXPECT_TRUE(same_on_all_ranks(acc, params));
+    EXPECT_TRUE(torch::allclose(params, expected, 1e-5, 1e-6)) << (params - expected).abs().max();
+  }, options);
+}
+
+std::string kwargs_name(const ::testing::TestParamInfo<DistributedDataParallelKwargs>& info) {
+  const auto& k = info.param;
+  std::string name = "Cap" + std::to_string(k.bucket_cap_mb) + "Mb";
+  if (k.gradient_as_bucket_view) name += "BucketViews";
+  if (k.find_unused_parameters) name += "FindUnused";
+  if (k.static_graph) name += "StaticGraph";
+  return name;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Kwargs, DdpKwargsTraining,
+    ::testing::Values(DistributedDataParallelKwargs{}, DistributedDataParallelKwargs{.gradient_as_bucket_view = true},
+                      DistributedDataParallelKwargs{.bucket_cap_mb = 1, .find_unused_parameters = true},
+                      DistributedDataParallelKwargs{.static_graph = true},
+                      DistributedDataParallelKwargs{.bucket_cap_mb = 1, .gradient_as_bucket_view = true,
+                                                    .static_graph = true}),
+    kwargs_name);
+
+TEST(DistributedDataParallel, CompressionHooksAverageInReducedPrecision) {
+  const auto expected = flat(reference_gradients());
+  for (auto hook : {DDPCommunicationHookType::kFp16, DDPCommunicationHookType::kBf16}) {
+    AcceleratorOptions options;
+    options.ddp_kwargs.comm_hook = hook;
+    run_accelerators(kRanks, [&](const Accelerator& acc, int rank) {
+      auto model = acc.prepare(make_net(rank));
+      auto x = rows_of(inputs(), rank);
+      acc.backward(torch::mse_loss(model(x), targets(x)));
+      auto grads = flat(grads_of(*model.module()));
+      EXPECT_TRUE(same_on_all_ranks(acc, grads));
+      // Rounded through 16 bits: close, but not the fp32 result.
+      EXPECT_TRUE(torch::allclose(grads, expected, 1e-2, 1e-3)) << to_string(hook);
+      EXPECT_FALSE(torch::equal(grads, expected)) << to_string(hook);
+    }, options);
+  }
+}
+
+struct BranchImpl : torch::nn::Module {
+  BranchImpl() : used(register_module("used", torch::nn::Linear(4, 1))), unused(register_module("unused", torch::nn::Linear(4, 1))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return used(x); }
+  torch::nn::Linear used, unused;
+};
+TORCH_MODULE(Branch);
+
+TEST(DistributedDataParallel, FindUnusedParametersLetsAnUnusedBranchSitOut) {
+  AcceleratorOptions options;
+  options.ddp_kwargs.find_unused_parameters = true;
+  run_accelerators(kRanks, [&](const Accelerator& acc, int rank) {
+    Branch net;
+    fill(*net, rank);
+    auto model = acc.prepare(net);
+    for (int step = 0; step < 2; ++step) {
+      auto x = rows_of(inputs(), rank);
+      acc.backward(torch::mse_loss(model(x), targets(x)));
+      EXPECT_TRUE(same_on_all_ranks(acc, flat(grads_of(*net->used))));
+      EXPECT_EQ(net->unused->weight.grad().defined() ? net->unused->weight.grad().abs().sum().item<float>() : 0.f, 0.f);
+    }
+  }, options);
+}
+
+TEST(DistributedDataParallel, AModelThatDiffersBetweenProcessesIsRefused) {
+  std::vector<std::string> errors(kRanks);
+  run_accelerators(kRanks, [&](const Accelerator& acc, int rank) {
+    errors[rank] = error_of([&] { (void)acc.prepare(Net(rank == 0 ? 3 : 5)); });
+  });
+  for (const auto& e : errors) EXPECT_THAT(e, ::testing::HasSubstr("the model differs between processes"));
+}
+
+TEST(DistributedDataParallel, AModelWithoutTrainableParametersIsRefused) {
+  run_accelerators(kRanks, [&](const Accelerator& acc, int) {
+    Net net;
+    for (auto& p : net->parameters()) p.requires_grad_(false);
+    EXPECT_THROWS_WITH((void)acc.prepare(net), "no parameter that requires a gradient");
+  });
+}
+
+struct ScaledImpl : torch::nn::Module {
+  ScaledImpl() : fc(register_module("fc", torch::nn::Linear(4, 1))) { scale = register_buffer("scale", torch::ones({1})); }
+  torch::Tensor forward(const torch::Tensor& x) { return fc(x) * scale; }
+  torch::nn::Linear fc;
+  torch::Tensor scale;
+};
+TORCH_MODULE(Scaled);
+
+TEST(DistributedDataParallel, BuffersFollowRankZeroBeforeEachSynchronisingForward) {
+  for (bool broadcast : {true, false}) {
+    AcceleratorOptions options;
+    options.ddp_kwargs.broadcast_buffers = broadcast;
+    run_accelerators(kRanks, [&](const Accelerator& acc, int rank) {
+      Scaled net;
+      auto model = acc.prepare(net);
+      net->scale.fill_(10.0 + rank);  // diverges after prepare, as running statistics do
+      (void)model(rows_of(inputs(), rank));
+      EXPECT_EQ(net->scale.item<float>(), broadcast ? 10.f : 10.f + rank);
+    }, options);
+  }
+}
+
+TEST(SyncControl, NoSyncKeepsGradientsLocalUntilASynchronisedStep) {
+  run_accelerators(kRanks, [](const Accelerator& acc, int rank) {
+    auto model = acc.prepare(make_net(0));
+    auto x = rows_of(inputs(), rank);
+    {
+      auto guard = acc.no_sync(model);
+      acc.backward(torch::mse_loss(model(x), targets(x)));
+    }
+    auto local = flat(grads_of(*model.module()));
+    EXPECT_FALSE(same_on_all_ranks(acc, local));
+    Net alone = make_net(0);
+    torch::mse_loss(alone(x), targets(x)).backward();
+    EXPECT_TRUE(torch::allclose(local, flat(grads_of(*alone)), 1e-6, 1e-7));
+    // The next synchronised backward averages everything accumulated so far.
+    acc.backward(torch::mse_loss(model(x), targets(x)));
+    auto synced = flat(grads_of(*model.module()));
+    EXPECT_TRUE(same_on_all_ranks(acc, synced));
+    EXPECT_TRUE(torch::allclose(synced, flat(reference_gradients(2)), 1e-5, 1e-7));
+  });
+}
+
+TEST(SyncControl, AccumulateSynchronisesEveryNthBatch) {
+  AcceleratorOptions options;
+  options.gradient_accumulation_steps = 2;
+  run_accelerators(kRanks, [](const Accelerator& acc, int rank) {
+    auto model = acc.prepare(make_net(0));
+    auto x = rows_of(inputs(), rank);
+    std::vector<bool> synced_steps, equal_grads;
+    for (int step = 0; step < 4; ++step) {
+      auto guard = acc.accumulate(model);
+      acc.backward(torch::mse_loss(model(x), targets(x)));
+      synced_steps.push_back(acc.sync_gradients());
+      equal_grads.push_back(same_on_all_ranks(acc, flat(grads_of(*model.module()))));
+    }
+    EXPECT_EQ(synced_steps, (std::vector<bool>{false, true, false, true}));
+    EXPECT_EQ(equal_grads, (std::vector<bool>{false, true, false, true}));
+    EXPECT_EQ(acc.step(), 4);
+  }, options);
+}
+
+TEST(SyncControl, BackwardDividesTheLossByTheAccumulationSteps) {
+  AcceleratorOptions options;
+  options.gradient_accumulation_steps = 2;
+  run_accelerators(kRanks, [](const Accelerator& acc, int rank) {
+    auto model = acc.prepare(make_net(0));
+    auto x = rows_of(inputs(), rank);
+    for (int step = 0; step < 2; ++step) {
+      auto guard = acc.accumulate(model);
+      acc.backward(torch::mse_loss(model(x), targets(x)));
+    }
+    // Two halves of one full-batch gradient each: the sum equals one full-batch gradient.
+    EXPECT_TRUE(torch::allclose(flat(grads_of(*model.module())), flat(reference_gradients()), 1e-5, 1e-7));
+  }, options);
+}
+
+TEST(SyncControl, SyncEachBatchSynchronisesEveryBackwardWhileAccumulating) {
+  AcceleratorOptions options;
+  options.gradient_accumulation_plugin = GradientAccumulationPlugin{.num_steps = 2, .sync_each_batch = true};
+  run_accelerators(kRanks, [](const Accelerator& acc, int rank) {
+    auto model = acc.prepare(make_net(0));
+    auto x = rows_of(inputs(), rank);
+    auto guard = acc.accumulate(model);
+    acc.backward(torch::mse_loss(model(x), targets(x)));
+    EXPECT_FALSE(acc.sync_gradients());
+    EXPECT_TRUE(same_on_all_ranks(acc, flat(grads_of(*model.module()))));
+  }, options);
+}
+
+TEST(SyncControl, TriggerSyncInBackwardSynchronisesAForwardRunUnderNoSync) {
+  run_accelerators(kRanks, [](const Accelerator& acc, int rank) {
+    auto model = acc.prepare(make_net(0));
+    auto x = rows_of(inputs(), rank);
+    auto no_sync = acc.no_sync(model);
+    auto loss = torch::mse_loss(model(x), targets(x));
+    {
+      auto trigger = acc.trigger_sync_in_backward(model);
+      acc.backward(loss);
+    }
+    EXPECT_TRUE(same_on_all_ranks(acc, flat(grads_of(*model.module()))));
+    EXPECT_FALSE(model.ddp().require_backward_grad_sync());  // no_sync is back in force
+  });
+}
+
+TEST(SyncControl, AccumulateSynchronisesOnTheLastBatchOfTheDataLoader) {
+  AcceleratorOptions options;
+  options.gradient_accumulation_steps = 2;
+  run_accelerators(kRanks, [](const Accelerator& acc, int) {
+    auto x = inputs(12);
+    auto loader = acc.prepare(DataLoader(std::make_shared<TensorDataset>(x, targets(x)), {.batch_size = 2}));
+    auto model = acc.prepare(make_net(0));
+    std::vector<bool> synced;
+    for (auto& batch : loader) {
+      auto guard = acc.accumulate(model);
+      acc.backward(torch::mse_loss(model(batch.data), batch.target));
+      synced.push_back(acc.sync_gradients());
+    }
+    EXPECT_EQ(synced, (std::vector<bool>{false, true, true}));  // 3 batches per process
+  }, options);
+}
+
+TEST(SyncControl, ModelsPreparedForEvaluationDoNotSynchronise) {
+  run_accelerators(kRanks, [](const Accelerator& acc, int rank) {
+    auto model = acc.prepare_model(make_net(0), std::nullopt, /*evaluation_mode=*/true);
+    EXPECT_FALSE(model.ddp().is_distributed());
+    auto x = rows_of(inputs(), rank);
+    acc.backward(torch::mse_loss(model(x), targets(x)));
+    EXPECT_FALSE(same_on_all_ranks(acc, flat(grads_of(*model.module()))));
+  });
+}
+
+TEST(MixedPrecision, Bf16ForwardRunsUnderAutocastAndReturnsFp32) {
+  AcceleratorOptions options;
+  options.mixed_precision = "bf16";
+  run_accelerators(1, [](const Accelerator& acc, int) {
+    torch::nn::Linear linear(4, 3);
+    auto model = acc.prepare(linear);
+    auto x = inputs(2);
+    auto out = model(x);
+    EXPECT_EQ(out.scalar_type(), torch::kFloat);
+    auto in_bf16 = torch::nn::functional::linear(x.to(torch::kBFloat16), linear->weight.to(torch::kBFloat16),
+                                                 linear->bias.to(torch::kBFloat16))
+                       .to(torch::kFloat);
+    EXPECT_TRUE(torch::equal(out, in_bf16));
+    EXPECT_FALSE(torch::equal(out, linear(x)));
+    EXPECT_FALSE(at::autocast::is_cpu_enabled());  // the region ended with the call
+  }, options);
+}
+
+TEST(MixedPrecision, AutocastGuardRestoresThePreviousState) {
+  AcceleratorOptions options;
+  options.mixed_precision = "bf16";
+  run_accelerators(1, [](const Accelerator& acc, int) {
+    {
+      auto guard = acc.autocast();
+      EXPECT_TRUE(at::autocast::is_cpu_enabled());
+      EXPECT_EQ(at::autocast::get_autocast_cpu_dtype(), at::kBFloat16);
+      {
+        auto off = acc.autocast(AutocastKwargs{.enabled = false});
+        EXPECT_FALSE(at::autocast::is_cpu_enabled());
+      }
+      EXPECT_TRUE(at::autocast::is_cpu_enabled());
+    }
+    EXPECT_FALSE(at::autocast::is_cpu_enabled());
+  }, options);
+  EXPECT_THROWS_WITH(AutocastGuard(c10::kCPU, PrecisionType::kFp16), "fp16 autocast needs a CUDA device");
+}
+
+}  // namespace
+}  // namespace accelerate::testing
