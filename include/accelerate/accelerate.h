@@ -9,6 +9,7 @@
 #include "accelerate/lr_scheduler.h"
 #include "accelerate/optimizer.h"
 #include "accelerate/scheduler.h"
+#include "accelerate/memory_utils.h"
 #include "accelerate/state.h"
 #include "accelerate/utils/autocast.h"
 #include "accelerate/utils/dataclasses.h"
