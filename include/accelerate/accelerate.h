@@ -15,4 +15,5 @@
 #include "accelerate/utils/dataclasses.h"
 #include "accelerate/utils/environment.h"
 #include "accelerate/utils/operations.h"
+#include "accelerate/utils/random.h"
 #include "accelerate/utils/tensor_tree.h"
