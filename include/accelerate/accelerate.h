@@ -15,5 +15,6 @@
 #include "accelerate/utils/dataclasses.h"
 #include "accelerate/utils/environment.h"
 #include "accelerate/utils/operations.h"
+#include "accelerate/utils/profiler.h"
 #include "accelerate/utils/random.h"
 #include "accelerate/utils/tensor_tree.h"
