@@ -4,7 +4,6 @@
 
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
-#include <nlohmann/json.hpp>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/optimizer.h>
@@ -14,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <nlohmann/json.hpp>
 #include <numbers>
 #include <tuple>
 #include <utility>
@@ -39,9 +39,9 @@ const nlohmann::json& entry(const nlohmann::json& state, const char* key, const 
 
 int64_t integer_entry(const nlohmann::json& state, const char* key, const std::string& where, int64_t min) {
   const auto& v = entry(state, key, where);
-  const bool fits = v.is_number_integer() &&
-                    (!v.is_number_unsigned() ||
-                     v.get<uint64_t>() <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max()));
+  const bool fits =
+      v.is_number_integer() &&
+      (!v.is_number_unsigned() || v.get<uint64_t>() <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max()));
   TORCH_CHECK_VALUE(fits && v.get<int64_t>() >= min, "[", where, "] expected \"", key, "\" to be an integer >= ", min,
                     ", got ", brief(v));
   return v.get<int64_t>();
@@ -61,7 +61,8 @@ bool bool_entry(const nlohmann::json& state, const char* key, const std::string&
 }
 
 // One finite number per param group.
-std::vector<double> numbers_entry(const nlohmann::json& state, const char* key, const std::string& where, size_t count) {
+std::vector<double> numbers_entry(const nlohmann::json& state, const char* key, const std::string& where,
+                                  size_t count) {
   const auto& v = entry(state, key, where);
   bool ok = v.is_array() && v.size() == count;
   for (size_t i = 0; ok && i < count; ++i) ok = v[i].is_number() && std::isfinite(v[i].get<double>());
@@ -137,10 +138,8 @@ void LRScheduler::set_base_lrs(std::vector<double> base_lrs) {
 }
 
 nlohmann::json LRScheduler::state_dict() const {
-  nlohmann::json state = {{"base_lrs", base_lrs_},
-                          {"last_epoch", last_epoch_},
-                          {"step_count", step_count_},
-                          {"last_lr", last_lr_}};
+  nlohmann::json state = {
+      {"base_lrs", base_lrs_}, {"last_epoch", last_epoch_}, {"step_count", step_count_}, {"last_lr", last_lr_}};
   save_extra_state(state);
   return state;
 }
@@ -284,7 +283,8 @@ std::shared_ptr<LRScheduler> get_cosine_with_hard_restarts_schedule_with_warmup(
         const double progress = progress_after_warmup(step, num_warmup_steps, num_training_steps);
         if (progress >= 1.0) return 0.0;
         // The operand is >= 0, where fmod equals Python's `% 1.0`.
-        return std::max(0.0, 0.5 * (1.0 + std::cos(std::numbers::pi * std::fmod(static_cast<double>(num_cycles) * progress, 1.0))));
+        return std::max(
+            0.0, 0.5 * (1.0 + std::cos(std::numbers::pi * std::fmod(static_cast<double>(num_cycles) * progress, 1.0))));
       });
 }
 
@@ -299,20 +299,19 @@ std::shared_ptr<LRScheduler> get_polynomial_decay_schedule_with_warmup(
                     "): the decay would divide by zero steps");
   TORCH_CHECK_VALUE(std::isfinite(lr_end) && lr_end >= 0, "[", kApi, "] lr_end must be a finite number >= 0, got ",
                     lr_end);
-  TORCH_CHECK_VALUE(std::isfinite(power) && power >= 0, "[", kApi, "] power must be a finite number >= 0, got ",
-                    power);
+  TORCH_CHECK_VALUE(std::isfinite(power) && power >= 0, "[", kApi, "] power must be a finite number >= 0, got ", power);
   TORCH_CHECK_VALUE(lr_init > lr_end, "[", kApi, "] lr_end (", lr_end, ") must be smaller than initial lr (", lr_init,
                     ")");
-  return std::make_shared<LambdaLR>(
-      std::move(optimizer), [num_warmup_steps, num_training_steps, lr_end, power, lr_init](int64_t step) {
-        if (step < num_warmup_steps) return warmup_factor(step, num_warmup_steps);
-        if (step > num_training_steps) return lr_end / lr_init;  // LambdaLR multiplies by the base rate
-        const double lr_range = lr_init - lr_end;
-        const int64_t decay_steps = num_training_steps - num_warmup_steps;
-        const double pct_remaining = 1.0 - static_cast<double>(step - num_warmup_steps) / static_cast<double>(decay_steps);
-        const double decay = lr_range * std::pow(pct_remaining, power) + lr_end;
-        return decay / lr_init;
-      });
+  return std::make_shared<LambdaLR>(std::move(optimizer), [num_warmup_steps, num_training_steps, lr_end, power,
+                                                           lr_init](int64_t step) {
+    if (step < num_warmup_steps) return warmup_factor(step, num_warmup_steps);
+    if (step > num_training_steps) return lr_end / lr_init;  // LambdaLR multiplies by the base rate
+    const double lr_range = lr_init - lr_end;
+    const int64_t decay_steps = num_training_steps - num_warmup_steps;
+    const double pct_remaining = 1.0 - static_cast<double>(step - num_warmup_steps) / static_cast<double>(decay_steps);
+    const double decay = lr_range * std::pow(pct_remaining, power) + lr_end;
+    return decay / lr_init;
+  });
 }
 
 // ---- GroupValues ----------------------------------------------------------------------------
@@ -362,8 +361,8 @@ bool parse_anneal_strategy(const std::string& strategy, const std::string& where
 }
 
 void check_pct_start(double pct_start, const std::string& where) {
-  TORCH_CHECK_VALUE(pct_start >= 0 && pct_start <= 1, "[", where, "] Expected float between 0 and 1 pct_start, but got ",
-                    pct_start);
+  TORCH_CHECK_VALUE(pct_start >= 0 && pct_start <= 1, "[", where,
+                    "] Expected float between 0 and 1 pct_start, but got ", pct_start);
 }
 
 }  // namespace
@@ -425,8 +424,9 @@ OneCycleLR::OneCycleLR(std::shared_ptr<torch::optim::Optimizer> optimizer, OneCy
     } else if (options_are<torch::optim::AdamOptions>(defaults) || options_are<torch::optim::AdamWOptions>(defaults)) {
       momentum_kind_ = Momentum::kBeta1;
     } else {
-      C10_THROW_ERROR(ValueError, "[OneCycleLR] optimizer must support momentum with `cycle_momentum` option enabled "
-                                  "(SGD, RMSprop, Adam or AdamW); set cycle_momentum = false for this one");
+      C10_THROW_ERROR(ValueError,
+                      "[OneCycleLR] optimizer must support momentum with `cycle_momentum` option enabled "
+                      "(SGD, RMSprop, Adam or AdamW); set cycle_momentum = false for this one");
     }
     max_momentum_ = options.max_momentum.resolve(kOneCycle, "max_momentum", num_groups());
     base_momentum_ = options.base_momentum.resolve(kOneCycle, "base_momentum", num_groups());
@@ -525,8 +525,8 @@ void OneCycleLR::load_extra_state(const nlohmann::json& state, const std::string
   check_pct_start(pct_start, where);
   const bool three_phase = bool_entry(state, "three_phase", where);
   const auto& strategy = entry(state, "anneal_strategy", where);
-  TORCH_CHECK_VALUE(strategy.is_string(), "[", where, "] expected \"anneal_strategy\" to be \"cos\" or \"linear\", got ",
-                    brief(strategy));
+  TORCH_CHECK_VALUE(strategy.is_string(), "[", where,
+                    "] expected \"anneal_strategy\" to be \"cos\" or \"linear\", got ", brief(strategy));
   const bool linear = parse_anneal_strategy(strategy.get<std::string>(), where);
   const bool cycle_momentum = bool_entry(state, "cycle_momentum", where);
   TORCH_CHECK_VALUE(!cycle_momentum || cycle_momentum_, "[", where,

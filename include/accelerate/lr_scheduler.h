@@ -44,7 +44,9 @@ namespace accelerate {
 ///
 /// The base rates are the groups' `lr` when the scheduler is built. (PyTorch instead takes a
 /// group's `initial_lr` entry when an earlier scheduler left one there; LibTorch's groups have no
-/// room for it, so a second scheduler on the same optimizer starts from the current rates.)
+/// room for it, so a second scheduler on the same optimizer starts from the current rates.) There
+/// is no `last_epoch` constructor argument: a resumed scheduler is built afresh and then given the
+/// saved state with `load_state_dict()`.
 class LRScheduler {
  public:
   /// Wraps `optimizer` (sharing its ownership) and records each group's current `lr` as its base
@@ -99,7 +101,7 @@ class LRScheduler {
   void set_base_lrs(std::vector<double> base_lrs);
   /// The name that starts error messages.
   const std::string& api_name() const;
-  /// The number of param groups of the optimizer.
+  /// The number of param groups the scheduler was built for.
   size_t num_groups() const;
 
   /// Adds the subclass's fields to `state` (called by `state_dict()`).
