@@ -1,6 +1,7 @@
 // The Accelerator; see include/accelerate/accelerator.h.
 #include "accelerate/accelerator.h"
 
+#include "accelerate/memory_utils.h"
 #include "accelerate/utils/environment.h"
 
 #include <c10/util/Exception.h>
@@ -229,6 +230,7 @@ DataLoader Accelerator::prepare_data_loader(const DataLoader& loader, std::optio
   if (loader.prepared()) return loader;
   auto options = PrepareDataLoaderOptions::from_config(impl_->options.dataloader_config);
   options.put_on_device = device_placement.value_or(impl_->options.device_placement);
+  options.rng_types = impl_->options.rng_types;
   options.device = state_.device();
   DataLoader prepared = accelerate::prepare_data_loader(loader, partial(), gradient_state_, options);
   std::lock_guard<std::mutex> lock(impl_->mutex);
@@ -305,7 +307,10 @@ void Accelerator::free_memory() const {
     impl_->data_loaders.clear();
     impl_->step = 0;
   }
+  clear_device_cache();
 }
+
+const ProfileKwargs& Accelerator::profile_kwargs() const { return impl_->options.profile_kwargs; }
 
 std::vector<DataLoader> Accelerator::prepared_data_loaders() const {
   std::lock_guard<std::mutex> lock(impl_->mutex);

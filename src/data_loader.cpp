@@ -1,5 +1,6 @@
 // Data loaders, samplers, sharding and dispatching; see include/accelerate/data_loader.h.
 #include "accelerate/data_loader.h"
+#include "accelerate/utils/random.h"
 
 #include "accelerate/utils/operations.h"
 #include "detail/collectives.h"
@@ -682,6 +683,7 @@ struct DataLoaderImpl {
   bool split_batches = false;
   bool use_stateful = false;
   bool synchronize_generator = false;
+  std::vector<std::string> rng_types;  // global generators synchronised at each pass ("torch", "cuda")
   std::shared_ptr<DataLoaderImpl> base;  // dispatcher: the unsharded loader the main process reads
   SliceFn slice_fn;
   int64_t skip_batches = 0;
@@ -1280,6 +1282,9 @@ struct DataLoaderIteration {
     if (L.synchronize_generator && generator && L.state && L.state->num_processes() > 1) {
       synchronize_generator(*L.state, *generator);
     }
+    if (!L.rng_types.empty() && L.state && L.state->num_processes() > 1) {
+      synchronize_rng_states(*L.state, L.rng_types);
+    }
     L.pass_generator_state = generator ? generator_state_hex(*generator) : std::string();
     if (prepared && L.gradient_state) {
       L.gradient_state->add_dataloader(impl.get());
@@ -1670,6 +1675,11 @@ DataLoader prepare_data_loader(const DataLoader& loader, const PartialState& sta
                                               BatchSamplerShardOptions{options.split_batches, options.even_batches});
       impl->synchronize_generator = !options.use_seedable_sampler;
     }
+  }
+  for (const auto& type : options.rng_types) {
+    TORCH_CHECK_VALUE(type == "torch" || type == "cuda" || type == "generator", "[prepare_data_loader] rng_types: "
+                      "unknown generator '", type, "'; expected 'torch', 'cuda' or 'generator'");
+    if (type != "generator") impl->rng_types.push_back(type);
   }
   return DataLoader(std::move(impl));
 }

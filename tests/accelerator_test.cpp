@@ -1,11 +1,13 @@
 // The Accelerator's process control and collectives, with ranks as threads.
 #include "accelerate/accelerator.h"
+#include "accelerate/utils/environment.h"
 #include "support/accelerators.h"
 #include "support/test_support.h"
 
 #include <ATen/ATen.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <torch/torch.h>
 
 namespace accelerate::testing {
 namespace {
@@ -89,6 +91,151 @@ TEST(Accelerator, ABadMixedPrecisionIsRefused) {
   AcceleratorOptions options;
   options.mixed_precision = "fp8";
   EXPECT_THROWS_WITH(run_accelerators(1, [](const Accelerator&) {}, options), "fp8 mixed precision is not supported");
+}
+
+
+// ---- training options, environment and misuse ---------------------------------------------
+
+// Tests of the process-wide accelerator start and end without a process-wide state.
+class ProcessWideAccelerator : public ::testing::Test {
+ protected:
+  void SetUp() override { reset(); }
+  void TearDown() override { reset(); }
+  static void reset() {
+    AcceleratorState::reset();
+    GradientState::reset();
+  }
+};
+
+TEST_F(ProcessWideAccelerator, GradientAccumulationComesFromTheArgumentThePluginOrTheEnvironment) {
+  EXPECT_EQ(Accelerator().gradient_accumulation_steps(), 1);
+  EXPECT_EQ(Accelerator({.gradient_accumulation_steps = 3}).gradient_accumulation_steps(), 3);
+  Accelerator with_plugin({.gradient_accumulation_plugin = GradientAccumulationPlugin{.num_steps = 5,
+                                                                                       .sync_each_batch = true}});
+  EXPECT_EQ(with_plugin.gradient_accumulation_steps(), 5);
+  EXPECT_TRUE(with_plugin.gradient_state().sync_each_batch());
+  auto env = patch_environment({{"ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "4"}});
+  EXPECT_EQ(Accelerator().gradient_accumulation_steps(), 4);
+  EXPECT_EQ(Accelerator({.gradient_accumulation_steps = 2}).gradient_accumulation_steps(), 4);  // as upstream
+}
+
+TEST_F(ProcessWideAccelerator, BothAccumulationOptionsAreRefused) {
+  EXPECT_THROWS_WITH(Accelerator({.gradient_accumulation_steps = 2,
+                                  .gradient_accumulation_plugin = GradientAccumulationPlugin{.num_steps = 2}}),
+                     "pass either gradient_accumulation_steps or gradient_accumulation_plugin, not both");
+  EXPECT_THROWS_WITH(Accelerator({.gradient_accumulation_steps = 0}), "must be at least 1");
+  auto env = patch_environment({{"ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "two"}});
+  EXPECT_THROWS_WITH(Accelerator(), "ACCELERATE_GRADIENT_ACCUMULATION_STEPS must be a positive integer, got 'two'");
+}
+
+TEST_F(ProcessWideAccelerator, MixedPrecisionComesFromTheEnvironmentWhenNotGiven) {
+  {
+    auto env = patch_environment({{"ACCELERATE_MIXED_PRECISION", "bf16"}});
+    EXPECT_EQ(Accelerator().mixed_precision(), "bf16");
+  }
+  reset();
+  auto env = patch_environment({{"ACCELERATE_MIXED_PRECISION", "bf16"}});
+  EXPECT_EQ(Accelerator({.mixed_precision = "no"}).mixed_precision(), "no");
+}
+
+TEST_F(ProcessWideAccelerator, Fp16WithoutCudaWarnsAndRunsInFullPrecision) {
+  if (Accelerator({.cpu = false}).device().is_cuda()) GTEST_SKIP() << "this machine has CUDA: fp16 is supported";
+  reset();
+  struct Collect : c10::WarningHandler {
+    void process(const c10::SourceLocation&, const std::string& msg, const bool) override { messages.push_back(msg); }
+    std::vector<std::string> messages;
+  } collect;
+  c10::Warning::WarningHandlerGuard guard(&collect);
+  Accelerator accelerator({.mixed_precision = "fp16"});
+  EXPECT_EQ(accelerator.mixed_precision(), "no");
+  EXPECT_FALSE(accelerator.scaler().has_value());
+  ASSERT_EQ(collect.messages.size(), 1u);
+  EXPECT_THAT(collect.messages[0], HasSubstr("fp16 mixed precision needs a CUDA device"));
+}
+
+TEST_F(ProcessWideAccelerator, UseCpuFromTheEnvironment) {
+  auto env = patch_environment({{"ACCELERATE_USE_CPU", "true"}});
+  EXPECT_TRUE(Accelerator().device().is_cpu());
+}
+
+TEST_F(ProcessWideAccelerator, PreparingAfterAResetIsRefused) {
+  Accelerator accelerator;
+  torch::nn::Linear net(2, 1);
+  (void)accelerator.prepare(net);
+  AcceleratorState::reset();
+  EXPECT_THROWS_WITH((void)accelerator.prepare(torch::nn::Linear(2, 1)),
+                     "the process-wide state was reset after this Accelerator was created");
+  EXPECT_THROWS_WITH((void)accelerator.prepare_optimizer(std::make_shared<torch::optim::SGD>(net->parameters(), 0.1)),
+                     "[Accelerator.prepare_optimizer] the process-wide state was reset");
+  Accelerator fresh;
+  EXPECT_NO_THROW((void)fresh.prepare(net));
+}
+
+TEST_F(ProcessWideAccelerator, TrackersAndUnknownGeneratorsAreRefused) {
+  EXPECT_THROWS_WITH(Accelerator({.log_with = {"tensorboard"}}), "log_with: experiment trackers are not available");
+  EXPECT_THROWS_WITH(Accelerator({.rng_types = {"numpy"}}), "rng_types: unknown generator 'numpy'");
+}
+
+TEST_F(ProcessWideAccelerator, ProjectDirectoriesFollowUpstreamsRules) {
+  Accelerator a({.project_dir = "runs/x"});
+  EXPECT_EQ(a.project_dir(), "runs/x");
+  EXPECT_EQ(a.logging_dir(), "runs/x");
+  Accelerator b({.project_config = {.project_dir = "p", .logging_dir = "l", .total_limit = 2}});
+  EXPECT_EQ(b.project_dir(), "p");
+  EXPECT_EQ(b.logging_dir(), "l");
+  EXPECT_EQ(b.project_configuration().total_limit, 2);
+}
+
+TEST(AcceleratorTraining, PrepareReturnsObjectsInArgumentOrderAndReusesPreparedOnes) {
+  run_accelerators(1, [](const Accelerator& acc) {
+    torch::nn::Linear net(2, 1);
+    auto sgd = std::make_shared<torch::optim::SGD>(net->parameters(), 0.1);
+    auto x = torch::ones({4, 2});
+    auto loader = DataLoader(std::make_shared<TensorDataset>(x), {.batch_size = 2});
+    auto [opt, model, train] = acc.prepare(sgd, net, loader);
+    static_assert(std::is_same_v<decltype(opt), AcceleratedOptimizer>);
+    static_assert(std::is_same_v<decltype(model), PreparedModel<torch::nn::Linear>>);
+    static_assert(std::is_same_v<decltype(train), DataLoader>);
+    EXPECT_EQ(opt.optimizer(), sgd);
+    EXPECT_EQ(acc.unwrap_model(model).ptr(), net.ptr());
+    EXPECT_TRUE(train.prepared());
+    EXPECT_TRUE(torch::equal(model(x), net(x)));
+    // Preparing again hands back the same engines.
+    auto again = acc.prepare(net);
+    EXPECT_EQ(again.ddp().impl(), model.ddp().impl());
+    EXPECT_EQ(acc.prepare(sgd).optimizer(), sgd);
+    EXPECT_EQ(acc.prepared_models().size(), 1u);
+    EXPECT_EQ(acc.prepared_optimizers().size(), 1u);
+    EXPECT_EQ(acc.prepared_data_loaders().size(), 1u);
+    acc.free_memory();
+    EXPECT_TRUE(acc.prepared_models().empty());
+    EXPECT_TRUE(acc.prepared_optimizers().empty());
+    EXPECT_EQ(acc.step(), 0);
+  });
+}
+
+TEST(AcceleratorTraining, ClipGradNormClipsTheGlobalNorm) {
+  run_accelerators(1, [](const Accelerator& acc) {
+    auto w = torch::zeros({2}, torch::requires_grad());
+    w.mutable_grad() = torch::tensor({3.f, 4.f});
+    EXPECT_DOUBLE_EQ(acc.clip_grad_norm_({w}, 1.0), 5.0);
+    EXPECT_TRUE(torch::allclose(w.grad(), torch::tensor({0.6f, 0.8f})));
+    acc.clip_grad_value_({w}, 0.7);
+    EXPECT_TRUE(torch::allclose(w.grad(), torch::tensor({0.6f, 0.7f})));
+    EXPECT_THROWS_WITH(acc.clip_grad_norm_({w}, -1.0), "max_norm must not be negative");
+  });
+}
+
+TEST(AcceleratorTraining, ProfileWritesATracePerProcess) {
+  TempDir dir;
+  AcceleratorOptions options;
+  options.profile_kwargs.output_trace_dir = dir.str();
+  run_accelerators(2, [](const Accelerator& acc) {
+    auto result = acc.profile([] { return torch::mm(torch::ones({8, 8}), torch::ones({8, 8})).sum().item<float>(); });
+    EXPECT_EQ(result, 512.f);
+  }, options);
+  EXPECT_TRUE(std::filesystem::exists(dir.path() / "profile_0.json"));
+  EXPECT_TRUE(std::filesystem::exists(dir.path() / "profile_1.json"));
 }
 
 }  // namespace

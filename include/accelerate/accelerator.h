@@ -26,6 +26,7 @@
 #include "accelerate/utils/autocast.h"
 #include "accelerate/utils/dataclasses.h"
 #include "accelerate/utils/operations.h"
+#include "accelerate/utils/profiler.h"
 
 #include <optional>
 #include <string>
@@ -79,6 +80,8 @@ struct AcceleratorOptions {
   InitProcessGroupKwargs init_process_group_kwargs{};
   /// Autocast settings of mixed-precision forward passes.
   AutocastKwargs autocast_kwargs{};
+  /// Profiler settings of `profile()`.
+  ProfileKwargs profile_kwargs{};
   /// Run on a state of its own built from these settings instead of the process-wide one (for
   /// several ranks as threads of one process, or several jobs in one program).
   std::optional<PartialStateOptions> standalone_state{};
@@ -270,6 +273,16 @@ class Accelerator {
   double clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type = 2.0) const;
   /// Unscales the gradients, then clamps each element to [-clip_value, clip_value].
   void clip_grad_value_(const std::vector<at::Tensor>& parameters, double clip_value) const;
+
+  /// Runs `fn` under LibTorch's profiler with `kwargs` (default: the accelerator's
+  /// `profile_kwargs`) and returns its result; with `output_trace_dir` each process writes a
+  /// Chrome trace there, then every process waits for the others (upstream: `profile`).
+  template <typename Fn>
+  decltype(auto) profile(Fn&& fn, const std::optional<ProfileKwargs>& kwargs = std::nullopt) const {
+    return accelerate::profile(partial(), kwargs.value_or(profile_kwargs()), std::forward<Fn>(fn));
+  }
+  /// The profiler settings given at construction.
+  const ProfileKwargs& profile_kwargs() const;
 
   /// Drops this accelerator's references to the objects it prepared and restarts its step count
   /// (upstream: `free_memory`); cached device memory is released.

@@ -637,6 +637,10 @@ struct PrepareDataLoaderOptions {
   bool non_blocking = false;
   /// See `DataLoaderConfiguration`.
   bool use_stateful_dataloader = false;
+  /// Global generators copied from process 0 at the start of every pass: "torch" (LibTorch's
+  /// default CPU generator) and "cuda"; "generator" is accepted and means the loader's own
+  /// generator, which a sharded shuffling loader always synchronises (upstream: `rng_types`).
+  std::vector<std::string> rng_types{};
 
   /// The options that a `DataLoaderConfiguration` sets.
   static PrepareDataLoaderOptions from_config(const DataLoaderConfiguration& config);
