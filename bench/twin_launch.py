@@ -7,15 +7,16 @@ import subprocess
 import sys
 
 
-def run_as_workers(worker, nproc=2):
-    """In a worker (RANK set) calls `worker()`; otherwise restarts this script as `nproc` workers."""
+def run_as_workers(worker, nproc=2, threads=None):
+    """In a worker (RANK set) calls `worker()`; otherwise restarts this script as `nproc` workers
+    with `threads` OpenMP/OpenBLAS threads each (default: cores / nproc, as the launcher)."""
     if "RANK" in os.environ:
         worker()
         return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    threads = max(1, (os.cpu_count() or 1) // nproc)
+    threads = threads or max(1, (os.cpu_count() or 1) // nproc)
     procs = []
     for rank in range(nproc):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),

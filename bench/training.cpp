@@ -1,0 +1,191 @@
+// Training-step throughput: steady-state optimizer steps per second of a loop written with the
+// Accelerator (`prepare`, `backward`, `AcceleratedOptimizer`), gradients synchronised by the
+// prepared model's Reducer over Gloo. Two workloads: "mlp" (512→1024→1024→10 with ReLU, batch 64
+// per process, cross-entropy: compute and a 6 MiB gradient allreduce) and "tiny" (Linear(32, 32),
+// batch 8 per process, MSE: per-step overhead and small-message latency). SGD with lr 0.01, one
+// fixed random batch per process. Each step is timed by phase (zero_grad, forward with the loss,
+// backward with the allreduce, optimizer step) on process 0.
+// Run through the launcher: `accelerate launch -n 2 bench_training [--quick] [--workloads mlp,tiny]
+// [--warmup_steps 20] [--mlp_steps 200] [--tiny_steps 2000]`; process 0 prints one JSON object per
+// workload, as bench/training_twin.py does for PyTorch DDP, and bench/run_training compares them.
+#include <accelerate/accelerate.h>
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Parallel.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <numeric>
+#include <string>
+#include <vector>
+
+namespace acc = accelerate;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+struct MlpImpl : torch::nn::Module {
+  MlpImpl()
+      : fc1(register_module("fc1", torch::nn::Linear(512, 1024))),
+        fc2(register_module("fc2", torch::nn::Linear(1024, 1024))),
+        fc3(register_module("fc3", torch::nn::Linear(1024, 10))) {}
+  at::Tensor forward(const at::Tensor& x) { return fc3(torch::relu(fc2(torch::relu(fc1(x))))); }
+  torch::nn::Linear fc1, fc2, fc3;
+};
+TORCH_MODULE(Mlp);
+
+struct TinyImpl : torch::nn::Module {
+  TinyImpl() : fc(register_module("fc", torch::nn::Linear(32, 32))) {}
+  at::Tensor forward(const at::Tensor& x) { return fc(x); }
+  torch::nn::Linear fc;
+};
+TORCH_MODULE(Tiny);
+
+struct Flags {
+  std::vector<std::string> workloads{"mlp", "tiny"};
+  int warmup_steps = 20;
+  int mlp_steps = 200;
+  int tiny_steps = 2000;
+};
+
+Flags parse_flags(int argc, char** argv) {
+  Flags f;
+  bool quick = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto value = [&]() -> std::string {
+      TORCH_CHECK_VALUE(i + 1 < argc, "[bench_training] ", a, " expects a value");
+      return argv[++i];
+    };
+    if (a == "--quick") {
+      quick = true;
+    } else if (a == "--workloads") {
+      f.workloads.clear();
+      std::string list = value();
+      for (size_t start = 0, comma; start <= list.size(); start = comma + 1) {
+        comma = std::min(list.find(',', start), list.size());
+        if (comma > start) f.workloads.push_back(list.substr(start, comma - start));
+      }
+    } else if (a == "--warmup_steps") {
+      f.warmup_steps = std::stoi(value());
+    } else if (a == "--mlp_steps") {
+      f.mlp_steps = std::stoi(value());
+    } else if (a == "--tiny_steps") {
+      f.tiny_steps = std::stoi(value());
+    } else {
+      TORCH_CHECK_VALUE(false, "[bench_training] unknown flag ", a);
+    }
+  }
+  if (quick) {
+    f.mlp_steps = std::max(1, f.mlp_steps / 4);
+    f.tiny_steps = std::max(1, f.tiny_steps / 4);
+  }
+  return f;
+}
+
+// Median and mean of `v` (sorted in place).
+std::pair<double, double> median_mean(std::vector<double>& v) {
+  std::sort(v.begin(), v.end());
+  return {v[v.size() / 2], std::accumulate(v.begin(), v.end(), 0.0) / static_cast<double>(v.size())};
+}
+
+double us(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double, std::micro>(b - a).count(); }
+
+// Trains `net` on one fixed batch (`x`, `y`) for warm-up then timed steps; process 0 prints the
+// throughput, the per-step and per-phase times and the last loss.
+template <typename Net, typename LossFn>
+void run(const acc::Accelerator& accelerator, const char* workload, Net net, const at::Tensor& x, const at::Tensor& y,
+         LossFn loss_fn, int warmup_steps, int steps) {
+  auto [model, opt] = accelerator.prepare(net, std::make_shared<torch::optim::SGD>(net->parameters(),
+                                                                                  torch::optim::SGDOptions(0.01)));
+  at::Tensor loss;
+  auto train_step = [&] {
+    opt.zero_grad();
+    loss = loss_fn(model(x), y);
+    accelerator.backward(loss);
+    opt.step();
+  };
+  for (int i = 0; i < warmup_steps; ++i) train_step();
+
+  constexpr int kPhases = 4;
+  std::vector<std::vector<double>> phase(kPhases, std::vector<double>(static_cast<size_t>(steps)));
+  std::vector<double> step_us(static_cast<size_t>(steps));
+  accelerator.wait_for_everyone();
+  const auto start = Clock::now();
+  for (int i = 0; i < steps; ++i) {
+    const auto t0 = Clock::now();
+    opt.zero_grad();
+    const auto t1 = Clock::now();
+    loss = loss_fn(model(x), y);
+    const auto t2 = Clock::now();
+    accelerator.backward(loss);
+    const auto t3 = Clock::now();
+    opt.step();
+    const auto t4 = Clock::now();
+    const auto s = static_cast<size_t>(i);
+    phase[0][s] = us(t0, t1);
+    phase[1][s] = us(t1, t2);
+    phase[2][s] = us(t2, t3);
+    phase[3][s] = us(t3, t4);
+    step_us[s] = us(t0, t4);
+  }
+  accelerator.wait_for_everyone();
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  if (!accelerator.is_main_process()) return;
+
+  const double steps_per_s = steps / seconds;
+  const auto [step_median, step_mean] = median_mean(step_us);
+  std::string phases;
+  const char* names[kPhases] = {"zero_grad", "forward", "backward", "step"};
+  for (int p = 0; p < kPhases; ++p) {
+    const auto [median, mean] = median_mean(phase[static_cast<size_t>(p)]);
+    char buf[128];
+    std::snprintf(buf, sizeof(buf), "%s\"%s\": [%.1f, %.1f]", p ? ", " : "", names[p], median, mean);
+    phases += buf;
+  }
+  std::printf("{\"side\": \"cpp\", \"workload\": \"%s\", \"processes\": %d, \"threads\": %d, \"batch_size\": %lld, "
+              "\"warmup_steps\": %d, \"steps\": %d, \"steps_per_s\": %.3f, \"samples_per_s\": %.1f, "
+              "\"step_median_us\": %.1f, \"step_mean_us\": %.1f, \"phase_median_mean_us\": {%s}, "
+              "\"last_loss\": %.6f}\n",
+              workload, accelerator.num_processes(), at::get_num_threads(), static_cast<long long>(x.size(0)),
+              warmup_steps, steps, steps_per_s, steps_per_s * static_cast<double>(x.size(0) * accelerator.num_processes()),
+              step_median, step_mean, phases.c_str(), loss.item<double>());
+  std::fflush(stdout);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Flags flags = parse_flags(argc, argv);
+  acc::Accelerator accelerator;
+  const int64_t rank = accelerator.process_index();
+  for (const auto& workload : flags.workloads) {
+    // The same parameters on every process (prepare broadcasts process 0's anyway), and a batch
+    // of its own per process; the twin draws the same numbers from the same seeds.
+    torch::manual_seed(0);
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 + rank);
+    if (workload == "mlp") {
+      Mlp net;
+      const auto x = at::randn({64, 512}, gen);
+      const auto y = at::randint(0, 10, {64}, gen, at::kLong);
+      run(accelerator, "mlp", net, x, y, [](const at::Tensor& out, const at::Tensor& t) {
+        return torch::cross_entropy_loss(out, t);
+      }, flags.warmup_steps, flags.mlp_steps);
+    } else if (workload == "tiny") {
+      Tiny net;
+      const auto x = at::randn({8, 32}, gen);
+      const auto y = at::randn({8, 32}, gen);
+      run(accelerator, "tiny", net, x, y, [](const at::Tensor& out, const at::Tensor& t) {
+        return torch::mse_loss(out, t);
+      }, flags.warmup_steps, flags.tiny_steps);
+    } else {
+      TORCH_CHECK_VALUE(false, "[bench_training] unknown workload ", workload, " (expected mlp or tiny)");
+    }
+    accelerator.free_memory();
+  }
+  return 0;
+}
