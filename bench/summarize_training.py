@@ -17,45 +17,44 @@ def main():
     for r in rows:
         groups[(r["workload"], r["processes"], r["side"])].append(r)
     table = []
-    print(f"{'workload':<9}{'procs':>5}  {'C++ steps/s med (min-max)':>27}  {'PyTorch steps/s med (min-max)':>29}"
-          f"  {'ratio med':>9}  {'ratio mean':>10}  {'C++ samples/s':>13}  {'Py samples/s':>12}"
-          f"  {'C++ step us med/mean':>20}  {'Py step us med/mean':>19}")
     keys = sorted({(w, n) for (w, n, _) in groups}, key=lambda k: (k[0], -k[1]))
     for workload, n in keys:
         cpp, py = groups.get((workload, n, "cpp"), []), groups.get((workload, n, "python"), [])
         if not cpp or not py:
             continue
-        c, p = [r["steps_per_s"] for r in cpp], [r["steps_per_s"] for r in py]
-        cs, ps = [r["samples_per_s"] for r in cpp], [r["samples_per_s"] for r in py]
-        e = {"workload": workload, "processes": n, "repetitions": [len(c), len(p)],
-             "cpp_steps_per_s": statistics.median(c), "python_steps_per_s": statistics.median(p),
-             "cpp_steps_per_s_mean": statistics.mean(c), "python_steps_per_s_mean": statistics.mean(p),
-             "cpp_samples_per_s": statistics.median(cs), "python_samples_per_s": statistics.median(ps),
-             "cpp_samples_per_s_mean": statistics.mean(cs), "python_samples_per_s_mean": statistics.mean(ps),
-             "cpp_step_median_us": statistics.median(r["step_median_us"] for r in cpp),
-             "python_step_median_us": statistics.median(r["step_median_us"] for r in py),
-             "cpp_step_mean_us": statistics.median(r["step_mean_us"] for r in cpp),
-             "python_step_mean_us": statistics.median(r["step_mean_us"] for r in py),
-             "cpp_last_loss": cpp[-1]["last_loss"], "python_last_loss": py[-1]["last_loss"]}
-        e["ratio_steps_per_s"] = e["cpp_steps_per_s"] / e["python_steps_per_s"]
-        e["ratio_steps_per_s_mean"] = e["cpp_steps_per_s_mean"] / e["python_steps_per_s_mean"]
-        e["ratio_samples_per_s"] = e["cpp_samples_per_s"] / e["python_samples_per_s"]
-        e["ratio_samples_per_s_mean"] = e["cpp_samples_per_s_mean"] / e["python_samples_per_s_mean"]
+        e = {"workload": workload, "processes": n, "repetitions": [len(cpp), len(py)]}
+        for metric in ("steps_per_s", "samples_per_s"):
+            c, p = [r[metric] for r in cpp], [r[metric] for r in py]
+            e[f"cpp_{metric}"], e[f"python_{metric}"] = statistics.median(c), statistics.median(p)
+            e[f"cpp_{metric}_mean"], e[f"python_{metric}_mean"] = statistics.mean(c), statistics.mean(p)
+            e[f"cpp_{metric}_range"], e[f"python_{metric}_range"] = [min(c), max(c)], [min(p), max(p)]
+            e[f"ratio_{metric}"] = e[f"cpp_{metric}"] / e[f"python_{metric}"]
+            e[f"ratio_{metric}_mean"] = e[f"cpp_{metric}_mean"] / e[f"python_{metric}_mean"]
         for side, rs in (("cpp", cpp), ("python", py)):
+            e[f"{side}_step_median_us"] = statistics.median(r["step_median_us"] for r in rs)
+            e[f"{side}_step_mean_us"] = statistics.median(r["step_mean_us"] for r in rs)
             e[f"{side}_phase_us"] = {ph: [statistics.median(r["phase_median_mean_us"][ph][i] for r in rs) for i in (0, 1)]
                                      for ph in PHASES}
+            e[f"{side}_last_loss"] = rs[-1]["last_loss"]
         table.append(e)
-        print(f"{workload:<9}{n:>5}  {e['cpp_steps_per_s']:>10.1f} ({min(c):.1f}-{max(c):.1f})"
-              f"  {e['python_steps_per_s']:>12.1f} ({min(p):.1f}-{max(p):.1f})"
-              f"  {e['ratio_steps_per_s']:>9.2f}  {e['ratio_steps_per_s_mean']:>10.2f}"
-              f"  {e['cpp_samples_per_s']:>13.0f}  {e['python_samples_per_s']:>12.0f}"
-              f"  {e['cpp_step_median_us']:>9.0f}/{e['cpp_step_mean_us']:<10.0f}"
-              f"  {e['python_step_median_us']:>8.0f}/{e['python_step_mean_us']:<10.0f}")
-    print("\nper-phase time on process 0, us (median over repetitions of each run's median / mean)")
-    print(f"{'workload':<9}{'procs':>5}  {'side':<7}" + "".join(f"{ph:>20}" for ph in PHASES) + f"  {'last loss':>10}")
+    for metric, label in (("steps_per_s", "steps/s"), ("samples_per_s", "samples/s")):
+        print(f"{label} over repetitions: median (min-max) mean, and the C++/PyTorch ratio of medians and of means")
+        print(f"{'workload':<9}{'procs':>5}  {'C++':>34}  {'PyTorch':>34}  {'ratio med':>9}  {'ratio mean':>10}")
+        for e in table:
+            cells = []
+            for side in ("cpp", "python"):
+                lo, hi = e[f"{side}_{metric}_range"]
+                cells.append(f"{e[f'{side}_{metric}']:.1f} ({lo:.1f}-{hi:.1f}) {e[f'{side}_{metric}_mean']:.1f}")
+            print(f"{e['workload']:<9}{e['processes']:>5}  {cells[0]:>34}  {cells[1]:>34}"
+                  f"  {e[f'ratio_{metric}']:>9.2f}  {e[f'ratio_{metric}_mean']:>10.2f}")
+        print()
+    print("time per step and per phase on process 0, us: median over repetitions of each run's median / mean")
+    print(f"{'workload':<9}{'procs':>5}  {'side':<7}" + "".join(f"{ph:>20}" for ph in PHASES + ["whole step"])
+          + f"  {'last loss':>10}")
     for e in table:
         for side in ("cpp", "python"):
-            cells = "".join(f"{m:>10.1f}/{a:<9.1f}" for m, a in (e[f"{side}_phase_us"][ph] for ph in PHASES))
+            times = [e[f"{side}_phase_us"][ph] for ph in PHASES] + [[e[f"{side}_step_median_us"], e[f"{side}_step_mean_us"]]]
+            cells = "".join(f"{m:>10.1f}/{a:<9.1f}" for m, a in times)
             print(f"{e['workload']:<9}{e['processes']:>5}  {side:<7}{cells}  {e[f'{side}_last_loss']:>10.6f}")
     if "--json" in sys.argv:
         with open(sys.argv[sys.argv.index("--json") + 1], "w") as f:
