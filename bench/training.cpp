@@ -100,8 +100,8 @@ double us(Clock::time_point a, Clock::time_point b) { return std::chrono::durati
 template <typename Net, typename LossFn>
 void run(const acc::Accelerator& accelerator, const char* workload, Net net, const at::Tensor& x, const at::Tensor& y,
          LossFn loss_fn, int warmup_steps, int steps) {
-  auto [model, opt] = accelerator.prepare(net, std::make_shared<torch::optim::SGD>(net->parameters(),
-                                                                                  torch::optim::SGDOptions(0.01)));
+  auto sgd = std::make_shared<torch::optim::SGD>(net->parameters(), torch::optim::SGDOptions(0.01));
+  auto [model, opt] = accelerator.prepare(net, sgd);
   at::Tensor loss;
   auto train_step = [&] {
     opt.zero_grad();
@@ -172,16 +172,14 @@ int main(int argc, char** argv) {
       Mlp net;
       const auto x = at::randn({64, 512}, gen);
       const auto y = at::randint(0, 10, {64}, gen, at::kLong);
-      run(accelerator, "mlp", net, x, y, [](const at::Tensor& out, const at::Tensor& t) {
-        return torch::cross_entropy_loss(out, t);
-      }, flags.warmup_steps, flags.mlp_steps);
+      auto cross_entropy = [](const at::Tensor& out, const at::Tensor& t) { return torch::cross_entropy_loss(out, t); };
+      run(accelerator, "mlp", net, x, y, cross_entropy, flags.warmup_steps, flags.mlp_steps);
     } else if (workload == "tiny") {
       Tiny net;
       const auto x = at::randn({8, 32}, gen);
       const auto y = at::randn({8, 32}, gen);
-      run(accelerator, "tiny", net, x, y, [](const at::Tensor& out, const at::Tensor& t) {
-        return torch::mse_loss(out, t);
-      }, flags.warmup_steps, flags.tiny_steps);
+      auto mse = [](const at::Tensor& out, const at::Tensor& t) { return torch::mse_loss(out, t); };
+      run(accelerator, "tiny", net, x, y, mse, flags.warmup_steps, flags.tiny_steps);
     } else {
       TORCH_CHECK_VALUE(false, "[bench_training] unknown workload ", workload, " (expected mlp or tiny)");
     }
