@@ -242,7 +242,9 @@ DataLoader Accelerator::prepare_data_loader(const DataLoader& loader, std::optio
 
 void Accelerator::backward(const at::Tensor& loss, std::optional<bool> retain_graph, bool create_graph) const {
   TORCH_CHECK_VALUE(loss.defined(), "[Accelerator.backward] expected a loss tensor, got an undefined tensor");
-  at::Tensor scaled = loss / gradient_accumulation_steps();
+  // Dividing by 1 would change nothing but add an autograd node to every step.
+  const int steps = gradient_accumulation_steps();
+  at::Tensor scaled = steps == 1 ? loss : loss / steps;
   if (impl_->scaler) scaled = impl_->scaler->scale(scaled);
   scaled.backward({}, retain_graph ? c10::optional<bool>(*retain_graph) : c10::nullopt, create_graph);
 }

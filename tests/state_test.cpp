@@ -583,12 +583,12 @@ TEST(AcceleratorState, MixedPrecisionComesFromTheOptions) {
 }
 
 TEST(AcceleratorState, MixedPrecisionComesFromTheEnvironmentWhenNotGiven) {
-  auto env = patch_environment({{"ACCELERATE_MIXED_PRECISION", "fp16"}});
-  EXPECT_EQ(AcceleratorState::standalone({}).mixed_precision(), PrecisionType::kFp16);
+  auto env = patch_environment({{"ACCELERATE_MIXED_PRECISION", "bf16"}});
+  EXPECT_EQ(AcceleratorState::standalone({}).mixed_precision(), PrecisionType::kBf16);
 }
 
 TEST(AcceleratorState, TheOptionWinsOverTheEnvironment) {
-  auto env = patch_environment({{"ACCELERATE_MIXED_PRECISION", "fp16"}});
+  auto env = patch_environment({{"ACCELERATE_MIXED_PRECISION", "bf16"}});
   AcceleratorStateOptions options;
   options.mixed_precision = "no";
   EXPECT_EQ(AcceleratorState::standalone(options).mixed_precision(), PrecisionType::kNo);
