@@ -6,6 +6,7 @@
 #include "accelerate/data_loader.h"
 #include "accelerate/distributed.h"
 #include "accelerate/grad_scaler.h"
+#include "accelerate/local_sgd.h"
 #include "accelerate/lr_scheduler.h"
 #include "accelerate/optimizer.h"
 #include "accelerate/scheduler.h"
