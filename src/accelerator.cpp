@@ -313,6 +313,68 @@ void Accelerator::free_memory() const {
 }
 
 const ProfileKwargs& Accelerator::profile_kwargs() const { return impl_->options.profile_kwargs; }
+// ---- uneven inputs ----------------------------------------------------------------------------
+
+void Accelerator::join_uneven_inputs_erased(std::vector<DistributedDataParallel> joinables,
+                                            const std::function<void()>& fn, std::optional<bool> even_batches) const {
+  if (!use_distributed()) {
+    if (distributed_type() != DistributedType::kNo) {
+      TORCH_WARN("[Accelerator.join_uneven_inputs] joining uneven inputs needs several processes: with one it has "
+                 "no effect");
+    }
+    fn();
+    return;
+  }
+
+  // Models prepared for evaluation never communicate; the same model listed twice joins once.
+  std::vector<DistributedDataParallel> models;
+  for (const auto& model : joinables) {
+    const bool seen = std::any_of(models.begin(), models.end(),
+                                  [&](const DistributedDataParallel& m) { return m.impl() == model.impl(); });
+    if (model.is_distributed() && !seen) models.push_back(model);
+  }
+  const bool enable = !even_batches.value_or(this->even_batches());
+  TORCH_CHECK_VALUE(!enable || !joinables.empty(), "[Accelerator.join_uneven_inputs] expected at least one prepared "
+                                                   "model to join, got none");
+  TORCH_CHECK_VALUE(!enable || models.size() <= 1, "[Accelerator.join_uneven_inputs] one prepared model can be "
+                                                   "joined at a time, got ", models.size(), " (the backward passes "
+                                                   "of several models interleave their collectives in an order a "
+                                                   "finished process cannot reproduce)");
+
+  // Upstream overrides `even_batches` of the batch samplers of map-style loaders only.
+  struct Override {
+    std::shared_ptr<BatchSamplerShard> sampler;
+    bool even_batches;
+  };
+  struct Restore {
+    std::vector<Override> saved;
+    ~Restore() {
+      for (auto& o : saved) o.sampler->set_even_batches(o.even_batches);
+    }
+  } restore;
+  if (even_batches) {
+    bool kept = false;
+    for (const auto& loader : prepared_data_loaders()) {
+      auto shard = std::dynamic_pointer_cast<BatchSamplerShard>(loader.batch_sampler());
+      if (!shard || loader.dispatch_batches()) {
+        kept = true;
+        continue;
+      }
+      restore.saved.push_back({shard, shard->even_batches()});
+      shard->set_even_batches(*even_batches);
+    }
+    if (kept) {
+      TORCH_WARN("[Accelerator.join_uneven_inputs] even_batches can only be overridden for map-style data loaders "
+                 "that are not dispatched; some prepared loaders keep their own setting");
+    }
+  }
+
+  if (!enable || models.empty()) {
+    fn();
+    return;
+  }
+  models.front().join(fn);
+}
 
 std::vector<DataLoader> Accelerator::prepared_data_loaders() const {
   std::lock_guard<std::mutex> lock(impl_->mutex);

@@ -2,6 +2,7 @@
 #include "accelerate/distributed.h"
 
 #include "detail/collectives.h"
+#include "detail/errors.h"
 #include "detail/state_impl.h"
 
 #include <c10/util/Exception.h>
@@ -11,9 +12,10 @@
 #include <torch/csrc/distributed/c10d/default_comm_hooks.hpp>
 #include <torch/csrc/distributed/c10d/reducer.hpp>
 
+#include <chrono>
 #include <limits>
-#include <sstream>
 #include <mutex>
+#include <sstream>
 #include <unordered_map>
 
 namespace accelerate {
@@ -30,6 +32,13 @@ struct DistributedDataParallelImpl {
   bool require_backward_grad_sync = true;
   bool require_forward_param_sync = true;
   int64_t num_iterations = 0;
+
+  // Join protocol (see Note [Join protocol]).
+  c10::Device device{c10::kCPU};                  // where the parameters, and the protocol's flags, live
+  std::chrono::milliseconds timeout{};            // of the protocol's collectives
+  bool join_enabled = false;
+  c10::intrusive_ptr<c10d::Work> running_notice;  // this process's last "still running" allreduce
+  int unrecorded_graph_process = -1;              // see Note [Static graph and join]
 
   ~DistributedDataParallelImpl() {
     // The reducer's destructor may throw (c10d declares it noexcept(false)) when a backward pass
@@ -143,6 +152,100 @@ std::vector<at::Tensor> trainable_parameters(const torch::nn::Module& module) {
   return params;
 }
 
+// Note [Join protocol]
+// PyTorch DDP's answer to uneven inputs (its `_DDPJoinHook` and `Join`), over our Reducer. While
+// `join` runs, every forward pass of a process that is still running first allreduces
+// [1, grad enabled, grad enabled and synchronising] (asynchronously: it needs no answer), then,
+// before its buffer broadcast, agrees with the others on a root for it by a MAX allreduce of the
+// ranks still running. A process whose body returned loops instead: it allreduces [0, 0, 0] and
+// reads how many processes are still running, whether they run with gradients (then they may
+// rebuild their buckets: so does it) and whether their backward pass synchronises. If none is
+// running, the loop ends; else it shadows one iteration: the buffer broadcast (offering -1 as
+// root), then for a synchronising iteration one allreduce of zeros per gradient bucket, in the
+// reducer's bucket order and through its comm hook (so compression hooks match), and the
+// allreduce of the used-parameter map when the reducer runs one. The running processes divide
+// by the full number of processes, as PyTorch's default `divide_by_initial_world_size=True`.
+// After the loop a MAX allreduce names the last process to finish; every process takes its
+// parameters and buffers (PyTorch's `_sync_final_model`).
+// PyTorch sends the "still running" and "synchronise" flags as two allreduces; one carries both
+// here, and it also says whether gradients are on, so that a finished process matches the bucket
+// rebuild (a broadcast) of the others' first forward pass after their first backward pass.
+
+// Note [Static graph and join]
+// With `static_graph` the reducer reduces everything at the end of the first synchronising
+// backward pass (used-parameter map first, then the buckets) and collects the bucket order in
+// the second one. A finished process mirrors both. But a process that finished before the
+// first synchronising iteration never recorded which parameters the graph uses, and its reducer
+// cannot learn it afterwards: the final agreement carries that fact, and every process then
+// refuses to train the model further (instead of one process failing and the others hanging).
+
+// Waits for a collective of the join protocol with the state's timeout.
+void wait_for(const detail::DistributedDataParallelImpl& impl, const c10::intrusive_ptr<c10d::Work>& work) {
+  try {
+    work->wait(impl.timeout);
+  } catch (const std::exception& e) {
+    C10_THROW_ERROR(Error, c10::str("[DistributedDataParallel.join] a collective of the join protocol failed on "
+                                    "process ", impl.process_group->getRank(), " of ", impl.process_group->getSize(),
+                                    " (a peer died or did not arrive within ", impl.timeout.count() / 1000.0,
+                                    "s): ", detail::error_message(e)));
+  }
+}
+
+// MAX allreduce of `values` (ranks, or -1 for "not me").
+std::vector<int64_t> max_over_processes(const detail::DistributedDataParallelImpl& impl, std::vector<int64_t> values) {
+  std::vector<at::Tensor> tensors{at::tensor(values, at::kLong).to(impl.device)};
+  c10d::AllreduceOptions options;
+  options.reduceOp = c10d::ReduceOp::MAX;
+  wait_for(impl, impl.process_group->allreduce(tensors, options));
+  auto result = tensors[0].cpu();
+  return std::vector<int64_t>(result.data_ptr<int64_t>(), result.data_ptr<int64_t>() + result.numel());
+}
+
+// The root of a buffer broadcast while joining: the highest rank still running.
+int buffer_root(const detail::DistributedDataParallelImpl& impl, bool running) {
+  const int64_t root = max_over_processes(impl, {running ? impl.process_group->getRank() : -1})[0];
+  TORCH_INTERNAL_ASSERT(root >= 0, "[DistributedDataParallel.join] no running process offered its buffers");
+  return static_cast<int>(root);
+}
+
+void sync_buffers_from(detail::DistributedDataParallelImpl& impl, int root) {
+  torch::NoGradGuard no_grad;
+  c10d::broadcast_coalesced(impl.process_group, impl.buffers, kBroadcastBucketBytes, root);
+}
+
+// An allreduce of a zero used-parameter map, matching the reducer's `all_reduce_local_used_map`.
+void shadow_used_map(const detail::DistributedDataParallelImpl& impl) {
+  std::vector<at::Tensor> tensors{at::zeros_like(impl.reducer->get_local_used_map_on_device())};
+  wait_for(impl, impl.process_group->allreduce(tensors));
+}
+
+// One iteration of the processes still running, seen from a finished one.
+void shadow_iteration(detail::DistributedDataParallelImpl& impl, bool grad, bool sync, int64_t& shadowed_syncs) {
+  if (grad) impl.reducer->rebuild_buckets();
+  if (impl.require_forward_param_sync && impl.kwargs.broadcast_buffers && !impl.buffers.empty()) {
+    sync_buffers_from(impl, buffer_root(impl, /*running=*/false));
+  }
+  impl.require_forward_param_sync = sync;
+  if (!sync) return;
+  const auto& k = impl.kwargs;
+  const bool static_first = k.static_graph && impl.num_iterations + shadowed_syncs == 0;
+  ++shadowed_syncs;
+  if (static_first) shadow_used_map(impl);  // see Note [Static graph and join]
+  std::vector<c10::intrusive_ptr<c10::ivalue::Future>> pending;
+  for (auto& bucket : impl.reducer->get_grad_buckets(/*return_zero_tensors=*/true)) {
+    pending.push_back(impl.reducer->run_comm_hook(bucket));
+  }
+  for (auto& future : pending) {
+    future->wait();
+    TORCH_CHECK(!future->hasError(), "[DistributedDataParallel.join] the gradient allreduce matching the running "
+                                     "processes failed: ", future->tryRetrieveErrorMessage());
+  }
+  if (k.find_unused_parameters && !k.static_graph) shadow_used_map(impl);
+  // The bucket order is collected by the first synchronising backward pass (the second with a
+  // static graph); a finished process offers the natural order, rank 0's order wins anyway.
+  if (!static_first) impl.reducer->push_rebuilt_params_for_all_indices();
+}
+
 }  // namespace
 
 DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Module> module, const PartialState& state,
@@ -160,11 +263,13 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
 
   auto group = detail::process_group(state, "DistributedDataParallel");
   impl_->process_group = group;
+  impl_->timeout = state.timeout();
   auto params = trainable_parameters(*impl_->module);
   TORCH_CHECK_VALUE(!params.empty(),
                     "[DistributedDataParallel] the module has no parameter that requires a gradient: there is "
                     "nothing to synchronise (prepare it without gradient synchronisation, or unfreeze a parameter)");
   check_same_model(state, *impl_->module);
+  impl_->device = params.front().device();
 
   // Every process starts from process 0's parameters and buffers.
   impl_->buffers = impl_->module->buffers(/*recurse=*/true);
@@ -230,6 +335,49 @@ void DistributedDataParallel::set_require_forward_param_sync(bool sync) const {
   impl_->require_forward_param_sync = sync;
 }
 int64_t DistributedDataParallel::num_iterations() const { return impl_->num_iterations; }
+bool DistributedDataParallel::join_enabled() const { return impl_->join_enabled; }
+
+DistributedDataParallel::JoinScope::JoinScope(const DistributedDataParallel& ddp) : ddp_(ddp) {
+  TORCH_CHECK(!ddp_.impl()->join_enabled, "[DistributedDataParallel.join] the model is already inside join");
+  ddp_.impl()->join_enabled = true;
+}
+
+DistributedDataParallel::JoinScope::~JoinScope() {
+  ddp_.impl()->join_enabled = false;
+  ddp_.impl()->running_notice.reset();
+}
+
+void DistributedDataParallel::join_until_all_finished() const {
+  auto& impl = *impl_;
+  if (impl.running_notice) wait_for(impl, impl.running_notice);
+  constexpr int64_t kSkewWarning = 1000;
+  bool last_to_finish = true;
+  int64_t shadowed_syncs = 0;
+  for (int64_t round = 0;; ++round) {
+    std::vector<at::Tensor> flags{at::zeros({3}, at::TensorOptions().dtype(at::kFloat).device(impl.device))};
+    wait_for(impl, impl.process_group->allreduce(flags));
+    const auto running = flags[0].cpu();
+    const float* f = running.data_ptr<float>();
+    if (f[0] == 0) break;
+    last_to_finish = false;
+    if (round == kSkewWarning) {
+      TORCH_WARN("[DistributedDataParallel.join] process ", impl.process_group->getRank(), " has run out of inputs ",
+                 kSkewWarning, " iterations before others: such a skew slows training down");
+    }
+    shadow_iteration(impl, f[1] > 0, f[2] > 0, shadowed_syncs);
+  }
+
+  const int rank = impl.process_group->getRank();
+  const bool unrecorded = impl.kwargs.static_graph && impl.num_iterations == 0 && shadowed_syncs > 0;
+  const auto agreed = max_over_processes(impl, {last_to_finish ? rank : -1, unrecorded ? rank : -1});
+  TORCH_INTERNAL_ASSERT(agreed[0] >= 0, "[DistributedDataParallel.join] no process finished last");
+  if (agreed[1] >= 0) impl.unrecorded_graph_process = static_cast<int>(agreed[1]);
+  torch::NoGradGuard no_grad;
+  std::vector<at::Tensor> states = impl.module->parameters(/*recurse=*/true);
+  auto buffers = impl.module->buffers(/*recurse=*/true);
+  states.insert(states.end(), buffers.begin(), buffers.end());
+  c10d::broadcast_coalesced(impl.process_group, states, kBroadcastBucketBytes, static_cast<int>(agreed[0]));
+}
 
 void DistributedDataParallel::prepare_for_backward_now() const {
   if (impl_->reducer) impl_->reducer->prepare_for_backward({});
@@ -239,15 +387,24 @@ DistributedDataParallel::ForwardScope::ForwardScope(const DistributedDataParalle
   auto& impl = *ddp.impl();
   if (impl.reducer) {
     const bool grad = at::GradMode::is_enabled();
-    if (grad && impl.require_backward_grad_sync) {
+    const bool sync = grad && impl.require_backward_grad_sync;
+    if (sync) {
+      TORCH_CHECK(impl.unrecorded_graph_process < 0, "[DistributedDataParallel] process ",
+                  impl.unrecorded_graph_process, " ran out of inputs inside join before the first synchronising "
+                  "iteration of this static_graph model, so its reducer never recorded the graph and the model "
+                  "cannot synchronise gradients any more; prepare the module again, or give every process at "
+                  "least one batch");
       ++impl.num_iterations;
       impl.reducer->prepare_for_forward();
+    }
+    if (impl.join_enabled) {  // see Note [Join protocol]
+      std::vector<at::Tensor> flags{at::tensor({1.0f, grad ? 1.0f : 0.0f, sync ? 1.0f : 0.0f}).to(impl.device)};
+      impl.running_notice = impl.process_group->allreduce(flags);
     }
     // Once, after the first synchronised pass: buckets follow the order gradients arrived in.
     if (grad) impl.reducer->rebuild_buckets();
     if (impl.require_forward_param_sync && impl.kwargs.broadcast_buffers && !impl.buffers.empty()) {
-      torch::NoGradGuard no_grad;
-      c10d::broadcast_coalesced(impl.process_group, impl.buffers, kBroadcastBucketBytes, 0);
+      sync_buffers_from(impl, impl.join_enabled ? buffer_root(impl, /*running=*/true) : 0);
     }
   }
   if (impl.forward.mixed_precision != PrecisionType::kNo) {

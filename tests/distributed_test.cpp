@@ -1,5 +1,6 @@
-// Prepared models with two ranks as threads: gradient synchronisation through the Reducer and
-// the guards that control it (no_sync, accumulate, sync_each_batch, trigger_sync_in_backward).
+// Prepared models with two ranks as threads: gradient synchronisation through the Reducer, the
+// guards that control it (no_sync, accumulate, sync_each_batch, trigger_sync_in_backward), and
+// joining uneven inputs.
 #include "accelerate/accelerator.h"
 #include "accelerate/distributed.h"
 #include "support/accelerators.h"
@@ -371,6 +372,256 @@ TEST(MixedPrecision, AutocastGuardRestoresThePreviousState) {
     EXPECT_FALSE(at::autocast::is_cpu_enabled());
   }, options);
   EXPECT_THROWS_WITH(AutocastGuard(c10::kCPU, PrecisionType::kFp16), "fp16 autocast needs a CUDA device");
+}
+
+// ---- joining uneven inputs ---------------------------------------------------------------------
+
+// A batch that differs per rank and step.
+torch::Tensor uneven_batch(int rank, int step) {
+  return torch::sin(torch::arange(16, torch::kFloat).reshape({4, 4}) * (0.3 + 0.1 * step) + rank);
+}
+
+// What joined training must produce: at each step every rank that still has a batch adds its
+// gradient, and the sum is divided by the full number of ranks (finished ranks count as zeros).
+torch::Tensor joined_reference(const std::vector<int>& batches, int64_t width, double lr) {
+  Net ref = make_net(0, width);
+  torch::optim::SGD opt(ref->parameters(), lr);
+  const int steps = *std::max_element(batches.begin(), batches.end());
+  for (int step = 0; step < steps; ++step) {
+    opt.zero_grad();
+    for (int rank = 0; rank < kRanks; ++rank) {
+      if (step >= batches[rank]) continue;
+      auto x = uneven_batch(rank, step);
+      (torch::mse_loss(ref(x), targets(x)) / kRanks).backward();
+    }
+    opt.step();
+  }
+  return flat(ref->parameters()).detach();
+}
+
+// Wide enough for three 1 MiB buckets once they are rebuilt: [fc2], [fc1.bias], [fc1.weight].
+constexpr int64_t kWide = 300000;
+
+struct JoinCase {
+  std::string name;
+  DistributedDataParallelKwargs kwargs;
+  std::vector<int> batches;  // per rank
+  int64_t width = 3;
+};
+
+class JoinUnevenInputs : public ::testing::TestWithParam<JoinCase> {};
+
+TEST_P(JoinUnevenInputs, TrainingMatchesTheHandComputedModelOnEveryRank) {
+  const auto& c = GetParam();
+  const auto expected = joined_reference(c.batches, c.width, 0.1);
+  AcceleratorOptions options;
+  options.ddp_kwargs = c.kwargs;
+  run_accelerators(kRanks, [&](const Accelerator& acc, int rank) {
+    Net net = make_net(rank, c.width);
+    auto [model, opt] = acc.prepare(net, std::make_shared<torch::optim::SGD>(net->parameters(), 0.1));
+    const int done = acc.join_uneven_inputs({model.ddp()}, [&] {
+      EXPECT_TRUE(model.ddp().join_enabled());
+      for (int step = 0; step < c.batches[rank]; ++step) {
+        opt.zero_grad();
+        auto x = uneven_batch(rank, step);
+        acc.backward(torch::mse_loss(model(x), targets(x)));
+        opt.step();
+      }
+      return c.batches[rank];
+    }, /*even_batches=*/false);
+    EXPECT_EQ(done, c.batches[rank]);
+    EXPECT_FALSE(model.ddp().join_enabled());
+    auto params = flat(net->parameters()).detach();
+    EXPECT_TRUE(same_on_all_ranks(acc, params));
+    EXPECT_TRUE(torch::allclose(params, expected, 1e-5, 1e-6)) << (params - expected).abs().max();
+  }, options);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, JoinUnevenInputs,
+    ::testing::Values(JoinCase{"ThreeAndFiveBatches", {}, {3, 5}},
+                      JoinCase{"FirstRankLasts", {}, {5, 3}},
+                      JoinCase{"ARankWithoutBatches", {}, {0, 4}},
+                      JoinCase{"OneBatchThenJoin", {}, {1, 4}},
+                      JoinCase{"BucketViews", {.gradient_as_bucket_view = true}, {3, 5}},
+                      JoinCase{"SeveralBuckets", {.bucket_cap_mb = 1}, {2, 5}, kWide},
+                      // Rank 0 joins before the rebuild, and its bucket order is the one broadcast.
+                      JoinCase{"SeveralBucketsRankZeroWithoutBatches", {.bucket_cap_mb = 1}, {0, 3}, kWide},
+                      JoinCase{"FindUnused", {.find_unused_parameters = true}, {2, 5}},
+                      JoinCase{"StaticGraph", {.static_graph = true}, {1, 5}},
+                      JoinCase{"StaticGraphBeforeTheFirstIteration", {.static_graph = true}, {0, 5}}),
+    [](const ::testing::TestParamInfo<JoinCase>& info) { return info.param.name; });
+
+TEST(JoinUnevenInputs, AStaticGraphModelUntrainedOnSomeRankIsRefusedAfterwards) {
+  AcceleratorOptions options;
+  options.ddp_kwargs.static_graph = true;
+  run_accelerators(kRanks, [](const Accelerator& acc, int rank) {
+    auto model = acc.prepare(make_net(0));
+    acc.join_uneven_inputs({model.ddp()}, [&] {
+      for (int step = 0; step < 2 * rank; ++step) {
+        auto x = uneven_batch(rank, step);
+        acc.backward(torch::mse_loss(model(x), targets(x)));
+      }
+    }, /*even_batches=*/false);
+    auto x = uneven_batch(rank, 0);
+    EXPECT_THROWS_WITH((void)model(x), "process 0 ran out of inputs inside join before the first synchronising");
+    torch::NoGradGuard no_grad;  // evaluation still works
+    EXPECT_EQ(model(x).size(0), 4);
+  }, options);
+}
+
+TEST(JoinUnevenInputs, AFinishedProcessDoesNotMarkUnusedParametersAsUsed) {
+  AcceleratorOptions options;
+  options.ddp_kwargs.find_unused_parameters = true;
+  run_accelerators(kRanks, [](const Accelerator& acc, int rank) {
+    Branch net;
+    fill(*net, 0);
+    auto model = acc.prepare(net);
+    acc.join_uneven_inputs({model.ddp()}, [&] {
+      for (int step = 0; step < 1 + 2 * rank; ++step) {
+        auto x = uneven_batch(rank, step);
+        acc.backward(torch::mse_loss(model(x), targets(x)));
+      }
+    }, /*even_batches=*/false);
+    EXPECT_FALSE(net->unused->weight.grad().defined());
+    EXPECT_TRUE(net->used->weight.grad().defined());
+  }, options);
+}
+
+TEST(JoinUnevenInputs, BuffersComeFromARunningProcessAndTheLastToFinish) {
+  run_accelerators(kRanks, [](const Accelerator& acc, int rank) {
+    Scaled net;
+    auto model = acc.prepare(net);
+    const int batches = rank == 0 ? 5 : 3;
+    std::vector<float> seen;
+    acc.join_uneven_inputs({model.ddp()}, [&] {
+      for (int step = 0; step < batches; ++step) {
+        net->scale.fill_(10.0 * rank + step);  // running statistics drifting apart
+        auto x = uneven_batch(rank, step);
+        acc.backward(torch::mse_loss(model(x), targets(x)));
+        seen.push_back(net->scale.item<float>());
+      }
+    }, /*even_batches=*/false);
+    // The highest running rank is the root: rank 1 while it runs, then rank 0 alone.
+    const auto expected = rank == 0 ? std::vector<float>{10, 11, 12, 3, 4} : std::vector<float>{10, 11, 12};
+    EXPECT_EQ(seen, expected);
+    EXPECT_EQ(net->scale.item<float>(), 4.f);  // rank 0 finished last
+  });
+}
+
+TEST(JoinUnevenInputs, NoSyncStepsOfTheRunningRankAreNotShadowed) {
+  // Steps 0, 2, 4 accumulate locally; steps 1 and 3 synchronise and step the optimizer.
+  Net ref = make_net(0);
+  torch::optim::SGD ref_opt(ref->parameters(), 0.1);
+  const std::vector<int> batches{2, 5};
+  for (int step = 0; step < 5; ++step) {
+    for (int rank = 0; rank < kRanks; ++rank) {
+      if (step >= batches[rank]) continue;
+      auto x = uneven_batch(rank, step);
+      (torch::mse_loss(ref(x), targets(x)) / kRanks).backward();
+    }
+    if (step % 2 == 1) {
+      ref_opt.step();
+      ref_opt.zero_grad();
+    }
+  }
+  const auto expected = flat(ref->parameters()).detach();
+  run_accelerators(kRanks, [&](const Accelerator& acc, int rank) {
+    Net net = make_net(rank);
+    auto [model, opt] = acc.prepare(net, std::make_shared<torch::optim::SGD>(net->parameters(), 0.1));
+    acc.join_uneven_inputs({model.ddp()}, [&] {
+      for (int step = 0; step < batches[rank]; ++step) {
+        auto x = uneven_batch(rank, step);
+        if (step % 2 == 0) {
+          auto guard = acc.no_sync(model);
+          acc.backward(torch::mse_loss(model(x), targets(x)));
+        } else {
+          acc.backward(torch::mse_loss(model(x), targets(x)));
+          opt.step();
+          opt.zero_grad();
+        }
+      }
+    }, /*even_batches=*/false);
+    auto params = flat(net->parameters()).detach();
+    EXPECT_TRUE(same_on_all_ranks(acc, params));
+    EXPECT_TRUE(torch::allclose(params, expected, 1e-5, 1e-6)) << (params - expected).abs().max();
+  });
+}
+
+// 5 batches of 2 over 2 ranks: 3 and 3 with even batches, 3 and 2 without.
+DataLoader five_batches(const Accelerator& acc) {
+  auto x = inputs(10);
+  return acc.prepare(DataLoader(std::make_shared<TensorDataset>(x, targets(x)), {.batch_size = 2}));
+}
+
+TEST(JoinUnevenInputs, EvenBatchesOverridesTheLoadersWhileTheBodyRuns) {
+  for (bool configured : {true, false}) {
+    AcceleratorOptions options;
+    options.dataloader_config.even_batches = configured;
+    run_accelerators(kRanks, [&](const Accelerator& acc, int rank) {
+      auto loader = five_batches(acc);
+      Net net = make_net(0);
+      auto [model, opt] = acc.prepare(net, std::make_shared<torch::optim::SGD>(net->parameters(), 0.1));
+      const int64_t uneven = rank == 0 ? 3 : 2;
+      const bool override_to = !configured;
+      int64_t seen = 0;
+      acc.join_uneven_inputs({model.ddp()}, [&] {
+        EXPECT_EQ(loader.size(), override_to ? 3 : uneven);
+        EXPECT_EQ(model.ddp().join_enabled(), !override_to);
+        for (auto& b : loader) {
+          acc.backward(torch::mse_loss(model(b.data), b.target));
+          opt.step();
+          opt.zero_grad();
+          ++seen;
+        }
+      }, override_to);
+      EXPECT_EQ(seen, override_to ? 3 : uneven);
+      EXPECT_EQ(loader.size(), configured ? 3 : uneven);  // restored
+      EXPECT_TRUE(same_on_all_ranks(acc, flat(net->parameters()).detach()));
+    }, options);
+  }
+}
+
+TEST(JoinUnevenInputs, AnExceptionFromTheBodyPropagatesAndRestoresTheSettings) {
+  run_accelerators(kRanks, [](const Accelerator& acc, int rank) {
+    auto loader = five_batches(acc);
+    auto model = acc.prepare(make_net(0));
+    EXPECT_THROWS_WITH(acc.join_uneven_inputs({model.ddp()}, [&] {
+      auto x = uneven_batch(rank, 0);
+      acc.backward(torch::mse_loss(model(x), targets(x)));
+      throw std::runtime_error("out of memory, say");
+    }, /*even_batches=*/false), "out of memory, say");
+    EXPECT_FALSE(model.ddp().join_enabled());
+    EXPECT_EQ(loader.size(), 3);
+  });
+}
+
+TEST(JoinUnevenInputs, OneModelIsJoinedAtATime) {
+  run_accelerators(kRanks, [](const Accelerator& acc, int) {
+    auto a = acc.prepare(make_net(0));
+    auto b = acc.prepare(make_net(1));
+    bool ran = false;
+    EXPECT_THROWS_WITH(acc.join_uneven_inputs({a.ddp(), b.ddp()}, [&] { ran = true; }, /*even_batches=*/false),
+                       "one prepared model can be joined at a time, got 2");
+    EXPECT_THROWS_WITH(acc.join_uneven_inputs({}, [&] { ran = true; }, /*even_batches=*/false),
+                       "expected at least one prepared model");
+    EXPECT_FALSE(ran);
+    // The same model twice, or next to a model prepared for evaluation, is one model.
+    auto eval = acc.prepare_model(make_net(2), std::nullopt, /*evaluation_mode=*/true);
+    acc.join_uneven_inputs({a.ddp(), a.ddp(), eval.ddp()}, [&] { ran = true; }, /*even_batches=*/false);
+    EXPECT_TRUE(ran);
+  });
+}
+
+TEST(JoinUnevenInputs, OneProcessJustRunsTheBody) {
+  run_accelerators(1, [](const Accelerator& acc, int) {
+    auto model = acc.prepare(make_net(0));
+    const auto answer = acc.join_uneven_inputs({model.ddp()}, [&] {
+      EXPECT_FALSE(model.ddp().join_enabled());
+      return std::string("done");
+    }, /*even_batches=*/false);
+    EXPECT_EQ(answer, "done");
+  });
 }
 
 }  // namespace

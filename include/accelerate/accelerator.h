@@ -28,6 +28,7 @@
 #include "accelerate/utils/operations.h"
 #include "accelerate/utils/profiler.h"
 
+#include <functional>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -389,6 +390,46 @@ class Accelerator {
   T pad_across_processes(const T& data, int64_t dim = 0, double pad_index = 0, bool pad_first = false) const {
     return accelerate::pad_across_processes(partial(), data, dim, pad_index, pad_first);
   }
+
+  // ---- uneven inputs --------------------------------------------------------------------------
+
+  /// Runs `fn` so that processes may run out of batches at different times (upstream:
+  /// `join_uneven_inputs`, over PyTorch's `Join`): with several processes and `even_batches`
+  /// false, the prepared model in `joinables` follows DDP's join protocol
+  /// (`DistributedDataParallel::join`): a process whose `fn` returned keeps matching the others'
+  /// collectives, contributing zero gradients (averages still divide by the full number of
+  /// processes), until every `fn` returned, and then every process takes the model of the last
+  /// process to finish. `even_batches`, when given, overrides the setting of the prepared
+  /// map-style data loaders while `fn` runs (restored afterwards, even when `fn` throws);
+  /// dispatching and iterable loaders keep theirs, with a warning. With one process it just runs
+  /// `fn` (warning when the distributed type is not "NO"). Returns what `fn` returns; an
+  /// exception from `fn` propagates without the joining collectives. Models prepared for
+  /// evaluation do not take part; at most one prepared training model can be joined at a time,
+  /// see `DistributedDataParallel::join` for that and the other limits.
+  ///
+  /// Example:
+  ///   accelerator.join_uneven_inputs({model.ddp()}, [&] {
+  ///     for (auto& batch : loader) {
+  ///       accelerator.backward(torch::mse_loss(model(batch.data), batch.target));
+  ///       optimizer.step();
+  ///       optimizer.zero_grad();
+  ///     }
+  ///   }, /*even_batches=*/false);
+  template <typename Fn>
+  auto join_uneven_inputs(std::vector<DistributedDataParallel> joinables, Fn&& fn,
+                          std::optional<bool> even_batches = std::nullopt) const {
+    using Result = std::invoke_result_t<Fn>;
+    if constexpr (std::is_void_v<Result>) {
+      join_uneven_inputs_erased(std::move(joinables), [&] { std::forward<Fn>(fn)(); }, even_batches);
+    } else {
+      std::optional<std::decay_t<Result>> result;
+      join_uneven_inputs_erased(std::move(joinables), [&] { result.emplace(std::forward<Fn>(fn)()); }, even_batches);
+      return std::move(*result);
+    }
+  }
+  /// `join_uneven_inputs` over a type-erased body (what the template runs).
+  void join_uneven_inputs_erased(std::vector<DistributedDataParallel> joinables, const std::function<void()>& fn,
+                                 std::optional<bool> even_batches) const;
 
  private:
   const PartialState& partial() const { return state_.partial_state(); }

@@ -365,6 +365,9 @@ class BatchSamplerShard final : public BatchSampler {
   bool split_batches() const { return options_.split_batches; }
   /// See `BatchSamplerShardOptions`.
   bool even_batches() const { return options_.even_batches; }
+  /// Changes `even_batches` for the passes started from now on (`Accelerator::join_uneven_inputs`
+  /// overrides it for the duration of its body).
+  void set_even_batches(bool even_batches) { options_.even_batches = even_batches; }
 
  private:
   IndexBatchGenerator iter_with_split();

@@ -4,8 +4,9 @@
 // allreduce per bucket from the autograd hooks as soon as the bucket is complete, overlapping
 // communication with the rest of the backward pass. `PreparedModel<M>` is what `prepare` returns:
 // it is called like the user's module and adds, around each forward pass, DDP's bookkeeping and
-// the mixed-precision region. Not here: DDP's join hooks for uneven inputs (see
-// `Accelerator::join_uneven_inputs`), PowerSGD, sparse gradients and multi-device modules.
+// the mixed-precision region. `DistributedDataParallel::join` is DDP's join protocol for uneven
+// inputs (what `Accelerator::join_uneven_inputs` runs). Not here: PowerSGD, sparse gradients,
+// multi-device modules, and joining several models at once.
 //
 // Example:
 //   auto prepared = accelerator.prepare(Net());          // a PreparedModel<Net>
@@ -82,6 +83,42 @@ class DistributedDataParallel {
   /// Forward passes that prepared a synchronising backward pass so far.
   int64_t num_iterations() const;
 
+  /// Runs `fn` with DDP's join protocol, so that processes may run out of inputs at different
+  /// times (PyTorch: `DistributedDataParallel.join()`, with `divide_by_initial_world_size=True`).
+  /// See Note [Join protocol] in src/distributed.cpp: a process whose `fn` returned keeps
+  /// matching the collectives of the processes still running — their forward passes, their
+  /// buffer broadcasts, their synchronising backward passes, to which it contributes zero
+  /// gradients (the average still divides by the full number of processes) — until every `fn`
+  /// has returned; then every process takes the parameters and buffers of the last process to
+  /// finish. Returns what `fn` returns; when `fn` throws, the exception propagates without the
+  /// joining collectives. With one process it just runs `fn`.
+  ///
+  /// Limits: one model per join (the backward collectives of several models interleave in an
+  /// order a finished process cannot reproduce); with `static_graph`, a process that runs out of
+  /// inputs before the model's first synchronising iteration takes part in the join correctly,
+  /// but its reducer never recorded the graph, so every process then refuses to train the model
+  /// further, with an error saying so.
+  ///
+  /// Example:
+  ///   model.ddp().join([&] {
+  ///     for (auto& batch : my_uneven_batches) { accelerator.backward(loss_of(model, batch)); opt.step(); }
+  ///   });
+  template <typename Fn>
+  auto join(Fn&& fn) const {
+    if (!is_distributed()) return std::forward<Fn>(fn)();
+    JoinScope scope(*this);
+    if constexpr (std::is_void_v<std::invoke_result_t<Fn>>) {
+      std::forward<Fn>(fn)();
+      join_until_all_finished();
+    } else {
+      auto result = std::forward<Fn>(fn)();
+      join_until_all_finished();
+      return result;
+    }
+  }
+  /// Whether forward passes currently follow the join protocol (inside `join`).
+  bool join_enabled() const;
+
   /// What the forward pass of a `PreparedModel` does before calling the module: DDP bookkeeping,
   /// the buffer broadcast, and the autocast region (closed when the scope ends).
   class [[nodiscard]] ForwardScope {
@@ -119,6 +156,23 @@ class DistributedDataParallel {
   // Prepares the backward pass; returns replacement output tensors when they must be routed
   // through an autograd node of the engine (static graph, first iteration), else nothing.
   std::vector<at::Tensor> after_forward(const std::vector<at::Tensor>& outputs) const;
+
+  // Turns the join protocol on while `join` runs `fn`, and off again however `fn` ends.
+  class [[nodiscard]] JoinScope {
+   public:
+    explicit JoinScope(const DistributedDataParallel& ddp);
+    ~JoinScope();
+    JoinScope(const JoinScope&) = delete;
+    JoinScope& operator=(const JoinScope&) = delete;
+    JoinScope(JoinScope&&) = delete;
+    JoinScope& operator=(JoinScope&&) = delete;
+
+   private:
+    const DistributedDataParallel& ddp_;
+  };
+  // The part of `join` after `fn` returned: shadow the others until all are done, then agree on
+  // the final model.
+  void join_until_all_finished() const;
 
   explicit DistributedDataParallel(std::shared_ptr<detail::DistributedDataParallelImpl> impl) : impl_(std::move(impl)) {}
   std::shared_ptr<detail::DistributedDataParallelImpl> impl_;
