@@ -97,7 +97,8 @@ class DistributedDataParallel {
   /// order a finished process cannot reproduce); with `static_graph`, a process that runs out of
   /// inputs before the model's first synchronising iteration takes part in the join correctly,
   /// but its reducer never recorded the graph, so every process then refuses to train the model
-  /// further, with an error saying so.
+  /// further, with an error saying so; a backward pass made to synchronise after its forward pass
+  /// (`trigger_sync_in_backward`) is not matched by finished processes.
   ///
   /// Example:
   ///   model.ddp().join([&] {
