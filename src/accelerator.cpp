@@ -54,20 +54,8 @@ GradientAccumulationPlugin accumulation_plugin(const AcceleratorOptions& options
                     "(set num_steps in the plugin)");
   if (options.gradient_accumulation_plugin) return *options.gradient_accumulation_plugin;
   GradientAccumulationPlugin plugin;
-  plugin.num_steps = options.gradient_accumulation_steps.value_or(1);
-  if (auto env = get_env("ACCELERATE_GRADIENT_ACCUMULATION_STEPS"); env && !env->empty()) {
-    size_t used = 0;
-    int parsed = 0;
-    try {
-      parsed = std::stoi(*env, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    TORCH_CHECK_VALUE(used == env->size() && parsed >= 1, "[Accelerator] environment variable "
-                                                         "ACCELERATE_GRADIENT_ACCUMULATION_STEPS must be a positive "
-                                                         "integer, got '", *env, "'");
-    plugin.num_steps = parsed;
-  }
+  plugin.num_steps =
+      get_int_from_env({"ACCELERATE_GRADIENT_ACCUMULATION_STEPS"}, options.gradient_accumulation_steps.value_or(1));
   TORCH_CHECK_VALUE(plugin.num_steps >= 1, "[Accelerator] gradient_accumulation_steps must be at least 1, got ",
                     plugin.num_steps);
   return plugin;

@@ -23,6 +23,14 @@ void move(at::Tensor& t, c10::Device device) {
   if (t.defined() && t.device() != device) t = t.to(device);
 }
 
+// Adam and AdamW keep the same moments in two unrelated state types.
+template <typename AdamState>
+void move_moments(AdamState& state, c10::Device device) {
+  move(state.exp_avg(), device);
+  move(state.exp_avg_sq(), device);
+  move(state.max_exp_avg_sq(), device);
+}
+
 }  // namespace
 
 void move_optimizer_state(torch::optim::Optimizer& optimizer, c10::Device device) {
@@ -30,13 +38,9 @@ void move_optimizer_state(torch::optim::Optimizer& optimizer, c10::Device device
     if (auto* s = dynamic_cast<torch::optim::SGDParamState*>(state.get())) {
       move(s->momentum_buffer(), device);
     } else if (auto* a = dynamic_cast<torch::optim::AdamParamState*>(state.get())) {
-      move(a->exp_avg(), device);
-      move(a->exp_avg_sq(), device);
-      move(a->max_exp_avg_sq(), device);
+      move_moments(*a, device);
     } else if (auto* w = dynamic_cast<torch::optim::AdamWParamState*>(state.get())) {
-      move(w->exp_avg(), device);
-      move(w->exp_avg_sq(), device);
-      move(w->max_exp_avg_sq(), device);
+      move_moments(*w, device);
     } else if (auto* g = dynamic_cast<torch::optim::AdagradParamState*>(state.get())) {
       move(g->sum(), device);
     } else if (auto* r = dynamic_cast<torch::optim::RMSpropParamState*>(state.get())) {
