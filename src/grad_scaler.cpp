@@ -206,8 +206,9 @@ void GradScaler::load_state_dict(const nlohmann::json& state) const {
   TORCH_CHECK_VALUE(scale > 0 && std::isfinite(scale), "[GradScaler.load_state_dict] 'scale' must be positive, got ",
                     scale);
   TORCH_CHECK_VALUE(growth > 1 && backoff > 0 && backoff < 1 && interval >= 1 && tracker >= 0,
-                    "[GradScaler.load_state_dict] growth_factor/backoff_factor/growth_interval/_growth_tracker out "
-                    "of range");
+                    "[GradScaler.load_state_dict] expected growth_factor > 1, backoff_factor in (0, 1), "
+                    "growth_interval >= 1 and _growth_tracker >= 0, got ", growth, ", ", backoff, ", ", interval,
+                    ", ", tracker);
   std::lock_guard<std::mutex> lock(impl_->mutex);
   impl_->scale = scale;
   impl_->kwargs.growth_factor = growth;

@@ -223,6 +223,7 @@ TEST(AcceleratorTraining, ClipGradNormClipsTheGlobalNorm) {
     acc.clip_grad_value_({w}, 0.7);
     EXPECT_TRUE(torch::allclose(w.grad(), torch::tensor({0.6f, 0.7f})));
     EXPECT_THROWS_WITH(acc.clip_grad_norm_({w}, -1.0), "max_norm must not be negative");
+    EXPECT_THROWS_WITH(acc.clip_grad_value_({w}, -1.0), "clip_value must not be negative, got -1");
   });
 }
 

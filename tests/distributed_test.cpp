@@ -197,6 +197,17 @@ TEST(DistributedDataParallel, AModelThatDiffersBetweenProcessesIsRefused) {
   for (const auto& e : errors) EXPECT_THAT(e, ::testing::HasSubstr("the model differs between processes"));
 }
 
+TEST(DistributedDataParallel, ANonPositiveBucketCapIsRefused) {
+  AcceleratorOptions options;
+  options.ddp_kwargs.bucket_cap_mb = 0;
+  run_accelerators(1, [](const Accelerator& acc, int) {
+    EXPECT_THROWS_WITH((void)acc.prepare(Net()), "bucket_cap_mb must be positive, got 0");
+  }, options);
+  EXPECT_THROWS_WITH(DistributedDataParallel(nullptr, PartialState::standalone({.process_index = 0, .num_processes = 1,
+                                                                                .store = Store::in_memory()})),
+                     "expected a module, got null");
+}
+
 TEST(DistributedDataParallel, AModelWithoutTrainableParametersIsRefused) {
   run_accelerators(kRanks, [&](const Accelerator& acc, int) {
     Net net;
@@ -372,6 +383,7 @@ TEST(MixedPrecision, AutocastGuardRestoresThePreviousState) {
     EXPECT_FALSE(at::autocast::is_cpu_enabled());
   }, options);
   EXPECT_THROWS_WITH(AutocastGuard(c10::kCPU, PrecisionType::kFp16), "fp16 autocast needs a CUDA device");
+  EXPECT_THROWS_WITH(AutocastGuard(c10::kMeta, PrecisionType::kBf16), "autocast needs a CPU or CUDA device, got META");
 }
 
 // ---- joining uneven inputs ---------------------------------------------------------------------

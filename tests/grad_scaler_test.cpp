@@ -121,6 +121,10 @@ TEST(GradScaler, StateDictRoundTripsAndRejectsBadInput) {
   state["scale"] = -1;
   EXPECT_THROWS_WITH(b.load_state_dict(state), "'scale' must be positive");
   EXPECT_THROWS_WITH(b.load_state_dict(nlohmann::json::array()), "expected a JSON object");
+  state = a.state_dict();
+  state["backoff_factor"] = 2.0;
+  EXPECT_THROWS_WITH(b.load_state_dict(state), "backoff_factor in (0, 1)");
+  EXPECT_THROWS_WITH(b.update(0.0), "new_scale must be a positive finite number, got 0");
 }
 
 TEST(GradScaler, InvalidSettingsAreRefused) {

@@ -292,8 +292,11 @@ class Accelerator {
   void clear() const { free_memory(); }
   /// The data loaders, models, optimizers and schedulers prepared so far.
   std::vector<DataLoader> prepared_data_loaders() const;
+  /// The engines of the models prepared so far.
   std::vector<DistributedDataParallel> prepared_models() const;
+  /// The optimizers prepared so far.
   std::vector<AcceleratedOptimizer> prepared_optimizers() const;
+  /// The schedulers prepared so far.
   std::vector<AcceleratedScheduler> prepared_schedulers() const;
 
   /// A loader like `loader` that skips its first `num_batches` batches (upstream: `skip_first_batches`).

@@ -124,6 +124,7 @@ class DistributedDataParallel {
   /// the buffer broadcast, and the autocast region (closed when the scope ends).
   class [[nodiscard]] ForwardScope {
    public:
+    /// Opens the forward pass of `ddp`.
     explicit ForwardScope(const DistributedDataParallel& ddp);
     ForwardScope(const ForwardScope&) = delete;
     ForwardScope& operator=(const ForwardScope&) = delete;
@@ -213,6 +214,7 @@ std::shared_ptr<torch::nn::Module> module_of(const M& model) {
 template <typename M>
 class PreparedModel {
  public:
+  /// Pairs the user's `module` with the engine that `Accelerator::prepare` built for it.
   PreparedModel(M module, DistributedDataParallel ddp) : module_(std::move(module)), ddp_(std::move(ddp)) {}
 
   /// Runs the module's `forward` with DDP's bookkeeping and the mixed-precision region.

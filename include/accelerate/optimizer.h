@@ -53,7 +53,9 @@ class AcceleratedOptimizer {
 
   /// The wrapped optimizer.
   const std::shared_ptr<torch::optim::Optimizer>& optimizer() const;
+  /// The wrapped optimizer, by reference.
   torch::optim::Optimizer& operator*() const { return *optimizer(); }
+  /// The wrapped optimizer's members.
   torch::optim::Optimizer* operator->() const { return optimizer().get(); }
   /// The optimizer's parameter groups.
   std::vector<torch::optim::OptimizerParamGroup>& param_groups() const { return optimizer()->param_groups(); }

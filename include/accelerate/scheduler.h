@@ -46,6 +46,7 @@ class AcceleratedScheduler {
   std::vector<double> get_last_lr() const { return scheduler()->get_last_lr(); }
   /// The wrapped scheduler.
   const std::shared_ptr<LRScheduler>& scheduler() const;
+  /// The wrapped scheduler's members.
   LRScheduler* operator->() const { return scheduler().get(); }
   /// The optimizers whose steps this scheduler follows.
   const std::vector<AcceleratedOptimizer>& optimizers() const;

@@ -59,25 +59,25 @@ struct PartialStateOptions {
   /// Force the CPU even when CUDA is available (`ACCELERATE_USE_CPU` also sets it).
   bool cpu = false;
   /// Global rank of this process (else `RANK`, `SLURM_PROCID`, `OMPI_COMM_WORLD_RANK`).
-  std::optional<int> process_index;
+  std::optional<int> process_index{};
   /// Number of processes of the job (else `WORLD_SIZE`, `SLURM_NTASKS`, `OMPI_COMM_WORLD_SIZE`).
-  std::optional<int> num_processes;
+  std::optional<int> num_processes{};
   /// Rank on this machine (else `LOCAL_RANK`, …); defaults to `process_index`.
-  std::optional<int> local_process_index;
+  std::optional<int> local_process_index{};
   /// Processes on this machine (else `LOCAL_WORLD_SIZE`, …); defaults to `num_processes`.
-  std::optional<int> local_num_processes;
+  std::optional<int> local_num_processes{};
   /// Rendezvous store; without one a TCP store at `master_addr`:`master_port` is used.
-  std::optional<Store> store;
+  std::optional<Store> store{};
   /// Address of the main process's store (else `MASTER_ADDR`, else 127.0.0.1).
-  std::string master_addr;
+  std::string master_addr{};
   /// Port of the main process's store (else `MASTER_PORT`, else 29500).
-  std::optional<int> master_port;
+  std::optional<int> master_port{};
   /// Process-group back-end and collective timeout.
-  InitProcessGroupKwargs init_kwargs;
+  InitProcessGroupKwargs init_kwargs{};
   /// How long to wait for every process to join (else `ACCELERATE_RDZV_TIMEOUT` seconds, else 900 s).
-  std::optional<std::chrono::milliseconds> rdzv_timeout;
+  std::optional<std::chrono::milliseconds> rdzv_timeout{};
   /// Debug mode (else `ACCELERATE_DEBUG_MODE`).
-  std::optional<bool> debug;
+  std::optional<bool> debug{};
 };
 
 /// Information on the current processes and the means to coordinate them, without the training
