@@ -18,4 +18,5 @@
 #include "accelerate/utils/operations.h"
 #include "accelerate/utils/profiler.h"
 #include "accelerate/utils/random.h"
+#include "accelerate/utils/safetensors.h"
 #include "accelerate/utils/tensor_tree.h"

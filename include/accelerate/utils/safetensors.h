@@ -55,7 +55,8 @@ struct SafetensorsEntry {
 };
 
 /// The bytes of a safetensors file: `save_file` writes them, Python's `safetensors.torch.save`
-/// returns the same. Tensors are written contiguous and little-endian, sorted by decreasing
+/// returns the same (metadata keys come sorted here; Python orders several of them arbitrarily,
+/// which readers ignore). Tensors are written contiguous and little-endian, sorted by decreasing
 /// alignment then name so that every tensor's data starts at a multiple of its element size; the
 /// header is padded with spaces to a multiple of 8 bytes. Tensors may live on any device (they
 /// are copied to the CPU). Raises a ValueError for an unsupported dtype (naming the tensor), a
@@ -69,7 +70,9 @@ void save_file(const TensorMap& tensors, const std::string& path, const Safetens
                bool fsync = true);
 /// The tensors of an in-memory file (copies, owned by the result).
 TensorMap load(const std::string& bytes);
-/// The tensors of a file, on `device` (upstream: `load_file`).
+/// The tensors of a file, on `device` (upstream: `load_file`). On the CPU these are what
+/// `SafetensorsFile::get_tensor` returns: views of the read-only mapped file where aligned (they
+/// keep it mapped), copies otherwise; on other devices, copies.
 TensorMap load_file(const std::string& path, const c10::Device& device = c10::kCPU);
 
 /// A safetensors file opened for lazy access (upstream: `safe_open(path, framework="pt")`).

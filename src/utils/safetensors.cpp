@@ -1,0 +1,351 @@
+// Reading and writing safetensors files; see include/accelerate/utils/safetensors.h. The format
+// rules live in the LibTorch-free utils/safetensors_format.* (also built by the fuzz target);
+// this file maps files, turns byte ranges into tensors and writes files atomically.
+#include "accelerate/utils/safetensors.h"
+
+#include "utils/safetensors_format.h"
+
+#include <ATen/Functions.h>
+#include <c10/util/Exception.h>
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <stdexcept>
+#include <string_view>
+#include <system_error>
+
+namespace accelerate {
+
+namespace format = detail::safetensors_format;
+
+namespace detail {
+
+/// The bytes of one file (mapped read-only, or owned for `from_bytes`) and its validated header.
+/// Tensors viewing the bytes hold a shared_ptr to it, so it outlives every view.
+struct SafetensorsMapping {
+  SafetensorsMapping() = default;
+  SafetensorsMapping(const SafetensorsMapping&) = delete;
+  SafetensorsMapping& operator=(const SafetensorsMapping&) = delete;
+  ~SafetensorsMapping() {
+    if (mapped != nullptr) ::munmap(mapped, mapped_length);
+  }
+
+  std::string path;
+  std::string owned;           // the bytes of an in-memory file
+  void* mapped = nullptr;      // the mapping of a file on disk
+  size_t mapped_length = 0;
+  const char* bytes = nullptr;  // either of the above
+  uint64_t size = 0;
+  uint64_t data_offset = 0;
+  std::map<std::string, SafetensorsEntry> entries;
+  SafetensorsMetadata metadata;
+};
+
+}  // namespace detail
+
+namespace {
+
+using Mapping = detail::SafetensorsMapping;
+
+struct DtypeName {
+  c10::ScalarType dtype;
+  const char* name;
+};
+
+constexpr DtypeName kDtypeNames[] = {
+    {c10::kBool, "BOOL"},  {c10::kByte, "U8"},      {c10::kChar, "I8"},   {c10::kShort, "I16"},
+    {c10::kInt, "I32"},    {c10::kLong, "I64"},     {c10::kHalf, "F16"},  {c10::kBFloat16, "BF16"},
+    {c10::kFloat, "F32"},  {c10::kDouble, "F64"},   {c10::kComplexFloat, "C64"},
+};
+
+const char* name_of(c10::ScalarType dtype) {
+  for (const auto& d : kDtypeNames) {
+    if (d.dtype == dtype) return d.name;
+  }
+  return nullptr;
+}
+
+std::optional<c10::ScalarType> dtype_of(std::string_view name) {
+  for (const auto& d : kDtypeNames) {
+    if (d.name == name) return d.dtype;
+  }
+  return std::nullopt;
+}
+
+std::string system_error_text(int error) { return std::generic_category().message(error); }
+
+// Validates the bytes of `mapping` and fills in its header; format errors become ValueErrors
+// naming the API and the file.
+void index(Mapping& mapping, const char* api) {
+  format::Header header;
+  try {
+    header = format::parse(std::string_view(mapping.bytes, mapping.size));
+  } catch (const std::invalid_argument& e) {
+    C10_THROW_ERROR(ValueError, c10::str("[", api, "] ", mapping.path, ": ", e.what()));
+  }
+  for (auto& [name, entry] : header.entries) {
+    TORCH_CHECK_VALUE(dtype_of(entry.dtype).has_value(), "[", api, "] ", mapping.path, ": tensor ",
+                      format::printable(name), " has dtype ", entry.dtype, ", which LibTorch cannot represent");
+    mapping.entries.emplace(name, SafetensorsEntry{std::move(entry.dtype), std::move(entry.shape), entry.begin, entry.end});
+  }
+  mapping.metadata = std::move(header.metadata);
+  mapping.data_offset = header.data_offset();
+}
+
+std::shared_ptr<const Mapping> map_file(const std::string& path, const char* api) {
+  auto mapping = std::make_shared<Mapping>();
+  mapping->path = path;
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  TORCH_CHECK(fd >= 0, "[", api, "] cannot open ", path, ": ", system_error_text(errno));
+  struct stat info {};
+  const bool stat_ok = ::fstat(fd, &info) == 0;
+  const int stat_error = errno;
+  if (stat_ok && S_ISREG(info.st_mode) && info.st_size > 0) {
+    void* address = ::mmap(nullptr, static_cast<size_t>(info.st_size), PROT_READ, MAP_PRIVATE, fd, 0);
+    const int map_error = errno;
+    ::close(fd);
+    TORCH_CHECK(address != MAP_FAILED, "[", api, "] cannot map ", path, ": ", system_error_text(map_error));
+    mapping->mapped = address;
+    mapping->mapped_length = static_cast<size_t>(info.st_size);
+    mapping->bytes = static_cast<const char*>(address);
+    mapping->size = static_cast<uint64_t>(info.st_size);
+  } else {
+    ::close(fd);
+    TORCH_CHECK(stat_ok, "[", api, "] cannot stat ", path, ": ", system_error_text(stat_error));
+    TORCH_CHECK(S_ISREG(info.st_mode), "[", api, "] ", path, " is not a regular file");
+    mapping->bytes = "";  // an empty file: the format check rejects it
+  }
+  index(*mapping, api);
+  return mapping;
+}
+
+std::shared_ptr<const Mapping> own_bytes(std::string bytes, const char* api) {
+  auto mapping = std::make_shared<Mapping>();
+  mapping->path = "<memory>";
+  mapping->owned = std::move(bytes);
+  mapping->bytes = mapping->owned.data();
+  mapping->size = mapping->owned.size();
+  index(*mapping, api);
+  return mapping;
+}
+
+// The tensor of `entry`: a view of the bytes when they are aligned for the dtype, else a copy.
+at::Tensor make_tensor(const std::shared_ptr<const Mapping>& mapping, const std::string& name,
+                       const SafetensorsEntry& entry, const c10::Device& device, const char* api) {
+  const c10::ScalarType dtype = *dtype_of(entry.dtype);
+  const auto options = at::TensorOptions().dtype(dtype);
+  const char* data = mapping->bytes + mapping->data_offset + entry.begin;
+  const uint64_t nbytes = entry.end - entry.begin;
+  if (dtype == c10::kBool) {
+    // A bool byte other than 0 or 1 is undefined behaviour in every kernel that reads it.
+    const auto* bytes = reinterpret_cast<const unsigned char*>(data);
+    const bool valid = std::all_of(bytes, bytes + nbytes, [](unsigned char b) { return b <= 1; });
+    TORCH_CHECK_VALUE(valid, "[", api, "] ", mapping->path, ": BOOL tensor ", format::printable(name),
+                      " holds a byte other than 0 and 1");
+  }
+  at::Tensor tensor;
+  if (nbytes == 0) {
+    tensor = at::empty(entry.shape, options);
+  } else if (reinterpret_cast<uintptr_t>(data) % c10::elementSize(dtype) == 0) {
+    // The view's storage owns a reference to the mapping (read-only memory; see the header).
+    tensor = at::from_blob(
+        const_cast<char*>(data), entry.shape, [keep = mapping](void*) { (void)keep; }, options);
+  } else {
+    tensor = at::empty(entry.shape, options);
+    std::memcpy(tensor.data_ptr(), data, nbytes);
+  }
+  if (!device.is_cpu()) tensor = tensor.to(device);
+  return tensor;
+}
+
+// Tensors checked and laid out for writing, in file order.
+struct Prepared {
+  format::Layout layout;
+  std::vector<at::Tensor> tensors;  // in the order of `layout.order`
+};
+
+Prepared prepare(const TensorMap& tensors, const SafetensorsMetadata& metadata, const char* api) {
+  std::vector<format::TensorSpec> specs;
+  std::vector<const at::Tensor*> sources;
+  specs.reserve(tensors.size());
+  for (const auto& [name, tensor] : tensors) {
+    const auto shown = format::printable(name);
+    TORCH_CHECK_VALUE(tensor.defined(), "[", api, "] tensor ", shown, " is undefined");
+    TORCH_CHECK_VALUE(!tensor.is_quantized(), "[", api, "] tensor ", shown, " is quantized (dtype ",
+                      tensor.scalar_type(), "), which the safetensors format cannot store");
+    TORCH_CHECK_VALUE(tensor.layout() == c10::kStrided, "[", api, "] tensor ", shown, " has layout ", tensor.layout(),
+                      "; only dense tensors can be saved");
+    TORCH_CHECK_VALUE(!tensor.is_meta(), "[", api, "] tensor ", shown, " is on the meta device and has no data");
+    const char* dtype = name_of(tensor.scalar_type());
+    TORCH_CHECK_VALUE(dtype != nullptr, "[", api, "] tensor ", shown, " has dtype ", tensor.scalar_type(),
+                      ", which the safetensors format cannot store");
+    specs.push_back({name, dtype, tensor.sizes().vec(), static_cast<uint64_t>(tensor.numel()) * tensor.element_size()});
+    sources.push_back(&tensor);
+  }
+  Prepared prepared;
+  try {
+    prepared.layout = format::plan(specs, metadata);
+  } catch (const std::invalid_argument& e) {
+    C10_THROW_ERROR(ValueError, c10::str("[", api, "] ", e.what()));
+  }
+  prepared.tensors.reserve(specs.size());
+  for (size_t index : prepared.layout.order) prepared.tensors.push_back(*sources[index]);
+  return prepared;
+}
+
+// The dense little-endian bytes of `tensor` (a contiguous CPU tensor with conjugation and
+// negation resolved; the tensor itself when it already is one).
+at::Tensor dense_cpu(const at::Tensor& tensor) {
+  return tensor.detach().to(c10::kCPU).resolve_conj().resolve_neg().contiguous();
+}
+
+[[noreturn]] void throw_io(const std::string& what, const std::string& path, int error) {
+  throw std::runtime_error("[save_file] " + what + " " + path + ": " + system_error_text(error));
+}
+
+void write_all(int fd, const char* data, uint64_t size, const std::string& path) {
+  constexpr uint64_t kChunk = uint64_t{1} << 30;  // Linux writes at most ~2 GB per call
+  while (size > 0) {
+    const ssize_t written = ::write(fd, data, static_cast<size_t>(std::min(size, kChunk)));
+    if (written < 0) {
+      if (errno == EINTR) continue;
+      throw_io("cannot write", path, errno);
+    }
+    data += written;
+    size -= static_cast<uint64_t>(written);
+  }
+}
+
+std::atomic<uint64_t> temporary_counter{0};
+
+}  // namespace
+
+std::string safetensors_dtype_name(c10::ScalarType dtype) {
+  const char* name = name_of(dtype);
+  TORCH_CHECK_VALUE(name != nullptr, "[safetensors_dtype_name] the safetensors format has no name for dtype ", dtype);
+  return name;
+}
+
+c10::ScalarType safetensors_dtype(const std::string& name) {
+  if (auto dtype = dtype_of(name)) return *dtype;
+  TORCH_CHECK_VALUE(format::find_dtype(name) == nullptr, "[safetensors_dtype] LibTorch cannot represent safetensors dtype ",
+                    name);
+  C10_THROW_ERROR(ValueError, c10::str("[safetensors_dtype] ", format::printable(name), " is not a safetensors dtype"));
+}
+
+std::string save(const TensorMap& tensors, const SafetensorsMetadata& metadata) {
+  Prepared prepared = prepare(tensors, metadata, "save");
+  std::string bytes;
+  bytes.reserve(prepared.layout.prefix.size() + prepared.layout.data_size);
+  bytes += prepared.layout.prefix;
+  for (const auto& tensor : prepared.tensors) {
+    const at::Tensor dense = dense_cpu(tensor);
+    bytes.append(static_cast<const char*>(dense.data_ptr()), dense.nbytes());
+  }
+  return bytes;
+}
+
+void save_file(const TensorMap& tensors, const std::string& path, const SafetensorsMetadata& metadata, bool fsync) {
+  Prepared prepared = prepare(tensors, metadata, "save_file");
+  const std::filesystem::path target(path);
+  const std::filesystem::path folder = target.parent_path().empty() ? std::filesystem::path(".") : target.parent_path();
+
+  // Note [Atomic save]: the bytes go to a new file beside `path` that is renamed over it once
+  // complete, so a reader sees the old file or the new one, and a failure leaves no partial file.
+  std::string temporary;
+  int fd = -1;
+  for (int attempt = 0; fd < 0; ++attempt) {
+    temporary = (folder / ("." + target.filename().string() + ".tmp" + std::to_string(::getpid()) + "-" +
+                           std::to_string(temporary_counter.fetch_add(1))))
+                    .string();
+    fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+    if (fd < 0 && (errno != EEXIST || attempt >= 100)) throw_io("cannot write", path, errno);
+  }
+  try {
+    write_all(fd, prepared.layout.prefix.data(), prepared.layout.prefix.size(), path);
+    for (const auto& tensor : prepared.tensors) {
+      const at::Tensor dense = dense_cpu(tensor);
+      write_all(fd, static_cast<const char*>(dense.data_ptr()), dense.nbytes(), path);
+    }
+    if (fsync && ::fsync(fd) != 0) throw_io("cannot flush", path, errno);
+    const int closed = ::close(fd);
+    fd = -1;
+    if (closed != 0) throw_io("cannot write", path, errno);
+    if (::rename(temporary.c_str(), path.c_str()) != 0) throw_io("cannot write", path, errno);
+  } catch (...) {
+    if (fd >= 0) ::close(fd);
+    ::unlink(temporary.c_str());
+    throw;
+  }
+  if (fsync) {
+    // Make the rename itself durable. The file is in place by now, so a failure is reported
+    // but leaves it there.
+    const int folder_fd = ::open(folder.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (folder_fd < 0) throw_io("wrote but cannot open the folder of", path, errno);
+    const int synced = ::fsync(folder_fd);
+    const int sync_error = errno;
+    ::close(folder_fd);
+    if (synced != 0 && sync_error != EINVAL) throw_io("wrote but cannot flush the folder of", path, sync_error);
+  }
+}
+
+TensorMap load(const std::string& bytes) {
+  const auto mapping = own_bytes(bytes, "load");
+  TensorMap tensors;
+  for (const auto& [name, entry] : mapping->entries) tensors.emplace(name, make_tensor(mapping, name, entry, c10::kCPU, "load"));
+  return tensors;
+}
+
+TensorMap load_file(const std::string& path, const c10::Device& device) {
+  const auto mapping = map_file(path, "load_file");
+  TensorMap tensors;
+  for (const auto& [name, entry] : mapping->entries) tensors.emplace(name, make_tensor(mapping, name, entry, device, "load_file"));
+  return tensors;
+}
+
+SafetensorsFile::SafetensorsFile(const std::string& path) : mapping_(map_file(path, "SafetensorsFile")) {}
+
+SafetensorsFile::SafetensorsFile(std::shared_ptr<const detail::SafetensorsMapping> mapping) : mapping_(std::move(mapping)) {}
+
+SafetensorsFile SafetensorsFile::from_bytes(std::string bytes) {
+  return SafetensorsFile(own_bytes(std::move(bytes), "SafetensorsFile::from_bytes"));
+}
+
+std::vector<std::string> SafetensorsFile::keys() const {
+  std::vector<std::string> names;
+  names.reserve(mapping_->entries.size());
+  for (const auto& [name, entry] : mapping_->entries) names.push_back(name);
+  return names;
+}
+
+bool SafetensorsFile::contains(const std::string& name) const { return mapping_->entries.count(name) > 0; }
+
+const SafetensorsMetadata& SafetensorsFile::metadata() const { return mapping_->metadata; }
+
+const SafetensorsEntry& SafetensorsFile::entry(const std::string& name) const {
+  const auto found = mapping_->entries.find(name);
+  TORCH_CHECK_VALUE(found != mapping_->entries.end(), "[SafetensorsFile::entry] no tensor named ", format::printable(name),
+                    " in ", mapping_->path);
+  return found->second;
+}
+
+at::Tensor SafetensorsFile::get_tensor(const std::string& name, const c10::Device& device) const {
+  const auto found = mapping_->entries.find(name);
+  TORCH_CHECK_VALUE(found != mapping_->entries.end(), "[SafetensorsFile::get_tensor] no tensor named ",
+                    format::printable(name), " in ", mapping_->path);
+  return make_tensor(mapping_, name, found->second, device, "SafetensorsFile::get_tensor");
+}
+
+uint64_t SafetensorsFile::file_size() const { return mapping_->size; }
+
+const std::string& SafetensorsFile::path() const { return mapping_->path; }
+
+}  // namespace accelerate
