@@ -1,8 +1,10 @@
 // The safetensors reader and writer (utils/safetensors.h, utils/safetensors_format.h): round trips
 // of every dtype, zero-copy views, golden bytes, every rule a hostile file can break, the
-// writer's refusals and atomic saves.
+// writer's refusals, atomic saves, and a cross-check against an independent Python reader and
+// writer (tests/python/safetensors_check.py, standard library only).
 #include "accelerate/utils/safetensors.h"
 
+#include "support/process.h"
 #include "support/test_support.h"
 #include "utils/safetensors_format.h"
 
@@ -804,6 +806,68 @@ TEST(SafetensorsSaveFile, NewFilesGetTheUsualPermissions) {
   ::umask(previous);
   EXPECT_EQ(fs::status(path).permissions(), fs::perms::owner_read | fs::perms::owner_write | fs::perms::group_read |
                                                 fs::perms::others_read);
+}
+
+// ---- cross-check with an independent Python reader and writer ------------------------------
+
+const char* const kPython = "/usr/bin/python3";
+
+std::string checker() { return built("tests/python/safetensors_check.py"); }
+
+TEST(SafetensorsPython, AnIndependentReaderFindsTheValuesWeWrote) {
+  ASSERT_TRUE(fs::exists(kPython)) << kPython << " is missing; scripts/setup.sh installs python3";
+  TensorMap tensors;
+  tensors["bool"] = at::tensor({1, 0, 0, 1}).to(at::kBool);
+  tensors["u8"] = at::tensor({0, 7, 255}, at::kByte);
+  tensors["i8"] = at::tensor({-128, -1, 127}, at::kChar);
+  tensors["i16"] = at::tensor({-32768, 12345}, at::kShort);
+  tensors["i32"] = at::tensor({std::numeric_limits<int32_t>::min(), 1, 2, std::numeric_limits<int32_t>::max()}, at::kInt).view({2, 2});
+  tensors["i64"] = at::tensor({int64_t{-1}, int64_t{0}, (int64_t{1} << 40) + 3}, at::kLong);
+  tensors["f16"] = at::tensor({1.0, -2.5, 65504.0}).to(at::kHalf);
+  tensors["bf16"] = at::tensor({1.0, -3.0}).to(at::kBFloat16);
+  tensors["f32"] = (at::arange(6, at::kFloat) * 0.5).view({2, 3});
+  tensors["f64"] = at::scalar_tensor(M_PI, at::kDouble);
+  tensors["c64"] = at::tensor(std::vector<c10::complex<float>>{{1.0f, 2.0f}, {-3.5f, 0.25f}});
+  tensors["empty"] = at::empty({0, 3});
+  TempDir dir;
+  const auto path = (dir.path() / "from_cpp.safetensors").string();
+  save_file(tensors, path, {{"format", "pt"}, {"source", "accelerate-cpp \xe2\x9c\x93"}});
+  auto python = run({kPython, checker(), "read", path});
+  EXPECT_EQ(python->exit_code(), 0) << python->err;
+  EXPECT_EQ(python->out, "ok\n") << python->err;
+
+  // The reader can fail: a value it does not expect makes it exit non-zero naming the tensor.
+  tensors["i8"] = at::tensor({-128, -1, 126}, at::kChar);
+  save_file(tensors, path, {{"format", "pt"}, {"source", "accelerate-cpp \xe2\x9c\x93"}});
+  python = run({kPython, checker(), "read", path});
+  EXPECT_EQ(python->exit_code(), 1);
+  EXPECT_THAT(python->err, HasSubstr("i8 holds [-128, -1, 126]"));
+}
+
+TEST(SafetensorsPython, WeReadTheValuesAnIndependentWriterWrote) {
+  ASSERT_TRUE(fs::exists(kPython)) << kPython << " is missing; scripts/setup.sh installs python3";
+  TempDir dir;
+  const auto path = (dir.path() / "from_python.safetensors").string();
+  const auto python = run({kPython, checker(), "write", path});
+  ASSERT_EQ(python->exit_code(), 0) << python->err;
+
+  SafetensorsFile file(path);
+  EXPECT_EQ(file.metadata(), (SafetensorsMetadata{{"writer", "python"}, {"note", "\xc3\xbcn\xc3\xaf" "code"}}));
+  EXPECT_EQ(file.keys(), (std::vector<std::string>{"a_u8", "bf", "c", "d", "e", "flag", "h", "m_i64", "z_f32"}));
+  EXPECT_TRUE(at::equal(file.get_tensor("a_u8"), at::tensor({1, 2, 3, 4}, at::kByte).view({2, 2})));
+  EXPECT_TRUE(at::equal(file.get_tensor("z_f32"), at::tensor({1.5f, -2.0f, 3.25f})));
+  EXPECT_TRUE(at::equal(file.get_tensor("m_i64"), at::tensor({int64_t{-5}, int64_t{1} << 62})));
+  EXPECT_TRUE(at::equal(file.get_tensor("flag"), at::tensor({1, 0}).to(at::kBool)));
+  EXPECT_TRUE(at::equal(file.get_tensor("h"), at::tensor({0.5}).to(at::kHalf)));
+  EXPECT_TRUE(at::equal(file.get_tensor("bf"), at::tensor({1.0, -2.0}).to(at::kBFloat16)));
+  EXPECT_TRUE(at::equal(file.get_tensor("c"), at::tensor(std::vector<c10::complex<float>>{{0.5f, -1.0f}})));
+  EXPECT_EQ(file.get_tensor("d").dim(), 0);
+  EXPECT_EQ(file.get_tensor("d").item<double>(), std::ldexp(1.0, -30));
+  EXPECT_EQ(file.get_tensor("e").sizes(), (std::vector<int64_t>{0}));
+  // The writer left the data 2 bytes past a multiple of 4: the 4- and 8-byte tensors are copies,
+  // the 1- and 2-byte ones views.
+  for (const char* name : {"z_f32", "m_i64", "c", "d"}) EXPECT_FALSE(inside_mapping_of(file.get_tensor(name).data_ptr(), path)) << name;
+  for (const char* name : {"a_u8", "flag", "h", "bf"}) EXPECT_TRUE(inside_mapping_of(file.get_tensor(name).data_ptr(), path)) << name;
 }
 
 }  // namespace
