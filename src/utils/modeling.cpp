@@ -1,0 +1,389 @@
+#include "accelerate/utils/modeling.h"
+
+#include "detail/files.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Logging.h>
+#include <nlohmann/json.hpp>
+#include <torch/nn/module.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <filesystem>
+#include <regex>
+#include <set>
+#include <tuple>
+#include <unordered_map>
+
+namespace fs = std::filesystem;
+
+namespace accelerate {
+
+namespace {
+
+constexpr const char* kWeightsName = "model.safetensors";
+constexpr const char* kWeightsIndexName = "model.safetensors.index.json";
+
+bool ends_with_upper(const std::string& text, const std::string& suffix) {
+  if (text.size() < suffix.size()) return false;
+  for (size_t i = 0; i < suffix.size(); ++i) {
+    if (std::toupper(static_cast<unsigned char>(text[text.size() - suffix.size() + i])) != suffix[i]) return false;
+  }
+  return true;
+}
+
+void collect_state(const torch::nn::Module& module, const std::string& prefix, StateDictMap& out) {
+  for (const auto& item : module.named_parameters(/*recurse=*/false)) {
+    if (item.value().defined()) out.insert(prefix + item.key(), item.value().detach());
+  }
+  for (const auto& item : module.named_buffers(/*recurse=*/false)) {
+    if (item.value().defined()) out.insert(prefix + item.key(), item.value().detach());
+  }
+  for (const auto& child : module.named_children()) collect_state(*child.value(), prefix + child.key() + ".", out);
+}
+
+// The module's own tensors (not detached), by name, for loading into them.
+std::unordered_map<std::string, at::Tensor> module_tensors(const torch::nn::Module& module) {
+  std::unordered_map<std::string, at::Tensor> tensors;
+  for (const auto& item : module.named_parameters(/*recurse=*/true)) tensors.emplace(item.key(), item.value());
+  for (const auto& item : module.named_buffers(/*recurse=*/true)) tensors.emplace(item.key(), item.value());
+  return tensors;
+}
+
+// Identifies the memory a tensor lives in, so that aliases are found (upstream: `id_tensor_storage`).
+std::tuple<int, int64_t, const void*> storage_id(const at::Tensor& t) {
+  return {static_cast<int>(t.device().type()) * 1000 + t.device().index(), 0, t.storage().data()};
+}
+
+std::string shape_string(at::IntArrayRef sizes) { return c10::str(sizes); }
+
+// A checkpoint's files, resolved from a file, an index or a folder.
+std::vector<fs::path> checkpoint_files(const std::string& checkpoint) {
+  const fs::path path(checkpoint);
+  fs::path index;
+  if (fs::is_regular_file(path)) {
+    if (path.extension() != ".json") return {path};
+    index = path;
+  } else if (fs::is_directory(path)) {
+    if (fs::is_regular_file(path / kWeightsName)) return {path / kWeightsName};
+    if (fs::is_regular_file(path / "pytorch_model.bin")) {
+      C10_THROW_ERROR(ValueError, c10::str("[load_checkpoint_in_model] ", checkpoint,
+                                           " holds a pickled pytorch_model.bin, which is never unpickled here; "
+                                           "convert it to model.safetensors"));
+    }
+    std::vector<fs::path> indexes;
+    for (const auto& entry : fs::directory_iterator(path)) {
+      const std::string name = entry.path().filename().string();
+      if (name.size() > 11 && name.compare(name.size() - 11, 11, ".index.json") == 0) indexes.push_back(entry.path());
+    }
+    TORCH_CHECK_VALUE(!indexes.empty(), "[load_checkpoint_in_model] ", checkpoint,
+                      " is not a folder containing a `.index.json` file or a ", kWeightsName, " file");
+    TORCH_CHECK_VALUE(indexes.size() == 1, "[load_checkpoint_in_model] ", checkpoint,
+                      " contains more than one `.index.json` file, delete the irrelevant ones");
+    index = indexes.front();
+  } else {
+    C10_THROW_ERROR(ValueError,
+                    c10::str("[load_checkpoint_in_model] `checkpoint` should be the path to a file containing a whole "
+                             "state dict, or the index of a sharded checkpoint, or a folder containing a sharded "
+                             "checkpoint or the whole state dict, but got ",
+                             checkpoint, " (no such file or folder)"));
+  }
+  nlohmann::json json;
+  try {
+    json = nlohmann::json::parse(detail::read_file(index.string()));
+  } catch (const nlohmann::json::exception& e) {
+    C10_THROW_ERROR(ValueError, c10::str("[load_checkpoint_in_model] the index ", index.string(),
+                                         " is not valid JSON: ", e.what()));
+  }
+  if (json.is_object() && json.contains("weight_map")) json = json.at("weight_map");
+  TORCH_CHECK_VALUE(json.is_object(), "[load_checkpoint_in_model] the index ", index.string(),
+                    " should map tensor names to files (an object, or one under \"weight_map\")");
+  std::set<std::string> names;
+  for (const auto& [tensor, file] : json.items()) {
+    TORCH_CHECK_VALUE(file.is_string(), "[load_checkpoint_in_model] the index ", index.string(), " maps ", tensor,
+                      " to ", file.dump(), " where a file name was expected");
+    const auto name = file.get<std::string>();
+    const fs::path relative(name);
+    bool escapes = relative.is_absolute() || relative.has_root_name() || name.empty();
+    for (const auto& part : relative) escapes = escapes || part == "..";
+    TORCH_CHECK_VALUE(!escapes, "[load_checkpoint_in_model] the index ", index.string(), " maps ", tensor, " to \"",
+                      name, "\", which is outside the index's folder; only files inside it are read");
+    names.insert(name);
+  }
+  std::vector<fs::path> files;
+  for (const auto& name : names) files.push_back(index.parent_path() / name);
+  return files;
+}
+
+}  // namespace
+
+int64_t convert_file_size_to_int(const std::string& size) {
+  const auto error = [&] {
+    return c10::str("[convert_file_size_to_int] `size` \"", size,
+                    "\" is not in a valid format. Use an integer for bytes, or a string with a unit (like '5.0GB')");
+  };
+  const auto number = [&](size_t unit_length) {
+    const std::string digits = size.substr(0, size.size() - unit_length);
+    TORCH_CHECK_VALUE(!digits.empty() && std::all_of(digits.begin(), digits.end(),
+                                                     [](char c) { return std::isdigit(static_cast<unsigned char>(c)) || c == '.'; }),
+                      error());
+    size_t used = 0;
+    double value = 0;
+    try {
+      value = std::stod(digits, &used);
+    } catch (const std::exception&) {
+      C10_THROW_ERROR(ValueError, error());
+    }
+    TORCH_CHECK_VALUE(used == digits.size() && std::isfinite(value) && value >= 0 && value < 9.2e18, error());
+    return value;
+  };
+  struct Unit {
+    const char* suffix;
+    double factor;
+    bool bits_allowed;
+  };
+  static const Unit units[] = {{"GIB", 1073741824.0, false}, {"MIB", 1048576.0, false}, {"KIB", 1024.0, false},
+                               {"GB", 1e9, true},            {"MB", 1e6, true},         {"KB", 1e3, true}};
+  for (const auto& unit : units) {
+    const size_t length = std::char_traits<char>::length(unit.suffix);
+    if (!ends_with_upper(size, unit.suffix)) continue;
+    const auto bytes = static_cast<int64_t>(number(length) * unit.factor);
+    return unit.bits_allowed && size.back() == 'b' ? bytes / 8 : bytes;
+  }
+  TORCH_CHECK_VALUE(!size.empty() && std::all_of(size.begin(), size.end(),
+                                                 [](char c) { return std::isdigit(static_cast<unsigned char>(c)); }),
+                    error());
+  TORCH_CHECK_VALUE(size.size() <= 18, error());
+  return std::stoll(size);
+}
+
+StateDictMap get_state_dict(const torch::nn::Module& module) {
+  StateDictMap out;
+  collect_state(module, "", out);
+  return out;
+}
+
+StateDictMap clean_state_dict_for_safetensors(const StateDictMap& state_dict) {
+  std::set<std::tuple<int, int64_t, const void*>> seen;
+  std::vector<std::string> removed;
+  StateDictMap out;
+  for (const auto& item : state_dict) {
+    const auto& t = item.value();
+    if (t.numel() > 0 && !seen.insert(storage_id(t)).second) {
+      removed.push_back(item.key());
+      continue;
+    }
+    out.insert(item.key(), t.contiguous());
+  }
+  if (!removed.empty()) {
+    TORCH_WARN("Removed shared tensor ", c10::Join(", ", removed),
+               " while saving. This should be OK, but check by verifying that you don't receive any warning while "
+               "reloading");
+  }
+  return out;
+}
+
+StateDictSplit split_state_dict_into_shards(const StateDictMap& state_dict, int64_t max_shard_size,
+                                            const std::string& filename_pattern) {
+  TORCH_CHECK_VALUE(max_shard_size > 0, "[split_state_dict_into_shards] max_shard_size must be positive, got ",
+                    max_shard_size);
+  const auto suffix_at = filename_pattern.find("{suffix}");
+  TORCH_CHECK_VALUE(suffix_at != std::string::npos, "[split_state_dict_into_shards] filename_pattern \"",
+                    filename_pattern, "\" must contain {suffix}");
+  std::vector<std::vector<std::string>> shards;
+  std::vector<std::string> current;
+  int64_t current_size = 0;
+  StateDictSplit split;
+  for (const auto& item : state_dict) {
+    const auto bytes = static_cast<int64_t>(item.value().numel() * item.value().element_size());
+    split.total_size += bytes;
+    if (bytes > max_shard_size) {
+      shards.push_back({item.key()});
+      continue;
+    }
+    if (current_size + bytes > max_shard_size) {
+      shards.push_back(std::move(current));
+      current.clear();
+      current_size = 0;
+    }
+    current.push_back(item.key());
+    current_size += bytes;
+  }
+  if (!current.empty() || shards.empty()) shards.push_back(std::move(current));
+  const auto name_of = [&](const std::string& suffix) {
+    return filename_pattern.substr(0, suffix_at) + suffix + filename_pattern.substr(suffix_at + 8);
+  };
+  if (shards.size() == 1) {
+    const auto file = name_of("");
+    std::vector<std::string> keys;
+    for (const auto& item : state_dict) {
+      keys.push_back(item.key());
+      split.tensor_to_filename[item.key()] = file;
+    }
+    split.filename_to_tensors.emplace_back(file, std::move(keys));
+    return split;
+  }
+  char suffix[64];
+  for (size_t i = 0; i < shards.size(); ++i) {
+    std::snprintf(suffix, sizeof(suffix), "-%05zu-of-%05zu", i + 1, shards.size());
+    const auto file = name_of(suffix);
+    for (const auto& key : shards[i]) split.tensor_to_filename[key] = file;
+    split.filename_to_tensors.emplace_back(file, std::move(shards[i]));
+  }
+  return split;
+}
+
+void save_state_dict_sharded(const StateDictMap& state_dict, const std::string& save_directory,
+                             const std::string& max_shard_size) {
+  const fs::path folder(save_directory);
+  TORCH_CHECK_VALUE(!fs::is_regular_file(folder), "[save_model] provided path (", save_directory,
+                    ") should be a directory, not a file");
+  const int64_t limit = convert_file_size_to_int(max_shard_size);
+  for (const auto& item : state_dict) {
+    TORCH_CHECK_VALUE(!item.value().is_meta(), "[save_model] you can't save the model since ", item.key(),
+                      " is on the meta device");
+  }
+  const auto clean = clean_state_dict_for_safetensors(state_dict);
+  const auto split = split_state_dict_into_shards(clean, limit);
+  fs::create_directories(folder);
+
+  // Files of an earlier save that the new one does not overwrite would confuse a loader: stale
+  // shards, and a single-file model next to a new index (loaders take model.safetensors first).
+  static const std::regex old_file(R"(model(-\d{5}-of-\d{5})?\.safetensors)");
+  std::set<std::string> new_files;
+  for (const auto& [file, keys] : split.filename_to_tensors) new_files.insert(file);
+  for (const auto& entry : fs::directory_iterator(folder)) {
+    const auto name = entry.path().filename().string();
+    if (entry.is_regular_file() && std::regex_match(name, old_file) && !new_files.count(name)) fs::remove(entry.path());
+  }
+  for (const auto& [file, keys] : split.filename_to_tensors) {
+    TensorMap shard;
+    for (const auto& key : keys) shard.emplace(key, clean[key]);
+    save_file(shard, (folder / file).string(), {{"format", "pt"}});
+  }
+  const auto index_path = folder / kWeightsIndexName;
+  if (split.is_sharded()) {
+    nlohmann::json index;
+    index["metadata"] = {{"total_size", split.total_size}};
+    index["weight_map"] = split.tensor_to_filename;
+    detail::write_file_atomically(index_path.string(), index.dump(2) + "\n");
+  } else if (fs::exists(index_path)) {
+    fs::remove(index_path);
+    detail::fsync_directory(folder.string());
+  }
+}
+
+TensorMap load_state_dict(const std::string& checkpoint_file) {
+  TORCH_CHECK_VALUE(fs::path(checkpoint_file).extension() != ".bin", "[load_state_dict] ", checkpoint_file,
+                    " is a pickled checkpoint, which is never unpickled here; use safetensors files");
+  return load_file(checkpoint_file);
+}
+
+LoadCheckpointResult load_state_dict_into_module(torch::nn::Module& module, const TensorMap& tensors,
+                                                 const LoadCheckpointOptions& options) {
+  auto targets = module_tensors(module);
+  LoadCheckpointResult result;
+  std::set<const void*> loaded_storages;
+  for (const auto& [name, value] : tensors) {
+    auto it = targets.find(name);
+    if (it == targets.end()) {
+      result.unexpected_keys.push_back(name);
+      continue;
+    }
+    TORCH_CHECK_VALUE(it->second.sizes() == value.sizes(), "[load_state_dict] size mismatch for ", name,
+                      ": the checkpoint has shape ", shape_string(value.sizes()), ", the module has ",
+                      shape_string(it->second.sizes()));
+    if (it->second.numel() > 0) loaded_storages.insert(it->second.storage().data());
+  }
+  std::vector<std::string> names;
+  for (const auto& [name, tensor] : targets) names.push_back(name);
+  std::sort(names.begin(), names.end());
+  for (const auto& name : names) {
+    if (tensors.count(name)) continue;
+    const auto& t = targets.at(name);
+    if (t.numel() > 0 && loaded_storages.count(t.storage().data())) continue;  // a tied twin was loaded
+    result.missing_keys.push_back(name);
+  }
+  TORCH_CHECK_VALUE(!options.strict || (result.missing_keys.empty() && result.unexpected_keys.empty()),
+                    "[load_state_dict] error(s) in loading the state dict: missing keys [",
+                    c10::Join(", ", result.missing_keys), "], unexpected keys [",
+                    c10::Join(", ", result.unexpected_keys), "]");
+  at::NoGradGuard no_grad;
+  for (const auto& [name, value] : tensors) {
+    auto it = targets.find(name);
+    if (it == targets.end()) continue;
+    auto& target = it->second;
+    if (options.dtype && value.is_floating_point() && target.scalar_type() != *options.dtype) {
+      target.set_data(value.to(target.device(), *options.dtype, /*non_blocking=*/false, /*copy=*/true));
+    } else {
+      target.copy_(options.dtype && value.is_floating_point() ? value.to(*options.dtype) : value);
+    }
+  }
+  return result;
+}
+
+LoadCheckpointResult load_checkpoint_in_model(torch::nn::Module& module, const std::string& checkpoint,
+                                              const LoadCheckpointOptions& options) {
+  const auto files = checkpoint_files(checkpoint);
+  // Every file is opened (and so validated) before anything is loaded.
+  std::vector<SafetensorsFile> opened;
+  std::set<std::string> in_files;
+  for (const auto& file : files) {
+    TORCH_CHECK_VALUE(file.extension() != ".bin", "[load_checkpoint_in_model] ", file.string(),
+                      " is a pickled checkpoint, which is never unpickled here; use safetensors files");
+    TORCH_CHECK_VALUE(fs::is_regular_file(file), "[load_checkpoint_in_model] the checkpoint file ", file.string(),
+                      " does not exist");
+    opened.emplace_back(file.string());
+    for (const auto& key : opened.back().keys()) in_files.insert(key);
+  }
+  LoadCheckpointResult result;
+  auto targets = module_tensors(module);
+  std::set<const void*> loaded_storages;
+  for (const auto& key : in_files) {
+    auto it = targets.find(key);
+    if (it == targets.end()) {
+      result.unexpected_keys.push_back(key);
+    } else if (it->second.numel() > 0) {
+      loaded_storages.insert(it->second.storage().data());
+    }
+  }
+  std::vector<std::string> names;
+  for (const auto& [name, tensor] : targets) names.push_back(name);
+  std::sort(names.begin(), names.end());
+  for (const auto& name : names) {
+    const auto& t = targets.at(name);
+    if (in_files.count(name) || (t.numel() > 0 && loaded_storages.count(t.storage().data()))) continue;
+    result.missing_keys.push_back(name);
+  }
+  TORCH_CHECK_VALUE(!options.strict || (result.missing_keys.empty() && result.unexpected_keys.empty()),
+                    "[load_checkpoint_in_model] error(s) in loading ", checkpoint, ": missing keys [",
+                    c10::Join(", ", result.missing_keys), "], unexpected keys [",
+                    c10::Join(", ", result.unexpected_keys), "]");
+  // Shapes are checked for every file before the first tensor is copied.
+  for (const auto& file : opened) {
+    for (const auto& key : file.keys()) {
+      auto it = targets.find(key);
+      if (it == targets.end()) continue;
+      const auto& shape = file.entry(key).shape;
+      TORCH_CHECK_VALUE(it->second.sizes() == at::IntArrayRef(shape), "[load_checkpoint_in_model] size mismatch for ",
+                        key, " in ", file.path(), ": the checkpoint has shape ", shape_string(shape),
+                        ", the module has ", shape_string(it->second.sizes()));
+    }
+  }
+  for (const auto& file : opened) {
+    TensorMap tensors;
+    for (const auto& key : file.keys()) {
+      if (targets.count(key)) tensors.emplace(key, file.get_tensor(key));
+    }
+    load_state_dict_into_module(module, tensors, {.dtype = options.dtype, .strict = false});
+  }
+  if (!options.strict && (!result.missing_keys.empty() || !result.unexpected_keys.empty())) {
+    TORCH_WARN("[load_checkpoint_in_model] ", checkpoint, ": missing keys [", c10::Join(", ", result.missing_keys),
+               "], unexpected keys [", c10::Join(", ", result.unexpected_keys), "]");
+  }
+  return result;
+}
+
+}  // namespace accelerate
