@@ -3,6 +3,7 @@
 
 #include "accelerate/memory_utils.h"
 #include "accelerate/utils/environment.h"
+#include "detail/accelerator_impl.h"
 
 #include <c10/util/Exception.h>
 #include <torch/nn/utils/clip_grad.h>
@@ -11,23 +12,6 @@
 #include <mutex>
 
 namespace accelerate {
-namespace detail {
-
-struct AcceleratorImpl {
-  AcceleratorOptions options;
-  bool standalone = false;
-  std::optional<GradScaler> scaler;
-  ProjectConfiguration project;
-
-  std::mutex mutex;  // guards the lists below and `step`
-  std::vector<DistributedDataParallel> models;
-  std::vector<AcceleratedOptimizer> optimizers;
-  std::vector<AcceleratedScheduler> schedulers;
-  std::vector<DataLoader> data_loaders;
-  int64_t step = 0;
-};
-
-}  // namespace detail
 
 namespace {
 
@@ -134,7 +118,10 @@ int64_t Accelerator::step() const {
 }
 std::string Accelerator::project_dir() const { return impl_->project.project_dir; }
 std::string Accelerator::logging_dir() const { return impl_->project.logging_dir; }
-ProjectConfiguration Accelerator::project_configuration() const { return impl_->project; }
+ProjectConfiguration Accelerator::project_configuration() const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  return impl_->project;
+}
 std::optional<GradScaler> Accelerator::scaler() const { return impl_->scaler; }
 
 // ---- preparation ----------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "accelerate/accelerator.h"
+#include "accelerate/checkpointing.h"
 #include "accelerate/data_loader.h"
 #include "accelerate/distributed.h"
 #include "accelerate/grad_scaler.h"
@@ -15,6 +16,7 @@
 #include "accelerate/utils/autocast.h"
 #include "accelerate/utils/dataclasses.h"
 #include "accelerate/utils/environment.h"
+#include "accelerate/utils/modeling.h"
 #include "accelerate/utils/operations.h"
 #include "accelerate/utils/profiler.h"
 #include "accelerate/utils/random.h"

@@ -3,7 +3,8 @@
 // Reducer), optimizers, schedulers and data loaders for the processes of the job, runs the
 // backward pass with gradient accumulation and fp16 loss scaling, controls when gradients are
 // synchronised, and offers the process-control helpers and collectives over nested data.
-// Experiment tracking and checkpoints are not part of this file.
+// Checkpoints: `save_state` / `load_state` (crash-safe, see docs/design.md), `save_model` (sharded
+// safetensors) and `register_for_checkpointing`. Experiment tracking is not part of this file.
 //
 // Example:
 //   accelerate::Accelerator accelerator({.mixed_precision = "bf16", .gradient_accumulation_steps = 2});
@@ -17,6 +18,7 @@
 //   }
 #pragma once
 
+#include "accelerate/checkpointing.h"
 #include "accelerate/data_loader.h"
 #include "accelerate/distributed.h"
 #include "accelerate/grad_scaler.h"
@@ -25,6 +27,7 @@
 #include "accelerate/state.h"
 #include "accelerate/utils/autocast.h"
 #include "accelerate/utils/dataclasses.h"
+#include "accelerate/utils/modeling.h"
 #include "accelerate/utils/operations.h"
 #include "accelerate/utils/profiler.h"
 
@@ -126,6 +129,31 @@ template <typename T> struct is_value_list : std::false_type {};
 template <typename X, typename A>
 struct is_value_list<std::vector<X, A>> : std::bool_constant<std::is_arithmetic_v<X> || std::is_same_v<X, std::string>> {};
 }  // namespace accelerator_detail
+
+/// A save-state pre-hook: called on every process by `save_state` before anything is written, with
+/// the prepared models, their state dicts (remove an entry to keep that model out of the
+/// checkpoint; the remaining ones are numbered in order) and the folder being written (renamed
+/// to the checkpoint's name once every process succeeded: files a hook writes there are part of
+/// the checkpoint).
+using SaveStatePreHook = std::function<void(const std::vector<DistributedDataParallel>& models,
+                                            std::vector<StateDictMap>& weights, const std::string& output_dir)>;
+/// A load-state pre-hook: called on every process by `load_state` before anything is read, with
+/// the prepared models (remove an entry to load that model yourself) and the checkpoint folder.
+using LoadStatePreHook = std::function<void(std::vector<DistributedDataParallel>& models, const std::string& input_dir)>;
+
+/// Removes a registered hook (upstream: `torch.utils.hooks.RemovableHandle`).
+class RemovableHandle {
+ public:
+  RemovableHandle() = default;
+  explicit RemovableHandle(std::function<void()> remove) : remove_(std::move(remove)) {}
+  /// Unregisters the hook; later calls do nothing.
+  void remove() {
+    if (remove_) std::exchange(remove_, nullptr)();
+  }
+
+ private:
+  std::function<void()> remove_;
+};
 
 /// Runs a loop on one or many processes with upstream Accelerate's API. A cheap handle.
 class Accelerator {
@@ -394,6 +422,78 @@ class Accelerator {
     return accelerate::pad_across_processes(partial(), data, dim, pad_index, pad_first);
   }
 
+  // ---- checkpoints ------------------------------------------------------------------------------
+
+  /// Writes `tensors` as a safetensors file at `path` on the main process only (on each machine's
+  /// local main process with `save_on_each_node`), flushed and renamed into place (upstream:
+  /// `save`, which pickles; nothing is pickled here).
+  void save(const StateDictMap& tensors, const std::string& path) const;
+  /// `save` for a name -> tensor map.
+  void save(const TensorMap& tensors, const std::string& path) const;
+  /// `save` for JSON values, written as a JSON file.
+  void save(const nlohmann::json& values, const std::string& path) const;
+
+  /// The state dict of a model: its parameters and buffers in PyTorch's order (upstream:
+  /// `get_state_dict`; prepared models hold the user's module, so `unwrap` changes nothing).
+  template <typename M>
+  StateDictMap get_state_dict(const M& model, bool unwrap = true) const {
+    (void)unwrap;
+    return accelerate::get_state_dict(*checkpoint_module(model));
+  }
+
+  /// Saves a model's weights to the folder `save_directory` on the main process (on each
+  /// machine's local main process with `save_on_each_node`): `model.safetensors`, or shards of
+  /// at most `max_shard_size` and `model.safetensors.index.json` (see `save_state_dict_sharded`).
+  /// The model may be prepared or not. Not a collective.
+  template <typename M>
+  void save_model(const M& model, const std::string& save_directory,
+                  const std::string& max_shard_size = "10GB") const {
+    save_module(*checkpoint_module(model), save_directory, max_shard_size);
+  }
+
+  /// Saves everything needed to resume training into a folder (upstream: `save_state`):
+  /// `model.safetensors` (`model_<i>.safetensors` for the i-th prepared model),
+  /// `optimizer.safetensors` (`optimizer_<i>…`), `scheduler.json`, `sampler.json` (the data
+  /// loader's order; `dl_state_dict.json` with its position for `use_stateful_dataloader`),
+  /// `scaler.json`, `custom_checkpoint_<i>.{json,safetensors}` and every process's
+  /// `random_states_<process>.safetensors` (generator states and the step count). With
+  /// `automatic_checkpoint_naming` the folder is `<project_dir>/checkpoints/checkpoint_<iteration>`
+  /// (`output_dir` must then be empty), the iteration advances, and the oldest checkpoints beyond
+  /// `total_limit` are removed after the new one is complete. Crash-safe: the files go to a
+  /// hidden staging folder, are flushed, every process confirms its writes, and only then is the
+  /// folder renamed into place — an error on any process fails the save on every process and
+  /// leaves the previous checkpoint as it was. A collective; returns the checkpoint folder.
+  std::string save_state(const std::string& output_dir = "") const;
+  /// Restores what `save_state` wrote (upstream: `load_state`). Without `input_dir` (and with
+  /// `automatic_checkpoint_naming`) the newest complete checkpoint of the project is taken, and
+  /// the iteration continues after it. Every file is read and checked before anything changes;
+  /// a failure on any process fails the load on every process. Model weights must match the
+  /// prepared models exactly (names and shapes). A collective.
+  void load_state(const std::string& input_dir = "") const;
+
+  /// Registers objects whose state `save_state` saves and `load_state` restores, in order
+  /// (upstream: `register_for_checkpointing`): anything with `state_dict()` and
+  /// `load_state_dict(state)` where the state is nlohmann::json, TensorMap, StateDictMap,
+  /// StateDict or DataLoaderState, and modules. Objects passed as `std::shared_ptr` are shared;
+  /// others are referenced and must outlive their use here. Anything else does not compile
+  /// (the error names the argument's position); a null pointer raises naming its position.
+  template <typename... Objects>
+  void register_for_checkpointing(Objects&&... objects) const {
+    static_assert(sizeof...(Objects) > 0, "accelerate: register_for_checkpointing needs at least one object");
+    static_assert(((std::is_lvalue_reference_v<Objects> ||
+                    checkpoint_detail::is_shared_ptr<std::decay_t<Objects>>::value) && ...),
+                  "accelerate: register_for_checkpointing references its objects: pass variables, or std::shared_ptr");
+    register_checkpoint_objects(make_checkpoint_objects(std::index_sequence_for<Objects...>{}, objects...));
+  }
+  /// Registers a hook run by `save_state` before it writes; see `SaveStatePreHook`.
+  RemovableHandle register_save_state_pre_hook(SaveStatePreHook hook) const;
+  /// Registers a hook run by `load_state` before it reads; see `LoadStatePreHook`.
+  RemovableHandle register_load_state_pre_hook(LoadStatePreHook hook) const;
+  /// The number of the next automatically named checkpoint (upstream: `save_iteration`).
+  int save_iteration() const;
+  /// Sets the number of the next automatically named checkpoint.
+  void set_save_iteration(int iteration) const;
+
   // ---- uneven inputs --------------------------------------------------------------------------
 
   /// Runs `fn` so that processes may run out of batches at different times (upstream:
@@ -436,6 +536,25 @@ class Accelerator {
 
  private:
   const PartialState& partial() const { return state_.partial_state(); }
+
+  template <typename M>
+  static std::shared_ptr<torch::nn::Module> checkpoint_module(const M& model) {
+    if constexpr (is_prepared_model<M>::value) {
+      return model_detail::module_of(model.module());
+    } else {
+      static_assert(model_detail::is_model_v<M>,
+                    "accelerate: expected a prepared model, a module holder or a std::shared_ptr to a module");
+      return model_detail::module_of(model);
+    }
+  }
+  template <size_t... I, typename... Objects>
+  static std::vector<CheckpointObject> make_checkpoint_objects(std::index_sequence<I...>, Objects&... objects) {
+    return {checkpoint_detail::make_checkpoint_object<I>(objects)...};
+  }
+  void register_checkpoint_objects(std::vector<CheckpointObject> objects) const;
+  void save_module(const torch::nn::Module& module, const std::string& save_directory,
+                   const std::string& max_shard_size) const;
+  bool writes_shared_files() const;
 
   template <typename T>
   void prepare_optimizer_first(const T& object) const {

@@ -1,0 +1,322 @@
+// Checkpoints of an Accelerator: save/save_model/save_state/load_state; see
+// include/accelerate/accelerator.h and docs/design.md ("Checkpoints").
+#include "accelerate/accelerator.h"
+
+#include "detail/accelerator_impl.h"
+#include "detail/checkpoint_commit.h"
+#include "detail/files.h"
+
+#include <c10/util/Exception.h>
+
+#include <filesystem>
+#include <regex>
+
+namespace fs = std::filesystem;
+
+namespace accelerate {
+
+namespace {
+
+// "<stem><ext>" for the first object, "<stem>_<i><ext>" for the others (upstream's naming).
+std::string numbered(const std::string& stem, size_t i, const std::string& ext) {
+  return i == 0 ? stem + ext : stem + "_" + std::to_string(i) + ext;
+}
+
+// A data loader's state as `save_state` stores it: without `use_stateful_dataloader` only the
+// order (epoch and generator) is kept and a resumed pass starts at its first batch, as upstream.
+DataLoaderState sampler_state(const DataLoader& loader) {
+  auto state = loader.state_dict();
+  if (!loader.use_stateful_dataloader()) state.batches_yielded = 0;
+  return state;
+}
+
+std::string loader_file(const DataLoader& loader, size_t i) {
+  return numbered(loader.use_stateful_dataloader() ? "dl_state_dict" : "sampler", i, ".json");
+}
+
+// The custom checkpoint files of a folder, by index.
+std::map<size_t, fs::path> custom_checkpoint_files(const fs::path& folder) {
+  static const std::regex name(R"(custom_checkpoint_(\d{1,9})\.(json|safetensors))");
+  std::map<size_t, fs::path> files;
+  for (const auto& entry : fs::directory_iterator(folder)) {
+    std::smatch match;
+    const auto file = entry.path().filename().string();
+    if (std::regex_match(file, match, name)) files[std::stoul(match[1])] = entry.path();
+  }
+  return files;
+}
+
+}  // namespace
+
+bool Accelerator::writes_shared_files() const {
+  return project_configuration().save_on_each_node ? is_local_main_process() : is_main_process();
+}
+
+void Accelerator::save(const StateDictMap& tensors, const std::string& path) const {
+  TensorMap map;
+  for (const auto& item : tensors) map.emplace(item.key(), item.value());
+  save(map, path);
+}
+
+void Accelerator::save(const TensorMap& tensors, const std::string& path) const {
+  if (writes_shared_files()) save_file(tensors, path);
+}
+
+void Accelerator::save(const nlohmann::json& values, const std::string& path) const {
+  if (writes_shared_files()) detail::write_file_atomically(path, values.dump(2) + "\n");
+}
+
+void Accelerator::save_module(const torch::nn::Module& module, const std::string& save_directory,
+                              const std::string& max_shard_size) const {
+  TORCH_CHECK_VALUE(!fs::is_regular_file(save_directory), "[Accelerator::save_model] provided path (", save_directory,
+                    ") should be a directory, not a file");
+  if (writes_shared_files()) save_state_dict_sharded(accelerate::get_state_dict(module), save_directory, max_shard_size);
+}
+
+void Accelerator::register_checkpoint_objects(std::vector<CheckpointObject> objects) const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  for (auto& object : objects) impl_->custom_objects.push_back(std::move(object));
+}
+
+RemovableHandle Accelerator::register_save_state_pre_hook(SaveStatePreHook hook) const {
+  TORCH_CHECK_VALUE(hook != nullptr, "[Accelerator::register_save_state_pre_hook] expected a hook, got none");
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  const auto id = impl_->next_hook_id++;
+  impl_->save_hooks.emplace(id, std::move(hook));
+  std::weak_ptr<detail::AcceleratorImpl> weak = impl_;
+  return RemovableHandle([weak, id] {
+    if (auto impl = weak.lock()) {
+      std::lock_guard<std::mutex> lock(impl->mutex);
+      impl->save_hooks.erase(id);
+    }
+  });
+}
+
+RemovableHandle Accelerator::register_load_state_pre_hook(LoadStatePreHook hook) const {
+  TORCH_CHECK_VALUE(hook != nullptr, "[Accelerator::register_load_state_pre_hook] expected a hook, got none");
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  const auto id = impl_->next_hook_id++;
+  impl_->load_hooks.emplace(id, std::move(hook));
+  std::weak_ptr<detail::AcceleratorImpl> weak = impl_;
+  return RemovableHandle([weak, id] {
+    if (auto impl = weak.lock()) {
+      std::lock_guard<std::mutex> lock(impl->mutex);
+      impl->load_hooks.erase(id);
+    }
+  });
+}
+
+int Accelerator::save_iteration() const { return project_configuration().iteration; }
+
+void Accelerator::set_save_iteration(int iteration) const {
+  TORCH_CHECK_VALUE(iteration >= 0, "[Accelerator::set_save_iteration] expected a non-negative iteration, got ",
+                    iteration);
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  impl_->project.iteration = iteration;
+}
+
+std::string Accelerator::save_state(const std::string& output_dir) const {
+  const auto project = project_configuration();
+  fs::path target;
+  if (project.automatic_checkpoint_naming) {
+    TORCH_CHECK_VALUE(output_dir.empty(), "[Accelerator::save_state] automatic_checkpoint_naming chooses the folder; "
+                                          "got output_dir ", output_dir);
+    TORCH_CHECK_VALUE(!project.project_dir.empty(), "[Accelerator::save_state] automatic_checkpoint_naming needs "
+                                                    "ProjectConfiguration::project_dir");
+    target = fs::path(project.project_dir) / "checkpoints" / ("checkpoint_" + std::to_string(project.iteration));
+  } else {
+    TORCH_CHECK_VALUE(!output_dir.empty(), "[Accelerator::save_state] expected an output_dir (or "
+                                           "ProjectConfiguration::automatic_checkpoint_naming)");
+    target = output_dir;
+  }
+  // Every process decides alike: process 0's view of the folder is what counts.
+  detail::run_agreed(partial(), "[Accelerator::save_state]", [&] {
+    if (project.automatic_checkpoint_naming && is_main_process() && fs::exists(target)) {
+      throw std::runtime_error(c10::str("checkpoint directory ", target.string(), " (", project.iteration,
+                                        ") already exists; call set_save_iteration with the iteration to start with"));
+    }
+  });
+
+  std::vector<DistributedDataParallel> models;
+  std::vector<AcceleratedOptimizer> optimizers;
+  std::vector<AcceleratedScheduler> schedulers;
+  std::vector<DataLoader> loaders;
+  std::vector<CheckpointObject> custom;
+  std::vector<SaveStatePreHook> hooks;
+  int64_t step = 0;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mutex);
+    models = impl_->models;
+    optimizers = impl_->optimizers;
+    schedulers = impl_->schedulers;
+    loaders = impl_->data_loaders;
+    custom = impl_->custom_objects;
+    for (const auto& [id, hook] : impl_->save_hooks) hooks.push_back(hook);
+    step = impl_->step;
+  }
+
+  detail::CheckpointCommit commit(partial(), target, project.save_on_each_node, project.automatic_checkpoint_naming);
+  const fs::path folder = commit.staging();
+  const auto written = [&] { detail::checkpoint_file_written(partial()); };
+  const auto path = commit.commit([&] {
+    std::vector<StateDictMap> weights;
+    for (const auto& model : models) weights.push_back(accelerate::get_state_dict(*model.module()));
+    for (const auto& hook : hooks) hook(models, weights, folder.string());
+    if (commit.writes_shared_files()) {
+      for (size_t i = 0; i < weights.size(); ++i) {
+        TensorMap tensors;
+        for (const auto& item : clean_state_dict_for_safetensors(weights[i])) tensors.emplace(item.key(), item.value());
+        save_file(tensors, (folder / numbered("model", i, ".safetensors")).string(), {{"format", "pt"}});
+        written();
+      }
+      for (size_t i = 0; i < optimizers.size(); ++i) {
+        save_state_dict_file(optimizer_state_dict(*optimizers[i].optimizer()),
+                             (folder / numbered("optimizer", i, ".safetensors")).string());
+        written();
+      }
+      for (size_t i = 0; i < schedulers.size(); ++i) {
+        save_state_dict_file({schedulers[i].scheduler()->state_dict(), {}},
+                             (folder / numbered("scheduler", i, ".json")).string());
+        written();
+      }
+      for (size_t i = 0; i < loaders.size(); ++i) {
+        save_state_dict_file({nlohmann::json::parse(sampler_state(loaders[i]).to_json()), {}},
+                             (folder / loader_file(loaders[i], i)).string());
+        written();
+      }
+      if (impl_->scaler) {
+        save_state_dict_file({impl_->scaler->state_dict(), {}}, (folder / "scaler.json").string());
+        written();
+      }
+      for (size_t i = 0; i < custom.size(); ++i) {
+        const auto state = custom[i].state_dict();
+        const auto ext = state.tensors.empty() ? ".json" : ".safetensors";
+        save_state_dict_file(state, (folder / ("custom_checkpoint_" + std::to_string(i) + ext)).string());
+        written();
+      }
+    }
+    auto random = rng_state_dict();
+    random.values["step"] = step;
+    save_state_dict_file(random,
+                         (folder / ("random_states_" + std::to_string(process_index()) + ".safetensors")).string());
+    written();
+  });
+
+  detail::run_agreed(partial(), "[Accelerator::save_state] removing old checkpoints", [&] {
+    if (project.automatic_checkpoint_naming && project.total_limit > 0 && commit.writes_shared_files()) {
+      detail::prune_checkpoints(target.parent_path(), project.total_limit);
+    }
+  });
+  if (project.automatic_checkpoint_naming) {
+    std::lock_guard<std::mutex> lock(impl_->mutex);
+    impl_->project.iteration = project.iteration + 1;
+  }
+  return path.string();
+}
+
+void Accelerator::load_state(const std::string& input_dir) const {
+  const auto project = project_configuration();
+  fs::path folder;
+  if (!input_dir.empty()) {
+    folder = input_dir;
+    TORCH_CHECK_VALUE(fs::is_directory(folder), "[Accelerator::load_state] tried to find ", input_dir,
+                      " but folder does not exist");
+  } else {
+    TORCH_CHECK_VALUE(project.automatic_checkpoint_naming,
+                      "[Accelerator::load_state] no input_dir provided and automatic checkpoint naming is disabled");
+    const auto checkpoints = detail::list_checkpoints(fs::path(project.project_dir) / "checkpoints");
+    TORCH_CHECK_VALUE(!checkpoints.empty(), "[Accelerator::load_state] no complete checkpoint in ",
+                      (fs::path(project.project_dir) / "checkpoints").string());
+    folder = checkpoints.back().second;
+  }
+
+  std::vector<DistributedDataParallel> models;
+  std::vector<AcceleratedOptimizer> optimizers;
+  std::vector<AcceleratedScheduler> schedulers;
+  std::vector<DataLoader> loaders;
+  std::vector<CheckpointObject> custom;
+  std::vector<LoadStatePreHook> hooks;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mutex);
+    models = impl_->models;
+    optimizers = impl_->optimizers;
+    schedulers = impl_->schedulers;
+    loaders = impl_->data_loaders;
+    custom = impl_->custom_objects;
+    for (const auto& [id, hook] : impl_->load_hooks) hooks.push_back(hook);
+  }
+
+  detail::run_agreed(partial(), "[Accelerator::load_state] loading " + folder.string(), [&] {
+    for (const auto& hook : hooks) hook(models, folder.string());
+    const auto require = [&](const std::string& name) {
+      const auto path = folder / name;
+      TORCH_CHECK_VALUE(fs::is_regular_file(path), "the checkpoint has no ", name);
+      return path.string();
+    };
+    // Everything is read and checked first, then applied.
+    std::vector<std::string> model_files;
+    for (size_t i = 0; i < models.size(); ++i) model_files.push_back(require(numbered("model", i, ".safetensors")));
+    std::vector<StateDict> optimizer_states, scheduler_states, loader_states, custom_states;
+    for (size_t i = 0; i < optimizers.size(); ++i) {
+      optimizer_states.push_back(load_state_dict_file(require(numbered("optimizer", i, ".safetensors"))));
+    }
+    for (size_t i = 0; i < schedulers.size(); ++i) {
+      scheduler_states.push_back(load_state_dict_file(require(numbered("scheduler", i, ".json"))));
+    }
+    std::vector<DataLoaderState> loader_positions;
+    for (size_t i = 0; i < loaders.size(); ++i) {
+      loader_positions.push_back(
+          DataLoaderState::from_json(load_state_dict_file(require(loader_file(loaders[i], i))).values.dump()));
+    }
+    std::optional<StateDict> scaler_state;
+    if (impl_->scaler) scaler_state = load_state_dict_file(require("scaler.json"));
+    const auto custom_files = custom_checkpoint_files(folder);
+    TORCH_CHECK(custom_files.size() == custom.size(), "the number of custom checkpoints in ", folder.string(),
+                " does not match the number of registered objects: found ", custom_files.size(), " checkpoints, ",
+                custom.size(), " registered objects; load checkpoints only into folders created with the same set "
+                "of registered objects");
+    for (size_t i = 0; i < custom.size(); ++i) {
+      auto it = custom_files.find(i);
+      TORCH_CHECK_VALUE(it != custom_files.end(), "the checkpoint has no custom_checkpoint_", i);
+      custom_states.push_back(load_state_dict_file(it->second.string()));
+    }
+    const auto random_file = folder / ("random_states_" + std::to_string(process_index()) + ".safetensors");
+    std::optional<StateDict> random;
+    if (fs::is_regular_file(random_file)) {
+      random = load_state_dict_file(random_file.string());
+      TORCH_CHECK_VALUE(random->values.contains("step") && random->values.at("step").is_number_integer(),
+                        random_file.string(), " has no integer \"step\"");
+    } else {
+      TORCH_WARN("[Accelerator::load_state] ", random_file.string(), " is missing (was the checkpoint saved with "
+                 "fewer processes?); the random generators keep their states");
+    }
+
+    for (size_t i = 0; i < models.size(); ++i) {
+      load_checkpoint_in_model(*models[i].module(), model_files[i], {.strict = true});
+    }
+    for (size_t i = 0; i < optimizers.size(); ++i) {
+      load_optimizer_state_dict(*optimizers[i].optimizer(), optimizer_states[i]);
+    }
+    for (size_t i = 0; i < schedulers.size(); ++i) schedulers[i].scheduler()->load_state_dict(scheduler_states[i].values);
+    for (size_t i = 0; i < loaders.size(); ++i) loaders[i].load_state_dict(loader_positions[i]);
+    if (scaler_state) impl_->scaler->load_state_dict(scaler_state->values);
+    for (size_t i = 0; i < custom.size(); ++i) custom[i].load_state_dict(custom_states[i]);
+    if (random) {
+      load_rng_state_dict(*random);
+      std::lock_guard<std::mutex> lock(impl_->mutex);
+      impl_->step = random->values.at("step").get<int64_t>();
+    }
+  });
+
+  // The next automatically named checkpoint follows the one loaded (upstream keeps counting from
+  // where this process started, and the next save collides with an existing folder).
+  static const std::regex name(R"(checkpoint_(\d{1,9}))");
+  std::smatch match;
+  const auto base = fs::absolute(folder).lexically_normal().filename().string();
+  if (project.automatic_checkpoint_naming && std::regex_match(base, match, name)) {
+    std::lock_guard<std::mutex> lock(impl_->mutex);
+    impl_->project.iteration = std::stoi(match[1]) + 1;
+  }
+}
+
+}  // namespace accelerate

@@ -1,0 +1,31 @@
+// The state behind an `Accelerator` handle, shared by the files that implement it.
+#pragma once
+
+#include "accelerate/accelerator.h"
+
+#include <map>
+#include <mutex>
+#include <optional>
+#include <vector>
+
+namespace accelerate::detail {
+
+struct AcceleratorImpl {
+  AcceleratorOptions options;
+  bool standalone = false;
+  std::optional<GradScaler> scaler;
+
+  std::mutex mutex;  // guards everything below
+  ProjectConfiguration project;
+  std::vector<DistributedDataParallel> models;
+  std::vector<AcceleratedOptimizer> optimizers;
+  std::vector<AcceleratedScheduler> schedulers;
+  std::vector<DataLoader> data_loaders;
+  int64_t step = 0;
+  std::vector<CheckpointObject> custom_objects;
+  std::map<int64_t, SaveStatePreHook> save_hooks;
+  std::map<int64_t, LoadStatePreHook> load_hooks;
+  int64_t next_hook_id = 0;
+};
+
+}  // namespace accelerate::detail

@@ -1,0 +1,417 @@
+// Checkpoint states and the Accelerator's save_state / load_state: optimizer states resume every
+// LibTorch optimizer exactly, generator states round-trip, the folder layout and names follow
+// upstream, automatic naming and total_limit, the newest complete checkpoint, hooks, registered
+// objects, and the refusals (all checked before anything changes).
+#include "accelerate/accelerator.h"
+#include "accelerate/checkpointing.h"
+#include "detail/files.h"
+#include "support/accelerators.h"
+#include "support/test_support.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <torch/torch.h>
+
+#include <filesystem>
+
+namespace accelerate::testing {
+namespace {
+
+namespace fs = std::filesystem;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+// ---- optimizer states ----------------------------------------------------------------------
+
+template <typename Optimizer, typename Options>
+void expect_optimizer_resumes_exactly(const Options& options) {
+  torch::manual_seed(0);
+  torch::nn::Linear a(3, 2), b(3, 2);
+  {
+    torch::NoGradGuard no_grad;
+    b->weight.copy_(a->weight);
+    b->bias.copy_(a->bias);
+  }
+  const auto step = [](torch::nn::Linear& m, Optimizer& o, const torch::Tensor& x) {
+    o.step([&] {
+      o.zero_grad();
+      auto loss = m(x).pow(2).sum();
+      loss.backward();
+      return loss;
+    });
+  };
+  Optimizer trained(a->parameters(), options);
+  for (int i = 0; i < 3; ++i) step(a, trained, torch::randn({4, 3}));
+  {
+    torch::NoGradGuard no_grad;
+    b->weight.copy_(a->weight);
+    b->bias.copy_(a->bias);
+  }
+  TempDir dir;
+  const auto path = (dir.path() / "optimizer.safetensors").string();
+  save_state_dict_file(optimizer_state_dict(trained), path);
+  auto other_options = options;
+  other_options.lr(123.0);  // restored from the checkpoint
+  Optimizer resumed(b->parameters(), other_options);
+  load_optimizer_state_dict(resumed, load_state_dict_file(path));
+  EXPECT_EQ(optimizer_state_dict(resumed).values, optimizer_state_dict(trained).values);
+  const auto x = torch::randn({4, 3});
+  step(a, trained, x);
+  step(b, resumed, x);
+  EXPECT_TRUE(torch::equal(a->weight, b->weight)) << a->weight << b->weight;
+  EXPECT_TRUE(torch::equal(a->bias, b->bias));
+}
+
+TEST(OptimizerStateDict, SGDWithMomentumResumesExactly) {
+  expect_optimizer_resumes_exactly<torch::optim::SGD>(torch::optim::SGDOptions(0.1).momentum(0.9).nesterov(true));
+}
+TEST(OptimizerStateDict, AdamWithAmsgradResumesExactly) {
+  expect_optimizer_resumes_exactly<torch::optim::Adam>(torch::optim::AdamOptions(0.01).amsgrad(true));
+}
+TEST(OptimizerStateDict, AdamWResumesExactly) {
+  expect_optimizer_resumes_exactly<torch::optim::AdamW>(torch::optim::AdamWOptions(0.01).weight_decay(0.1));
+}
+TEST(OptimizerStateDict, AdagradResumesExactly) {
+  expect_optimizer_resumes_exactly<torch::optim::Adagrad>(torch::optim::AdagradOptions(0.1).lr_decay(0.01));
+}
+TEST(OptimizerStateDict, CenteredRMSpropWithMomentumResumesExactly) {
+  expect_optimizer_resumes_exactly<torch::optim::RMSprop>(
+      torch::optim::RMSpropOptions(0.01).centered(true).momentum(0.5));
+}
+TEST(OptimizerStateDict, LBFGSResumesExactly) {
+  expect_optimizer_resumes_exactly<torch::optim::LBFGS>(torch::optim::LBFGSOptions(0.5).history_size(3).max_iter(4));
+}
+
+TEST(OptimizerStateDict, UsesPyTorchsLayout) {
+  torch::nn::Linear net(2, 2);
+  torch::optim::Adam adam(net->parameters(), 0.5);
+  adam.zero_grad();
+  net(torch::ones({1, 2})).sum().backward();
+  adam.step();
+  const auto state = optimizer_state_dict(adam);
+  EXPECT_EQ(state.values.at("optimizer"), "Adam");
+  EXPECT_EQ(state.values.at("param_groups")[0].at("params"), nlohmann::json({0, 1}));
+  EXPECT_EQ(state.values.at("param_groups")[0].at("lr"), 0.5);
+  EXPECT_EQ(state.values.at("state").at("1").at("step"), 1);
+  std::vector<std::string> names;
+  for (const auto& [name, t] : state.tensors) names.push_back(name);
+  EXPECT_THAT(names, ElementsAre("state.0.exp_avg", "state.0.exp_avg_sq", "state.1.exp_avg", "state.1.exp_avg_sq"));
+}
+
+TEST(OptimizerStateDict, RefusesAMismatchBeforeChangingAnything) {
+  torch::nn::Linear net(2, 2), wider(3, 2);
+  torch::optim::Adam adam(net->parameters(), 0.5);
+  adam.zero_grad();
+  net(torch::ones({1, 2})).sum().backward();
+  adam.step();
+  const auto state = optimizer_state_dict(adam);
+
+  torch::optim::SGD sgd(net->parameters(), 0.1);
+  EXPECT_THROWS_WITH(load_optimizer_state_dict(sgd, state), "holds the state of a \"Adam\" optimizer, this one is SGD");
+  torch::optim::Adam other(wider->parameters(), 0.1);
+  EXPECT_THROWS_WITH(load_optimizer_state_dict(other, state),
+                     "tensor state.0.exp_avg has shape [2, 2] but its parameter has shape [2, 3]");
+  EXPECT_EQ(other.param_groups()[0].options().get_lr(), 0.1);
+  EXPECT_TRUE(other.state().empty());
+  torch::optim::Adam two_groups(std::vector<torch::optim::OptimizerParamGroup>{
+      torch::optim::OptimizerParamGroup({net->weight}), torch::optim::OptimizerParamGroup({net->bias})});
+  EXPECT_THROWS_WITH(load_optimizer_state_dict(two_groups, state), "the checkpoint has 1 param groups, the optimizer has 2");
+  auto broken = state;
+  broken.values["param_groups"][0].erase("eps");
+  torch::optim::Adam fresh(net->parameters(), 0.1);
+  EXPECT_THROWS_WITH(load_optimizer_state_dict(fresh, broken), "param group 0: missing \"eps\"");
+  broken = state;
+  broken.tensors.erase("state.1.exp_avg_sq");
+  EXPECT_THROWS_WITH(load_optimizer_state_dict(fresh, broken), "missing tensor state.1.exp_avg_sq");
+  broken = state;
+  broken.values["state"]["7"] = broken.values["state"]["0"];
+  EXPECT_THROWS_WITH(load_optimizer_state_dict(fresh, broken), "names parameter \"7\", but the optimizer has 2");
+  EXPECT_TRUE(fresh.state().empty());
+}
+
+// ---- generators and files ------------------------------------------------------------------
+
+TEST(RngStateDict, RestoresTheDrawsOfTheDefaultGenerator) {
+  torch::manual_seed(7);
+  (void)torch::rand({3});
+  const auto state = rng_state_dict();
+  const auto expected = torch::rand({5});
+  (void)torch::rand({11});
+  load_rng_state_dict(state);
+  EXPECT_TRUE(torch::equal(torch::rand({5}), expected));
+  StateDict wrong;
+  wrong.tensors["torch_manual_seed"] = torch::zeros({3});
+  EXPECT_THROWS_WITH(load_rng_state_dict(wrong), "torch_manual_seed should be a 1-D uint8 tensor");
+  EXPECT_THROWS_WITH(load_rng_state_dict(StateDict{}), "missing tensor torch_manual_seed");
+}
+
+TEST(StateDictFile, KeepsValuesAndTensorsAndRefusesWhatItCannotHold) {
+  TempDir dir;
+  StateDict state{{{"a", 1}, {"b", {1, 2}}}, {{"t", torch::arange(4)}}};
+  save_state_dict_file(state, (dir.path() / "s.safetensors").string());
+  const auto back = load_state_dict_file((dir.path() / "s.safetensors").string());
+  EXPECT_EQ(back.values, state.values);
+  EXPECT_TRUE(torch::equal(back.tensors.at("t"), torch::arange(4)));
+  back.tensors.at("t").add_(1);  // an owned copy, writable
+
+  EXPECT_THROWS_WITH(save_state_dict_file(state, (dir.path() / "s.json").string()), "a JSON file cannot hold tensors");
+  EXPECT_THROWS_WITH(save_state_dict_file(state, (dir.path() / "s.bin").string()), "expected a path ending in");
+  save_file({{"t", torch::ones({1})}}, (dir.path() / "plain.safetensors").string());
+  EXPECT_THROWS_WITH(load_state_dict_file((dir.path() / "plain.safetensors").string()), "has no \"json\" entry");
+  detail::write_file((dir.path() / "bad.json").string(), "{oops");
+  EXPECT_THROWS_WITH(load_state_dict_file((dir.path() / "bad.json").string()), "is not valid JSON");
+}
+
+// ---- save_state / load_state -----------------------------------------------------------------
+
+struct Counter {
+  int value = 0;
+  nlohmann::json state_dict() const { return {{"value", value}}; }
+  void load_state_dict(const nlohmann::json& state) { value = state.at("value").get<int>(); }
+};
+
+struct Buffers {
+  torch::Tensor t = torch::zeros({2});
+  TensorMap state_dict() const { return {{"t", t}}; }
+  void load_state_dict(const TensorMap& state) { t = state.at("t").clone(); }
+};
+
+struct Training {
+  torch::nn::Linear net{3, 1};
+  std::shared_ptr<torch::optim::Adam> adam = std::make_shared<torch::optim::Adam>(net->parameters(), 0.1);
+  DataLoader loader{std::make_shared<TensorDataset>(torch::randn({8, 3}), torch::randn({8, 1})),
+                    {.batch_size = 2, .shuffle = true}};
+};
+
+AcceleratorOptions project_options(const std::string& dir, int total_limit = 0) {
+  AcceleratorOptions options;
+  options.project_config = {.project_dir = dir, .automatic_checkpoint_naming = true, .total_limit = total_limit};
+  return options;
+}
+
+std::vector<std::string> entries(const fs::path& folder) {
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(folder)) names.push_back(e.path().filename());
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+void train_one_pass(const Accelerator& acc, PreparedModel<torch::nn::Linear>& model, AcceleratedOptimizer& opt,
+                    DataLoader& loader) {
+  for (auto& batch : loader) {
+    opt.zero_grad();
+    acc.backward(torch::mse_loss(model(batch.data), batch.target));
+    opt.step();
+  }
+}
+
+TEST(SaveState, WritesUpstreamsNamesAndRestoresEverything) {
+  TempDir dir;
+  run_accelerators(1, [&](const Accelerator& acc, int) {
+    Training t;
+    torch::nn::Linear second(2, 2);
+    auto sgd = std::make_shared<torch::optim::SGD>(second->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    auto schedule = std::make_shared<LambdaLR>(t.adam, [](int64_t epoch) { return 1.0 / (1 + epoch); });
+    auto [model, opt, loader, model2, opt2, sched] = acc.prepare(t.net, t.adam, t.loader, second, sgd, schedule);
+    Counter counter{5};
+    auto buffers = std::make_shared<Buffers>();
+    buffers->t = torch::tensor({1.5f, 2.5f});
+    acc.register_for_checkpointing(counter, buffers);
+    train_one_pass(acc, model, opt, loader);
+    sched.step();
+    const auto out = acc.save_state((dir.path() / "ckpt").string());
+    EXPECT_EQ(out, (dir.path() / "ckpt").string());
+    EXPECT_THAT(entries(dir.path()), ElementsAre("ckpt"));
+    EXPECT_THAT(entries(dir.path() / "ckpt"),
+                ElementsAre("custom_checkpoint_0.json", "custom_checkpoint_1.safetensors", "model.safetensors",
+                            "model_1.safetensors", "optimizer.safetensors", "optimizer_1.safetensors",
+                            "random_states_0.safetensors", "sampler.json", "scheduler.json"));
+
+    const auto weight = model->weight.clone();
+    const auto lr = opt.param_groups()[0].options().get_lr();
+    const auto draws = torch::rand({3});
+    train_one_pass(acc, model, opt, loader);
+    sched.step();
+    counter.value = 9;
+    buffers->t.zero_();
+    acc.load_state((dir.path() / "ckpt").string());
+    EXPECT_TRUE(torch::equal(model->weight, weight));
+    EXPECT_EQ(opt.param_groups()[0].options().get_lr(), lr);
+    EXPECT_EQ(sched.scheduler()->last_epoch(), 1);
+    EXPECT_EQ(counter.value, 5);
+    EXPECT_TRUE(torch::equal(buffers->t, torch::tensor({1.5f, 2.5f})));
+    EXPECT_TRUE(torch::equal(torch::rand({3}), draws));
+  });
+}
+
+TEST(SaveState, AutomaticNamingKeepsExactlyTheLastTotalLimitCheckpoints) {
+  TempDir dir;
+  run_accelerators(1, [&](const Accelerator& acc, int) {
+    Training t;
+    (void)acc.prepare(t.net, t.adam);
+    for (int i = 0; i < 12; ++i) {
+      EXPECT_EQ(acc.save_state(), (dir.path() / "checkpoints" / ("checkpoint_" + std::to_string(i))).string());
+    }
+    EXPECT_THAT(entries(dir.path() / "checkpoints"), ElementsAre("checkpoint_10", "checkpoint_11"));
+    EXPECT_EQ(acc.save_iteration(), 12);
+    acc.set_save_iteration(11);
+    EXPECT_THROWS_WITH(acc.save_state(), "checkpoint_11 (11) already exists; call set_save_iteration");
+    EXPECT_THROWS_WITH(acc.save_state("elsewhere"), "automatic_checkpoint_naming chooses the folder");
+  }, project_options(dir.str(), 2));
+}
+
+TEST(LoadState, TakesTheNewestCompleteCheckpointIgnoringLeftoversAndContinuesItsNumbering) {
+  TempDir dir;
+  torch::Tensor newest;
+  run_accelerators(1, [&](const Accelerator& acc, int) {
+    Training t;
+    auto [model, opt, loader] = acc.prepare(t.net, t.adam, t.loader);
+    for (int i = 0; i < 3; ++i) {
+      train_one_pass(acc, model, opt, loader);
+      acc.save_state();
+    }
+    newest = model->weight.clone();
+  }, project_options(dir.str()));
+  // A crashed save leaves a hidden staging folder; it is never taken for a checkpoint.
+  fs::create_directories(dir.path() / "checkpoints/.checkpoint_3.partial");
+  detail::write_file((dir.path() / "checkpoints/.checkpoint_3.partial/model.safetensors").string(), "garbage");
+  run_accelerators(1, [&](const Accelerator& acc, int) {
+    Training t;
+    auto [model, opt, loader] = acc.prepare(t.net, t.adam, t.loader);
+    acc.load_state();
+    EXPECT_TRUE(torch::equal(model->weight, newest));
+    EXPECT_EQ(acc.save_iteration(), 3);
+    EXPECT_EQ(acc.save_state(), (dir.path() / "checkpoints/checkpoint_3").string());
+  }, project_options(dir.str()));
+  EXPECT_THAT(entries(dir.path() / "checkpoints"),
+              ElementsAre("checkpoint_0", "checkpoint_1", "checkpoint_2", "checkpoint_3"));
+}
+
+TEST(LoadState, ChecksEveryFileBeforeChangingAnything) {
+  TempDir dir;
+  run_accelerators(1, [&](const Accelerator& acc, int) {
+    Training t;
+    auto [model, opt, loader] = acc.prepare(t.net, t.adam, t.loader);
+    train_one_pass(acc, model, opt, loader);
+    acc.save_state(dir.str() + "/ckpt");
+    const auto file = dir.str() + "/ckpt/optimizer.safetensors";
+    const auto bytes = detail::read_file(file);
+    detail::write_file(file, bytes.substr(0, bytes.size() - 4));
+    train_one_pass(acc, model, opt, loader);
+    const auto weight = model->weight.clone();
+    EXPECT_THROWS_WITH(acc.load_state(dir.str() + "/ckpt"), "optimizer.safetensors");
+    EXPECT_TRUE(torch::equal(model->weight, weight));
+
+    fs::remove(dir.path() / "ckpt/optimizer.safetensors");
+    EXPECT_THROWS_WITH(acc.load_state(dir.str() + "/ckpt"), "the checkpoint has no optimizer.safetensors");
+    EXPECT_THROWS_WITH(acc.load_state(dir.str() + "/missing"), "but folder does not exist");
+    EXPECT_THROWS_WITH(acc.load_state(), "no input_dir provided and automatic checkpoint naming is disabled");
+  });
+}
+
+TEST(LoadState, RefusesADifferentSetOfRegisteredObjects) {
+  TempDir dir;
+  run_accelerators(1, [&](const Accelerator& acc, int) {
+    Counter a, b;
+    acc.register_for_checkpointing(a);
+    acc.save_state(dir.str() + "/ckpt");
+    acc.register_for_checkpointing(b);
+    EXPECT_THROWS_WITH(acc.load_state(dir.str() + "/ckpt"),
+                       "found 1 checkpoints, 2 registered objects");
+  });
+  run_accelerators(1, [&](const Accelerator& acc, int) {
+    std::shared_ptr<Counter> none;
+    Counter c;
+    EXPECT_THROWS_WITH(acc.register_for_checkpointing(c, none), "item 1 is a null pointer");
+  });
+}
+
+TEST(LoadState, NoCheckpointYetIsAClearError) {
+  TempDir dir;
+  run_accelerators(1, [&](const Accelerator& acc, int) {
+    EXPECT_THROWS_WITH(acc.load_state(), "no complete checkpoint in " + dir.str() + "/checkpoints");
+  }, project_options(dir.str()));
+}
+
+TEST(SaveState, HooksSeeTheModelsAndFolderAndCanBeRemoved) {
+  TempDir dir;
+  run_accelerators(1, [&](const Accelerator& acc, int) {
+    Training t;
+    auto [model, opt] = acc.prepare(t.net, t.adam);
+    int saves = 0;
+    auto handle = acc.register_save_state_pre_hook(
+        [&](const std::vector<DistributedDataParallel>& models, std::vector<StateDictMap>& weights,
+            const std::string& output_dir) {
+          ++saves;
+          EXPECT_EQ(models.size(), 1u);
+          ASSERT_EQ(weights.size(), 1u);
+          weights.clear();  // this hook saves the model itself
+          detail::write_file(output_dir + "/config.json", "{}");
+        });
+    std::string loaded_from;
+    acc.register_load_state_pre_hook([&](std::vector<DistributedDataParallel>& models, const std::string& input_dir) {
+      loaded_from = input_dir;
+      models.clear();  // and loads it itself
+    });
+    acc.save_state(dir.str() + "/a");
+    EXPECT_EQ(saves, 1);
+    EXPECT_TRUE(fs::is_regular_file(dir.path() / "a/config.json"));
+    EXPECT_FALSE(fs::exists(dir.path() / "a/model.safetensors"));
+    acc.load_state(dir.str() + "/a");
+    EXPECT_EQ(loaded_from, dir.str() + "/a");
+    handle.remove();
+    handle.remove();
+    acc.save_state(dir.str() + "/b");
+    EXPECT_EQ(saves, 1);
+    EXPECT_TRUE(fs::exists(dir.path() / "b/model.safetensors"));
+  });
+}
+
+TEST(SaveState, AFailureOnOneProcessFailsTheSaveOnEveryProcessWithNothingCommitted) {
+  TempDir dir;
+  std::vector<std::string> errors(2);
+  run_accelerators(2, [&](const Accelerator& acc, int rank) {
+    acc.register_save_state_pre_hook([rank](const auto&, auto&, const std::string&) {
+      if (rank == 1) throw std::runtime_error("disk full (simulated)");
+    });
+    errors[rank] = error_of([&] { acc.save_state(dir.str() + "/ckpt"); });
+  });
+  for (const auto& e : errors) EXPECT_THAT(e, HasSubstr("failed on process 1: disk full (simulated)"));
+  EXPECT_TRUE(entries(dir.path()).empty());
+}
+
+TEST(SaveState, ReplacesAnExistingFolderOfTheSameName) {
+  TempDir dir;
+  run_accelerators(1, [&](const Accelerator& acc, int) {
+    Training t;
+    auto [model, opt] = acc.prepare(t.net, t.adam);
+    fs::create_directories(dir.path() / "ckpt");
+    detail::write_file((dir.path() / "ckpt/stale.txt").string(), "old");
+    acc.save_state(dir.str() + "/ckpt");
+    EXPECT_FALSE(fs::exists(dir.path() / "ckpt/stale.txt"));
+    EXPECT_TRUE(fs::exists(dir.path() / "ckpt/model.safetensors"));
+    EXPECT_THAT(entries(dir.path()), ElementsAre("ckpt"));
+  });
+}
+
+TEST(Save, WritesTensorsAndJsonAndSaveModelShardsAPreparedModel) {
+  TempDir dir;
+  run_accelerators(1, [&](const Accelerator& acc, int) {
+    Training t;
+    auto model = acc.prepare(t.net);
+    acc.save(acc.get_state_dict(model), dir.str() + "/weights.safetensors");
+    acc.save(nlohmann::json{{"epoch", 3}}, dir.str() + "/meta.json");
+    EXPECT_TRUE(torch::equal(load_file(dir.str() + "/weights.safetensors").at("weight"), model->weight));
+    EXPECT_EQ(nlohmann::json::parse(detail::read_file(dir.str() + "/meta.json")).at("epoch"), 3);
+    acc.save_model(model, dir.str() + "/model", "8");
+    EXPECT_TRUE(fs::exists(dir.path() / "model/model.safetensors.index.json"));
+    torch::nn::Linear copy(3, 1);
+    load_checkpoint_in_model(*copy, dir.str() + "/model", {.strict = true});
+    EXPECT_TRUE(torch::equal(copy->weight, model->weight));
+    EXPECT_THROWS_WITH(acc.save_model(model, dir.str() + "/meta.json"), "should be a directory, not a file");
+  });
+}
+
+}  // namespace
+}  // namespace accelerate::testing
