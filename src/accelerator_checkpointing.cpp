@@ -312,7 +312,9 @@ void Accelerator::load_state(const std::string& input_dir) const {
   // where this process started, and the next save collides with an existing folder).
   static const std::regex name(R"(checkpoint_(\d{1,9}))");
   std::smatch match;
-  const auto base = fs::absolute(folder).lexically_normal().filename().string();
+  auto normal = fs::absolute(folder).lexically_normal();
+  if (normal.filename().empty()) normal = normal.parent_path();  // "…/checkpoint_3/"
+  const auto base = normal.filename().string();
   if (project.automatic_checkpoint_naming && std::regex_match(base, match, name)) {
     std::lock_guard<std::mutex> lock(impl_->mutex);
     impl_->project.iteration = std::stoi(match[1]) + 1;
