@@ -13,6 +13,7 @@ packages=(
   libnuma-dev
   libgtest-dev libgmock-dev googletest libbenchmark-dev
   python3
+  clang libclang-rt-14-dev           # the libFuzzer target (scripts/fuzz.sh)
 )
 
 # The benchmarks compare against PyTorch twins, which need Debian's PyTorch (the same LibTorch).

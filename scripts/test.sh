@@ -8,3 +8,5 @@ ctest --preset dev "$@"
 # The unit tests again under AddressSanitizer + UndefinedBehaviorSanitizer.
 scripts/build.sh asan accelerate_unit_tests
 ctest --preset asan "$@"
+# The safetensors header parser under libFuzzer for a minute.
+scripts/fuzz.sh

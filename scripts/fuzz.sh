@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Builds the safetensors header fuzzer with clang (libFuzzer + ASan + UBSan) into build/fuzz and
+# runs it from the seed corpus in fuzz/corpus. Fails on any crash, leak or sanitizer report.
+# Usage: scripts/fuzz.sh [seconds]   (default 60)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+seconds=${1:-60}
+build=build/fuzz
+
+cmake -S fuzz -B "$build" -G Ninja -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+cmake --build "$build"
+
+# New inputs go to a scratch corpus; the committed seeds are only read.
+mkdir -p "$build/corpus" "$build/artifacts"
+"$build/safetensors_header_fuzzer" \
+  -max_total_time="$seconds" -rss_limit_mb=2048 -timeout=10 -max_len=4096 \
+  -dict=fuzz/safetensors.dict -artifact_prefix="$build/artifacts/" -print_final_stats=1 \
+  "$build/corpus" fuzz/corpus
