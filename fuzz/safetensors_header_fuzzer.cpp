@@ -37,7 +37,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
 
   require(header.data_offset() + header.data_size == size, "the header and the data make up the file");
-  require(format::is_valid_utf8(file.substr(8, header.header_size)), "an accepted header is UTF-8");
+  const std::string_view text = file.substr(8, header.header_size);
+  require(format::is_valid_utf8(text), "an accepted header is UTF-8");
+  require(text.find('\0') == std::string_view::npos, "an accepted header has no NUL byte");
+  const size_t close = text.find_last_of('}');
+  require(close != std::string_view::npos && text.find_first_not_of(" \t\n\r", close + 1) == std::string_view::npos,
+          "an accepted header ends with its object and whitespace");
   uint64_t total = 0;
   std::vector<format::TensorSpec> specs;
   bool writable = true;

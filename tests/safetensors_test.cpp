@@ -12,7 +12,9 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
+#include <sys/stat.h>
 
+#include <algorithm>
 #include <cmath>
 #include <complex>
 #include <cstdint>
@@ -20,6 +22,8 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <memory>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -664,6 +668,17 @@ TEST(SafetensorsReader, MissingFilesAndFoldersCannotBeOpened) {
   const auto missing = (dir.path() / "missing.safetensors").string();
   EXPECT_THROWS_WITH(SafetensorsFile{missing}, "[SafetensorsFile] cannot open " + missing + ": No such file or directory");
   EXPECT_THROWS_WITH(load_file(dir.str()), "[load_file] " + dir.str() + " is not a regular file");
+  const auto fifo = (dir.path() / "fifo").string();
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  EXPECT_THROWS_WITH(SafetensorsFile{fifo}, "[SafetensorsFile] " + fifo + " is not a regular file");
+}
+
+TEST(SafetensorsReader, NulBytesInTheHeaderAreRejected) {
+  // nlohmann's lexer ends the input at a NUL, which would hide whatever follows it; the reference
+  // writer pads with spaces and serde_json, like us, refuses anything but whitespace.
+  EXPECT_REJECTED(file_of(std::string("{}\0\0\0\0\0\0", 8)), "the header is not valid JSON: a NUL byte at offset 2");
+  EXPECT_REJECTED(file_of(std::string("{}\0{\"t\":3}", 10)), "a NUL byte at offset 2");
+  EXPECT_REJECTED(file_of(std::string("{\"a\0\":3}", 8)), "a NUL byte at offset 3");
 }
 
 TEST(SafetensorsReader, NamesInMessagesAreEscapedAndShortened) {

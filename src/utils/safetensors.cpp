@@ -103,7 +103,8 @@ void index(Mapping& mapping, const char* api) {
 std::shared_ptr<const Mapping> map_file(const std::string& path, const char* api) {
   auto mapping = std::make_shared<Mapping>();
   mapping->path = path;
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: opening a FIFO must not wait for a writer (it is refused below as not regular).
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   TORCH_CHECK(fd >= 0, "[", api, "] cannot open ", path, ": ", system_error_text(errno));
   struct stat info {};
   const bool stat_ok = ::fstat(fd, &info) == 0;

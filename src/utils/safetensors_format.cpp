@@ -20,8 +20,8 @@ namespace accelerate::detail::safetensors_format {
 // string values. Each tensor is an object with exactly "dtype" (a name the format defines),
 // "shape" (non-negative integers) and "data_offsets" ([begin, end] into the data section).
 // We reject, before any tensor is read: N past 100 MB or past the file; a header that is not
-// UTF-8 (checked on the bytes, then again by the JSON lexer inside strings) or starts with a
-// byte order mark; JSON that is malformed, has a duplicate key in any object (nlohmann's DOM
+// UTF-8 (checked on the bytes, then again by the JSON lexer inside strings), starts with a
+// byte order mark or holds a NUL byte (nlohmann would stop reading there); JSON that is malformed, has a duplicate key in any object (nlohmann's DOM
 // keeps one silently, so the header is read through a SAX handler that sees every key), or does
 // not follow the schema (unknown or missing keys, wrong types, negative or fractional numbers);
 // an unknown dtype; a byte range that disagrees with shape × dtype size (overflow-checked);
@@ -361,6 +361,11 @@ Header parse(std::string_view file) {
   const std::string_view text = file.substr(8, n);
   if (!is_valid_utf8(text)) fail("the header is not valid UTF-8");
   if (text.substr(0, 3) == "\xEF\xBB\xBF") fail("the header starts with a byte order mark; expected a JSON object");
+  // nlohmann's lexer takes a NUL byte for the end of the input and would ignore what follows;
+  // in valid JSON a NUL can only appear escaped.
+  if (const auto nul = text.find('\0'); nul != std::string_view::npos) {
+    fail("the header is not valid JSON: a NUL byte at offset ", nul);
+  }
 
   Header header;
   header.header_size = n;
