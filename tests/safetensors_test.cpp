@@ -4,6 +4,7 @@
 // writer (tests/python/safetensors_check.py, standard library only).
 #include "accelerate/utils/safetensors.h"
 
+#include "detail/files.h"
 #include "support/process.h"
 #include "support/test_support.h"
 #include "utils/safetensors_format.h"
@@ -403,6 +404,19 @@ TEST(SafetensorsFile, AViewKeepsTheMappingAliveAfterTheFileIsGone) {
   EXPECT_TRUE(at::equal(view, values.view({10, 100}).slice(0, 2, 5)));
   view = at::Tensor();
   EXPECT_FALSE(is_mapped(path)) << "the mapping outlived its last view";
+}
+
+TEST(SafetensorsFile, WritingIntoALoadedViewLeavesTheFileUnchanged) {
+  TempDir dir;
+  const auto path = (dir.path() / "cow.safetensors").string();
+  save_file({{"v", at::arange(16, at::kFloat)}}, path);
+  const auto bytes = detail::read_file(path);
+  auto loaded = load_file(path);
+  ASSERT_TRUE(inside_mapping_of(loaded.at("v").data_ptr(), path));
+  loaded.at("v").mul_(2);  // as an optimizer updating its loaded state would
+  EXPECT_TRUE(at::equal(loaded.at("v"), at::arange(16, at::kFloat) * 2));
+  EXPECT_EQ(detail::read_file(path), bytes);
+  EXPECT_TRUE(at::equal(load_file(path).at("v"), at::arange(16, at::kFloat)));
 }
 
 TEST(SafetensorsFile, CopiesShareTheMapping) {

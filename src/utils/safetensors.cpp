@@ -28,7 +28,7 @@ namespace format = detail::safetensors_format;
 
 namespace detail {
 
-/// The bytes of one file (mapped read-only, or owned for `from_bytes`) and its validated header.
+/// The bytes of one file (mapped copy-on-write, or owned for `from_bytes`) and its validated header.
 /// Tensors viewing the bytes hold a shared_ptr to it, so it outlives every view.
 struct SafetensorsMapping {
   SafetensorsMapping() = default;
@@ -110,7 +110,8 @@ std::shared_ptr<const Mapping> map_file(const std::string& path, const char* api
   const bool stat_ok = ::fstat(fd, &info) == 0;
   const int stat_error = errno;
   if (stat_ok && S_ISREG(info.st_mode) && info.st_size > 0) {
-    void* address = ::mmap(nullptr, static_cast<size_t>(info.st_size), PROT_READ, MAP_PRIVATE, fd, 0);
+    // Private and writable: a view written into gets its own copy of the page, never the file's.
+    void* address = ::mmap(nullptr, static_cast<size_t>(info.st_size), PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
     const int map_error = errno;
     ::close(fd);
     TORCH_CHECK(address != MAP_FAILED, "[", api, "] cannot map ", path, ": ", system_error_text(map_error));
@@ -156,7 +157,7 @@ at::Tensor make_tensor(const std::shared_ptr<const Mapping>& mapping, const std:
   if (nbytes == 0) {
     tensor = at::empty(entry.shape, options);
   } else if (reinterpret_cast<uintptr_t>(data) % c10::elementSize(dtype) == 0) {
-    // The view's storage owns a reference to the mapping (read-only memory; see the header).
+    // The view's storage owns a reference to the mapping (copy-on-write memory; see the header).
     tensor = at::from_blob(
         const_cast<char*>(data), entry.shape, [keep = mapping](void*) { (void)keep; }, options);
   } else {

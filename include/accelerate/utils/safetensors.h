@@ -71,7 +71,7 @@ void save_file(const TensorMap& tensors, const std::string& path, const Safetens
 /// The tensors of an in-memory file (copies, owned by the result).
 TensorMap load(const std::string& bytes);
 /// The tensors of a file, on `device` (upstream: `load_file`). On the CPU these are what
-/// `SafetensorsFile::get_tensor` returns: views of the read-only mapped file where aligned (they
+/// `SafetensorsFile::get_tensor` returns: views of the mapped file where aligned (they
 /// keep it mapped), copies otherwise; on other devices, copies.
 TensorMap load_file(const std::string& path, const c10::Device& device = c10::kCPU);
 
@@ -94,8 +94,8 @@ class SafetensorsFile {
   /// Dtype, shape and byte range of `name`; raises a ValueError for an unknown name.
   const SafetensorsEntry& entry(const std::string& name) const;
   /// The tensor `name` on `device`. On the CPU this is a view of the mapped file when the data
-  /// is aligned for its dtype (read-only memory: writing into it is undefined; `clone()` first)
-  /// and a copy otherwise. Raises a ValueError for an unknown name.
+  /// is aligned for its dtype and a copy otherwise. The mapping is private: writing into a view
+  /// copies the pages touched and never changes the file. Raises a ValueError for an unknown name.
   at::Tensor get_tensor(const std::string& name, const c10::Device& device = c10::kCPU) const;
   /// Size of the file in bytes.
   uint64_t file_size() const;
