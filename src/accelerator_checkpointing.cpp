@@ -78,32 +78,34 @@ void Accelerator::register_checkpoint_objects(std::vector<CheckpointObject> obje
   for (auto& object : objects) impl_->custom_objects.push_back(std::move(object));
 }
 
-RemovableHandle Accelerator::register_save_state_pre_hook(SaveStatePreHook hook) const {
-  TORCH_CHECK_VALUE(hook != nullptr, "[Accelerator::register_save_state_pre_hook] expected a hook, got none");
-  std::lock_guard<std::mutex> lock(impl_->mutex);
-  const auto id = impl_->next_hook_id++;
-  impl_->save_hooks.emplace(id, std::move(hook));
-  std::weak_ptr<detail::AcceleratorImpl> weak = impl_;
-  return RemovableHandle([weak, id] {
-    if (auto impl = weak.lock()) {
-      std::lock_guard<std::mutex> lock(impl->mutex);
-      impl->save_hooks.erase(id);
+namespace {
+
+// Registers `hook` in one of the accelerator's hook maps; the handle removes it again (a no-op
+// once the accelerator is gone).
+template <typename Hook>
+RemovableHandle add_hook(const std::shared_ptr<detail::AcceleratorImpl>& impl,
+                         std::map<int64_t, Hook> detail::AcceleratorImpl::*hooks, Hook hook, const char* api) {
+  TORCH_CHECK_VALUE(hook != nullptr, "[Accelerator::", api, "] expected a hook, got none");
+  std::lock_guard<std::mutex> lock(impl->mutex);
+  const auto id = impl->next_hook_id++;
+  ((*impl).*hooks).emplace(id, std::move(hook));
+  std::weak_ptr<detail::AcceleratorImpl> weak = impl;
+  return RemovableHandle([weak, hooks, id] {
+    if (auto alive = weak.lock()) {
+      std::lock_guard<std::mutex> lock(alive->mutex);
+      ((*alive).*hooks).erase(id);
     }
   });
 }
 
+}  // namespace
+
+RemovableHandle Accelerator::register_save_state_pre_hook(SaveStatePreHook hook) const {
+  return add_hook(impl_, &detail::AcceleratorImpl::save_hooks, std::move(hook), "register_save_state_pre_hook");
+}
+
 RemovableHandle Accelerator::register_load_state_pre_hook(LoadStatePreHook hook) const {
-  TORCH_CHECK_VALUE(hook != nullptr, "[Accelerator::register_load_state_pre_hook] expected a hook, got none");
-  std::lock_guard<std::mutex> lock(impl_->mutex);
-  const auto id = impl_->next_hook_id++;
-  impl_->load_hooks.emplace(id, std::move(hook));
-  std::weak_ptr<detail::AcceleratorImpl> weak = impl_;
-  return RemovableHandle([weak, id] {
-    if (auto impl = weak.lock()) {
-      std::lock_guard<std::mutex> lock(impl->mutex);
-      impl->load_hooks.erase(id);
-    }
-  });
+  return add_hook(impl_, &detail::AcceleratorImpl::load_hooks, std::move(hook), "register_load_state_pre_hook");
 }
 
 int Accelerator::save_iteration() const { return project_configuration().iteration; }

@@ -188,6 +188,24 @@ std::unique_ptr<torch::optim::OptimizerOptions> options_from_json(Kind kind, con
 
 std::string param_key(const at::Tensor& p) { return c10::guts::to_string(p.unsafeGetTensorImpl()); }
 
+// Adam and AdamW keep the same per-parameter state in two unrelated LibTorch types.
+template <typename State, typename Put>
+void save_moments(const State& s, nlohmann::json& scalars, const Put& put) {
+  scalars["step"] = s.step();
+  put("exp_avg", s.exp_avg());
+  put("exp_avg_sq", s.exp_avg_sq());
+  put("max_exp_avg_sq", s.max_exp_avg_sq());
+}
+
+template <typename State, typename Get>
+std::unique_ptr<torch::optim::OptimizerParamState> load_moments(const Reader& scalars, const Get& get) {
+  auto s = std::make_unique<State>();
+  s->step(scalars.integer("step"));
+  s->exp_avg(get("exp_avg", true, true)).exp_avg_sq(get("exp_avg_sq", true, true));
+  s->max_exp_avg_sq(get("max_exp_avg_sq", false, true));
+  return s;
+}
+
 // Adds one parameter's state: scalars to `scalars`, tensors to `tensors` under "state.<index>.".
 void save_param_state(Kind kind, const torch::optim::OptimizerParamState& state, const std::string& prefix,
                       nlohmann::json& scalars, TensorMap& tensors) {
@@ -199,22 +217,12 @@ void save_param_state(Kind kind, const torch::optim::OptimizerParamState& state,
     case Kind::kSGD:
       put("momentum_buffer", static_cast<const SGDParamState&>(state).momentum_buffer());
       break;
-    case Kind::kAdam: {
-      const auto& s = static_cast<const AdamParamState&>(state);
-      scalars["step"] = s.step();
-      put("exp_avg", s.exp_avg());
-      put("exp_avg_sq", s.exp_avg_sq());
-      put("max_exp_avg_sq", s.max_exp_avg_sq());
+    case Kind::kAdam:
+      save_moments(static_cast<const AdamParamState&>(state), scalars, put);
       break;
-    }
-    case Kind::kAdamW: {
-      const auto& s = static_cast<const AdamWParamState&>(state);
-      scalars["step"] = s.step();
-      put("exp_avg", s.exp_avg());
-      put("exp_avg_sq", s.exp_avg_sq());
-      put("max_exp_avg_sq", s.max_exp_avg_sq());
+    case Kind::kAdamW:
+      save_moments(static_cast<const AdamWParamState&>(state), scalars, put);
       break;
-    }
     case Kind::kAdagrad: {
       const auto& s = static_cast<const AdagradParamState&>(state);
       scalars["step"] = s.step();
@@ -284,20 +292,10 @@ std::unique_ptr<torch::optim::OptimizerParamState> load_param_state(Kind kind, c
       s->momentum_buffer(get("momentum_buffer", false, true));
       return s;
     }
-    case Kind::kAdam: {
-      auto s = std::make_unique<AdamParamState>();
-      s->step(scalars.integer("step"));
-      s->exp_avg(get("exp_avg", true, true)).exp_avg_sq(get("exp_avg_sq", true, true));
-      s->max_exp_avg_sq(get("max_exp_avg_sq", false, true));
-      return s;
-    }
-    case Kind::kAdamW: {
-      auto s = std::make_unique<AdamWParamState>();
-      s->step(scalars.integer("step"));
-      s->exp_avg(get("exp_avg", true, true)).exp_avg_sq(get("exp_avg_sq", true, true));
-      s->max_exp_avg_sq(get("max_exp_avg_sq", false, true));
-      return s;
-    }
+    case Kind::kAdam:
+      return load_moments<AdamParamState>(scalars, get);
+    case Kind::kAdamW:
+      return load_moments<AdamWParamState>(scalars, get);
     case Kind::kAdagrad: {
       auto s = std::make_unique<AdagradParamState>();
       s->step(scalars.integer("step"));
