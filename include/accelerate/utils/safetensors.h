@@ -57,8 +57,9 @@ struct SafetensorsEntry {
 /// The bytes of a safetensors file: `save_file` writes them, Python's `safetensors.torch.save`
 /// returns the same (metadata keys come sorted here; Python orders several of them arbitrarily,
 /// which readers ignore). Tensors are written contiguous and little-endian, sorted by decreasing
-/// alignment then name so that every tensor's data starts at a multiple of its element size; the
-/// header is padded with spaces to a multiple of 8 bytes. Tensors may live on any device (they
+/// element size (equal sizes in the reference implementation's dtype order: I64, F64, C64, then
+/// F32, I32, …) then name, so that every tensor's data starts at a multiple of its element
+/// size; the header is padded with spaces to a multiple of 8 bytes. Tensors may live on any device (they
 /// are copied to the CPU). Raises a ValueError for an unsupported dtype (naming the tensor), a
 /// sparse or quantized tensor, or an empty name or one starting with "__metadata__".
 std::string save(const TensorMap& tensors, const SafetensorsMetadata& metadata = {});
