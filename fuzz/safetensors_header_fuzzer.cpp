@@ -72,7 +72,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     require(copy.dtype == entry.dtype && copy.shape == entry.shape, "dtype and shape survive a round trip");
     require(copy.end - copy.begin == entry.end - entry.begin, "sizes survive a round trip");
     const int bits = format::find_dtype(copy.dtype)->bits;
-    if (bits >= 8) require((again.data_offset() + copy.begin) % static_cast<uint64_t>(bits / 8) == 0, "the writer aligns every tensor");
+    if (bits >= 8)
+      require((again.data_offset() + copy.begin) % static_cast<uint64_t>(bits / 8) == 0,
+              "the writer aligns every tensor");
   }
   return 0;
 }

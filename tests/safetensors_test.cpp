@@ -45,7 +45,9 @@ std::string le64(uint64_t v) {
 }
 
 // A file with `header` as is (no padding) followed by `data`.
-std::string file_of(const std::string& header, const std::string& data = {}) { return le64(header.size()) + header + data; }
+std::string file_of(const std::string& header, const std::string& data = {}) {
+  return le64(header.size()) + header + data;
+}
 
 std::string read_bytes(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -80,10 +82,10 @@ std::string rejection(const std::string& bytes) {
 
 // Every rejection names the API and "<memory>" before the rule.
 #define EXPECT_REJECTED(bytes, substring)                                                     \
-  do {                                                                                       \
-    const std::string message_ = rejection(bytes);                                          \
+  do {                                                                                        \
+    const std::string message_ = rejection(bytes);                                            \
     EXPECT_THAT(message_, HasSubstr("[SafetensorsFile::from_bytes] <memory>: ")) << message_; \
-    EXPECT_THAT(message_, HasSubstr(substring));                                             \
+    EXPECT_THAT(message_, HasSubstr(substring));                                              \
   } while (false)
 
 // A one-tensor header: {"t":{"dtype":…,"shape":…,"data_offsets":…}}.
@@ -130,7 +132,8 @@ TensorMap every_dtype() {
   tensors["i8"] = at::randint(-128, 128, {7}).to(at::kChar);
   tensors["i16"] = at::randint(-32768, 32768, {3, 1}).to(at::kShort);
   tensors["i32"] = at::tensor({std::numeric_limits<int32_t>::min(), 0, std::numeric_limits<int32_t>::max()}, at::kInt);
-  tensors["i64"] = at::tensor({std::numeric_limits<int64_t>::min(), int64_t{-1}, std::numeric_limits<int64_t>::max()}, at::kLong);
+  tensors["i64"] =
+      at::tensor({std::numeric_limits<int64_t>::min(), int64_t{-1}, std::numeric_limits<int64_t>::max()}, at::kLong);
   tensors["f16"] = at::randn({4, 2}).to(at::kHalf);
   tensors["bf16"] = at::randn({3}).to(at::kBFloat16);
   tensors["f32"] = at::randn({2, 3, 4});
@@ -154,8 +157,8 @@ void expect_same(const TensorMap& expected, const TensorMap& actual) {
 
 TEST(SafetensorsDtype, EveryDtypeTheFormatNamesRoundTripsThroughItsName) {
   const std::vector<std::pair<c10::ScalarType, std::string>> names = {
-      {at::kBool, "BOOL"}, {at::kByte, "U8"},  {at::kChar, "I8"},      {at::kShort, "I16"},
-      {at::kInt, "I32"},   {at::kLong, "I64"}, {at::kHalf, "F16"},     {at::kBFloat16, "BF16"},
+      {at::kBool, "BOOL"}, {at::kByte, "U8"},    {at::kChar, "I8"},         {at::kShort, "I16"},
+      {at::kInt, "I32"},   {at::kLong, "I64"},   {at::kHalf, "F16"},        {at::kBFloat16, "BF16"},
       {at::kFloat, "F32"}, {at::kDouble, "F64"}, {at::kComplexFloat, "C64"}};
   for (const auto& [dtype, name] : names) {
     EXPECT_EQ(safetensors_dtype_name(dtype), name);
@@ -248,7 +251,8 @@ TEST(SafetensorsRoundTrip, NonContiguousInputsAreWrittenContiguous) {
   tensors["expanded"] = at::arange(3, at::kLong).expand({4, 3});
   tensors["conjugated"] = at::randn({3}, at::kComplexFloat).conj();
   tensors["negated"] = at::_neg_view(at::randn({3}, at::kComplexFloat));
-  for (const auto& [name, tensor] : tensors) ASSERT_FALSE(tensor.is_contiguous() && !tensor.is_conj() && !tensor.is_neg()) << name;
+  for (const auto& [name, tensor] : tensors)
+    ASSERT_FALSE(tensor.is_contiguous() && !tensor.is_conj() && !tensor.is_neg()) << name;
   const auto bytes = save(tensors);
   const auto loaded = load(bytes);
   for (const auto& [name, tensor] : tensors) {
@@ -270,7 +274,11 @@ TEST(SafetensorsRoundTrip, TensorsRequiringGradAreSavedAsValues) {
 }
 
 TEST(SafetensorsRoundTrip, MetadataSurvivesAndIsEmptyWhenAbsent) {
-  const SafetensorsMetadata metadata = {{"format", "pt"}, {"note", "\xc3\xbcn\xc3\xaf" "code \xe2\x9c\x93"}, {"empty", ""},
+  const SafetensorsMetadata metadata = {{"format", "pt"},
+                                        {"note",
+                                         "\xc3\xbcn\xc3\xaf"
+                                         "code \xe2\x9c\x93"},
+                                        {"empty", ""},
                                         {"quote\"and\\slash", "line\nbreak\ttab\x01"}};
   const auto with = SafetensorsFile::from_bytes(save({{"x", at::ones({1})}}, metadata));
   EXPECT_EQ(with.metadata(), metadata);
@@ -297,8 +305,8 @@ TEST(SafetensorsLayout, GoldenBytesOfASmallFile) {
       "{\"__metadata__\":{\"format\":\"pt\"},"
       "\"step\":{\"dtype\":\"I64\",\"shape\":[],\"data_offsets\":[0,8]},"
       "\"weight\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[8,16]}}      "  // padded to 8
-      "\x07\x00\x00\x00\x00\x00\x00\x00"  // step = 7
-      "\x00\x00\x80\x3f\x00\x00\x00\xc0";  // weight = [1, -2]
+      "\x07\x00\x00\x00\x00\x00\x00\x00"                                             // step = 7
+      "\x00\x00\x80\x3f\x00\x00\x00\xc0";                                            // weight = [1, -2]
   const std::string golden(kGolden, sizeof(kGolden) - 1);
   TensorMap tensors;
   tensors["weight"] = at::tensor({1.0f, -2.0f});
@@ -468,7 +476,8 @@ TEST(SafetensorsFile, LoadReturnsTensorsThatOwnTheirBytes) {
 }
 
 TEST(SafetensorsFile, BoolBytesOtherThanZeroOrOneAreRejectedOnRead) {
-  const auto file = SafetensorsFile::from_bytes(file_of(one_tensor("BOOL", "[3]", "[0,3]"), std::string("\x01\x02\x00", 3)));
+  const auto file =
+      SafetensorsFile::from_bytes(file_of(one_tensor("BOOL", "[3]", "[0,3]"), std::string("\x01\x02\x00", 3)));
   EXPECT_THROW(file.get_tensor("t"), c10::ValueError);
   EXPECT_THROWS_WITH(file.get_tensor("t"), "BOOL tensor 't' holds a byte other than 0 and 1");
 }
@@ -481,7 +490,8 @@ TEST(SafetensorsReader, FilesShorterThanEightBytesAreRejected) {
 }
 
 TEST(SafetensorsReader, HeaderLengthsPastTheLimitAreRejected) {
-  EXPECT_REJECTED(le64(100'000'001) + "{}", "the header length 100000001 exceeds the format's limit of 100000000 bytes");
+  EXPECT_REJECTED(le64(100'000'001) + "{}",
+                  "the header length 100000001 exceeds the format's limit of 100000000 bytes");
   EXPECT_REJECTED(le64(std::numeric_limits<uint64_t>::max()) + "{}", "exceeds the format's limit");
 }
 
@@ -497,15 +507,14 @@ TEST(SafetensorsReader, HeadersThatAreNotUtf8AreRejected) {
   }
 }
 
-TEST(SafetensorsReader, AByteOrderMarkIsRejected) {
-  EXPECT_REJECTED(file_of("\xef\xbb\xbf{}"), "byte order mark");
-}
+TEST(SafetensorsReader, AByteOrderMarkIsRejected) { EXPECT_REJECTED(file_of("\xef\xbb\xbf{}"), "byte order mark"); }
 
 TEST(SafetensorsReader, MalformedJsonIsRejected) {
   // Each is valid under the schema up to its syntax error (the schema is checked as the JSON is read).
-  for (const std::string bad : {"", "{", "{\"a\":}", "{}}", "{} x", R"({"__metadata__":{"a":"1",}})", "{'a':1}",
-                                R"({"t":{"dtype":"F32","shape":[01],"data_offsets":[0,4]}})", "{/*c*/}", "{\"\\ud800\":1}",
-                                "{\"a\":NaN}", "{\"\x01\":1}", "{\"a\"", R"({"__metadata__":{"a":"\q"}})"}) {
+  for (const std::string bad :
+       {"", "{", "{\"a\":}", "{}}", "{} x", R"({"__metadata__":{"a":"1",}})", "{'a':1}",
+        R"({"t":{"dtype":"F32","shape":[01],"data_offsets":[0,4]}})", "{/*c*/}", "{\"\\ud800\":1}", "{\"a\":NaN}",
+        "{\"\x01\":1}", "{\"a\"", R"({"__metadata__":{"a":"\q"}})"}) {
     SCOPED_TRACE(bad);
     EXPECT_REJECTED(file_of(bad), "the header is not valid JSON");
   }
@@ -522,10 +531,12 @@ TEST(SafetensorsReader, EntriesBreakingTheSchemaAreRejected) {
   EXPECT_REJECTED(file_of(R"({"t":[1]})"), "tensor 't' is not an object");
   EXPECT_REJECTED(file_of(R"({"t":{"dtype":"F32","shape":[],"data_offsets":[0,4],"extra":1}})", std::string(4, '\0')),
                   "unknown key 'extra' in tensor 't'");
-  EXPECT_REJECTED(file_of(R"({"t":{"dtype":"F32","data_offsets":[0,4]}})", std::string(4, '\0')), "tensor 't' has no \"shape\"");
+  EXPECT_REJECTED(file_of(R"({"t":{"dtype":"F32","data_offsets":[0,4]}})", std::string(4, '\0')),
+                  "tensor 't' has no \"shape\"");
   EXPECT_REJECTED(file_of(R"({"t":{"shape":[],"data_offsets":[0,4]}})"), "tensor 't' has no \"dtype\"");
   EXPECT_REJECTED(file_of(R"({"t":{"dtype":"F32","shape":[]}})"), "tensor 't' has no \"data_offsets\"");
-  EXPECT_REJECTED(file_of(R"({"t":{"dtype":3,"shape":[],"data_offsets":[0,4]}})"), "\"dtype\" of tensor 't' is not a string");
+  EXPECT_REJECTED(file_of(R"({"t":{"dtype":3,"shape":[],"data_offsets":[0,4]}})"),
+                  "\"dtype\" of tensor 't' is not a string");
   EXPECT_REJECTED(file_of(one_tensor("F32", "3", "[0,4]")), "\"shape\" of tensor 't' is not an array");
   EXPECT_REJECTED(file_of(one_tensor("F32", "{}", "[0,4]")), "\"shape\" of tensor 't' is not an array");
   EXPECT_REJECTED(file_of(one_tensor("F32", "[]", "\"0,4\"")), "\"data_offsets\" of tensor 't' is not an array");
@@ -536,7 +547,8 @@ TEST(SafetensorsReader, ShapesOfAnythingButNonNegativeIntegersAreRejected) {
   EXPECT_REJECTED(file_of(one_tensor("F32", "[1.5]", "[0,4]")), "holds a fractional or out-of-range number");
   EXPECT_REJECTED(file_of(one_tensor("F32", "[1.0]", "[0,4]")), "holds a fractional or out-of-range number");
   EXPECT_REJECTED(file_of(one_tensor("F32", "[1e0]", "[0,4]")), "holds a fractional or out-of-range number");
-  EXPECT_REJECTED(file_of(one_tensor("F32", "[18446744073709551616]", "[0,4]")), "holds a fractional or out-of-range number");
+  EXPECT_REJECTED(file_of(one_tensor("F32", "[18446744073709551616]", "[0,4]")),
+                  "holds a fractional or out-of-range number");
   for (const char* bad : {"[true]", "[\"2\"]", "[[1]]", "[null]", "[{}]"}) {
     EXPECT_REJECTED(file_of(one_tensor("F32", bad, "[0,4]")), "holds a non-integer");
   }
@@ -555,7 +567,8 @@ TEST(SafetensorsReader, OffsetsThatAreNotAPairOfNonNegativeIntegersAreRejected) 
 
 TEST(SafetensorsReader, MetadataOtherThanAnObjectOfStringsIsRejected) {
   for (const char* bad : {"\"x\"", "[]", "null", "3"}) {
-    EXPECT_REJECTED(file_of(std::string(R"({"__metadata__":)") + bad + "}"), "\"__metadata__\" is not an object of strings");
+    EXPECT_REJECTED(file_of(std::string(R"({"__metadata__":)") + bad + "}"),
+                    "\"__metadata__\" is not an object of strings");
   }
   EXPECT_REJECTED(file_of(R"({"__metadata__":{"a":1}})"), "\"__metadata__\" value of 'a' is not a string");
   EXPECT_REJECTED(file_of(R"({"__metadata__":{"a":{"b":"c"}}})"), "\"__metadata__\" value of 'a' is not a string");
@@ -569,8 +582,10 @@ TEST(SafetensorsReader, UnknownDtypesAreRejectedByName) {
 }
 
 TEST(SafetensorsReader, FormatDtypesLibTorchCannotRepresentAreRejectedByName) {
-  for (const auto& [dtype, size] : std::vector<std::pair<std::string, int>>{{"U16", 2}, {"U32", 4}, {"U64", 8}, {"F8_E4M3", 1}, {"F8_E5M2", 1}}) {
-    EXPECT_REJECTED(file_of(one_tensor(dtype, "[]", "[0," + std::to_string(size) + "]"), std::string(static_cast<size_t>(size), '\0')),
+  for (const auto& [dtype, size] :
+       std::vector<std::pair<std::string, int>>{{"U16", 2}, {"U32", 4}, {"U64", 8}, {"F8_E4M3", 1}, {"F8_E5M2", 1}}) {
+    EXPECT_REJECTED(file_of(one_tensor(dtype, "[]", "[0," + std::to_string(size) + "]"),
+                            std::string(static_cast<size_t>(size), '\0')),
                     "tensor 't' has dtype " + dtype + ", which LibTorch cannot represent");
   }
 }
@@ -604,19 +619,25 @@ TEST(SafetensorsReader, DataThatDoesNotStartAtZeroIsRejected) {
 }
 
 TEST(SafetensorsReader, GapsBetweenTensorsAreRejected) {
-  EXPECT_REJECTED(file_of(R"({"a":{"dtype":"F32","shape":[],"data_offsets":[0,4]},"b":{"dtype":"F32","shape":[],"data_offsets":[8,12]}})",
-                          std::string(12, '\0')),
-                  "the data is not contiguous: bytes 4..8 between tensors 'a' and 'b' belong to no tensor");
+  EXPECT_REJECTED(
+      file_of(R"({"a":{"dtype":"F32","shape":[],"data_offsets":[0,4]},)"
+              R"("b":{"dtype":"F32","shape":[],"data_offsets":[8,12]}})",
+              std::string(12, '\0')),
+      "the data is not contiguous: bytes 4..8 between tensors 'a' and 'b' belong to no tensor");
 }
 
 TEST(SafetensorsReader, OverlappingTensorsAreRejected) {
-  EXPECT_REJECTED(file_of(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[],"data_offsets":[4,8]}})",
-                          std::string(8, '\0')),
-                  "tensor 'b' (bytes 4..8) overlaps tensor 'a' (which ends at 8)");
+  EXPECT_REJECTED(
+      file_of(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+              R"("b":{"dtype":"F32","shape":[],"data_offsets":[4,8]}})",
+              std::string(8, '\0')),
+      "tensor 'b' (bytes 4..8) overlaps tensor 'a' (which ends at 8)");
   // The same range twice.
-  EXPECT_REJECTED(file_of(R"({"a":{"dtype":"F32","shape":[],"data_offsets":[0,4]},"b":{"dtype":"I32","shape":[],"data_offsets":[0,4]}})",
-                          std::string(4, '\0')),
-                  "overlaps tensor 'a'");
+  EXPECT_REJECTED(
+      file_of(R"({"a":{"dtype":"F32","shape":[],"data_offsets":[0,4]},)"
+              R"("b":{"dtype":"I32","shape":[],"data_offsets":[0,4]}})",
+              std::string(4, '\0')),
+      "overlaps tensor 'a'");
 }
 
 TEST(SafetensorsReader, BytesLeftOverAtTheEndAreRejected) {
@@ -626,35 +647,38 @@ TEST(SafetensorsReader, BytesLeftOverAtTheEndAreRejected) {
 }
 
 TEST(SafetensorsReader, TruncatedDataIsRejected) {
-  EXPECT_REJECTED(file_of(one_tensor("F32", "[2]", "[0,8]"), std::string(5, '\0')),
-                  "tensor 't' ends at byte 8 of the data, but the file holds only 5 bytes of data (the file is truncated)");
+  EXPECT_REJECTED(
+      file_of(one_tensor("F32", "[2]", "[0,8]"), std::string(5, '\0')),
+      "tensor 't' ends at byte 8 of the data, but the file holds only 5 bytes of data (the file is truncated)");
   const std::string whole = save({{"a", at::ones({4})}, {"b", at::ones({2}, at::kLong)}});
   EXPECT_REJECTED(whole.substr(0, whole.size() - 1), "the file is truncated");
 }
 
 TEST(SafetensorsReader, DuplicateKeysAreRejectedInEveryObject) {
   const std::string t = R"({"dtype":"F32","shape":[],"data_offsets":[0,4]})";
-  EXPECT_REJECTED(file_of(R"({"a":)" + t + R"(,"a":)" + t + "}", std::string(4, '\0')), "duplicate key 'a' in the header");
+  EXPECT_REJECTED(file_of(R"({"a":)" + t + R"(,"a":)" + t + "}", std::string(4, '\0')),
+                  "duplicate key 'a' in the header");
   EXPECT_REJECTED(file_of(R"({"__metadata__":{},"__metadata__":{}})"), "duplicate key '__metadata__' in the header");
   EXPECT_REJECTED(file_of(R"({"__metadata__":{"k":"1","k":"2"}})"), "duplicate key 'k' in \"__metadata__\"");
-  EXPECT_REJECTED(file_of(R"({"a":{"dtype":"F32","dtype":"F32","shape":[],"data_offsets":[0,4]}})", std::string(4, '\0')),
-                  "duplicate key 'dtype' in tensor 'a'");
+  EXPECT_REJECTED(
+      file_of(R"({"a":{"dtype":"F32","dtype":"F32","shape":[],"data_offsets":[0,4]}})", std::string(4, '\0')),
+      "duplicate key 'dtype' in tensor 'a'");
   EXPECT_REJECTED(file_of(R"({"a":{"dtype":"F32","shape":[],"shape":[],"data_offsets":[0,4]}})", std::string(4, '\0')),
                   "duplicate key 'shape' in tensor 'a'");
 }
 
 TEST(SafetensorsReader, WhitespaceAroundTheHeaderObjectIsAccepted) {
   for (const std::string pad : {"", " ", "       ", " \n\t\r "}) {
-    const auto file = SafetensorsFile::from_bytes(file_of(pad + one_tensor("F32", "[]", "[0,4]") + pad, std::string(4, '\0')));
+    const auto file =
+        SafetensorsFile::from_bytes(file_of(pad + one_tensor("F32", "[]", "[0,4]") + pad, std::string(4, '\0')));
     EXPECT_EQ(file.keys(), std::vector<std::string>{"t"});
   }
 }
 
 TEST(SafetensorsReader, EntriesMayComeInAnyOrderAndShareEmptyRanges) {
-  const std::string header =
-      R"({"z":{"dtype":"F32","shape":[0],"data_offsets":[4,4]},)"
-      R"("b":{"data_offsets":[0,4],"shape":[1],"dtype":"I32"},)"
-      R"("a":{"shape":[2,0],"dtype":"F64","data_offsets":[0,0]},"__metadata__":{}})";
+  const std::string header = R"({"z":{"dtype":"F32","shape":[0],"data_offsets":[4,4]},)"
+                             R"("b":{"data_offsets":[0,4],"shape":[1],"dtype":"I32"},)"
+                             R"("a":{"shape":[2,0],"dtype":"F64","data_offsets":[0,0]},"__metadata__":{}})";
   std::string data(4, '\0');
   data[0] = 9;
   const auto file = SafetensorsFile::from_bytes(file_of(header, data));
@@ -680,7 +704,8 @@ TEST(SafetensorsReader, RejectionsOfFilesNameTheApiAndThePath) {
 TEST(SafetensorsReader, MissingFilesAndFoldersCannotBeOpened) {
   TempDir dir;
   const auto missing = (dir.path() / "missing.safetensors").string();
-  EXPECT_THROWS_WITH(SafetensorsFile{missing}, "[SafetensorsFile] cannot open " + missing + ": No such file or directory");
+  EXPECT_THROWS_WITH(SafetensorsFile{missing},
+                     "[SafetensorsFile] cannot open " + missing + ": No such file or directory");
   EXPECT_THROWS_WITH(load_file(dir.str()), "[load_file] " + dir.str() + " is not a regular file");
   const auto fifo = (dir.path() / "fifo").string();
   ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
@@ -740,7 +765,8 @@ TEST(SafetensorsFormat, PlanRefusesWhatTheFormatCannotHold) {
     }
     return std::string("accepted");
   };
-  EXPECT_THAT(plan_message({{"a", "F32", {2}, 4}}), HasSubstr("tensor 'a' has 4 bytes, but shape [2] of dtype F32 needs 8"));
+  EXPECT_THAT(plan_message({{"a", "F32", {2}, 4}}),
+              HasSubstr("tensor 'a' has 4 bytes, but shape [2] of dtype F32 needs 8"));
   EXPECT_THAT(plan_message({{"a", "F99", {2}, 8}}), HasSubstr("has dtype 'F99', which the format does not define"));
   EXPECT_THAT(plan_message({{"a", "F32", {-2}, 0}}), HasSubstr("negative dimension"));
   EXPECT_THAT(plan_message({{"a", "F32", {1}, 4}, {"a", "F32", {1}, 4}}), HasSubstr("tensor name 'a' appears twice"));
@@ -760,7 +786,8 @@ TEST(SafetensorsWriter, DtypesTheFormatCannotStoreAreRefusedNamingTheTensor) {
 }
 
 TEST(SafetensorsWriter, SparseMetaAndUndefinedTensorsAreRefused) {
-  EXPECT_THROWS_WITH(save({{"s", at::eye(3).to_sparse()}}), "[save] tensor 's' has layout Sparse; only dense tensors can be saved");
+  EXPECT_THROWS_WITH(save({{"s", at::eye(3).to_sparse()}}),
+                     "[save] tensor 's' has layout Sparse; only dense tensors can be saved");
   EXPECT_THROWS_WITH(save({{"m", at::empty({2}, at::TensorOptions().device(c10::kMeta))}}),
                      "[save] tensor 'm' is on the meta device and has no data");
   EXPECT_THROWS_WITH(save({{"u", at::Tensor()}}), "[save] tensor 'u' is undefined");
@@ -769,7 +796,8 @@ TEST(SafetensorsWriter, SparseMetaAndUndefinedTensorsAreRefused) {
 TEST(SafetensorsWriter, EmptyReservedAndNonUtf8NamesAreRefused) {
   EXPECT_THROW(save({{"", at::ones({1})}}), c10::ValueError);
   EXPECT_THROWS_WITH(save({{"", at::ones({1})}}), "[save] a tensor name is empty");
-  EXPECT_THROWS_WITH(save({{"__metadata__", at::ones({1})}}), "tensor name '__metadata__' is reserved for the metadata");
+  EXPECT_THROWS_WITH(save({{"__metadata__", at::ones({1})}}),
+                     "tensor name '__metadata__' is reserved for the metadata");
   EXPECT_THROWS_WITH(save({{"__metadata__x", at::ones({1})}}), "is reserved for the metadata");
   EXPECT_THROWS_WITH(save({{"bad\xff", at::ones({1})}}), "tensor name 'bad\\xff' is not valid UTF-8");
   EXPECT_THROWS_WITH(save({{"a", at::ones({1})}}, {{"k\xc0", "v"}}), "metadata key 'k\\xc0' is not valid UTF-8");
@@ -833,8 +861,8 @@ TEST(SafetensorsSaveFile, NewFilesGetTheUsualPermissions) {
   const mode_t previous = ::umask(022);
   save_file({{"a", at::ones({1})}}, path);
   ::umask(previous);
-  EXPECT_EQ(fs::status(path).permissions(), fs::perms::owner_read | fs::perms::owner_write | fs::perms::group_read |
-                                                fs::perms::others_read);
+  EXPECT_EQ(fs::status(path).permissions(),
+            fs::perms::owner_read | fs::perms::owner_write | fs::perms::group_read | fs::perms::others_read);
 }
 
 // ---- cross-check with an independent Python reader and writer ------------------------------
@@ -850,7 +878,9 @@ TEST(SafetensorsPython, AnIndependentReaderFindsTheValuesWeWrote) {
   tensors["u8"] = at::tensor({0, 7, 255}, at::kByte);
   tensors["i8"] = at::tensor({-128, -1, 127}, at::kChar);
   tensors["i16"] = at::tensor({-32768, 12345}, at::kShort);
-  tensors["i32"] = at::tensor({std::numeric_limits<int32_t>::min(), 1, 2, std::numeric_limits<int32_t>::max()}, at::kInt).view({2, 2});
+  tensors["i32"] =
+      at::tensor({std::numeric_limits<int32_t>::min(), 1, 2, std::numeric_limits<int32_t>::max()}, at::kInt)
+          .view({2, 2});
   tensors["i64"] = at::tensor({int64_t{-1}, int64_t{0}, (int64_t{1} << 40) + 3}, at::kLong);
   tensors["f16"] = at::tensor({1.0, -2.5, 65504.0}).to(at::kHalf);
   tensors["bf16"] = at::tensor({1.0, -3.0}).to(at::kBFloat16);
@@ -881,7 +911,10 @@ TEST(SafetensorsPython, WeReadTheValuesAnIndependentWriterWrote) {
   ASSERT_EQ(python->exit_code(), 0) << python->err;
 
   SafetensorsFile file(path);
-  EXPECT_EQ(file.metadata(), (SafetensorsMetadata{{"writer", "python"}, {"note", "\xc3\xbcn\xc3\xaf" "code"}}));
+  EXPECT_EQ(file.metadata(), (SafetensorsMetadata{{"writer", "python"},
+                                                  {"note",
+                                                   "\xc3\xbcn\xc3\xaf"
+                                                   "code"}}));
   EXPECT_EQ(file.keys(), (std::vector<std::string>{"a_u8", "bf", "c", "d", "e", "flag", "h", "m_i64", "z_f32"}));
   EXPECT_TRUE(at::equal(file.get_tensor("a_u8"), at::tensor({1, 2, 3, 4}, at::kByte).view({2, 2})));
   EXPECT_TRUE(at::equal(file.get_tensor("z_f32"), at::tensor({1.5f, -2.0f, 3.25f})));
@@ -895,8 +928,10 @@ TEST(SafetensorsPython, WeReadTheValuesAnIndependentWriterWrote) {
   EXPECT_EQ(file.get_tensor("e").sizes(), (std::vector<int64_t>{0}));
   // The writer left the data 2 bytes past a multiple of 4: the 4- and 8-byte tensors are copies,
   // the 1- and 2-byte ones views.
-  for (const char* name : {"z_f32", "m_i64", "c", "d"}) EXPECT_FALSE(inside_mapping_of(file.get_tensor(name).data_ptr(), path)) << name;
-  for (const char* name : {"a_u8", "flag", "h", "bf"}) EXPECT_TRUE(inside_mapping_of(file.get_tensor(name).data_ptr(), path)) << name;
+  for (const char* name : {"z_f32", "m_i64", "c", "d"})
+    EXPECT_FALSE(inside_mapping_of(file.get_tensor(name).data_ptr(), path)) << name;
+  for (const char* name : {"a_u8", "flag", "h", "bf"})
+    EXPECT_TRUE(inside_mapping_of(file.get_tensor(name).data_ptr(), path)) << name;
 }
 
 }  // namespace

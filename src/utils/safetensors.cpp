@@ -39,8 +39,8 @@ struct SafetensorsMapping {
   }
 
   std::string path;
-  std::string owned;           // the bytes of an in-memory file
-  void* mapped = nullptr;      // the mapping of a file on disk
+  std::string owned;       // the bytes of an in-memory file
+  void* mapped = nullptr;  // the mapping of a file on disk
   size_t mapped_length = 0;
   const char* bytes = nullptr;  // either of the above
   uint64_t size = 0;
@@ -61,9 +61,9 @@ struct DtypeName {
 };
 
 constexpr DtypeName kDtypeNames[] = {
-    {c10::kBool, "BOOL"},  {c10::kByte, "U8"},      {c10::kChar, "I8"},   {c10::kShort, "I16"},
-    {c10::kInt, "I32"},    {c10::kLong, "I64"},     {c10::kHalf, "F16"},  {c10::kBFloat16, "BF16"},
-    {c10::kFloat, "F32"},  {c10::kDouble, "F64"},   {c10::kComplexFloat, "C64"},
+    {c10::kBool, "BOOL"}, {c10::kByte, "U8"},    {c10::kChar, "I8"},          {c10::kShort, "I16"},
+    {c10::kInt, "I32"},   {c10::kLong, "I64"},   {c10::kHalf, "F16"},         {c10::kBFloat16, "BF16"},
+    {c10::kFloat, "F32"}, {c10::kDouble, "F64"}, {c10::kComplexFloat, "C64"},
 };
 
 const char* name_of(c10::ScalarType dtype) {
@@ -94,7 +94,8 @@ void index(Mapping& mapping, const char* api) {
   for (auto& [name, entry] : header.entries) {
     TORCH_CHECK_VALUE(dtype_of(entry.dtype).has_value(), "[", api, "] ", mapping.path, ": tensor ",
                       format::printable(name), " has dtype ", entry.dtype, ", which LibTorch cannot represent");
-    mapping.entries.emplace(name, SafetensorsEntry{std::move(entry.dtype), std::move(entry.shape), entry.begin, entry.end});
+    mapping.entries.emplace(name,
+                            SafetensorsEntry{std::move(entry.dtype), std::move(entry.shape), entry.begin, entry.end});
   }
   mapping.metadata = std::move(header.metadata);
   mapping.data_offset = header.data_offset();
@@ -238,8 +239,8 @@ std::string safetensors_dtype_name(c10::ScalarType dtype) {
 
 c10::ScalarType safetensors_dtype(const std::string& name) {
   if (auto dtype = dtype_of(name)) return *dtype;
-  TORCH_CHECK_VALUE(format::find_dtype(name) == nullptr, "[safetensors_dtype] LibTorch cannot represent safetensors dtype ",
-                    name);
+  TORCH_CHECK_VALUE(format::find_dtype(name) == nullptr,
+                    "[safetensors_dtype] LibTorch cannot represent safetensors dtype ", name);
   C10_THROW_ERROR(ValueError, c10::str("[safetensors_dtype] ", format::printable(name), " is not a safetensors dtype"));
 }
 
@@ -302,20 +303,23 @@ void save_file(const TensorMap& tensors, const std::string& path, const Safetens
 TensorMap load(const std::string& bytes) {
   const auto mapping = own_bytes(bytes, "load");
   TensorMap tensors;
-  for (const auto& [name, entry] : mapping->entries) tensors.emplace(name, make_tensor(mapping, name, entry, c10::kCPU, "load"));
+  for (const auto& [name, entry] : mapping->entries)
+    tensors.emplace(name, make_tensor(mapping, name, entry, c10::kCPU, "load"));
   return tensors;
 }
 
 TensorMap load_file(const std::string& path, const c10::Device& device) {
   const auto mapping = map_file(path, "load_file");
   TensorMap tensors;
-  for (const auto& [name, entry] : mapping->entries) tensors.emplace(name, make_tensor(mapping, name, entry, device, "load_file"));
+  for (const auto& [name, entry] : mapping->entries)
+    tensors.emplace(name, make_tensor(mapping, name, entry, device, "load_file"));
   return tensors;
 }
 
 SafetensorsFile::SafetensorsFile(const std::string& path) : mapping_(map_file(path, "SafetensorsFile")) {}
 
-SafetensorsFile::SafetensorsFile(std::shared_ptr<const detail::SafetensorsMapping> mapping) : mapping_(std::move(mapping)) {}
+SafetensorsFile::SafetensorsFile(std::shared_ptr<const detail::SafetensorsMapping> mapping)
+    : mapping_(std::move(mapping)) {}
 
 SafetensorsFile SafetensorsFile::from_bytes(std::string bytes) {
   return SafetensorsFile(own_bytes(std::move(bytes), "SafetensorsFile::from_bytes"));
@@ -334,8 +338,8 @@ const SafetensorsMetadata& SafetensorsFile::metadata() const { return mapping_->
 
 const SafetensorsEntry& SafetensorsFile::entry(const std::string& name) const {
   const auto found = mapping_->entries.find(name);
-  TORCH_CHECK_VALUE(found != mapping_->entries.end(), "[SafetensorsFile::entry] no tensor named ", format::printable(name),
-                    " in ", mapping_->path);
+  TORCH_CHECK_VALUE(found != mapping_->entries.end(), "[SafetensorsFile::entry] no tensor named ",
+                    format::printable(name), " in ", mapping_->path);
   return found->second;
 }
 

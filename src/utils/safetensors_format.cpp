@@ -20,27 +20,28 @@ namespace accelerate::detail::safetensors_format {
 // string values. Each tensor is an object with exactly "dtype" (a name the format defines),
 // "shape" (non-negative integers) and "data_offsets" ([begin, end] into the data section).
 // We reject, before any tensor is read: N past 100 MB or past the file; a header that is not
-// UTF-8 (checked on the bytes, then again by the JSON lexer inside strings), starts with a
-// byte order mark or holds a NUL byte (nlohmann would stop reading there); JSON that is malformed, has a duplicate key in any object (nlohmann's DOM
-// keeps one silently, so the header is read through a SAX handler that sees every key), or does
-// not follow the schema (unknown or missing keys, wrong types, negative or fractional numbers);
-// an unknown dtype; a byte range that disagrees with shape × dtype size (overflow-checked);
-// ranges that, sorted by (begin, end), do not tile [0, data size) exactly — the first must start
-// at 0, each must start where the previous ended, and the last must end at the end of the file.
-// Trailing whitespace after the JSON (the reference writer pads with spaces) is accepted.
+// UTF-8 (checked on the bytes, then again by the JSON lexer inside strings), starts with a byte
+// order mark or holds a NUL byte (nlohmann would stop reading there); JSON that is malformed, has
+// a duplicate key in any object (nlohmann's DOM keeps one silently, so the header is read through
+// a SAX handler that sees every key), or does not follow the schema (unknown or missing keys,
+// wrong types, negative or fractional numbers); an unknown dtype; a byte range that disagrees
+// with shape × dtype size (overflow-checked); ranges that, sorted by (begin, end), do not tile
+// [0, data size) exactly — the first must start at 0, each must start where the previous ended,
+// and the last must end at the end of the file. Trailing whitespace after the JSON (the
+// reference writer pads with spaces) is accepted.
 
-static_assert(std::endian::native == std::endian::little, "safetensors data is little-endian; big-endian hosts are not supported");
+static_assert(std::endian::native == std::endian::little,
+              "safetensors data is little-endian; big-endian hosts are not supported");
 
 namespace {
 
 // The reference implementation's Dtype enum, in its order (which grows with the element size).
 constexpr DtypeInfo kDtypes[] = {
-    {"BOOL", 8, 0},          {"F4", 4, 1},           {"F6_E2M3", 6, 2},  {"F6_E3M2", 6, 3},
-    {"U8", 8, 4},            {"I8", 8, 5},           {"F8_E5M2", 8, 6},  {"F8_E4M3", 8, 7},
-    {"F8_E8M0", 8, 8},       {"F8_E4M3FNUZ", 8, 9},  {"F8_E5M2FNUZ", 8, 10}, {"I16", 16, 11},
-    {"U16", 16, 12},         {"F16", 16, 13},        {"BF16", 16, 14},   {"I32", 32, 15},
-    {"U32", 32, 16},         {"F32", 32, 17},        {"C64", 64, 18},    {"F64", 64, 19},
-    {"I64", 64, 20},         {"U64", 64, 21},
+    {"BOOL", 8, 0},         {"F4", 4, 1},      {"F6_E2M3", 6, 2}, {"F6_E3M2", 6, 3}, {"U8", 8, 4},
+    {"I8", 8, 5},           {"F8_E5M2", 8, 6}, {"F8_E4M3", 8, 7}, {"F8_E8M0", 8, 8}, {"F8_E4M3FNUZ", 8, 9},
+    {"F8_E5M2FNUZ", 8, 10}, {"I16", 16, 11},   {"U16", 16, 12},   {"F16", 16, 13},   {"BF16", 16, 14},
+    {"I32", 32, 15},        {"U32", 32, 16},   {"F32", 32, 17},   {"C64", 64, 18},   {"F64", 64, 19},
+    {"I64", 64, 20},        {"U64", 64, 21},
 };
 
 constexpr size_t kMaxQuotedBytes = 120;
@@ -257,7 +258,9 @@ class HeaderReader {
         fail("\"", key_, "\" of tensor ", printable(entry_name_), " is not an array");
       case Where::kShape:
         fail("\"shape\" of tensor ", printable(entry_name_), " holds ",
-             kind == Kind::kNegative ? "a negative number" : kind == Kind::kFloat ? "a fractional or out-of-range number" : "a non-integer",
+             kind == Kind::kNegative ? "a negative number"
+             : kind == Kind::kFloat  ? "a fractional or out-of-range number"
+                                     : "a non-integer",
              "; expected non-negative integers");
       case Where::kOffsets:
         bad_offsets();
@@ -288,7 +291,8 @@ uint64_t byte_size(const std::string& name, const DtypeInfo& dtype, const std::v
     const auto d = static_cast<uint64_t>(dim);
     if (__builtin_mul_overflow(extent, std::max<uint64_t>(d, 1), &extent) ||
         extent > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
-      fail("the shape ", shape_string(shape), " of tensor ", printable(name), " is too large: its dimensions multiply past 2^63");
+      fail("the shape ", shape_string(shape), " of tensor ", printable(name),
+           " is too large: its dimensions multiply past 2^63");
     }
     elements *= d;  // at most `extent`
   }
@@ -378,14 +382,16 @@ Header parse(std::string_view file) {
   sorted.reserve(header.entries.size());
   for (const auto& [name, entry] : header.entries) {
     const DtypeInfo* dtype = find_dtype(entry.dtype);
-    if (dtype == nullptr) fail("tensor ", printable(name), " has dtype ", printable(entry.dtype), ", which the format does not define");
+    if (dtype == nullptr)
+      fail("tensor ", printable(name), " has dtype ", printable(entry.dtype), ", which the format does not define");
     if (entry.end < entry.begin) {
-      fail("\"data_offsets\" of tensor ", printable(name), " end (", entry.end, ") before they begin (", entry.begin, ")");
+      fail("\"data_offsets\" of tensor ", printable(name), " end (", entry.end, ") before they begin (", entry.begin,
+           ")");
     }
     const uint64_t expected = byte_size(name, *dtype, entry.shape);
     if (entry.end - entry.begin != expected) {
-      fail("tensor ", printable(name), " spans ", entry.end - entry.begin, " bytes, but shape ", shape_string(entry.shape),
-           " of dtype ", dtype->name, " needs ", expected);
+      fail("tensor ", printable(name), " spans ", entry.end - entry.begin, " bytes, but shape ",
+           shape_string(entry.shape), " of dtype ", dtype->name, " needs ", expected);
     }
     sorted.emplace_back(&name, &entry);
   }
@@ -396,20 +402,21 @@ Header parse(std::string_view file) {
   const std::string* previous = nullptr;
   for (const auto& [name, entry] : sorted) {
     if (entry->begin < position) {
-      fail("tensor ", printable(*name), " (bytes ", entry->begin, "..", entry->end, ") overlaps tensor ", printable(*previous),
-           " (which ends at ", position, ")");
+      fail("tensor ", printable(*name), " (bytes ", entry->begin, "..", entry->end, ") overlaps tensor ",
+           printable(*previous), " (which ends at ", position, ")");
     }
     if (entry->begin > position) {
-      if (previous == nullptr) fail("the data does not start at offset 0: the first tensor, ", printable(*name), ", begins at ", entry->begin);
-      fail("the data is not contiguous: bytes ", position, "..", entry->begin, " between tensors ", printable(*previous),
-           " and ", printable(*name), " belong to no tensor");
+      if (previous == nullptr)
+        fail("the data does not start at offset 0: the first tensor, ", printable(*name), ", begins at ", entry->begin);
+      fail("the data is not contiguous: bytes ", position, "..", entry->begin, " between tensors ",
+           printable(*previous), " and ", printable(*name), " belong to no tensor");
     }
     position = entry->end;
     previous = name;
   }
   if (position > header.data_size) {
-    fail("tensor ", printable(*previous), " ends at byte ", position, " of the data, but the file holds only ", header.data_size,
-         " bytes of data (the file is truncated)");
+    fail("tensor ", printable(*previous), " ends at byte ", position, " of the data, but the file holds only ",
+         header.data_size, " bytes of data (the file is truncated)");
   }
   if (position < header.data_size) {
     fail(header.data_size - position, " bytes at the end of the file belong to no tensor (the tensors end at byte ",
@@ -426,7 +433,8 @@ Layout plan(const std::vector<TensorSpec>& tensors, const std::map<std::string, 
     if (t.name.rfind("__metadata__", 0) == 0) fail("tensor name ", printable(t.name), " is reserved for the metadata");
     if (!is_valid_utf8(t.name)) fail("tensor name ", printable(t.name), " is not valid UTF-8");
     const DtypeInfo* dtype = find_dtype(t.dtype);
-    if (dtype == nullptr) fail("tensor ", printable(t.name), " has dtype ", printable(t.dtype), ", which the format does not define");
+    if (dtype == nullptr)
+      fail("tensor ", printable(t.name), " has dtype ", printable(t.dtype), ", which the format does not define");
     for (int64_t dim : t.shape) {
       if (dim < 0) fail("tensor ", printable(t.name), " has a negative dimension in shape ", shape_string(t.shape));
     }

@@ -67,9 +67,9 @@ struct TensorSpec {
 
 /// Where the tensors of a new file go.
 struct Layout {
-  std::string prefix;          ///< the 8-byte header length followed by the padded header
-  std::vector<size_t> order;   ///< indices into the specs, in the order their bytes follow the prefix
-  uint64_t data_size = 0;      ///< total bytes of tensor data
+  std::string prefix;         ///< the 8-byte header length followed by the padded header
+  std::vector<size_t> order;  ///< indices into the specs, in the order their bytes follow the prefix
+  uint64_t data_size = 0;     ///< total bytes of tensor data
 };
 
 /// Lays out a new file: tensors by decreasing dtype rank then name (so every tensor is aligned to
