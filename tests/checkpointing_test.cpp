@@ -381,6 +381,29 @@ TEST(SaveState, AFailureOnOneProcessFailsTheSaveOnEveryProcessWithNothingCommitt
   EXPECT_TRUE(entries(dir.path()).empty());
 }
 
+TEST(SaveState, TwoMachinesOnASharedFileSystemPublishOneCheckpoint) {
+  for (const bool save_on_each_node : {false, true}) {
+    TempDir dir;
+    AcceleratorOptions options = project_options(dir.str());
+    options.project_config.save_on_each_node = save_on_each_node;
+    // Two machines of one process each: both processes are their machine's local main process,
+    // and both see process 0's staging folder, so only process 0 publishes.
+    options.standalone_state = PartialStateOptions{.local_process_index = 0, .local_num_processes = 1};
+    run_accelerators(2, [&](const Accelerator& acc, int) {
+      Training t;
+      auto [model, opt] = acc.prepare(t.net, t.adam);
+      EXPECT_TRUE(acc.is_local_main_process());
+      acc.save_state();
+      acc.load_state();
+      EXPECT_EQ(acc.save_iteration(), 1);
+    }, options);
+    EXPECT_THAT(entries(dir.path() / "checkpoints"), ElementsAre("checkpoint_0")) << save_on_each_node;
+    EXPECT_THAT(entries(dir.path() / "checkpoints/checkpoint_0"),
+                ElementsAre("model.safetensors", "optimizer.safetensors", "random_states_0.safetensors",
+                            "random_states_1.safetensors"));
+  }
+}
+
 TEST(SaveState, ReplacesAnExistingFolderOfTheSameName) {
   TempDir dir;
   run_accelerators(1, [&](const Accelerator& acc, int) {
