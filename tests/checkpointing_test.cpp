@@ -6,6 +6,7 @@
 #include "accelerate/checkpointing.h"
 #include "detail/files.h"
 #include "support/accelerators.h"
+#include "support/process.h"
 #include "support/test_support.h"
 
 #include <gmock/gmock.h>
@@ -242,6 +243,35 @@ TEST(SaveState, WritesUpstreamsNamesAndRestoresEverything) {
     EXPECT_EQ(counter.value, 5);
     EXPECT_TRUE(torch::equal(buffers->t, torch::tensor({1.5f, 2.5f})));
     EXPECT_TRUE(torch::equal(torch::rand({3}), draws));
+  });
+}
+
+TEST(SaveState, PythonReadsTheCheckpointWithTheStandardLibraryOnly) {
+  TempDir dir;
+  run_accelerators(1, [&](const Accelerator& acc, int) {
+    Training t;
+    auto schedule = std::make_shared<LambdaLR>(t.adam, [](int64_t epoch) { return 0.5; });
+    auto [model, opt, loader, sched] = acc.prepare(t.net, t.adam, t.loader, schedule);
+    train_one_pass(acc, model, opt, loader);
+    acc.save_state(dir.str() + "/ckpt");
+    auto python = run({"/usr/bin/python3", built("tests/python/checkpoint_check.py"), dir.str() + "/ckpt"});
+    ASSERT_EQ(python->exit_code(), 0) << python->err;
+    const auto found = nlohmann::json::parse(python->out);
+    const auto& weight = found.at("model.safetensors").at("tensors").at("weight");
+    EXPECT_EQ(weight.at("dtype"), "F32");
+    EXPECT_EQ(weight.at("shape"), nlohmann::json({1, 3}));
+    for (int i = 0; i < 3; ++i) EXPECT_EQ(weight.at("values")[i].get<double>(), model->weight[0][i].item<double>());
+    EXPECT_EQ(found.at("model.safetensors").at("metadata").at("format"), "pt");
+    const auto& optimizer = found.at("optimizer.safetensors");
+    EXPECT_EQ(optimizer.at("metadata").at("json").at("param_groups")[0].at("lr").get<double>(),
+              opt.param_groups()[0].options().get_lr());
+    EXPECT_EQ(optimizer.at("metadata").at("json").at("state").at("0").at("step"), 4);
+    const auto exp_avg = optimizer_state_dict(*opt.optimizer()).tensors.at("state.1.exp_avg");
+    EXPECT_EQ(optimizer.at("tensors").at("state.1.exp_avg").at("values")[0].get<double>(), exp_avg.item<double>());
+    EXPECT_EQ(found.at("scheduler.json").at("last_epoch"), 0);
+    EXPECT_EQ(found.at("sampler.json").at("epoch"), 1);
+    EXPECT_EQ(found.at("random_states_0.safetensors").at("metadata").at("json").at("step"), acc.step());
+    EXPECT_GT(found.at("random_states_0.safetensors").at("tensors").at("torch_manual_seed").at("values").get<int>(), 0);
   });
 }
 
