@@ -46,6 +46,26 @@ std::map<size_t, fs::path> custom_checkpoint_files(const fs::path& folder) {
   return files;
 }
 
+// What save_state and load_state work on, copied under the lock.
+struct Snapshot {
+  std::vector<DistributedDataParallel> models;
+  std::vector<AcceleratedOptimizer> optimizers;
+  std::vector<AcceleratedScheduler> schedulers;
+  std::vector<DataLoader> loaders;
+  std::vector<CheckpointObject> custom;
+  std::vector<SaveStatePreHook> save_hooks;
+  std::vector<LoadStatePreHook> load_hooks;
+  int64_t step = 0;
+};
+
+Snapshot snapshot(detail::AcceleratorImpl& impl) {
+  std::lock_guard<std::mutex> lock(impl.mutex);
+  Snapshot out{impl.models, impl.optimizers, impl.schedulers, impl.data_loaders, impl.custom_objects, {}, {}, impl.step};
+  for (const auto& [id, hook] : impl.save_hooks) out.save_hooks.push_back(hook);
+  for (const auto& [id, hook] : impl.load_hooks) out.load_hooks.push_back(hook);
+  return out;
+}
+
 }  // namespace
 
 bool Accelerator::writes_shared_files() const {
@@ -139,31 +159,14 @@ std::string Accelerator::save_state(const std::string& output_dir) const {
     }
   });
 
-  std::vector<DistributedDataParallel> models;
-  std::vector<AcceleratedOptimizer> optimizers;
-  std::vector<AcceleratedScheduler> schedulers;
-  std::vector<DataLoader> loaders;
-  std::vector<CheckpointObject> custom;
-  std::vector<SaveStatePreHook> hooks;
-  int64_t step = 0;
-  {
-    std::lock_guard<std::mutex> lock(impl_->mutex);
-    models = impl_->models;
-    optimizers = impl_->optimizers;
-    schedulers = impl_->schedulers;
-    loaders = impl_->data_loaders;
-    custom = impl_->custom_objects;
-    for (const auto& [id, hook] : impl_->save_hooks) hooks.push_back(hook);
-    step = impl_->step;
-  }
-
+  const auto [models, optimizers, schedulers, loaders, custom, save_hooks, load_hooks, step] = snapshot(*impl_);
   detail::CheckpointCommit commit(partial(), target, project.save_on_each_node, project.automatic_checkpoint_naming);
   const fs::path folder = commit.staging();
   const auto written = [&] { detail::checkpoint_file_written(partial()); };
   const auto path = commit.commit([&] {
     std::vector<StateDictMap> weights;
     for (const auto& model : models) weights.push_back(accelerate::get_state_dict(*model.module()));
-    for (const auto& hook : hooks) hook(models, weights, folder.string());
+    for (const auto& hook : save_hooks) hook(models, weights, folder.string());
     if (commit.writes_shared_files()) {
       for (size_t i = 0; i < weights.size(); ++i) {
         TensorMap tensors;
@@ -232,24 +235,9 @@ void Accelerator::load_state(const std::string& input_dir) const {
     folder = checkpoints.back().second;
   }
 
-  std::vector<DistributedDataParallel> models;
-  std::vector<AcceleratedOptimizer> optimizers;
-  std::vector<AcceleratedScheduler> schedulers;
-  std::vector<DataLoader> loaders;
-  std::vector<CheckpointObject> custom;
-  std::vector<LoadStatePreHook> hooks;
-  {
-    std::lock_guard<std::mutex> lock(impl_->mutex);
-    models = impl_->models;
-    optimizers = impl_->optimizers;
-    schedulers = impl_->schedulers;
-    loaders = impl_->data_loaders;
-    custom = impl_->custom_objects;
-    for (const auto& [id, hook] : impl_->load_hooks) hooks.push_back(hook);
-  }
-
+  auto [models, optimizers, schedulers, loaders, custom, save_hooks, load_hooks, step] = snapshot(*impl_);
   detail::run_agreed(partial(), "[Accelerator::load_state] loading " + folder.string(), [&] {
-    for (const auto& hook : hooks) hook(models, folder.string());
+    for (const auto& hook : load_hooks) hook(models, folder.string());
     const auto require = [&](const std::string& name) {
       const auto path = folder / name;
       TORCH_CHECK_VALUE(fs::is_regular_file(path), "the checkpoint has no ", name);
