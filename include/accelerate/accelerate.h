@@ -8,6 +8,7 @@
 #include "accelerate/distributed.h"
 #include "accelerate/grad_scaler.h"
 #include "accelerate/local_sgd.h"
+#include "accelerate/logging.h"
 #include "accelerate/lr_scheduler.h"
 #include "accelerate/optimizer.h"
 #include "accelerate/scheduler.h"
@@ -22,3 +23,4 @@
 #include "accelerate/utils/random.h"
 #include "accelerate/utils/safetensors.h"
 #include "accelerate/utils/tensor_tree.h"
+#include "accelerate/utils/tqdm.h"

@@ -231,6 +231,8 @@ std::map<std::string, std::string> worker_environment(const LaunchPlan& plan, in
       {"OMP_NUM_THREADS", std::to_string(plan.num_cpu_threads_per_process)},
       {"OPENBLAS_NUM_THREADS", std::to_string(plan.num_cpu_threads_per_process)},
       {"MKL_NUM_THREADS", std::to_string(plan.num_cpu_threads_per_process)},
+      // Every line a worker writes gets "[rankN]: " from the launcher (loggers then add no rank).
+      {"ACCELERATE_LAUNCH_PREFIXES_OUTPUT", "1"},
   };
   if (plan.num_processes > 1) env["ACCELERATE_STORE_HOSTED"] = "1";
   if (plan.gradient_accumulation_steps) {
