@@ -46,10 +46,10 @@ namespace {
 struct Settings {
   std::string data = "examples/data/tinyshakespeare.txt";
   std::string output_dir = "runs/char_gpt";
-  std::string mixed_precision; // empty: the launcher's choice
-                               // (ACCELERATE_MIXED_PRECISION), else "no"
+  std::string mixed_precision;  // empty: the launcher's choice
+                                // (ACCELERATE_MIXED_PRECISION), else "no"
   int64_t max_steps = 400;
-  int64_t batch_size = 16; // per process
+  int64_t batch_size = 16;  // per process
   int gradient_accumulation_steps = 2;
   int64_t block_size = 64;
   int64_t n_layer = 2;
@@ -67,17 +67,16 @@ struct Settings {
 };
 
 [[noreturn]] void usage_error(const std::string &message) {
-  std::cerr
-      << "char_gpt: " << message << "\n"
-      << "usage: char_gpt [--data FILE] [--output_dir DIR] [--mixed_precision "
-         "no|bf16|fp16] [--max_steps N]\n"
-         "                [--batch_size N] [--gradient_accumulation_steps N] "
-         "[--block_size N] [--n_layer N]\n"
-         "                [--n_head N] [--n_embd N] [--learning_rate X] "
-         "[--warmup_steps N] [--eval_every N]\n"
-         "                [--eval_samples N] [--checkpoint_every N] "
-         "[--total_limit N] [--sample_length N]\n"
-         "                [--seed N] [--resume]\n";
+  std::cerr << "char_gpt: " << message << "\n"
+            << "usage: char_gpt [--data FILE] [--output_dir DIR] [--mixed_precision "
+               "no|bf16|fp16] [--max_steps N]\n"
+               "                [--batch_size N] [--gradient_accumulation_steps N] "
+               "[--block_size N] [--n_layer N]\n"
+               "                [--n_head N] [--n_embd N] [--learning_rate X] "
+               "[--warmup_steps N] [--eval_every N]\n"
+               "                [--eval_samples N] [--checkpoint_every N] "
+               "[--total_limit N] [--sample_length N]\n"
+               "                [--seed N] [--resume]\n";
   std::exit(2);
 }
 
@@ -86,35 +85,21 @@ Settings parse_settings(int argc, char **argv) {
   std::map<std::string, std::function<void(const std::string &)>> flags = {
       {"--data", [&](const std::string &v) { s.data = v; }},
       {"--output_dir", [&](const std::string &v) { s.output_dir = v; }},
-      {"--mixed_precision",
-       [&](const std::string &v) { s.mixed_precision = v; }},
-      {"--max_steps",
-       [&](const std::string &v) { s.max_steps = std::stoll(v); }},
-      {"--batch_size",
-       [&](const std::string &v) { s.batch_size = std::stoll(v); }},
-      {"--gradient_accumulation_steps",
-       [&](const std::string &v) {
-         s.gradient_accumulation_steps = std::stoi(v);
-       }},
-      {"--block_size",
-       [&](const std::string &v) { s.block_size = std::stoll(v); }},
+      {"--mixed_precision", [&](const std::string &v) { s.mixed_precision = v; }},
+      {"--max_steps", [&](const std::string &v) { s.max_steps = std::stoll(v); }},
+      {"--batch_size", [&](const std::string &v) { s.batch_size = std::stoll(v); }},
+      {"--gradient_accumulation_steps", [&](const std::string &v) { s.gradient_accumulation_steps = std::stoi(v); }},
+      {"--block_size", [&](const std::string &v) { s.block_size = std::stoll(v); }},
       {"--n_layer", [&](const std::string &v) { s.n_layer = std::stoll(v); }},
       {"--n_head", [&](const std::string &v) { s.n_head = std::stoll(v); }},
       {"--n_embd", [&](const std::string &v) { s.n_embd = std::stoll(v); }},
-      {"--learning_rate",
-       [&](const std::string &v) { s.learning_rate = std::stod(v); }},
-      {"--warmup_steps",
-       [&](const std::string &v) { s.warmup_steps = std::stoll(v); }},
-      {"--eval_every",
-       [&](const std::string &v) { s.eval_every = std::stoll(v); }},
-      {"--eval_samples",
-       [&](const std::string &v) { s.eval_samples = std::stoll(v); }},
-      {"--checkpoint_every",
-       [&](const std::string &v) { s.checkpoint_every = std::stoll(v); }},
-      {"--total_limit",
-       [&](const std::string &v) { s.total_limit = std::stoi(v); }},
-      {"--sample_length",
-       [&](const std::string &v) { s.sample_length = std::stoll(v); }},
+      {"--learning_rate", [&](const std::string &v) { s.learning_rate = std::stod(v); }},
+      {"--warmup_steps", [&](const std::string &v) { s.warmup_steps = std::stoll(v); }},
+      {"--eval_every", [&](const std::string &v) { s.eval_every = std::stoll(v); }},
+      {"--eval_samples", [&](const std::string &v) { s.eval_samples = std::stoll(v); }},
+      {"--checkpoint_every", [&](const std::string &v) { s.checkpoint_every = std::stoll(v); }},
+      {"--total_limit", [&](const std::string &v) { s.total_limit = std::stoi(v); }},
+      {"--sample_length", [&](const std::string &v) { s.sample_length = std::stoll(v); }},
       {"--seed", [&](const std::string &v) { s.seed = std::stoull(v); }},
   };
   for (int i = 1; i < argc; ++i) {
@@ -123,27 +108,21 @@ Settings parse_settings(int argc, char **argv) {
       s.resume = true;
       continue;
     }
-    if (arg == "-h" || arg == "--help")
-      usage_error("trains a character-level GPT");
+    if (arg == "-h" || arg == "--help") usage_error("trains a character-level GPT");
     auto it = flags.find(arg);
-    if (it == flags.end())
-      usage_error("unknown argument '" + arg + "'");
-    if (i + 1 >= argc)
-      usage_error(arg + " needs a value");
+    if (it == flags.end()) usage_error("unknown argument '" + arg + "'");
+    if (i + 1 >= argc) usage_error(arg + " needs a value");
     try {
       it->second(argv[++i]);
     } catch (const std::exception &) {
-      usage_error(arg + " expects a number, got '" + std::string(argv[i]) +
-                  "'");
+      usage_error(arg + " expects a number, got '" + std::string(argv[i]) + "'");
     }
   }
-  if (s.max_steps < 1 || s.batch_size < 1 ||
-      s.gradient_accumulation_steps < 1 || s.block_size < 1 ||
+  if (s.max_steps < 1 || s.batch_size < 1 || s.gradient_accumulation_steps < 1 || s.block_size < 1 ||
       s.eval_every < 1 || s.checkpoint_every < 1 || s.eval_samples < 1) {
     usage_error("step counts, sizes and intervals must be positive");
   }
-  if (s.n_embd % s.n_head != 0)
-    usage_error("--n_embd must be a multiple of --n_head");
+  if (s.n_embd % s.n_head != 0) usage_error("--n_embd must be a multiple of --n_head");
   return s;
 }
 
@@ -153,38 +132,31 @@ Settings parse_settings(int argc, char **argv) {
 // The text as character ids, and the alphabet to turn ids back into text.
 struct Corpus {
   std::string alphabet;
-  torch::Tensor ids; // int64, one per character
+  torch::Tensor ids;  // int64, one per character
 };
 
 Corpus read_corpus(const std::string &path) {
   std::ifstream file(path, std::ios::binary);
-  TORCH_CHECK(file.good(), "cannot read the training text '", path,
-              "' (pass --data)");
+  TORCH_CHECK(file.good(), "cannot read the training text '", path, "' (pass --data)");
   std::stringstream buffer;
   buffer << file.rdbuf();
   const std::string text = buffer.str();
-  TORCH_CHECK(text.size() > 1000, "the training text '", path,
-              "' is too short");
+  TORCH_CHECK(text.size() > 1000, "the training text '", path, "' is too short");
   std::set<char> chars(text.begin(), text.end());
-  Corpus corpus{
-      std::string(chars.begin(), chars.end()),
-      torch::empty({static_cast<int64_t>(text.size())}, torch::kLong)};
+  Corpus corpus{std::string(chars.begin(), chars.end()),
+                torch::empty({static_cast<int64_t>(text.size())}, torch::kLong)};
   int64_t index_of[256] = {};
-  for (size_t i = 0; i < corpus.alphabet.size(); ++i)
-    index_of[static_cast<unsigned char>(corpus.alphabet[i])] = i;
+  for (size_t i = 0; i < corpus.alphabet.size(); ++i) index_of[static_cast<unsigned char>(corpus.alphabet[i])] = i;
   auto *out = corpus.ids.data_ptr<int64_t>();
-  for (size_t i = 0; i < text.size(); ++i)
-    out[i] = index_of[static_cast<unsigned char>(text[i])];
+  for (size_t i = 0; i < text.size(); ++i) out[i] = index_of[static_cast<unsigned char>(text[i])];
   return corpus;
 }
 
 // Non-overlapping windows of `block` characters; the target is the window
 // shifted by one.
-std::shared_ptr<acc::TensorDataset> windows(const torch::Tensor &ids,
-                                            int64_t block, int64_t limit = -1) {
+std::shared_ptr<acc::TensorDataset> windows(const torch::Tensor &ids, int64_t block, int64_t limit = -1) {
   int64_t count = (ids.size(0) - 1) / block;
-  if (limit > 0)
-    count = std::min(count, limit);
+  if (limit > 0) count = std::min(count, limit);
   auto x = ids.slice(0, 0, count * block).view({count, block});
   auto y = ids.slice(0, 1, count * block + 1).view({count, block});
   return std::make_shared<acc::TensorDataset>(x, y);
@@ -195,12 +167,10 @@ std::shared_ptr<acc::TensorDataset> windows(const torch::Tensor &ids,
 
 struct BlockImpl : torch::nn::Module {
   BlockImpl(int64_t n_embd, int64_t n_head) : n_head(n_head) {
-    ln1 = register_module(
-        "ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({n_embd})));
+    ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({n_embd})));
     qkv = register_module("qkv", torch::nn::Linear(n_embd, 3 * n_embd));
     proj = register_module("proj", torch::nn::Linear(n_embd, n_embd));
-    ln2 = register_module(
-        "ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({n_embd})));
+    ln2 = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({n_embd})));
     fc = register_module("fc", torch::nn::Linear(n_embd, 4 * n_embd));
     fc_out = register_module("fc_out", torch::nn::Linear(4 * n_embd, n_embd));
   }
@@ -208,12 +178,9 @@ struct BlockImpl : torch::nn::Module {
   torch::Tensor forward(torch::Tensor x) {
     const int64_t B = x.size(0), T = x.size(1), C = x.size(2), hs = C / n_head;
     auto parts = qkv(ln1(x)).split(C, 2);
-    auto heads = [&](const torch::Tensor &t) {
-      return t.view({B, T, n_head, hs}).transpose(1, 2);
-    };
+    auto heads = [&](const torch::Tensor &t) { return t.view({B, T, n_head, hs}).transpose(1, 2); };
     auto q = heads(parts[0]), k = heads(parts[1]), v = heads(parts[2]);
-    auto att = torch::matmul(q, k.transpose(-2, -1)) *
-               (1.0 / std::sqrt(static_cast<double>(hs)));
+    auto att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hs)));
     // LibTorch has no non-persistent buffers: the causal mask is made where the
     // input lives.
     auto future = torch::ones({T, T}, x.options().dtype(torch::kBool)).triu(1);
@@ -234,18 +201,15 @@ struct GPTImpl : torch::nn::Module {
     tok = register_module("tok", torch::nn::Embedding(vocab, s.n_embd));
     pos = register_module("pos", torch::nn::Embedding(s.block_size, s.n_embd));
     blocks = register_module("blocks", torch::nn::ModuleList());
-    for (int64_t i = 0; i < s.n_layer; ++i)
-      blocks->push_back(Block(s.n_embd, s.n_head));
-    ln_f = register_module(
-        "ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({s.n_embd})));
+    for (int64_t i = 0; i < s.n_layer; ++i) blocks->push_back(Block(s.n_embd, s.n_head));
+    ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({s.n_embd})));
     head = register_module("head", torch::nn::Linear(s.n_embd, vocab));
   }
 
   // Logits [batch, time, vocab] for ids [batch, time].
   torch::Tensor forward(const torch::Tensor &ids) {
     auto x = tok(ids) + pos(torch::arange(ids.size(1), ids.options()));
-    for (const auto &block : *blocks)
-      x = block->as<Block>()->forward(x);
+    for (const auto &block : *blocks) x = block->as<Block>()->forward(x);
     return head(ln_f(x));
   }
 
@@ -257,39 +221,26 @@ struct GPTImpl : torch::nn::Module {
 };
 TORCH_MODULE(GPT);
 
-torch::Tensor loss_per_sample(const torch::Tensor &logits,
-                              const torch::Tensor &targets) {
+torch::Tensor loss_per_sample(const torch::Tensor &logits, const torch::Tensor &targets) {
   namespace F = torch::nn::functional;
-  auto flat = F::cross_entropy(
-      logits.flatten(0, 1).to(torch::kFloat), targets.flatten(),
-      F::CrossEntropyFuncOptions().reduction(torch::kNone));
+  auto flat = F::cross_entropy(logits.flatten(0, 1).to(torch::kFloat), targets.flatten(),
+                               F::CrossEntropyFuncOptions().reduction(torch::kNone));
   return flat.view(targets.sizes()).mean(1);
 }
 
 // Continues `prompt` by sampling one character at a time.
-std::string sample(GPT &model, const Corpus &corpus, const std::string &prompt,
-                   int64_t length, uint64_t seed) {
+std::string sample(GPT &model, const Corpus &corpus, const std::string &prompt, int64_t length, uint64_t seed) {
   torch::NoGradGuard no_grad;
   model->eval();
   auto generator = at::make_generator<at::CPUGeneratorImpl>(seed);
   std::vector<int64_t> ids;
-  for (char c : prompt)
-    ids.push_back(static_cast<int64_t>(corpus.alphabet.find(c)));
+  for (char c : prompt) ids.push_back(static_cast<int64_t>(corpus.alphabet.find(c)));
   std::string text = prompt;
   for (int64_t i = 0; i < length; ++i) {
-    const int64_t start = std::max<int64_t>(
-        0, static_cast<int64_t>(ids.size()) - model->block_size);
-    auto context =
-        torch::tensor(std::vector<int64_t>(ids.begin() + start, ids.end()))
-            .unsqueeze(0);
-    auto probs = model->forward(context)
-                     .select(1, -1)
-                     .to(torch::kFloat)
-                     .div(0.8)
-                     .softmax(-1);
-    const int64_t next =
-        at::multinomial(probs, 1, /*replacement=*/false, generator)
-            .item<int64_t>();
+    const int64_t start = std::max<int64_t>(0, static_cast<int64_t>(ids.size()) - model->block_size);
+    auto context = torch::tensor(std::vector<int64_t>(ids.begin() + start, ids.end())).unsqueeze(0);
+    auto probs = model->forward(context).select(1, -1).to(torch::kFloat).div(0.8).softmax(-1);
+    const int64_t next = at::multinomial(probs, 1, /*replacement=*/false, generator).item<int64_t>();
     ids.push_back(next);
     text += corpus.alphabet[next];
   }
@@ -300,9 +251,7 @@ std::string sample(GPT &model, const Corpus &corpus, const std::string &prompt,
 struct Progress {
   int64_t step = 0;
   nlohmann::json state_dict() const { return {{"step", step}}; }
-  void load_state_dict(const nlohmann::json &state) {
-    step = state.at("step").get<int64_t>();
-  }
+  void load_state_dict(const nlohmann::json &state) { step = state.at("step").get<int64_t>(); }
 };
 
 std::string fixed(double value, int digits = 4) {
@@ -311,7 +260,7 @@ std::string fixed(double value, int digits = 4) {
   return text;
 }
 
-} // namespace
+}  // namespace
 
 int main(int argc, char **argv) {
   const Settings s = parse_settings(argc, argv);
@@ -324,45 +273,36 @@ int main(int argc, char **argv) {
       .gradient_accumulation_steps = s.gradient_accumulation_steps,
       .dataloader_config = {.use_stateful_dataloader = true},
       .project_dir = s.output_dir,
-      .project_config = {.automatic_checkpoint_naming = true,
-                         .total_limit = s.total_limit},
+      .project_config = {.automatic_checkpoint_naming = true, .total_limit = s.total_limit},
   });
   auto logger = acc::get_logger("char_gpt", "INFO");
 
   const Corpus corpus = read_corpus(s.data);
   const int64_t split = corpus.ids.size(0) * 9 / 10;
   auto train_data = windows(corpus.ids.slice(0, 0, split), s.block_size);
-  auto val_data =
-      windows(corpus.ids.slice(0, split), s.block_size, s.eval_samples);
-  logger.info(c10::str("characters: ", corpus.ids.size(0),
-                       ", alphabet: ", corpus.alphabet.size(),
-                       ", training windows: ", train_data->size(),
-                       ", processes: ", accelerator.num_processes(),
+  auto val_data = windows(corpus.ids.slice(0, split), s.block_size, s.eval_samples);
+  logger.info(c10::str("characters: ", corpus.ids.size(0), ", alphabet: ", corpus.alphabet.size(),
+                       ", training windows: ", train_data->size(), ", processes: ", accelerator.num_processes(),
                        ", mixed precision: ", accelerator.mixed_precision()));
 
   GPT net(static_cast<int64_t>(corpus.alphabet.size()), s);
   auto optimizer = std::make_shared<torch::optim::AdamW>(
-      net->parameters(),
-      torch::optim::AdamWOptions(s.learning_rate).weight_decay(0.01));
+      net->parameters(), torch::optim::AdamWOptions(s.learning_rate).weight_decay(0.01));
   // A prepared scheduler steps once per process for every optimizer step
   // (upstream's rule), so its length counts the steps of all processes.
-  auto schedule = acc::get_cosine_schedule_with_warmup(
-      optimizer, s.warmup_steps * accelerator.num_processes(),
-      s.max_steps * accelerator.num_processes());
-  acc::DataLoader train_loader(
-      train_data,
-      {.batch_size = s.batch_size, .shuffle = true, .drop_last = true});
+  auto schedule = acc::get_cosine_schedule_with_warmup(optimizer, s.warmup_steps * accelerator.num_processes(),
+                                                       s.max_steps * accelerator.num_processes());
+  acc::DataLoader train_loader(train_data, {.batch_size = s.batch_size, .shuffle = true, .drop_last = true});
   acc::DataLoader val_loader(val_data, {.batch_size = s.batch_size});
 
   // New Code: everything goes through prepare.
-  auto [model, opt, train, val, scheduler] =
-      accelerator.prepare(net, optimizer, train_loader, val_loader, schedule);
+  auto [model, opt, train, val, scheduler] = accelerator.prepare(net, optimizer, train_loader, val_loader, schedule);
   auto progress = std::make_shared<Progress>();
   accelerator.register_for_checkpointing(progress);
 
   if (s.resume) {
-    accelerator.load_state(); // the newest complete checkpoint under
-                              // <output_dir>/checkpoints
+    accelerator.load_state();  // the newest complete checkpoint under
+                               // <output_dir>/checkpoints
     logger.info(c10::str("resumed from checkpoint at step ", progress->step));
   }
 
@@ -378,10 +318,8 @@ int main(int argc, char **argv) {
     return torch::cat(losses).mean().item<double>();
   };
 
-  acc::ProgressBar bar(
-      {.total = s.max_steps, .desc = "train", .initial = progress->step});
-  if (progress->step == 0)
-    logger.info(c10::str("step 0: val_loss ", fixed(evaluate())));
+  acc::ProgressBar bar({.total = s.max_steps, .desc = "train", .initial = progress->step});
+  if (progress->step == 0) logger.info(c10::str("step 0: val_loss ", fixed(evaluate())));
   double running = 0;
   int64_t running_count = 0;
   while (progress->step < s.max_steps) {
@@ -393,23 +331,19 @@ int main(int argc, char **argv) {
       accelerator.backward(loss);
       running += loss.item<double>();
       ++running_count;
-      if (accelerator.sync_gradients())
-        accelerator.clip_grad_norm_(model->parameters(), 1.0);
+      if (accelerator.sync_gradients()) accelerator.clip_grad_norm_(model->parameters(), 1.0);
       opt.step();
       scheduler.step();
       opt.zero_grad();
-      if (!accelerator.sync_gradients())
-        continue;
+      if (!accelerator.sync_gradients()) continue;
 
       const int64_t step = ++progress->step;
       bar.update();
       bar.set_postfix("loss=" + fixed(running / running_count, 3));
       if (step % s.eval_every == 0 || step == s.max_steps) {
         const double val_loss = evaluate();
-        logger.info(c10::str("step ", step, ": train_loss ",
-                             fixed(running / running_count), ", val_loss ",
-                             fixed(val_loss), ", lr ",
-                             scheduler.get_last_lr()[0]));
+        logger.info(c10::str("step ", step, ": train_loss ", fixed(running / running_count), ", val_loss ",
+                             fixed(val_loss), ", lr ", scheduler.get_last_lr()[0]));
         running = 0;
         running_count = 0;
       }
@@ -417,8 +351,7 @@ int main(int argc, char **argv) {
         const std::string folder = accelerator.save_state();
         logger.info(c10::str("step ", step, ": saved ", folder));
       }
-      if (step >= s.max_steps)
-        break;
+      if (step >= s.max_steps) break;
     }
   }
   bar.close();
@@ -426,9 +359,7 @@ int main(int argc, char **argv) {
   accelerator.wait_for_everyone();
   if (accelerator.is_main_process()) {
     GPT trained = accelerator.unwrap_model(model);
-    std::cout << "---- sample ----\n"
-              << sample(trained, corpus, "ROMEO:\n", s.sample_length, s.seed)
-              << "\n";
+    std::cout << "---- sample ----\n" << sample(trained, corpus, "ROMEO:\n", s.sample_length, s.seed) << "\n";
   }
   return 0;
 }

@@ -25,7 +25,7 @@ struct LoggerData {
   std::mutex once_mutex;
   std::set<std::string> warned_once;
 };
-} // namespace detail
+}  // namespace detail
 
 namespace {
 
@@ -58,54 +58,39 @@ std::string timestamp() {
 }
 
 // `accelerate launch` puts "[rankN]: " before every line of its workers itself.
-bool launcher_prefixes_lines() {
-  return parse_flag_from_env("ACCELERATE_LAUNCH_PREFIXES_OUTPUT");
-}
+bool launcher_prefixes_lines() { return parse_flag_from_env("ACCELERATE_LAUNCH_PREFIXES_OUTPUT"); }
 
-} // namespace
+}  // namespace
 
 std::string to_string(LogLevel level) {
   switch (level) {
-  case LogLevel::kDebug:
-    return "DEBUG";
-  case LogLevel::kInfo:
-    return "INFO";
-  case LogLevel::kWarning:
-    return "WARNING";
-  case LogLevel::kError:
-    return "ERROR";
-  case LogLevel::kCritical:
-    return "CRITICAL";
+    case LogLevel::kDebug: return "DEBUG";
+    case LogLevel::kInfo: return "INFO";
+    case LogLevel::kWarning: return "WARNING";
+    case LogLevel::kError: return "ERROR";
+    case LogLevel::kCritical: return "CRITICAL";
   }
   return "LEVEL " + std::to_string(static_cast<int>(level));
 }
 
 LogLevel parse_log_level(std::string_view text) {
   std::string upper(text);
-  std::transform(upper.begin(), upper.end(), upper.begin(),
-                 [](unsigned char c) { return std::toupper(c); });
+  std::transform(upper.begin(), upper.end(), upper.begin(), [](unsigned char c) { return std::toupper(c); });
   static const std::map<std::string, LogLevel> names = {
-      {"DEBUG", LogLevel::kDebug},     {"INFO", LogLevel::kInfo},
-      {"WARNING", LogLevel::kWarning}, {"WARN", LogLevel::kWarning},
-      {"ERROR", LogLevel::kError},     {"CRITICAL", LogLevel::kCritical},
+      {"DEBUG", LogLevel::kDebug},   {"INFO", LogLevel::kInfo},   {"WARNING", LogLevel::kWarning},
+      {"WARN", LogLevel::kWarning},  {"ERROR", LogLevel::kError}, {"CRITICAL", LogLevel::kCritical},
       {"FATAL", LogLevel::kCritical}};
-  if (auto it = names.find(upper); it != names.end())
-    return it->second;
+  if (auto it = names.find(upper); it != names.end()) return it->second;
   int number = 0;
-  const auto [end, ec] =
-      std::from_chars(upper.data(), upper.data() + upper.size(), number);
+  const auto [end, ec] = std::from_chars(upper.data(), upper.data() + upper.size(), number);
   if (ec == std::errc() && end == upper.data() + upper.size()) {
     for (LogLevel level :
-         {LogLevel::kDebug, LogLevel::kInfo, LogLevel::kWarning,
-          LogLevel::kError, LogLevel::kCritical}) {
-      if (static_cast<int>(level) == number)
-        return level;
+         {LogLevel::kDebug, LogLevel::kInfo, LogLevel::kWarning, LogLevel::kError, LogLevel::kCritical}) {
+      if (static_cast<int>(level) == number) return level;
     }
   }
-  C10_THROW_ERROR(
-      ValueError,
-      c10::str("[get_logger] unknown log level '", text,
-               "'; expected DEBUG, INFO, WARNING, ERROR or CRITICAL"));
+  C10_THROW_ERROR(ValueError, c10::str("[get_logger] unknown log level '", text,
+                                       "'; expected DEBUG, INFO, WARNING, ERROR or CRITICAL"));
 }
 
 LogSink set_log_sink(LogSink sink) {
@@ -116,15 +101,9 @@ LogSink set_log_sink(LogSink sink) {
 }
 
 const std::string &Logger::name() const { return data_->name; }
-LogLevel Logger::level() const {
-  return static_cast<LogLevel>(data_->level.load());
-}
-void Logger::set_level(LogLevel level) {
-  data_->level.store(static_cast<int>(level));
-}
-bool Logger::is_enabled_for(LogLevel level) const {
-  return static_cast<int>(level) >= data_->level.load();
-}
+LogLevel Logger::level() const { return static_cast<LogLevel>(data_->level.load()); }
+void Logger::set_level(LogLevel level) { data_->level.store(static_cast<int>(level)); }
+bool Logger::is_enabled_for(LogLevel level) const { return static_cast<int>(level) >= data_->level.load(); }
 
 Logger Logger::with_state(PartialState state) const {
   Logger bound(data_);
@@ -132,10 +111,8 @@ Logger Logger::with_state(PartialState state) const {
   return bound;
 }
 
-void Logger::log(LogLevel level, const std::string &message,
-                 LogOptions options) const {
-  TORCH_CHECK(state_.has_value() || PartialState::initialized(), "[",
-              data_->name,
+void Logger::log(LogLevel level, const std::string &message, LogOptions options) const {
+  TORCH_CHECK(state_.has_value() || PartialState::initialized(), "[", data_->name,
               "] you must initialise the process state (construct a "
               "PartialState or an Accelerator) before "
               "logging, so the logger knows which process it runs on");
@@ -144,19 +121,15 @@ void Logger::log(LogLevel level, const std::string &message,
   // level drops it.
   const bool enabled = is_enabled_for(level);
   auto write = [&] {
-    if (!enabled)
-      return;
-    std::string line =
-        timestamp() + " " + to_string(level) + " " + data_->name + ": ";
-    if (!options.main_process_only && state.num_processes() > 1 &&
-        !launcher_prefixes_lines()) {
+    if (!enabled) return;
+    std::string line = timestamp() + " " + to_string(level) + " " + data_->name + ": ";
+    if (!options.main_process_only && state.num_processes() > 1 && !launcher_prefixes_lines()) {
       line += "[rank " + std::to_string(state.process_index()) + "] ";
     }
     emit(level, line + message);
   };
   if (options.main_process_only) {
-    if (state.is_main_process())
-      write();
+    if (state.is_main_process()) write();
     return;
   }
   if (!options.in_order) {
@@ -164,44 +137,36 @@ void Logger::log(LogLevel level, const std::string &message,
     return;
   }
   for (int turn = 0; turn < state.num_processes(); ++turn) {
-    if (turn == state.process_index())
-      write();
+    if (turn == state.process_index()) write();
     state.wait_for_everyone();
   }
 }
 
-void Logger::warning_once(const std::string &message,
-                          LogOptions options) const {
+void Logger::warning_once(const std::string &message, LogOptions options) const {
   {
     std::lock_guard<std::mutex> lock(data_->once_mutex);
-    if (!data_->warned_once.insert(message).second)
-      return;
+    if (!data_->warned_once.insert(message).second) return;
   }
   log(LogLevel::kWarning, message, options);
 }
 
-Logger get_logger(const std::string &name,
-                  std::optional<std::string> log_level) {
+Logger get_logger(const std::string &name, std::optional<std::string> log_level) {
   static std::mutex registry_mutex;
   static std::map<std::string, std::shared_ptr<detail::LoggerData>> registry;
-  if (!log_level)
-    log_level = get_env("ACCELERATE_LOG_LEVEL");
+  if (!log_level) log_level = get_env("ACCELERATE_LOG_LEVEL");
   // Parse before touching the registry, so a bad level leaves every logger as
   // it was.
   std::optional<LogLevel> level;
-  if (log_level && !log_level->empty())
-    level = parse_log_level(*log_level);
+  if (log_level && !log_level->empty()) level = parse_log_level(*log_level);
   std::shared_ptr<detail::LoggerData> data;
   {
     std::lock_guard<std::mutex> lock(registry_mutex);
     auto &slot = registry[name];
-    if (!slot)
-      slot = std::make_shared<detail::LoggerData>(name);
+    if (!slot) slot = std::make_shared<detail::LoggerData>(name);
     data = slot;
   }
-  if (level)
-    data->level.store(static_cast<int>(*level));
+  if (level) data->level.store(static_cast<int>(*level));
   return Logger(std::move(data));
 }
 
-} // namespace accelerate
+}  // namespace accelerate

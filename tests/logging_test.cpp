@@ -21,7 +21,7 @@ using testing::run_ranks;
 
 // Collects the lines of every logger while it lives.
 class CapturedLines {
-public:
+ public:
   CapturedLines() {
     previous_ = set_log_sink([this](LogLevel, const std::string &line) {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -34,7 +34,7 @@ public:
     return lines_;
   }
 
-private:
+ private:
   mutable std::mutex mutex_;
   std::vector<std::string> lines_;
   LogSink previous_;
@@ -42,10 +42,9 @@ private:
 
 // Sets an environment variable for one test.
 class ScopedEnv {
-public:
+ public:
   ScopedEnv(const char *key, const char *value) : key_(key) {
-    if (const char *old = std::getenv(key))
-      old_ = old;
+    if (const char *old = std::getenv(key)) old_ = old;
     if (value) {
       ::setenv(key, value, 1);
     } else {
@@ -60,7 +59,7 @@ public:
     }
   }
 
-private:
+ private:
   const char *key_;
   std::optional<std::string> old_;
 };
@@ -96,29 +95,25 @@ TEST(GetLogger, TheLevelComesFromTheEnvironmentWhenNotGiven) {
   ScopedEnv env("ACCELERATE_LOG_LEVEL", "debug");
   EXPECT_EQ(get_logger("logging_test.env").level(), LogLevel::kDebug);
   // An explicit level wins over the environment.
-  EXPECT_EQ(get_logger("logging_test.env_explicit", "ERROR").level(),
-            LogLevel::kError);
+  EXPECT_EQ(get_logger("logging_test.env_explicit", "ERROR").level(), LogLevel::kError);
 }
 
 TEST(GetLogger, AnUnknownLevelInTheEnvironmentIsNamed) {
   ScopedEnv env("ACCELERATE_LOG_LEVEL", "chatty");
-  EXPECT_THROWS_WITH(get_logger("logging_test.bad_env"),
-                     "unknown log level 'chatty'");
+  EXPECT_THROWS_WITH(get_logger("logging_test.bad_env"), "unknown log level 'chatty'");
 }
 
 TEST(Logger, LoggingBeforeAnyStateExistsIsRefused) {
   PartialState::reset();
   auto logger = get_logger("logging_test.early", "INFO");
-  EXPECT_THROWS_WITH(logger.info("hello"),
-                     "you must initialise the process state");
+  EXPECT_THROWS_WITH(logger.info("hello"), "you must initialise the process state");
 }
 
 TEST(Logger, ASingleProcessWritesLevelNameAndMessage) {
   ScopedEnv prefixed("ACCELERATE_LAUNCH_PREFIXES_OUTPUT", nullptr);
   CapturedLines captured;
   auto logger = get_logger("logging_test.single", "INFO")
-                    .with_state(PartialState::standalone(
-                        {.process_index = 0, .num_processes = 1}));
+                    .with_state(PartialState::standalone({.process_index = 0, .num_processes = 1}));
   logger.debug("dropped below the level");
   logger.info("kept");
   logger.warning("also kept", {.main_process_only = false});
@@ -149,18 +144,15 @@ TEST(Logger, EveryProcessWritesInOrderWithItsRank) {
   run_ranks(3, [](const PartialState &state) {
     // The last rank reaches the call first; in_order must still write rank 0
     // first.
-    if (state.process_index() == 0)
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    if (state.process_index() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
     get_logger("logging_test.in_order", "INFO")
         .with_state(state)
-        .info("shard " + std::to_string(state.process_index()),
-              {.main_process_only = false, .in_order = true});
+        .info("shard " + std::to_string(state.process_index()), {.main_process_only = false, .in_order = true});
   });
   const auto lines = captured.lines();
   ASSERT_EQ(lines.size(), 3u);
   for (int rank = 0; rank < 3; ++rank) {
-    EXPECT_THAT(lines[rank], HasSubstr("[rank " + std::to_string(rank) +
-                                       "] shard " + std::to_string(rank)));
+    EXPECT_THAT(lines[rank], HasSubstr("[rank " + std::to_string(rank) + "] shard " + std::to_string(rank)));
   }
 }
 
@@ -169,8 +161,7 @@ TEST(Logger, OrderedMessagesBelowTheLevelStillKeepTheProcessesTogether) {
   // Every rank must pass the barriers even though nothing is written; a rank
   // skipping them would leave the others waiting until the timeout.
   run_ranks(2, [](const PartialState &state) {
-    auto logger =
-        get_logger("logging_test.quiet_order", "ERROR").with_state(state);
+    auto logger = get_logger("logging_test.quiet_order", "ERROR").with_state(state);
     logger.info("dropped", {.main_process_only = false, .in_order = true});
     state.wait_for_everyone();
   });
@@ -181,21 +172,17 @@ TEST(Logger, NoRankIsAddedWhenTheLauncherPrefixesLines) {
   ScopedEnv prefixed("ACCELERATE_LAUNCH_PREFIXES_OUTPUT", "1");
   CapturedLines captured;
   run_ranks(2, [](const PartialState &state) {
-    get_logger("logging_test.launcher", "INFO")
-        .with_state(state)
-        .info("hi", {.main_process_only = false});
+    get_logger("logging_test.launcher", "INFO").with_state(state).info("hi", {.main_process_only = false});
   });
   const auto lines = captured.lines();
   ASSERT_EQ(lines.size(), 2u);
-  for (const auto &line : lines)
-    EXPECT_THAT(line, ::testing::Not(HasSubstr("[rank")));
+  for (const auto &line : lines) EXPECT_THAT(line, ::testing::Not(HasSubstr("[rank")));
 }
 
 TEST(Logger, WarningOnceWritesAMessageOnlyTheFirstTime) {
   CapturedLines captured;
   auto logger = get_logger("logging_test.once", "INFO")
-                    .with_state(PartialState::standalone(
-                        {.process_index = 0, .num_processes = 1}));
+                    .with_state(PartialState::standalone({.process_index = 0, .num_processes = 1}));
   logger.warning_once("deprecated");
   logger.warning_once("deprecated");
   logger.warning_once("another");
@@ -205,5 +192,5 @@ TEST(Logger, WarningOnceWritesAMessageOnlyTheFirstTime) {
   EXPECT_THAT(lines[1], HasSubstr("another"));
 }
 
-} // namespace
-} // namespace accelerate
+}  // namespace
+}  // namespace accelerate

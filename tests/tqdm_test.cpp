@@ -23,9 +23,7 @@ struct FakeClock {
   }
 };
 
-int count_of(const std::string &text, char c) {
-  return static_cast<int>(std::count(text.begin(), text.end(), c));
-}
+int count_of(const std::string &text, char c) { return static_cast<int>(std::count(text.begin(), text.end(), c)); }
 
 TEST(ProgressBar, ALogGetsALineEveryIntervalAndOneAtTheEnd) {
   FakeClock clock;
@@ -36,12 +34,11 @@ TEST(ProgressBar, ALogGetsALineEveryIntervalAndOneAtTheEnd) {
                      .interactive = false,
                      .log_interval = 10,
                      .stream = &out,
-                     .state = PartialState::standalone(
-                         {.process_index = 0, .num_processes = 1}),
+                     .state = PartialState::standalone({.process_index = 0, .num_processes = 1}),
                      .clock = clock.fn()});
     for (int i = 0; i < 100; ++i) {
-      clock.seconds += 0.5; // 50 s in all: lines at 10, 20, 30, 40, 50 s, then
-                            // the closing one
+      clock.seconds += 0.5;  // 50 s in all: lines at 10, 20, 30, 40, 50 s, then
+                             // the closing one
       bar.update();
     }
     bar.set_postfix("loss=1.5");
@@ -51,9 +48,7 @@ TEST(ProgressBar, ALogGetsALineEveryIntervalAndOneAtTheEnd) {
   EXPECT_EQ(count_of(text, '\r'), 0) << text;
   EXPECT_THAT(text, HasSubstr("train:  20% 20/100 [00:10<00:40, 2.00it/s]\n"));
   // The closing line shows the whole run and the postfix.
-  EXPECT_THAT(text,
-              ::testing::EndsWith(
-                  "train: 100% 100/100 [00:50<00:00, 2.00it/s, loss=1.5]\n"));
+  EXPECT_THAT(text, ::testing::EndsWith("train: 100% 100/100 [00:50<00:00, 2.00it/s, loss=1.5]\n"));
 }
 
 TEST(ProgressBar, ATerminalRedrawsOneLineAtMostEveryMinInterval) {
@@ -63,20 +58,16 @@ TEST(ProgressBar, ATerminalRedrawsOneLineAtMostEveryMinInterval) {
                    .interactive = true,
                    .min_interval = 1.0,
                    .stream = &out,
-                   .state = PartialState::standalone(
-                       {.process_index = 0, .num_processes = 1}),
+                   .state = PartialState::standalone({.process_index = 0, .num_processes = 1}),
                    .clock = clock.fn()});
-  bar.update(); // too soon after the first draw
+  bar.update();  // too soon after the first draw
   clock.seconds = 2;
   bar.update();
   bar.close();
   const std::string text = out.str();
-  EXPECT_EQ(count_of(text, '\r'), 3)
-      << text; // start, the update at 2 s, the close
+  EXPECT_EQ(count_of(text, '\r'), 3) << text;  // start, the update at 2 s, the close
   EXPECT_EQ(count_of(text, '\n'), 1) << text;
-  EXPECT_THAT(
-      text,
-      HasSubstr(" 50%|##########          | 2/4 [00:02<00:02, 1.00it/s]"));
+  EXPECT_THAT(text, HasSubstr(" 50%|##########          | 2/4 [00:02<00:02, 1.00it/s]"));
 }
 
 TEST(ProgressBar, AResumedRunCountsOnlyItsOwnStepsInTheRate) {
@@ -86,8 +77,7 @@ TEST(ProgressBar, AResumedRunCountsOnlyItsOwnStepsInTheRate) {
                    .initial = 100,
                    .interactive = false,
                    .stream = &out,
-                   .state = PartialState::standalone(
-                       {.process_index = 0, .num_processes = 1}),
+                   .state = PartialState::standalone({.process_index = 0, .num_processes = 1}),
                    .clock = clock.fn()});
   clock.seconds = 10;
   bar.update(50);
@@ -101,8 +91,7 @@ TEST(ProgressBar, WithoutATotalItShowsCountAndRate) {
   ProgressBar bar({.unit = "batch",
                    .interactive = false,
                    .stream = &out,
-                   .state = PartialState::standalone(
-                       {.process_index = 0, .num_processes = 1}),
+                   .state = PartialState::standalone({.process_index = 0, .num_processes = 1}),
                    .clock = clock.fn()});
   clock.seconds = 4;
   bar.update(2);
@@ -113,27 +102,18 @@ TEST(ProgressBar, OnlyTheLocalMainProcessShowsIt) {
   std::ostringstream hidden_out, shown_out, main_out;
   testing::run_ranks(2, [&](const PartialState &state) {
     if (state.local_process_index() == 0) {
-      ProgressBar bar({.total = 3,
-                       .interactive = false,
-                       .stream = &main_out,
-                       .state = state});
+      ProgressBar bar({.total = 3, .interactive = false, .stream = &main_out, .state = state});
       bar.update(3);
       return;
     }
     {
-      ProgressBar hidden({.total = 3,
-                          .interactive = false,
-                          .stream = &hidden_out,
-                          .state = state});
+      ProgressBar hidden({.total = 3, .interactive = false, .stream = &hidden_out, .state = state});
       hidden.update(3);
       EXPECT_TRUE(hidden.disabled());
     }
     // main_process_only = false shows it on every process.
-    ProgressBar shown({.total = 3,
-                       .main_process_only = false,
-                       .interactive = false,
-                       .stream = &shown_out,
-                       .state = state});
+    ProgressBar shown(
+        {.total = 3, .main_process_only = false, .interactive = false, .stream = &shown_out, .state = state});
     shown.update(3);
   });
   EXPECT_EQ(hidden_out.str(), "");
@@ -146,8 +126,7 @@ TEST(ProgressBar, CloseWritesOnceAndLaterUpdatesAreIgnored) {
   ProgressBar bar({.total = 2,
                    .interactive = false,
                    .stream = &out,
-                   .state = PartialState::standalone(
-                       {.process_index = 0, .num_processes = 1})});
+                   .state = PartialState::standalone({.process_index = 0, .num_processes = 1})});
   bar.update(2);
   bar.close();
   bar.update();
@@ -157,9 +136,8 @@ TEST(ProgressBar, CloseWritesOnceAndLaterUpdatesAreIgnored) {
 }
 
 TEST(ProgressBar, ANegativeTotalIsRefused) {
-  EXPECT_THROWS_WITH(ProgressBar({.total = -1, .disable = true}),
-                     "total must be >= 0, got -1");
+  EXPECT_THROWS_WITH(ProgressBar({.total = -1, .disable = true}), "total must be >= 0, got -1");
 }
 
-} // namespace
-} // namespace accelerate
+}  // namespace
+}  // namespace accelerate

@@ -26,13 +26,7 @@
 namespace accelerate {
 
 /// Severity of a message, with Python's numeric levels.
-enum class LogLevel {
-  kDebug = 10,
-  kInfo = 20,
-  kWarning = 30,
-  kError = 40,
-  kCritical = 50
-};
+enum class LogLevel { kDebug = 10, kInfo = 20, kWarning = 30, kError = 40, kCritical = 50 };
 
 /// "DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL".
 std::string to_string(LogLevel level);
@@ -61,12 +55,12 @@ LogSink set_log_sink(LogSink sink);
 
 namespace detail {
 struct LoggerData;
-} // namespace detail
+}  // namespace detail
 
 /// A named logger aware of the job's processes (upstream:
 /// `MultiProcessAdapter`). A cheap handle: copies share the name and level.
 class Logger {
-public:
+ public:
   /// The logger's name.
   const std::string &name() const;
   /// Messages below this level are dropped.
@@ -78,20 +72,11 @@ public:
   /// Writes `message` at `level` as `options` say. Throws when no process-wide
   /// state exists yet and the logger is not bound to a state (upstream raises
   /// the same), since it cannot tell which process it runs on.
-  void log(LogLevel level, const std::string &message,
-           LogOptions options = {}) const;
-  void debug(const std::string &message, LogOptions options = {}) const {
-    log(LogLevel::kDebug, message, options);
-  }
-  void info(const std::string &message, LogOptions options = {}) const {
-    log(LogLevel::kInfo, message, options);
-  }
-  void warning(const std::string &message, LogOptions options = {}) const {
-    log(LogLevel::kWarning, message, options);
-  }
-  void error(const std::string &message, LogOptions options = {}) const {
-    log(LogLevel::kError, message, options);
-  }
+  void log(LogLevel level, const std::string &message, LogOptions options = {}) const;
+  void debug(const std::string &message, LogOptions options = {}) const { log(LogLevel::kDebug, message, options); }
+  void info(const std::string &message, LogOptions options = {}) const { log(LogLevel::kInfo, message, options); }
+  void warning(const std::string &message, LogOptions options = {}) const { log(LogLevel::kWarning, message, options); }
+  void error(const std::string &message, LogOptions options = {}) const { log(LogLevel::kError, message, options); }
   void critical(const std::string &message, LogOptions options = {}) const {
     log(LogLevel::kCritical, message, options);
   }
@@ -103,11 +88,9 @@ public:
   /// state (for ranks run as threads, or a standalone `Accelerator`).
   Logger with_state(PartialState state) const;
 
-private:
-  friend Logger get_logger(const std::string &name,
-                           std::optional<std::string> log_level);
-  explicit Logger(std::shared_ptr<detail::LoggerData> data)
-      : data_(std::move(data)) {}
+ private:
+  friend Logger get_logger(const std::string &name, std::optional<std::string> log_level);
+  explicit Logger(std::shared_ptr<detail::LoggerData> data) : data_(std::move(data)) {}
   std::shared_ptr<detail::LoggerData> data_;
   std::optional<PartialState> state_;
 };
@@ -115,7 +98,6 @@ private:
 /// The logger called `name` (the same one for every call with that name). With
 /// `log_level` (or, without it, `ACCELERATE_LOG_LEVEL` set), sets its level; an
 /// unknown level name throws `c10::ValueError` naming it.
-Logger get_logger(const std::string &name,
-                  std::optional<std::string> log_level = std::nullopt);
+Logger get_logger(const std::string &name, std::optional<std::string> log_level = std::nullopt);
 
-} // namespace accelerate
+}  // namespace accelerate

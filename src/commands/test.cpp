@@ -29,12 +29,12 @@ namespace fs = std::filesystem;
 struct CheckContext {
   Accelerator &accelerator;
   bool fail_on_purpose;
-  fs::path scratch; // a folder of the same name on every machine
+  fs::path scratch;  // a folder of the same name on every machine
 };
 
 void expect(bool ok, const std::string &check, const std::string &what) {
-  TORCH_CHECK(ok, "[accelerate test] check '", check, "' failed on process ",
-              PartialState().process_index(), ": ", what);
+  TORCH_CHECK(ok, "[accelerate test] check '", check, "' failed on process ", PartialState().process_index(), ": ",
+              what);
 }
 
 void check_process_control(const CheckContext &c) {
@@ -42,31 +42,23 @@ void check_process_control(const CheckContext &c) {
   const int n = acc.num_processes();
   const int shift = c.fail_on_purpose ? 1 : 0;
   // Every process has its own index, and they are 0..n-1.
-  auto indices =
-      acc.gather(torch::tensor({static_cast<int64_t>(acc.process_index())}));
-  expect(torch::equal(indices, torch::arange(n, torch::kLong) + shift),
-         "process_control",
-         c10::str("the gathered process indices are ", indices,
-                  " instead of 0..", n - 1));
+  auto indices = acc.gather(torch::tensor({static_cast<int64_t>(acc.process_index())}));
+  expect(torch::equal(indices, torch::arange(n, torch::kLong) + shift), "process_control",
+         c10::str("the gathered process indices are ", indices, " instead of 0..", n - 1));
 
   // The main process runs first, then the others.
   const fs::path order = c.scratch / "order.txt";
-  acc.main_process_first([&] {
-    std::ofstream(order, std::ios::app) << acc.process_index() << "\n";
-  });
+  acc.main_process_first([&] { std::ofstream(order, std::ios::app) << acc.process_index() << "\n"; });
   acc.wait_for_everyone();
-  if (acc.is_main_process()) { // the file holds the processes of the main
-                               // process's machine
+  if (acc.is_main_process()) {  // the file holds the processes of the main
+                                // process's machine
     std::ifstream in(order);
     int first = -1, lines = 0;
     for (int value; in >> value; ++lines) {
-      if (lines == 0)
-        first = value;
+      if (lines == 0) first = value;
     }
-    expect(first == 0 && lines == PartialState().local_num_processes(),
-           "process_control",
-           c10::str("main_process_first let process ", first, " run first (",
-                    lines, " processes ran)"));
+    expect(first == 0 && lines == PartialState().local_num_processes(), "process_control",
+           c10::str("main_process_first let process ", first, " run first (", lines, " processes ran)"));
   }
   acc.wait_for_everyone();
 
@@ -76,23 +68,18 @@ void check_process_control(const CheckContext &c) {
   std::iota(items.begin(), items.end(), 0);
   auto mine = acc.split_between_processes(items);
   std::vector<int64_t> joined;
-  for (const auto &share :
-       gather_object(PartialState(), std::vector<std::vector<int64_t>>{mine})) {
+  for (const auto &share : gather_object(PartialState(), std::vector<std::vector<int64_t>>{mine})) {
     joined.insert(joined.end(), share.begin(), share.end());
   }
-  if (c.fail_on_purpose)
-    joined.push_back(-1);
-  expect(joined == items, "process_control",
-         "split_between_processes lost or repeated items");
+  if (c.fail_on_purpose) joined.push_back(-1);
+  expect(joined == items, "process_control", "split_between_processes lost or repeated items");
 }
 
 void check_data_sharding(const CheckContext &c) {
   Accelerator &acc = c.accelerator;
   const int n = acc.num_processes();
-  const int64_t length =
-      3 * 4 * n + 1; // not a multiple of the batch size times the processes
-  auto data =
-      std::make_shared<TensorDataset>(torch::arange(length, torch::kLong));
+  const int64_t length = 3 * 4 * n + 1;  // not a multiple of the batch size times the processes
+  auto data = std::make_shared<TensorDataset>(torch::arange(length, torch::kLong));
   auto loader = acc.prepare(DataLoader(data, {.batch_size = 3}));
   std::vector<torch::Tensor> seen;
   int64_t batches = 0;
@@ -101,13 +88,9 @@ void check_data_sharding(const CheckContext &c) {
     ++batches;
   }
   auto all = torch::cat(seen);
-  auto expected =
-      torch::arange(length + (c.fail_on_purpose ? 1 : 0), torch::kLong);
-  expect(all.numel() == expected.numel() &&
-             torch::equal(std::get<0>(all.sort()), expected),
-         "data_sharding",
-         c10::str("the processes together saw ", all.numel(),
-                  " samples instead of each of the ", expected.numel(),
+  auto expected = torch::arange(length + (c.fail_on_purpose ? 1 : 0), torch::kLong);
+  expect(all.numel() == expected.numel() && torch::equal(std::get<0>(all.sort()), expected), "data_sharding",
+         c10::str("the processes together saw ", all.numel(), " samples instead of each of the ", expected.numel(),
                   " once"));
   // Even batches: every process ran the same number of steps.
   auto counts = acc.gather(torch::tensor({batches}));
@@ -146,8 +129,7 @@ void check_training(const CheckContext &c) {
   // ... equals n processes over batches of `batch` with synchronised gradients.
   Line net;
   auto sgd = std::make_shared<torch::optim::SGD>(net->parameters(), 0.1);
-  auto [model, optimizer, loader] =
-      acc.prepare(net, sgd, DataLoader(data, {.batch_size = batch}));
+  auto [model, optimizer, loader] = acc.prepare(net, sgd, DataLoader(data, {.batch_size = batch}));
   for (int epoch = 0; epoch < 3; ++epoch) {
     for (auto &b : loader) {
       optimizer.zero_grad();
@@ -155,14 +137,11 @@ void check_training(const CheckContext &c) {
       optimizer.step();
     }
   }
-  const double a = net->a.item<double>() + (c.fail_on_purpose ? 1 : 0),
-               b = net->b.item<double>();
+  const double a = net->a.item<double>() + (c.fail_on_purpose ? 1 : 0), b = net->b.item<double>();
   const double a0 = baseline->a.item<double>(), b0 = baseline->b.item<double>();
-  expect(std::abs(a - a0) <= 1e-5 + 1.3e-6 * std::abs(a0) &&
-             std::abs(b - b0) <= 1e-5 + 1.3e-6 * std::abs(b0),
+  expect(std::abs(a - a0) <= 1e-5 + 1.3e-6 * std::abs(a0) && std::abs(b - b0) <= 1e-5 + 1.3e-6 * std::abs(b0),
          "training",
-         c10::str("distributed training gave a=", a, " b=", b,
-                  ", one process on the whole batch a=", a0, " b=", b0));
+         c10::str("distributed training gave a=", a, " b=", b, ", one process on the whole batch a=", a0, " b=", b0));
 }
 
 void check_collectives(const CheckContext &c) {
@@ -173,17 +152,14 @@ void check_collectives(const CheckContext &c) {
   const double expected_sum = n * (n + 1) / 2.0 + (c.fail_on_purpose ? 1 : 0);
   expect(sum.item<double>() == expected_sum, "collectives",
          c10::str("reduce(sum) of 1..", n, " gave ", sum.item<double>()));
-  auto from_last = broadcast(
-      PartialState(), torch::full({2}, static_cast<double>(rank)), n - 1);
-  expect(torch::equal(from_last, torch::full({2}, static_cast<double>(n - 1))),
-         "collectives",
+  auto from_last = broadcast(PartialState(), torch::full({2}, static_cast<double>(rank)), n - 1);
+  expect(torch::equal(from_last, torch::full({2}, static_cast<double>(n - 1))), "collectives",
          c10::str("broadcast from the last process gave ", from_last));
   // Tensors of different lengths are padded to the longest, then gathered.
   auto padded = acc.pad_across_processes(torch::ones({rank + 1}), /*dim=*/0,
                                          /*pad_index=*/-1);
-  expect(padded.size(0) == n &&
-             padded.slice(0, rank + 1).eq(-1).all().item<bool>(),
-         "collectives", c10::str("pad_across_processes gave ", padded));
+  expect(padded.size(0) == n && padded.slice(0, rank + 1).eq(-1).all().item<bool>(), "collectives",
+         c10::str("pad_across_processes gave ", padded));
   auto gathered = acc.gather(padded.unsqueeze(0));
   expect(gathered.sizes() == torch::IntArrayRef({n, n}), "collectives",
          c10::str("gather of padded tensors has shape ", gathered.sizes()));
@@ -201,14 +177,12 @@ void check_checkpoint(const CheckContext &c) {
     optimizer.step();
   };
   step();
-  const std::string folder =
-      acc.save_state((c.scratch / "checkpoint").string());
+  const std::string folder = acc.save_state((c.scratch / "checkpoint").string());
   const auto saved = net->weight.detach().clone();
   step();
   const auto next = net->weight.detach().clone();
   acc.load_state(folder);
-  expect(torch::equal(net->weight.detach(), saved) != c.fail_on_purpose,
-         "checkpoint",
+  expect(torch::equal(net->weight.detach(), saved) != c.fail_on_purpose, "checkpoint",
          "load_state did not restore the weights save_state saved");
   // Adam's moments came back too: the same step from the restored state gives
   // the same weights.
@@ -218,26 +192,22 @@ void check_checkpoint(const CheckContext &c) {
          "(optimizer state not restored)");
 }
 
-const std::vector<
-    std::pair<std::string, std::function<void(const CheckContext &)>>> &
-checks() {
-  static const std::vector<
-      std::pair<std::string, std::function<void(const CheckContext &)>>>
-      all = {{"process_control", check_process_control},
-             {"data_sharding", check_data_sharding},
-             {"training", check_training},
-             {"collectives", check_collectives},
-             {"checkpoint", check_checkpoint}};
+const std::vector<std::pair<std::string, std::function<void(const CheckContext &)>>> &checks() {
+  static const std::vector<std::pair<std::string, std::function<void(const CheckContext &)>>> all = {
+      {"process_control", check_process_control},
+      {"data_sharding", check_data_sharding},
+      {"training", check_training},
+      {"collectives", check_collectives},
+      {"checkpoint", check_checkpoint}};
   return all;
 }
 
-} // namespace
+}  // namespace
 
 const std::vector<std::string> &test_checks() {
   static const std::vector<std::string> names = [] {
     std::vector<std::string> out;
-    for (const auto &[name, fn] : checks())
-      out.push_back(name);
+    for (const auto &[name, fn] : checks()) out.push_back(name);
     return out;
   }();
   return names;
@@ -245,30 +215,24 @@ const std::vector<std::string> &test_checks() {
 
 void run_test_checks() {
   const std::string fail = get_env("ACCELERATE_TEST_FAIL_CHECK").value_or("");
-  TORCH_CHECK_VALUE(
-      fail.empty() ||
-          std::count(test_checks().begin(), test_checks().end(), fail) == 1,
-      "[accelerate test] ACCELERATE_TEST_FAIL_CHECK names no check: '", fail,
-      "'");
+  TORCH_CHECK_VALUE(fail.empty() || std::count(test_checks().begin(), test_checks().end(), fail) == 1,
+                    "[accelerate test] ACCELERATE_TEST_FAIL_CHECK names no check: '", fail, "'");
   Accelerator accelerator({.project_config = {.save_on_each_node = true}});
   // The main process picks a folder name; the main process of each machine
   // creates it.
   std::vector<std::string> name = {""};
   if (accelerator.is_main_process()) {
     std::random_device random;
-    name[0] = "accelerate-test-" + std::to_string(random()) +
-              std::to_string(random());
+    name[0] = "accelerate-test-" + std::to_string(random()) + std::to_string(random());
   }
   broadcast_object_list(PartialState(), name);
   const fs::path scratch = fs::temp_directory_path() / name[0];
-  if (accelerator.is_local_main_process())
-    fs::create_directories(scratch);
+  if (accelerator.is_local_main_process()) fs::create_directories(scratch);
   accelerator.wait_for_everyone();
 
-  accelerator.print("accelerate test: running", checks().size(), "checks on",
-                    accelerator.num_processes(), "process(es),",
-                    to_string(accelerator.distributed_type()),
-                    "with mixed precision", accelerator.mixed_precision());
+  accelerator.print("accelerate test: running", checks().size(), "checks on", accelerator.num_processes(),
+                    "process(es),", to_string(accelerator.distributed_type()), "with mixed precision",
+                    accelerator.mixed_precision());
   try {
     for (const auto &[check_name, fn] : checks()) {
       fn(CheckContext{accelerator, check_name == fail, scratch});
@@ -281,25 +245,22 @@ void run_test_checks() {
     throw;
   }
   accelerator.wait_for_everyone();
-  if (accelerator.is_local_main_process())
-    fs::remove_all(scratch);
+  if (accelerator.is_local_main_process()) fs::remove_all(scratch);
 }
 
-int test_main(const std::vector<std::string> &argv,
-              const std::string &accelerate_program) {
-  CLI::App app{"Run a short end-to-end check of the configured setup: process "
-               "control, data sharding, training "
-               "equivalence, collectives and a checkpoint save/load.",
-               "accelerate test"};
+int test_main(const std::vector<std::string> &argv, const std::string &accelerate_program) {
+  CLI::App app{
+      "Run a short end-to-end check of the configured setup: process "
+      "control, data sharding, training "
+      "equivalence, collectives and a checkpoint save/load.",
+      "accelerate test"};
   std::string config_file;
   bool run_checks = false;
   app.set_help_flag("-h,--help", "Show this help and exit");
   app.add_option("--config_file,--config-file", config_file,
                  "The configuration to test (default: the default "
                  "configuration file when it exists)");
-  app.add_flag(
-      "--run_checks", run_checks,
-      "Run the checks in this process (what each launched process does)");
+  app.add_flag("--run_checks", run_checks, "Run the checks in this process (what each launched process does)");
   try {
     std::vector<std::string> reversed(argv.rbegin(), argv.rend());
     app.parse(reversed);
@@ -321,24 +282,18 @@ int test_main(const std::vector<std::string> &argv,
     return 0;
   }
   std::vector<std::string> launch_argv;
-  if (!config_file.empty())
-    launch_argv = {"--config_file", config_file};
-  launch_argv.insert(launch_argv.end(),
-                     {accelerate_program, "test", "--run_checks"});
+  if (!config_file.empty()) launch_argv = {"--config_file", config_file};
+  launch_argv.insert(launch_argv.end(), {accelerate_program, "test", "--run_checks"});
   std::cout << "Running: accelerate launch";
-  for (const auto &arg : launch_argv)
-    std::cout << " " << arg;
+  for (const auto &arg : launch_argv) std::cout << " " << arg;
   std::cout << std::endl;
   const int code = launch_main(launch_argv);
   if (code == 0) {
-    std::cout
-        << "Test is a success! You are ready for your distributed training!"
-        << std::endl;
+    std::cout << "Test is a success! You are ready for your distributed training!" << std::endl;
   } else {
-    std::cout << "Test failed (exit code " << code << "): see the error above."
-              << std::endl;
+    std::cout << "Test failed (exit code " << code << "): see the error above." << std::endl;
   }
   return code;
 }
 
-} // namespace accelerate::commands
+}  // namespace accelerate::commands

@@ -21,10 +21,8 @@ using ::testing::Not;
 std::string write_config(const TempDir &dir, int num_processes) {
   const std::string path = dir.str() + "/config.yaml";
   std::ofstream(path) << "compute_environment: LOCAL_MACHINE\n"
-                      << "distributed_type: "
-                      << (num_processes > 1 ? "MULTI_CPU" : "'NO'") << "\n"
-                      << "mixed_precision: 'no'\nnum_processes: "
-                      << num_processes << "\n"
+                      << "distributed_type: " << (num_processes > 1 ? "MULTI_CPU" : "'NO'") << "\n"
+                      << "mixed_precision: 'no'\nnum_processes: " << num_processes << "\n"
                       << "machine_rank: 0\nnum_machines: 1\nmain_process_port: "
                          "0\nuse_cpu: true\n";
   return path;
@@ -32,11 +30,9 @@ std::string write_config(const TempDir &dir, int num_processes) {
 
 TEST(TestCommand, EveryCheckPassesOnTwoProcesses) {
   TempDir dir;
-  auto r = run(
-      {accelerate_bin(), "test", "--config_file", write_config(dir, 2)}, 120);
+  auto r = run({accelerate_bin(), "test", "--config_file", write_config(dir, 2)}, 120);
   EXPECT_EQ(r->exit_code(), 0) << r->out << r->err;
-  EXPECT_THAT(r->out,
-              HasSubstr("running 5 checks on 2 process(es), MULTI_CPU"));
+  EXPECT_THAT(r->out, HasSubstr("running 5 checks on 2 process(es), MULTI_CPU"));
   for (const auto &check : commands::test_checks()) {
     EXPECT_THAT(r->out, HasSubstr("check " + check + ": ok")) << check;
   }
@@ -45,8 +41,7 @@ TEST(TestCommand, EveryCheckPassesOnTwoProcesses) {
 
 TEST(TestCommand, EveryCheckPassesOnOneProcess) {
   TempDir dir;
-  auto r = run(
-      {accelerate_bin(), "test", "--config_file", write_config(dir, 1)}, 120);
+  auto r = run({accelerate_bin(), "test", "--config_file", write_config(dir, 1)}, 120);
   EXPECT_EQ(r->exit_code(), 0) << r->out << r->err;
   EXPECT_THAT(r->out, HasSubstr("running 5 checks on 1 process(es), NO"));
   EXPECT_THAT(r->out, HasSubstr("Test is a success!"));
@@ -55,9 +50,8 @@ TEST(TestCommand, EveryCheckPassesOnOneProcess) {
 TEST(TestCommand, AFailingCheckIsNamedAndFailsTheCommand) {
   TempDir dir;
   for (const std::string check : {"collectives", "checkpoint"}) {
-    auto r =
-        run({accelerate_bin(), "test", "--config_file", write_config(dir, 2)},
-            120, {{"ACCELERATE_TEST_FAIL_CHECK", check}});
+    auto r = run({accelerate_bin(), "test", "--config_file", write_config(dir, 2)}, 120,
+                 {{"ACCELERATE_TEST_FAIL_CHECK", check}});
     EXPECT_NE(r->exit_code(), 0) << r->out << r->err;
     EXPECT_THAT(r->err, HasSubstr("check '" + check + "' failed on process"));
     EXPECT_THAT(r->out, HasSubstr("Test failed"));
@@ -69,13 +63,10 @@ TEST(TestCommand, AFailingCheckIsNamedAndFailsTheCommand) {
 
 TEST(TestCommand, AnUnknownCheckToFailIsRefusedByName) {
   TempDir dir;
-  auto r =
-      run({accelerate_bin(), "test", "--config_file", write_config(dir, 1)}, 60,
-          {{"ACCELERATE_TEST_FAIL_CHECK", "nonsense"}});
+  auto r = run({accelerate_bin(), "test", "--config_file", write_config(dir, 1)}, 60,
+               {{"ACCELERATE_TEST_FAIL_CHECK", "nonsense"}});
   EXPECT_NE(r->exit_code(), 0);
-  EXPECT_THAT(
-      r->err,
-      HasSubstr("ACCELERATE_TEST_FAIL_CHECK names no check: 'nonsense'"));
+  EXPECT_THAT(r->err, HasSubstr("ACCELERATE_TEST_FAIL_CHECK names no check: 'nonsense'"));
 }
 
 TEST(TestCommand, HelpAndUnknownFlags) {
@@ -88,12 +79,11 @@ TEST(TestCommand, HelpAndUnknownFlags) {
 }
 
 TEST(TestCommand, AMissingConfigurationFileIsNamed) {
-  auto r = run(
-      {accelerate_bin(), "test", "--config_file", "/nonexistent/config.yaml"});
+  auto r = run({accelerate_bin(), "test", "--config_file", "/nonexistent/config.yaml"});
   EXPECT_NE(r->exit_code(), 0);
   EXPECT_THAT(r->err, HasSubstr("/nonexistent/config.yaml"));
   EXPECT_THAT(r->out, HasSubstr("Test failed"));
 }
 
-} // namespace
-} // namespace accelerate::testing
+}  // namespace
+}  // namespace accelerate::testing

@@ -10,19 +10,17 @@
 
 namespace {
 
-void usage(std::ostream &out) {
+void usage(std::ostream& out) {
   out << "usage: accelerate <command> [<args>]\n\n"
          "commands:\n"
-         "  launch    run a program on one or several processes (accelerate "
-         "launch --help)\n"
-         "  test      check the configured setup end to end (accelerate test "
-         "--help)\n"
+         "  launch    run a program on one or several processes (accelerate launch --help)\n"
+         "  test      check the configured setup end to end (accelerate test --help)\n"
          "  version   print the versions of accelerate-cpp and LibTorch\n";
 }
 
-} // namespace
+}  // namespace
 
-int main(int argc, char **argv) {
+int main(int argc, char** argv) {
   std::vector<std::string> args(argv + 1, argv + argc);
   if (args.empty() || args[0] == "-h" || args[0] == "--help") {
     usage(args.empty() ? std::cerr : std::cout);
@@ -30,14 +28,13 @@ int main(int argc, char **argv) {
   }
   const std::string command = args[0];
   args.erase(args.begin());
-  if (command == "launch")
-    return accelerate::commands::launch_main(args);
-  if (command == "test")
-    return accelerate::commands::test_main(
-        args, std::filesystem::read_symlink("/proc/self/exe").string());
+  if (command == "launch") return accelerate::commands::launch_main(args);
+  if (command == "test") {
+    return accelerate::commands::test_main(args, std::filesystem::read_symlink("/proc/self/exe").string());
+  }
   if (command == "version" || command == "--version") {
-    std::cout << "accelerate-cpp " << accelerate::accelerate_version()
-              << " (LibTorch " << accelerate::torch_version() << ")\n";
+    std::cout << "accelerate-cpp " << accelerate::accelerate_version() << " (LibTorch " << accelerate::torch_version()
+              << ")\n";
     return 0;
   }
   std::cerr << "accelerate: unknown command '" << command << "'\n";

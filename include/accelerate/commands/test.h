@@ -27,7 +27,6 @@ void run_test_checks();
 /// --run_checks` through `accelerate launch` with the configuration, prints the
 /// outcome, and returns 0 when every check passed on every process, else the
 /// launcher's exit code.
-int test_main(const std::vector<std::string> &argv,
-              const std::string &accelerate_program);
+int test_main(const std::vector<std::string> &argv, const std::string &accelerate_program);
 
-} // namespace accelerate::commands
+}  // namespace accelerate::commands

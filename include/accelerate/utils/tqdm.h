@@ -58,7 +58,7 @@ struct ProgressBarOptions {
 /// A progress bar over a loop's steps (upstream: `accelerate.utils.tqdm`).
 /// Closing (explicitly or on destruction) writes the final state once.
 class ProgressBar {
-public:
+ public:
   explicit ProgressBar(ProgressBarOptions options = {});
   ~ProgressBar();
   ProgressBar(const ProgressBar &) = delete;
@@ -83,7 +83,7 @@ public:
   /// interactive).
   std::string format() const;
 
-private:
+ private:
   void draw(bool final);
   double now() const;
 
@@ -98,4 +98,4 @@ private:
   size_t last_width_ = 0;
 };
 
-} // namespace accelerate
+}  // namespace accelerate
