@@ -1,34 +1,26 @@
-// The main example: a character-level GPT trained on Shakespeare with
-// everything a real run has.
+// The main example: a character-level GPT trained on Shakespeare with everything a real run has.
 //
-//   accelerate launch --num_processes 2 build/release/examples/char_gpt --data
-//   examples/data/tinyshakespeare.txt
+//   accelerate launch --num_processes 2 build/release/examples/char_gpt
 //
-// What it shows (upstream's examples/nlp_example.py and
-// complete_nlp_example.py, for a GPT):
-//   - one loop for 1 or N processes: `prepare` shards the data and synchronises
-//   the gradients;
-//   - mixed precision (`--mixed_precision bf16`, or `accelerate launch
-//   --mixed_precision bf16`);
-//   - gradient accumulation (`--gradient_accumulation_steps`) with
-//   `accumulate`;
+// What it shows (upstream's examples/nlp_example.py and complete_nlp_example.py, for a GPT):
+//   - one loop for 1 or N processes: `prepare` shards the data and synchronises the gradients;
+//   - mixed precision (`--mixed_precision bf16`, or `accelerate launch --mixed_precision bf16`);
+//   - gradient accumulation (`--gradient_accumulation_steps`) with `accumulate`;
 //   - a cosine learning-rate schedule with warmup;
-//   - periodic evaluation on held-out text, gathered from every process with
-//   `gather_for_metrics`;
-//   - TensorBoard and JSONL logging (`<output_dir>/logs/char_gpt`) through
-//   `log_with`;
+//   - periodic evaluation on held-out text, gathered from every process with `gather_for_metrics`;
+//   - TensorBoard and JSONL logging (`<output_dir>/logs/char_gpt`) through `log_with`;
 //   - a progress bar and log lines on the main process only;
-//   - crash-safe checkpoints every `--checkpoint_every` steps, and `--resume`
-//   from the newest;
+//   - crash-safe checkpoints every `--checkpoint_every` steps, and `--resume` from the newest;
 //   - a text sample from the trained model at the end.
-// The defaults finish in a few minutes on two CPU cores; the validation loss
-// falls from ~4.2 (a uniform guess over the characters) to about 2.
+// The defaults finish in a few minutes on two CPU cores; the validation loss falls from ~4.2 (a
+// uniform guess over the characters) to about 2.
 #include <accelerate/accelerate.h>
 
 #include <torch/torch.h>
 
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <map>
@@ -40,11 +32,10 @@ namespace acc = accelerate;
 
 namespace {
 
-// ---- settings
-// ---------------------------------------------------------------------------------
+// ---- settings ---------------------------------------------------------------------------------
 
 struct Settings {
-  std::string data = "examples/data/tinyshakespeare.txt";
+  std::string data;  // default: data/tinyshakespeare.txt beside the program, else under examples/
   std::string output_dir = "runs/char_gpt";
   std::string mixed_precision;  // empty: the launcher's choice
                                 // (ACCELERATE_MIXED_PRECISION), else "no"
@@ -52,21 +43,21 @@ struct Settings {
   int64_t batch_size = 16;  // per process
   int gradient_accumulation_steps = 2;
   int64_t block_size = 64;
-  int64_t n_layer = 2;
+  int64_t n_layer = 3;
   int64_t n_head = 4;
   int64_t n_embd = 128;
   double learning_rate = 3e-3;
   int64_t warmup_steps = 40;
   int64_t eval_every = 100;
   int64_t eval_samples = 256;
-  int64_t checkpoint_every = 200;
+  int64_t checkpoint_every = 100;
   int total_limit = 2;
   bool resume = false;
   int64_t sample_length = 300;
   uint64_t seed = 1337;
 };
 
-[[noreturn]] void usage_error(const std::string &message) {
+[[noreturn]] void usage_error(const std::string& message) {
   std::cerr << "char_gpt: " << message << "\n"
             << "usage: char_gpt [--data FILE] [--output_dir DIR] [--mixed_precision "
                "no|bf16|fp16] [--max_steps N]\n"
@@ -80,27 +71,27 @@ struct Settings {
   std::exit(2);
 }
 
-Settings parse_settings(int argc, char **argv) {
+Settings parse_settings(int argc, char** argv) {
   Settings s;
-  std::map<std::string, std::function<void(const std::string &)>> flags = {
-      {"--data", [&](const std::string &v) { s.data = v; }},
-      {"--output_dir", [&](const std::string &v) { s.output_dir = v; }},
-      {"--mixed_precision", [&](const std::string &v) { s.mixed_precision = v; }},
-      {"--max_steps", [&](const std::string &v) { s.max_steps = std::stoll(v); }},
-      {"--batch_size", [&](const std::string &v) { s.batch_size = std::stoll(v); }},
-      {"--gradient_accumulation_steps", [&](const std::string &v) { s.gradient_accumulation_steps = std::stoi(v); }},
-      {"--block_size", [&](const std::string &v) { s.block_size = std::stoll(v); }},
-      {"--n_layer", [&](const std::string &v) { s.n_layer = std::stoll(v); }},
-      {"--n_head", [&](const std::string &v) { s.n_head = std::stoll(v); }},
-      {"--n_embd", [&](const std::string &v) { s.n_embd = std::stoll(v); }},
-      {"--learning_rate", [&](const std::string &v) { s.learning_rate = std::stod(v); }},
-      {"--warmup_steps", [&](const std::string &v) { s.warmup_steps = std::stoll(v); }},
-      {"--eval_every", [&](const std::string &v) { s.eval_every = std::stoll(v); }},
-      {"--eval_samples", [&](const std::string &v) { s.eval_samples = std::stoll(v); }},
-      {"--checkpoint_every", [&](const std::string &v) { s.checkpoint_every = std::stoll(v); }},
-      {"--total_limit", [&](const std::string &v) { s.total_limit = std::stoi(v); }},
-      {"--sample_length", [&](const std::string &v) { s.sample_length = std::stoll(v); }},
-      {"--seed", [&](const std::string &v) { s.seed = std::stoull(v); }},
+  std::map<std::string, std::function<void(const std::string&)>> flags = {
+      {"--data", [&](const std::string& v) { s.data = v; }},
+      {"--output_dir", [&](const std::string& v) { s.output_dir = v; }},
+      {"--mixed_precision", [&](const std::string& v) { s.mixed_precision = v; }},
+      {"--max_steps", [&](const std::string& v) { s.max_steps = std::stoll(v); }},
+      {"--batch_size", [&](const std::string& v) { s.batch_size = std::stoll(v); }},
+      {"--gradient_accumulation_steps", [&](const std::string& v) { s.gradient_accumulation_steps = std::stoi(v); }},
+      {"--block_size", [&](const std::string& v) { s.block_size = std::stoll(v); }},
+      {"--n_layer", [&](const std::string& v) { s.n_layer = std::stoll(v); }},
+      {"--n_head", [&](const std::string& v) { s.n_head = std::stoll(v); }},
+      {"--n_embd", [&](const std::string& v) { s.n_embd = std::stoll(v); }},
+      {"--learning_rate", [&](const std::string& v) { s.learning_rate = std::stod(v); }},
+      {"--warmup_steps", [&](const std::string& v) { s.warmup_steps = std::stoll(v); }},
+      {"--eval_every", [&](const std::string& v) { s.eval_every = std::stoll(v); }},
+      {"--eval_samples", [&](const std::string& v) { s.eval_samples = std::stoll(v); }},
+      {"--checkpoint_every", [&](const std::string& v) { s.checkpoint_every = std::stoll(v); }},
+      {"--total_limit", [&](const std::string& v) { s.total_limit = std::stoi(v); }},
+      {"--sample_length", [&](const std::string& v) { s.sample_length = std::stoll(v); }},
+      {"--seed", [&](const std::string& v) { s.seed = std::stoull(v); }},
   };
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
@@ -114,7 +105,7 @@ Settings parse_settings(int argc, char **argv) {
     if (i + 1 >= argc) usage_error(arg + " needs a value");
     try {
       it->second(argv[++i]);
-    } catch (const std::exception &) {
+    } catch (const std::exception&) {
       usage_error(arg + " expects a number, got '" + std::string(argv[i]) + "'");
     }
   }
@@ -123,11 +114,15 @@ Settings parse_settings(int argc, char **argv) {
     usage_error("step counts, sizes and intervals must be positive");
   }
   if (s.n_embd % s.n_head != 0) usage_error("--n_embd must be a multiple of --n_head");
+  if (s.data.empty()) {
+    // The build copies the text beside the program; from a source checkout it is under examples/.
+    const auto beside = std::filesystem::read_symlink("/proc/self/exe").parent_path() / "data/tinyshakespeare.txt";
+    s.data = std::filesystem::exists(beside) ? beside.string() : "examples/data/tinyshakespeare.txt";
+  }
   return s;
 }
 
-// ---- data
-// -------------------------------------------------------------------------------------
+// ---- data -------------------------------------------------------------------------------------
 
 // The text as character ids, and the alphabet to turn ids back into text.
 struct Corpus {
@@ -135,7 +130,7 @@ struct Corpus {
   torch::Tensor ids;  // int64, one per character
 };
 
-Corpus read_corpus(const std::string &path) {
+Corpus read_corpus(const std::string& path) {
   std::ifstream file(path, std::ios::binary);
   TORCH_CHECK(file.good(), "cannot read the training text '", path, "' (pass --data)");
   std::stringstream buffer;
@@ -147,14 +142,13 @@ Corpus read_corpus(const std::string &path) {
                 torch::empty({static_cast<int64_t>(text.size())}, torch::kLong)};
   int64_t index_of[256] = {};
   for (size_t i = 0; i < corpus.alphabet.size(); ++i) index_of[static_cast<unsigned char>(corpus.alphabet[i])] = i;
-  auto *out = corpus.ids.data_ptr<int64_t>();
+  auto* out = corpus.ids.data_ptr<int64_t>();
   for (size_t i = 0; i < text.size(); ++i) out[i] = index_of[static_cast<unsigned char>(text[i])];
   return corpus;
 }
 
-// Non-overlapping windows of `block` characters; the target is the window
-// shifted by one.
-std::shared_ptr<acc::TensorDataset> windows(const torch::Tensor &ids, int64_t block, int64_t limit = -1) {
+// Non-overlapping windows of `block` characters; the target is the window shifted by one.
+std::shared_ptr<acc::TensorDataset> windows(const torch::Tensor& ids, int64_t block, int64_t limit = -1) {
   int64_t count = (ids.size(0) - 1) / block;
   if (limit > 0) count = std::min(count, limit);
   auto x = ids.slice(0, 0, count * block).view({count, block});
@@ -162,8 +156,7 @@ std::shared_ptr<acc::TensorDataset> windows(const torch::Tensor &ids, int64_t bl
   return std::make_shared<acc::TensorDataset>(x, y);
 }
 
-// ---- the model
-// --------------------------------------------------------------------------------
+// ---- the model --------------------------------------------------------------------------------
 
 struct BlockImpl : torch::nn::Module {
   BlockImpl(int64_t n_embd, int64_t n_head) : n_head(n_head) {
@@ -178,11 +171,10 @@ struct BlockImpl : torch::nn::Module {
   torch::Tensor forward(torch::Tensor x) {
     const int64_t B = x.size(0), T = x.size(1), C = x.size(2), hs = C / n_head;
     auto parts = qkv(ln1(x)).split(C, 2);
-    auto heads = [&](const torch::Tensor &t) { return t.view({B, T, n_head, hs}).transpose(1, 2); };
+    auto heads = [&](const torch::Tensor& t) { return t.view({B, T, n_head, hs}).transpose(1, 2); };
     auto q = heads(parts[0]), k = heads(parts[1]), v = heads(parts[2]);
     auto att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hs)));
-    // LibTorch has no non-persistent buffers: the causal mask is made where the
-    // input lives.
+    // LibTorch has no non-persistent buffers: the causal mask is made where the input lives.
     auto future = torch::ones({T, T}, x.options().dtype(torch::kBool)).triu(1);
     att = att.masked_fill(future, -INFINITY).softmax(-1);
     auto y = torch::matmul(att, v).transpose(1, 2).contiguous().view({B, T, C});
@@ -197,7 +189,7 @@ struct BlockImpl : torch::nn::Module {
 TORCH_MODULE(Block);
 
 struct GPTImpl : torch::nn::Module {
-  GPTImpl(int64_t vocab, const Settings &s) : block_size(s.block_size) {
+  GPTImpl(int64_t vocab, const Settings& s) : block_size(s.block_size) {
     tok = register_module("tok", torch::nn::Embedding(vocab, s.n_embd));
     pos = register_module("pos", torch::nn::Embedding(s.block_size, s.n_embd));
     blocks = register_module("blocks", torch::nn::ModuleList());
@@ -207,9 +199,9 @@ struct GPTImpl : torch::nn::Module {
   }
 
   // Logits [batch, time, vocab] for ids [batch, time].
-  torch::Tensor forward(const torch::Tensor &ids) {
+  torch::Tensor forward(const torch::Tensor& ids) {
     auto x = tok(ids) + pos(torch::arange(ids.size(1), ids.options()));
-    for (const auto &block : *blocks) x = block->as<Block>()->forward(x);
+    for (const auto& block : *blocks) x = block->as<Block>()->forward(x);
     return head(ln_f(x));
   }
 
@@ -221,7 +213,7 @@ struct GPTImpl : torch::nn::Module {
 };
 TORCH_MODULE(GPT);
 
-torch::Tensor loss_per_sample(const torch::Tensor &logits, const torch::Tensor &targets) {
+torch::Tensor loss_per_sample(const torch::Tensor& logits, const torch::Tensor& targets) {
   namespace F = torch::nn::functional;
   auto flat = F::cross_entropy(logits.flatten(0, 1).to(torch::kFloat), targets.flatten(),
                                F::CrossEntropyFuncOptions().reduction(torch::kNone));
@@ -229,7 +221,7 @@ torch::Tensor loss_per_sample(const torch::Tensor &logits, const torch::Tensor &
 }
 
 // Continues `prompt` by sampling one character at a time.
-std::string sample(GPT &model, const Corpus &corpus, const std::string &prompt, int64_t length, uint64_t seed) {
+std::string sample(GPT& model, const Corpus& corpus, const std::string& prompt, int64_t length, uint64_t seed) {
   torch::NoGradGuard no_grad;
   model->eval();
   auto generator = at::make_generator<at::CPUGeneratorImpl>(seed);
@@ -251,7 +243,7 @@ std::string sample(GPT &model, const Corpus &corpus, const std::string &prompt, 
 struct Progress {
   int64_t step = 0;
   nlohmann::json state_dict() const { return {{"step", step}}; }
-  void load_state_dict(const nlohmann::json &state) { step = state.at("step").get<int64_t>(); }
+  void load_state_dict(const nlohmann::json& state) { step = state.at("step").get<int64_t>(); }
 };
 
 std::string fixed(double value, int digits = 4) {
@@ -260,14 +252,10 @@ std::string fixed(double value, int digits = 4) {
   return text;
 }
 
-}  // namespace
-
-int main(int argc, char **argv) {
-  const Settings s = parse_settings(argc, argv);
+void train(const Settings& s) {
   acc::set_seed(s.seed);
 
-  // New Code: one Accelerator holds the processes, the precision, accumulation
-  // and the project.
+  // One Accelerator holds the processes, the precision, accumulation and the project.
   acc::Accelerator accelerator({
       .mixed_precision = s.mixed_precision,
       .gradient_accumulation_steps = s.gradient_accumulation_steps,
@@ -288,14 +276,14 @@ int main(int argc, char **argv) {
   GPT net(static_cast<int64_t>(corpus.alphabet.size()), s);
   auto optimizer = std::make_shared<torch::optim::AdamW>(
       net->parameters(), torch::optim::AdamWOptions(s.learning_rate).weight_decay(0.01));
-  // A prepared scheduler steps once per process for every optimizer step
-  // (upstream's rule), so its length counts the steps of all processes.
+  // A prepared scheduler steps once per process for every optimizer step (upstream's rule), so its
+  // length counts the steps of all processes.
   auto schedule = acc::get_cosine_schedule_with_warmup(optimizer, s.warmup_steps * accelerator.num_processes(),
                                                        s.max_steps * accelerator.num_processes());
   acc::DataLoader train_loader(train_data, {.batch_size = s.batch_size, .shuffle = true, .drop_last = true});
   acc::DataLoader val_loader(val_data, {.batch_size = s.batch_size});
 
-  // New Code: everything goes through prepare.
+  // Everything goes through prepare.
   auto [model, opt, train, val, scheduler] = accelerator.prepare(net, optimizer, train_loader, val_loader, schedule);
   auto progress = std::make_shared<Progress>();
   accelerator.register_for_checkpointing(progress);
@@ -310,7 +298,7 @@ int main(int argc, char **argv) {
     model->eval();
     torch::NoGradGuard no_grad;
     std::vector<torch::Tensor> losses;
-    for (auto &batch : val) {
+    for (auto& batch : val) {
       auto per_sample = loss_per_sample(model(batch.data), batch.target);
       losses.push_back(accelerator.gather_for_metrics(per_sample));
     }
@@ -323,9 +311,8 @@ int main(int argc, char **argv) {
   double running = 0;
   int64_t running_count = 0;
   while (progress->step < s.max_steps) {
-    for (auto &batch : train) {
-      // New Code: accumulate skips the gradient synchronisation until the last
-      // micro-batch.
+    for (auto& batch : train) {
+      // accumulate skips the gradient synchronisation until the last micro-batch.
       auto sync = accelerator.accumulate(model);
       auto loss = loss_per_sample(model(batch.data), batch.target).mean();
       accelerator.backward(loss);
@@ -360,6 +347,18 @@ int main(int argc, char **argv) {
   if (accelerator.is_main_process()) {
     GPT trained = accelerator.unwrap_model(model);
     std::cout << "---- sample ----\n" << sample(trained, corpus, "ROMEO:\n", s.sample_length, s.seed) << "\n";
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Settings settings = parse_settings(argc, argv);
+  try {
+    train(settings);
+  } catch (const c10::Error& e) {  // LibTorch's errors carry a C++ backtrace; the message is enough
+    std::cerr << "char_gpt: error: " << e.what_without_backtrace() << std::endl;
+    return 1;
   }
   return 0;
 }

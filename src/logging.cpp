@@ -29,17 +29,17 @@ struct LoggerData {
 
 namespace {
 
-std::mutex &sink_mutex() {
+std::mutex& sink_mutex() {
   static std::mutex m;
   return m;
 }
 
-LogSink &current_sink() {
+LogSink& current_sink() {
   static LogSink sink;
   return sink;
 }
 
-void emit(LogLevel level, const std::string &line) {
+void emit(LogLevel level, const std::string& line) {
   std::lock_guard<std::mutex> lock(sink_mutex());
   if (current_sink()) {
     current_sink()(level, line);
@@ -100,7 +100,7 @@ LogSink set_log_sink(LogSink sink) {
   return previous;
 }
 
-const std::string &Logger::name() const { return data_->name; }
+const std::string& Logger::name() const { return data_->name; }
 LogLevel Logger::level() const { return static_cast<LogLevel>(data_->level.load()); }
 void Logger::set_level(LogLevel level) { data_->level.store(static_cast<int>(level)); }
 bool Logger::is_enabled_for(LogLevel level) const { return static_cast<int>(level) >= data_->level.load(); }
@@ -111,14 +111,13 @@ Logger Logger::with_state(PartialState state) const {
   return bound;
 }
 
-void Logger::log(LogLevel level, const std::string &message, LogOptions options) const {
+void Logger::log(LogLevel level, const std::string& message, LogOptions options) const {
   TORCH_CHECK(state_.has_value() || PartialState::initialized(), "[", data_->name,
               "] you must initialise the process state (construct a "
               "PartialState or an Accelerator) before "
               "logging, so the logger knows which process it runs on");
   const PartialState state = state_.has_value() ? *state_ : PartialState();
-  // Every process must reach the barriers of an ordered message, even when the
-  // level drops it.
+  // Every process must reach the barriers of an ordered message, even when the level drops it.
   const bool enabled = is_enabled_for(level);
   auto write = [&] {
     if (!enabled) return;
@@ -142,7 +141,7 @@ void Logger::log(LogLevel level, const std::string &message, LogOptions options)
   }
 }
 
-void Logger::warning_once(const std::string &message, LogOptions options) const {
+void Logger::warning_once(const std::string& message, LogOptions options) const {
   {
     std::lock_guard<std::mutex> lock(data_->once_mutex);
     if (!data_->warned_once.insert(message).second) return;
@@ -150,18 +149,17 @@ void Logger::warning_once(const std::string &message, LogOptions options) const 
   log(LogLevel::kWarning, message, options);
 }
 
-Logger get_logger(const std::string &name, std::optional<std::string> log_level) {
+Logger get_logger(const std::string& name, std::optional<std::string> log_level) {
   static std::mutex registry_mutex;
   static std::map<std::string, std::shared_ptr<detail::LoggerData>> registry;
   if (!log_level) log_level = get_env("ACCELERATE_LOG_LEVEL");
-  // Parse before touching the registry, so a bad level leaves every logger as
-  // it was.
+  // Parse before touching the registry, so a bad level leaves every logger as it was.
   std::optional<LogLevel> level;
   if (log_level && !log_level->empty()) level = parse_log_level(*log_level);
   std::shared_ptr<detail::LoggerData> data;
   {
     std::lock_guard<std::mutex> lock(registry_mutex);
-    auto &slot = registry[name];
+    auto& slot = registry[name];
     if (!slot) slot = std::make_shared<detail::LoggerData>(name);
     data = slot;
   }

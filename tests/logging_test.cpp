@@ -1,6 +1,5 @@
-// Tests of include/accelerate/logging.h: levels, main-process-only and ordered
-// messages, the rank prefix, and the errors of a logger used too early or given
-// an unknown level.
+// Tests of include/accelerate/logging.h: levels, main-process-only and ordered messages, the rank
+// prefix, and the errors of a logger used too early or given an unknown level.
 #include "accelerate/logging.h"
 
 #include "support/test_support.h"
@@ -23,7 +22,7 @@ using testing::run_ranks;
 class CapturedLines {
  public:
   CapturedLines() {
-    previous_ = set_log_sink([this](LogLevel, const std::string &line) {
+    previous_ = set_log_sink([this](LogLevel, const std::string& line) {
       std::lock_guard<std::mutex> lock(mutex_);
       lines_.push_back(line);
     });
@@ -43,8 +42,8 @@ class CapturedLines {
 // Sets an environment variable for one test.
 class ScopedEnv {
  public:
-  ScopedEnv(const char *key, const char *value) : key_(key) {
-    if (const char *old = std::getenv(key)) old_ = old;
+  ScopedEnv(const char* key, const char* value) : key_(key) {
+    if (const char* old = std::getenv(key)) old_ = old;
     if (value) {
       ::setenv(key, value, 1);
     } else {
@@ -60,7 +59,7 @@ class ScopedEnv {
   }
 
  private:
-  const char *key_;
+  const char* key_;
   std::optional<std::string> old_;
 };
 
@@ -128,7 +127,7 @@ TEST(Logger, ASingleProcessWritesLevelNameAndMessage) {
 TEST(Logger, OnlyTheMainProcessWritesByDefault) {
   ScopedEnv prefixed("ACCELERATE_LAUNCH_PREFIXES_OUTPUT", nullptr);
   CapturedLines captured;
-  run_ranks(3, [](const PartialState &state) {
+  run_ranks(3, [](const PartialState& state) {
     get_logger("logging_test.main_only", "INFO")
         .with_state(state)
         .info("from " + std::to_string(state.process_index()));
@@ -141,9 +140,8 @@ TEST(Logger, OnlyTheMainProcessWritesByDefault) {
 TEST(Logger, EveryProcessWritesInOrderWithItsRank) {
   ScopedEnv prefixed("ACCELERATE_LAUNCH_PREFIXES_OUTPUT", nullptr);
   CapturedLines captured;
-  run_ranks(3, [](const PartialState &state) {
-    // The last rank reaches the call first; in_order must still write rank 0
-    // first.
+  run_ranks(3, [](const PartialState& state) {
+    // The last rank reaches the call first; in_order must still write rank 0 first.
     if (state.process_index() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
     get_logger("logging_test.in_order", "INFO")
         .with_state(state)
@@ -158,9 +156,9 @@ TEST(Logger, EveryProcessWritesInOrderWithItsRank) {
 
 TEST(Logger, OrderedMessagesBelowTheLevelStillKeepTheProcessesTogether) {
   CapturedLines captured;
-  // Every rank must pass the barriers even though nothing is written; a rank
-  // skipping them would leave the others waiting until the timeout.
-  run_ranks(2, [](const PartialState &state) {
+  // Every rank must pass the barriers even though nothing is written; a rank skipping them would
+  // leave the others waiting until the timeout.
+  run_ranks(2, [](const PartialState& state) {
     auto logger = get_logger("logging_test.quiet_order", "ERROR").with_state(state);
     logger.info("dropped", {.main_process_only = false, .in_order = true});
     state.wait_for_everyone();
@@ -171,12 +169,12 @@ TEST(Logger, OrderedMessagesBelowTheLevelStillKeepTheProcessesTogether) {
 TEST(Logger, NoRankIsAddedWhenTheLauncherPrefixesLines) {
   ScopedEnv prefixed("ACCELERATE_LAUNCH_PREFIXES_OUTPUT", "1");
   CapturedLines captured;
-  run_ranks(2, [](const PartialState &state) {
+  run_ranks(2, [](const PartialState& state) {
     get_logger("logging_test.launcher", "INFO").with_state(state).info("hi", {.main_process_only = false});
   });
   const auto lines = captured.lines();
   ASSERT_EQ(lines.size(), 2u);
-  for (const auto &line : lines) EXPECT_THAT(line, ::testing::Not(HasSubstr("[rank")));
+  for (const auto& line : lines) EXPECT_THAT(line, ::testing::Not(HasSubstr("[rank")));
 }
 
 TEST(Logger, WarningOnceWritesAMessageOnlyTheFirstTime) {

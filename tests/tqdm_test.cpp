@@ -1,6 +1,5 @@
-// Tests of include/accelerate/utils/tqdm.h: what the bar writes on a terminal
-// and to a log, when it writes, and that only the local main process shows it.
-// Time comes from a test clock.
+// Tests of include/accelerate/utils/tqdm.h: what the bar writes on a terminal and to a log, when it
+// writes, and that only the local main process shows it. Time comes from a test clock.
 #include "accelerate/utils/tqdm.h"
 
 #include "support/test_support.h"
@@ -23,7 +22,7 @@ struct FakeClock {
   }
 };
 
-int count_of(const std::string &text, char c) { return static_cast<int>(std::count(text.begin(), text.end(), c)); }
+int count_of(const std::string& text, char c) { return static_cast<int>(std::count(text.begin(), text.end(), c)); }
 
 TEST(ProgressBar, ALogGetsALineEveryIntervalAndOneAtTheEnd) {
   FakeClock clock;
@@ -100,7 +99,7 @@ TEST(ProgressBar, WithoutATotalItShowsCountAndRate) {
 
 TEST(ProgressBar, OnlyTheLocalMainProcessShowsIt) {
   std::ostringstream hidden_out, shown_out, main_out;
-  testing::run_ranks(2, [&](const PartialState &state) {
+  testing::run_ranks(2, [&](const PartialState& state) {
     if (state.local_process_index() == 0) {
       ProgressBar bar({.total = 3, .interactive = false, .stream = &main_out, .state = state});
       bar.update(3);

@@ -1,5 +1,4 @@
-// `accelerate test`: the built-in end-to-end checks; see
-// include/accelerate/commands/test.h.
+// `accelerate test`: the built-in end-to-end checks; see include/accelerate/commands/test.h.
 #include "accelerate/commands/test.h"
 
 #include "accelerate/accelerator.h"
@@ -23,22 +22,21 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// A check compares what the job computed with what it must be;
-// `fail_on_purpose` shifts the expectation so that a deliberately failing check
-// exercises the reporting path.
+// A check compares what the job computed with what it must be; `fail_on_purpose` shifts the
+// expectation so that a deliberately failing check exercises the reporting path.
 struct CheckContext {
-  Accelerator &accelerator;
+  Accelerator& accelerator;
   bool fail_on_purpose;
   fs::path scratch;  // a folder of the same name on every machine
 };
 
-void expect(bool ok, const std::string &check, const std::string &what) {
+void expect(bool ok, const std::string& check, const std::string& what) {
   TORCH_CHECK(ok, "[accelerate test] check '", check, "' failed on process ", PartialState().process_index(), ": ",
               what);
 }
 
-void check_process_control(const CheckContext &c) {
-  const Accelerator &acc = c.accelerator;
+void check_process_control(const CheckContext& c) {
+  const Accelerator& acc = c.accelerator;
   const int n = acc.num_processes();
   const int shift = c.fail_on_purpose ? 1 : 0;
   // Every process has its own index, and they are 0..n-1.
@@ -62,28 +60,27 @@ void check_process_control(const CheckContext &c) {
   }
   acc.wait_for_everyone();
 
-  // split_between_processes hands out contiguous shares that put together give
-  // the input back.
+  // split_between_processes hands out contiguous shares that put together give the input back.
   std::vector<int64_t> items(2 * n + 1);
   std::iota(items.begin(), items.end(), 0);
   auto mine = acc.split_between_processes(items);
   std::vector<int64_t> joined;
-  for (const auto &share : gather_object(PartialState(), std::vector<std::vector<int64_t>>{mine})) {
+  for (const auto& share : gather_object(PartialState(), std::vector<std::vector<int64_t>>{mine})) {
     joined.insert(joined.end(), share.begin(), share.end());
   }
   if (c.fail_on_purpose) joined.push_back(-1);
   expect(joined == items, "process_control", "split_between_processes lost or repeated items");
 }
 
-void check_data_sharding(const CheckContext &c) {
-  Accelerator &acc = c.accelerator;
+void check_data_sharding(const CheckContext& c) {
+  Accelerator& acc = c.accelerator;
   const int n = acc.num_processes();
   const int64_t length = 3 * 4 * n + 1;  // not a multiple of the batch size times the processes
   auto data = std::make_shared<TensorDataset>(torch::arange(length, torch::kLong));
   auto loader = acc.prepare(DataLoader(data, {.batch_size = 3}));
   std::vector<torch::Tensor> seen;
   int64_t batches = 0;
-  for (auto &batch : loader) {
+  for (auto& batch : loader) {
     seen.push_back(acc.gather_for_metrics(batch.data));
     ++batches;
   }
@@ -103,13 +100,13 @@ struct LineImpl : torch::nn::Module {
     a = register_parameter("a", torch::zeros({}));
     b = register_parameter("b", torch::zeros({}));
   }
-  torch::Tensor forward(const torch::Tensor &x) { return x * a + b; }
+  torch::Tensor forward(const torch::Tensor& x) { return x * a + b; }
   torch::Tensor a, b;
 };
 TORCH_MODULE(Line);
 
-void check_training(const CheckContext &c) {
-  Accelerator &acc = c.accelerator;
+void check_training(const CheckContext& c) {
+  Accelerator& acc = c.accelerator;
   const int n = acc.num_processes();
   const int64_t batch = 4;
   auto gen = at::make_generator<at::CPUGeneratorImpl>(42);
@@ -120,7 +117,7 @@ void check_training(const CheckContext &c) {
   Line baseline;
   torch::optim::SGD baseline_opt(baseline->parameters(), 0.1);
   for (int epoch = 0; epoch < 3; ++epoch) {
-    for (auto &b : DataLoader(data, {.batch_size = batch * n})) {
+    for (auto& b : DataLoader(data, {.batch_size = batch * n})) {
       baseline_opt.zero_grad();
       torch::mse_loss(baseline(b.data), b.target).backward();
       baseline_opt.step();
@@ -131,7 +128,7 @@ void check_training(const CheckContext &c) {
   auto sgd = std::make_shared<torch::optim::SGD>(net->parameters(), 0.1);
   auto [model, optimizer, loader] = acc.prepare(net, sgd, DataLoader(data, {.batch_size = batch}));
   for (int epoch = 0; epoch < 3; ++epoch) {
-    for (auto &b : loader) {
+    for (auto& b : loader) {
       optimizer.zero_grad();
       acc.backward(torch::mse_loss(model(b.data), b.target));
       optimizer.step();
@@ -144,8 +141,8 @@ void check_training(const CheckContext &c) {
          c10::str("distributed training gave a=", a, " b=", b, ", one process on the whole batch a=", a0, " b=", b0));
 }
 
-void check_collectives(const CheckContext &c) {
-  const Accelerator &acc = c.accelerator;
+void check_collectives(const CheckContext& c) {
+  const Accelerator& acc = c.accelerator;
   const int n = acc.num_processes();
   const int rank = acc.process_index();
   auto sum = acc.reduce(torch::tensor({static_cast<double>(rank + 1)}), "sum");
@@ -165,8 +162,8 @@ void check_collectives(const CheckContext &c) {
          c10::str("gather of padded tensors has shape ", gathered.sizes()));
 }
 
-void check_checkpoint(const CheckContext &c) {
-  Accelerator &acc = c.accelerator;
+void check_checkpoint(const CheckContext& c) {
+  Accelerator& acc = c.accelerator;
   torch::manual_seed(0);
   torch::nn::Linear net(4, 2);
   auto adam = std::make_shared<torch::optim::Adam>(net->parameters(), 0.01);
@@ -184,16 +181,15 @@ void check_checkpoint(const CheckContext &c) {
   acc.load_state(folder);
   expect(torch::equal(net->weight.detach(), saved) != c.fail_on_purpose, "checkpoint",
          "load_state did not restore the weights save_state saved");
-  // Adam's moments came back too: the same step from the restored state gives
-  // the same weights.
+  // Adam's moments came back too: the same step from the restored state gives the same weights.
   step();
   expect(torch::equal(net->weight.detach(), next), "checkpoint",
          "a step after load_state differs from the step after save_state "
          "(optimizer state not restored)");
 }
 
-const std::vector<std::pair<std::string, std::function<void(const CheckContext &)>>> &checks() {
-  static const std::vector<std::pair<std::string, std::function<void(const CheckContext &)>>> all = {
+const std::vector<std::pair<std::string, std::function<void(const CheckContext&)>>>& checks() {
+  static const std::vector<std::pair<std::string, std::function<void(const CheckContext&)>>> all = {
       {"process_control", check_process_control},
       {"data_sharding", check_data_sharding},
       {"training", check_training},
@@ -204,10 +200,10 @@ const std::vector<std::pair<std::string, std::function<void(const CheckContext &
 
 }  // namespace
 
-const std::vector<std::string> &test_checks() {
+const std::vector<std::string>& test_checks() {
   static const std::vector<std::string> names = [] {
     std::vector<std::string> out;
-    for (const auto &[name, fn] : checks()) out.push_back(name);
+    for (const auto& [name, fn] : checks()) out.push_back(name);
     return out;
   }();
   return names;
@@ -218,8 +214,7 @@ void run_test_checks() {
   TORCH_CHECK_VALUE(fail.empty() || std::count(test_checks().begin(), test_checks().end(), fail) == 1,
                     "[accelerate test] ACCELERATE_TEST_FAIL_CHECK names no check: '", fail, "'");
   Accelerator accelerator({.project_config = {.save_on_each_node = true}});
-  // The main process picks a folder name; the main process of each machine
-  // creates it.
+  // The main process picks a folder name; the main process of each machine creates it.
   std::vector<std::string> name = {""};
   if (accelerator.is_main_process()) {
     std::random_device random;
@@ -234,7 +229,7 @@ void run_test_checks() {
                     "process(es),", to_string(accelerator.distributed_type()), "with mixed precision",
                     accelerator.mixed_precision());
   try {
-    for (const auto &[check_name, fn] : checks()) {
+    for (const auto& [check_name, fn] : checks()) {
       fn(CheckContext{accelerator, check_name == fail, scratch});
       accelerator.wait_for_everyone();
       accelerator.print("  check", check_name + ":", "ok");
@@ -248,7 +243,7 @@ void run_test_checks() {
   if (accelerator.is_local_main_process()) fs::remove_all(scratch);
 }
 
-int test_main(const std::vector<std::string> &argv, const std::string &accelerate_program) {
+int test_main(const std::vector<std::string>& argv, const std::string& accelerate_program) {
   CLI::App app{
       "Run a short end-to-end check of the configured setup: process "
       "control, data sharding, training "
@@ -264,19 +259,18 @@ int test_main(const std::vector<std::string> &argv, const std::string &accelerat
   try {
     std::vector<std::string> reversed(argv.rbegin(), argv.rend());
     app.parse(reversed);
-  } catch (const CLI::CallForHelp &) {
+  } catch (const CLI::CallForHelp&) {
     std::cout << app.help();
     return 0;
-  } catch (const CLI::ParseError &e) {
+  } catch (const CLI::ParseError& e) {
     std::cerr << "accelerate test: error: " << e.what() << "\n" << app.help();
     return 2;
   }
   if (run_checks) {
     try {
       run_test_checks();
-    } catch (const std::exception &e) {
-      // Escapes main, so the launcher reports it as the root cause; without
-      // LibTorch's backtrace.
+    } catch (const std::exception& e) {
+      // Escapes main, so the launcher reports it as the root cause; without LibTorch's backtrace.
       throw std::runtime_error(detail::error_message(e));
     }
     return 0;
@@ -285,7 +279,7 @@ int test_main(const std::vector<std::string> &argv, const std::string &accelerat
   if (!config_file.empty()) launch_argv = {"--config_file", config_file};
   launch_argv.insert(launch_argv.end(), {accelerate_program, "test", "--run_checks"});
   std::cout << "Running: accelerate launch";
-  for (const auto &arg : launch_argv) std::cout << " " << arg;
+  for (const auto& arg : launch_argv) std::cout << " " << arg;
   std::cout << std::endl;
   const int code = launch_main(launch_argv);
   if (code == 0) {

@@ -117,10 +117,9 @@ std::string ProgressBar::format() const {
 void ProgressBar::draw(bool final) {
   last_draw_ = now();
   std::string line = format();
-  std::ostream &out = *options_.stream;
+  std::ostream& out = *options_.stream;
   if (interactive_) {
-    // Pad over the remains of a longer previous line, then stay on it until the
-    // bar closes.
+    // Pad over the remains of a longer previous line, then stay on it until the bar closes.
     const size_t width = line.size();
     if (width < last_width_) line += std::string(last_width_ - width, ' ');
     last_width_ = width;

@@ -1,6 +1,5 @@
-// `accelerate test` end to end: the built-in checks pass on one and two
-// processes, and a check made to fail is reported by name with a failing exit
-// code.
+// `accelerate test` end to end: the built-in checks pass on one and two processes, and a check made
+// to fail is reported by name with a failing exit code.
 #include "accelerate/commands/test.h"
 
 #include "support/process.h"
@@ -18,7 +17,7 @@ using ::testing::HasSubstr;
 using ::testing::Not;
 
 // A configuration file of `num_processes` CPU processes on a free port.
-std::string write_config(const TempDir &dir, int num_processes) {
+std::string write_config(const TempDir& dir, int num_processes) {
   const std::string path = dir.str() + "/config.yaml";
   std::ofstream(path) << "compute_environment: LOCAL_MACHINE\n"
                       << "distributed_type: " << (num_processes > 1 ? "MULTI_CPU" : "'NO'") << "\n"
@@ -33,7 +32,7 @@ TEST(TestCommand, EveryCheckPassesOnTwoProcesses) {
   auto r = run({accelerate_bin(), "test", "--config_file", write_config(dir, 2)}, 120);
   EXPECT_EQ(r->exit_code(), 0) << r->out << r->err;
   EXPECT_THAT(r->out, HasSubstr("running 5 checks on 2 process(es), MULTI_CPU"));
-  for (const auto &check : commands::test_checks()) {
+  for (const auto& check : commands::test_checks()) {
     EXPECT_THAT(r->out, HasSubstr("check " + check + ": ok")) << check;
   }
   EXPECT_THAT(r->out, HasSubstr("Test is a success!"));

@@ -1,0 +1,127 @@
+// The examples run as documented, on two processes through the launcher: the main character-level
+// GPT job learns and resumes from its newest checkpoint, and each by-feature example does what its
+// feature promises.
+#include "support/process.h"
+#include "support/test_support.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <regex>
+
+namespace accelerate::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::unique_ptr<Running> launch_example(const std::string& program, std::vector<std::string> args,
+                                        double seconds = 180) {
+  std::vector<std::string> argv = {accelerate_bin(),      "launch", "--num_processes",           "2",
+                                   "--main_process_port", "0",      built("examples/" + program)};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return run(argv, seconds);
+}
+
+// Every number following `label` in `text`, in order.
+std::vector<double> numbers_after(const std::string& text, const std::string& label) {
+  std::vector<double> values;
+  const std::regex re(label + " ([0-9.]+)");
+  for (auto it = std::sregex_iterator(text.begin(), text.end(), re); it != std::sregex_iterator(); ++it) {
+    values.push_back(std::stod((*it)[1].str()));
+  }
+  return values;
+}
+
+const std::vector<std::string> kSmallGpt = {"--n_layer",      "1",  "--n_embd",           "64", "--batch_size",   "8",
+                                            "--eval_every",   "20", "--checkpoint_every", "20", "--warmup_steps", "5",
+                                            "--eval_samples", "64", "--sample_length",    "40"};
+
+std::vector<std::string> small_gpt(const std::string& output_dir, std::vector<std::string> extra) {
+  std::vector<std::string> args = kSmallGpt;
+  args.insert(args.end(), {"--output_dir", output_dir});
+  args.insert(args.end(), extra.begin(), extra.end());
+  return args;
+}
+
+TEST(CharGptExample, TheValidationLossFallsOnTwoProcesses) {
+  TempDir dir;
+  auto r = launch_example("char_gpt", small_gpt(dir.str(), {"--max_steps", "40"}));
+  ASSERT_EQ(r->exit_code(), 0) << r->out << r->err;
+  const auto losses = numbers_after(r->err, "val_loss");
+  ASSERT_EQ(losses.size(), 3u) << r->err;  // steps 0, 20, 40
+  EXPECT_GT(losses[0], 4.0);               // about ln(65): a uniform guess over the characters
+  EXPECT_LT(losses[2], losses[0] - 0.8) << r->err;
+  EXPECT_THAT(r->out, HasSubstr("---- sample ----"));
+  EXPECT_THAT(r->err, HasSubstr("train: 100% 40/40"));
+  // Checkpoints at steps 20 and 40, and logs only from rank 0.
+  EXPECT_TRUE(std::filesystem::is_directory(dir.path() / "checkpoints/checkpoint_1"));
+  EXPECT_THAT(r->err, ::testing::Not(HasSubstr("[rank1]: 20")));
+}
+
+TEST(CharGptExample, ResumeContinuesFromTheNewestCheckpoint) {
+  TempDir dir;
+  auto first = launch_example("char_gpt", small_gpt(dir.str(), {"--max_steps", "20"}));
+  ASSERT_EQ(first->exit_code(), 0) << first->out << first->err;
+  auto resumed = launch_example("char_gpt", small_gpt(dir.str(), {"--max_steps", "40", "--resume"}));
+  ASSERT_EQ(resumed->exit_code(), 0) << resumed->out << resumed->err;
+  EXPECT_THAT(resumed->err, HasSubstr("resumed from checkpoint at step 20"));
+  // No step 0 evaluation: training went on from step 20 to 40.
+  EXPECT_THAT(resumed->err, ::testing::Not(HasSubstr("step 0: val_loss")));
+  EXPECT_THAT(resumed->err, HasSubstr("step 40: train_loss"));
+  EXPECT_TRUE(std::filesystem::is_directory(dir.path() / "checkpoints/checkpoint_1"));
+}
+
+TEST(CharGptExample, ResumeWithoutACheckpointIsAnError) {
+  TempDir dir;
+  auto r = launch_example("char_gpt", small_gpt(dir.str(), {"--max_steps", "5", "--resume"}));
+  EXPECT_NE(r->exit_code(), 0);
+  EXPECT_THAT(r->err, HasSubstr("checkpoint"));
+}
+
+TEST(CharGptExample, AnUnknownFlagIsNamed) {
+  auto r = run({built("examples/char_gpt"), "--max_stepz", "5"});
+  EXPECT_EQ(r->exit_code(), 2);
+  EXPECT_THAT(r->err, HasSubstr("unknown argument '--max_stepz'"));
+}
+
+TEST(ByFeatureExamples, GradientAccumulationLearnsTheSpirals) {
+  auto r = launch_example("by_feature/gradient_accumulation", {"--gradient_accumulation_steps", "4"});
+  ASSERT_EQ(r->exit_code(), 0) << r->out << r->err;
+  const auto accuracy = numbers_after(r->out, "accuracy");
+  ASSERT_EQ(accuracy.size(), 8u) << r->out;
+  EXPECT_GT(accuracy.back(), 0.9) << r->out;
+}
+
+TEST(ByFeatureExamples, CheckpointingResumesMidEpochExactlyWhereTheRunStopped) {
+  TempDir dir;
+  const std::string whole = (dir.path() / "whole").string(), parts = (dir.path() / "parts").string();
+  auto uninterrupted = launch_example("by_feature/checkpointing", {"--output_dir", whole, "--num_epochs", "3"});
+  ASSERT_EQ(uninterrupted->exit_code(), 0) << uninterrupted->out << uninterrupted->err;
+  auto first = launch_example("by_feature/checkpointing",
+                              {"--output_dir", parts, "--num_epochs", "2", "--checkpointing_steps", "20"});
+  ASSERT_EQ(first->exit_code(), 0) << first->out << first->err;
+  // 2048 samples, batches of 32 on 2 processes: 32 steps per epoch, so step 40 is mid-epoch 1.
+  auto resumed = launch_example("by_feature/checkpointing", {"--output_dir", parts, "--num_epochs", "3",
+                                                             "--resume_from_checkpoint", parts + "/step_40"});
+  ASSERT_EQ(resumed->exit_code(), 0) << resumed->out << resumed->err;
+  const auto expected = numbers_after(uninterrupted->out, "accuracy");
+  const auto after_resume = numbers_after(resumed->out, "accuracy");
+  ASSERT_EQ(expected.size(), 3u);
+  ASSERT_EQ(after_resume.size(), 2u) << resumed->out;  // epochs 1 and 2
+  EXPECT_EQ(after_resume[0], expected[1]);
+  EXPECT_EQ(after_resume[1], expected[2]);
+}
+
+TEST(ByFeatureExamples, MemoryFindsTheLargestBatchThatFits) {
+  auto r = launch_example("by_feature/memory", {"--starting_batch_size", "128", "--largest_batch_that_fits", "100"});
+  ASSERT_EQ(r->exit_code(), 0) << r->out << r->err;
+  // upstream's rule: 90% of the size that failed, rounded down.
+  EXPECT_THAT(r->out, HasSubstr("trying batch size 128"));
+  EXPECT_THAT(r->out, HasSubstr("trying batch size 115"));
+  EXPECT_THAT(r->out, HasSubstr("trying batch size 103"));
+  EXPECT_THAT(r->out, HasSubstr("batch size 92 fits"));
+}
+
+}  // namespace
+}  // namespace accelerate::testing
