@@ -2,8 +2,10 @@
 #include "accelerate/commands/config.h"
 
 #include "accelerate/utils/environment.h"
+#include "detail/files.h"
 
 #include <c10/util/Exception.h>
+#include <nlohmann/json.hpp>
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
@@ -204,50 +206,78 @@ ClusterConfig load_config_from_file(const std::string& path) {
 }
 
 void save_config_file(const ClusterConfig& config, const std::string& path) {
-  YAML::Emitter out;
-  out << YAML::BeginMap;
-  auto quoted = [&](const char* key, const std::string& value) {
-    out << YAML::Key << key << YAML::Value;
-    // Strings YAML would read as booleans or numbers are quoted, as yaml.safe_dump does.
-    if (needs_quotes(value)) {
-      out << YAML::SingleQuoted << value;
-    } else {
-      out << value;
-    }
-  };
-  // Keys in sorted order, as upstream writes them.
-  quoted("compute_environment", config.compute_environment);
-  out << YAML::Key << "debug" << YAML::Value << config.debug;
-  quoted("distributed_type", to_string(config.distributed_type));
-  out << YAML::Key << "downcast_bf16" << YAML::Value << config.downcast_bf16;
-  out << YAML::Key << "enable_cpu_affinity" << YAML::Value << config.enable_cpu_affinity;
-  if (config.gpu_ids) quoted("gpu_ids", *config.gpu_ids);
-  out << YAML::Key << "machine_rank" << YAML::Value << config.machine_rank;
-  if (config.main_process_ip) quoted("main_process_ip", *config.main_process_ip);
-  if (config.main_process_port) out << YAML::Key << "main_process_port" << YAML::Value << *config.main_process_port;
-  quoted("main_training_function", config.main_training_function);
-  quoted("mixed_precision", config.mixed_precision);
-  if (config.mpirun_hostfile) {
-    out << YAML::Key << "mpirun_config" << YAML::Value << YAML::BeginMap;
-    quoted("mpirun_hostfile", *config.mpirun_hostfile);
-    out << YAML::EndMap;
-  }
-  out << YAML::Key << "num_machines" << YAML::Value << config.num_machines;
-  out << YAML::Key << "num_processes" << YAML::Value << config.num_processes;
-  quoted("rdzv_backend", config.rdzv_backend);
-  out << YAML::Key << "same_network" << YAML::Value << config.same_network;
-  out << YAML::Key << "tpu_env" << YAML::Value << YAML::Flow << YAML::BeginSeq << YAML::EndSeq;
-  out << YAML::Key << "tpu_use_cluster" << YAML::Value << false;
-  out << YAML::Key << "tpu_use_sudo" << YAML::Value << false;
-  out << YAML::Key << "use_cpu" << YAML::Value << config.use_cpu;
-  out << YAML::EndMap;
-
   const fs::path target(path);
-  if (target.has_parent_path()) fs::create_directories(target.parent_path());
-  std::ofstream file(target);
-  TORCH_CHECK(file.good(), "[save_config_file] cannot write ", path);
-  file << out.c_str() << '\n';
-  TORCH_CHECK(file.good(), "[save_config_file] failed while writing ", path);
+  std::string text;
+  if (target.extension() == ".json") {
+    // nlohmann's objects keep their keys sorted, as `json.dumps(sort_keys=True)` does.
+    nlohmann::json json = {{"compute_environment", config.compute_environment},
+                           {"debug", config.debug},
+                           {"distributed_type", to_string(config.distributed_type)},
+                           {"downcast_bf16", config.downcast_bf16},
+                           {"enable_cpu_affinity", config.enable_cpu_affinity},
+                           {"machine_rank", config.machine_rank},
+                           {"main_training_function", config.main_training_function},
+                           {"mixed_precision", config.mixed_precision},
+                           {"num_machines", config.num_machines},
+                           {"num_processes", config.num_processes},
+                           {"rdzv_backend", config.rdzv_backend},
+                           {"same_network", config.same_network},
+                           {"tpu_env", nlohmann::json::array()},
+                           {"tpu_use_cluster", false},
+                           {"tpu_use_sudo", false},
+                           {"use_cpu", config.use_cpu}};
+    if (config.gpu_ids) json["gpu_ids"] = *config.gpu_ids;
+    if (config.main_process_ip) json["main_process_ip"] = *config.main_process_ip;
+    if (config.main_process_port) json["main_process_port"] = *config.main_process_port;
+    if (config.mpirun_hostfile) json["mpirun_config"] = {{"mpirun_hostfile", *config.mpirun_hostfile}};
+    text = json.dump(2) + "\n";
+  } else {
+    YAML::Emitter out;
+    out << YAML::BeginMap;
+    auto quoted = [&](const char* key, const std::string& value) {
+      out << YAML::Key << key << YAML::Value;
+      // Strings YAML would read as booleans or numbers are quoted, as yaml.safe_dump does.
+      if (needs_quotes(value)) {
+        out << YAML::SingleQuoted << value;
+      } else {
+        out << value;
+      }
+    };
+    // Keys in sorted order, as upstream writes them.
+    quoted("compute_environment", config.compute_environment);
+    out << YAML::Key << "debug" << YAML::Value << config.debug;
+    quoted("distributed_type", to_string(config.distributed_type));
+    out << YAML::Key << "downcast_bf16" << YAML::Value << config.downcast_bf16;
+    out << YAML::Key << "enable_cpu_affinity" << YAML::Value << config.enable_cpu_affinity;
+    if (config.gpu_ids) quoted("gpu_ids", *config.gpu_ids);
+    out << YAML::Key << "machine_rank" << YAML::Value << config.machine_rank;
+    if (config.main_process_ip) quoted("main_process_ip", *config.main_process_ip);
+    if (config.main_process_port) out << YAML::Key << "main_process_port" << YAML::Value << *config.main_process_port;
+    quoted("main_training_function", config.main_training_function);
+    quoted("mixed_precision", config.mixed_precision);
+    if (config.mpirun_hostfile) {
+      out << YAML::Key << "mpirun_config" << YAML::Value << YAML::BeginMap;
+      quoted("mpirun_hostfile", *config.mpirun_hostfile);
+      out << YAML::EndMap;
+    }
+    out << YAML::Key << "num_machines" << YAML::Value << config.num_machines;
+    out << YAML::Key << "num_processes" << YAML::Value << config.num_processes;
+    quoted("rdzv_backend", config.rdzv_backend);
+    out << YAML::Key << "same_network" << YAML::Value << config.same_network;
+    out << YAML::Key << "tpu_env" << YAML::Value << YAML::Flow << YAML::BeginSeq << YAML::EndSeq;
+    out << YAML::Key << "tpu_use_cluster" << YAML::Value << false;
+    out << YAML::Key << "tpu_use_sudo" << YAML::Value << false;
+    out << YAML::Key << "use_cpu" << YAML::Value << config.use_cpu;
+    out << YAML::EndMap;
+    text = std::string(out.c_str()) + "\n";
+  }
+
+  try {
+    if (target.has_parent_path()) fs::create_directories(target.parent_path());
+    detail::write_file_atomically(path, text);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "[save_config_file] cannot write ", path, ": ", e.what());
+  }
 }
 
 }  // namespace accelerate::commands

@@ -1,12 +1,20 @@
-// Reading upstream's `default_config.yaml` (upstream: accelerate/commands/config/config_args.py):
-// the same schema, the same default location (`$HF_HOME/accelerate/default_config.yaml`, else
+// Upstream's `default_config.yaml` and the `accelerate config` command (upstream:
+// accelerate/commands/config/{config_args,cluster,default,update}.py): the same schema, the same
+// default location (`$HF_HOME/accelerate/default_config.yaml`, else
 // `$XDG_CACHE_HOME/huggingface/…`, else `~/.cache/huggingface/…`), older schema spellings
-// converted, unknown keys refused with their names. Python-only integrations (DeepSpeed, FSDP,
-// Megatron-LM, TPU, SageMaker, dynamo) are refused when a file asks for them.
+// converted, unknown keys refused with their names. The questionnaire asks upstream's questions
+// in upstream's order for what accelerate-cpp supports, one answer per line, so it can be
+// answered through a pipe. Python-only integrations (DeepSpeed, FSDP, Megatron-LM, TPU,
+// SageMaker, dynamo) are never asked about and are refused when a file asks for them.
+//
+// Example:
+//   printf '1\n\n\n4\nbf16\n' | accelerate config --config_file cpu.yaml   # 4 CPU processes, bf16
+//   accelerate config default --mixed_precision bf16
 #pragma once
 
 #include "accelerate/utils/dataclasses.h"
 
+#include <iosfwd>
 #include <optional>
 #include <string>
 #include <vector>
@@ -45,7 +53,41 @@ std::string default_config_file();
 /// unsupported integration.
 ClusterConfig load_config_from_file(const std::string& path);
 
-/// Writes `config` in upstream's YAML schema (keys sorted, as `yaml.safe_dump` writes them).
+/// Writes `config` in upstream's schema: YAML (keys sorted, as `yaml.safe_dump` writes them), or
+/// JSON for a `.json` name (as upstream's `to_json_file`). The file is replaced atomically and
+/// missing folders are created.
 void save_config_file(const ClusterConfig& config, const std::string& path);
+
+/// How `get_user_input` talks to the user.
+struct QuestionnaireOptions {
+  /// Write each answer after its question (for input that is not a terminal, so that the
+  /// transcript reads like a session).
+  bool echo_answers = false;
+};
+
+/// Asks the questions of `accelerate config` on `out` and reads one answer per line from `in`
+/// (upstream: `get_user_input`). An empty line takes the default shown in brackets; a choice is
+/// answered with its number or its name. An invalid answer prints why and asks again; input that
+/// ends before the last question raises a ValueError naming the question.
+ClusterConfig get_user_input(std::istream& in, std::ostream& out, const QuestionnaireOptions& options = {});
+
+/// Writes a configuration for this machine to `save_location` (upstream: `write_basic_config`):
+/// one process per CUDA device when LibTorch has CUDA, else one CPU process. Returns the path, or
+/// `std::nullopt` without touching anything when a file already exists there. `mixed_precision`
+/// is "no", "fp16" or "bf16" (any case); anything else raises a ValueError.
+std::optional<std::string> write_basic_config(const std::string& mixed_precision = "no",
+                                              const std::string& save_location = default_config_file());
+
+/// Rewrites a configuration file in the current schema, keeping its settings (upstream:
+/// `update_config`); older spellings such as `fp16: true` are converted. Without `config_file`,
+/// the default file is updated. Returns the path; raises a ValueError when the file is missing
+/// or invalid.
+std::string update_config(const std::optional<std::string>& config_file = std::nullopt);
+
+/// `accelerate config [--config_file F]`, `accelerate config default [--config_file F]
+/// [--mixed_precision no|fp16|bf16]` and `accelerate config update [--config_file F]`: runs the
+/// command with `args` (what follows `config`) and returns the exit code: 0 on success, 1 on
+/// an error (printed to `err`), 2 for a usage error.
+int config_main(const std::vector<std::string>& args, std::istream& in, std::ostream& out, std::ostream& err);
 
 }  // namespace accelerate::commands

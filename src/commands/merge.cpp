@@ -1,0 +1,130 @@
+// `accelerate merge-weights`; see include/accelerate/commands/merge.h.
+#include "accelerate/commands/merge.h"
+
+#include "accelerate/utils/safetensors.h"
+#include "detail/checkpoint_index.h"
+#include "detail/cli.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <map>
+#include <ostream>
+#include <set>
+
+namespace accelerate::commands {
+namespace {
+
+namespace fs = std::filesystem;
+
+// Whether `inner` is `outer` or a folder below it (both existing or not).
+bool is_within(const fs::path& inner, const fs::path& outer) {
+  const fs::path a = fs::weakly_canonical(inner);
+  const fs::path b = fs::weakly_canonical(outer);
+  auto mismatch = std::mismatch(b.begin(), b.end(), a.begin(), a.end());
+  return mismatch.first == b.end();
+}
+
+}  // namespace
+
+std::string merge_weights(const std::string& checkpoint_directory, const std::string& output_path,
+                          const MergeWeightsOptions& options) {
+  TORCH_CHECK_VALUE(options.safe_serialization,
+                    "[merge_weights] pickled output (--unsafe_serialization) is not supported: accelerate-cpp only "
+                    "writes safetensors");
+  const fs::path input(checkpoint_directory);
+  TORCH_CHECK_VALUE(fs::is_directory(input), "[merge_weights] ", checkpoint_directory,
+                    " is not a folder; pass the folder holding model.safetensors.index.json and its shards");
+  const auto index = detail::find_checkpoint_index(input, "merge_weights");
+  TORCH_CHECK_VALUE(index.has_value(), "[merge_weights] ", checkpoint_directory,
+                    " holds no `.index.json` file, so it is not a sharded safetensors checkpoint",
+                    fs::exists(input / "model.safetensors") ? " (it already holds a single model.safetensors)" : "");
+  const fs::path output(output_path);
+  TORCH_CHECK_VALUE(fs::weakly_canonical(output) != fs::weakly_canonical(input), "[merge_weights] the output folder ",
+                    output_path, " is the checkpoint folder itself; choose another output folder");
+  TORCH_CHECK_VALUE(!is_within(output, input) || !options.remove_checkpoint_dir, "[merge_weights] the output folder ",
+                    output_path, " is inside the checkpoint folder ", checkpoint_directory,
+                    ", which --remove_checkpoint_dir would delete; choose another output folder");
+  TORCH_CHECK_VALUE(!fs::exists(output) || fs::is_directory(output), "[merge_weights] the output path ", output_path,
+                    " exists and is not a folder");
+
+  const auto layout = detail::read_checkpoint_index(*index, "merge_weights");
+  TORCH_CHECK_VALUE(!layout.weight_map.empty(), "[merge_weights] the index ", index->string(), " lists no tensors");
+  std::vector<std::string> missing;
+  for (const auto& file : layout.files) {
+    if (!fs::is_regular_file(file)) missing.push_back(file.filename().string());
+  }
+  if (!missing.empty()) {
+    std::string listed;
+    for (const auto& name : missing) listed += (listed.empty() ? "" : ", ") + name;
+    C10_THROW_ERROR(ValueError, c10::str("[merge_weights] the index ", index->string(),
+                                         " lists shards that do not exist: ", listed));
+  }
+
+  TensorMap merged;
+  std::map<std::string, std::string> owner;  // tensor -> shard holding it
+  for (const auto& path : layout.files) {
+    const SafetensorsFile shard(path.string());
+    const std::string shard_name = path.lexically_relative(index->parent_path()).string();
+    for (const auto& name : shard.keys()) {
+      const auto listed = layout.weight_map.find(name);
+      TORCH_CHECK_VALUE(listed != layout.weight_map.end(), "[merge_weights] shard ", shard_name, " holds tensor ", name,
+                        ", which the index ", index->string(), " does not list");
+      const auto [previous, inserted] = owner.emplace(name, shard_name);
+      TORCH_CHECK_VALUE(inserted, "[merge_weights] tensor ", name, " is held by both ", previous->second, " and ",
+                        shard_name);
+      TORCH_CHECK_VALUE(fs::path(listed->second).lexically_normal() == fs::path(shard_name).lexically_normal(),
+                        "[merge_weights] the index maps tensor ", name, " to ", listed->second, ", but it is in ",
+                        shard_name);
+      merged.emplace(name, shard.get_tensor(name));  // a view of the mapped shard: no copy until written
+    }
+  }
+  for (const auto& [name, file] : layout.weight_map) {
+    TORCH_CHECK_VALUE(owner.count(name) == 1, "[merge_weights] the index ", index->string(), " maps tensor ", name,
+                      " to ", file, ", which does not hold it");
+  }
+
+  fs::create_directories(output);
+  const std::string target = (output / "model.safetensors").string();
+  save_file(merged, target, {{"format", "pt"}});
+  if (options.remove_checkpoint_dir) {
+    merged.clear();  // release the mappings before the files go
+    fs::remove_all(input);
+  }
+  return target;
+}
+
+int merge_weights_main(const std::vector<std::string>& args, std::istream& /*in*/, std::ostream& out,
+                       std::ostream& err) {
+  CLI::App app{
+      "Merges a sharded safetensors checkpoint (model.safetensors.index.json and its shards) into one "
+      "model.safetensors file in the output folder.",
+      "accelerate merge-weights"};
+  app.set_help_flag("-h,--help", "Show this help and exit");
+  std::string checkpoint_directory;
+  std::string output_path;
+  bool unsafe_serialization = false;
+  bool remove_checkpoint_dir = false;
+  app.add_option("checkpoint_directory", checkpoint_directory,
+                 "The folder holding model.safetensors.index.json and its shards")
+      ->required();
+  app.add_option("output_path", output_path, "The folder to write model.safetensors into (created if needed)")
+      ->required();
+  app.add_flag(detail::cli_spellings("unsafe_serialization"), unsafe_serialization,
+               "Write a pickled .bin file instead (not supported: refused)");
+  app.add_flag(detail::cli_spellings("remove_checkpoint_dir"), remove_checkpoint_dir,
+               "Delete the checkpoint folder once the merged file is written");
+  if (auto code = detail::parse_cli(app, args, "merge-weights", out, err)) return *code;
+
+  return detail::run_cli_command("merge-weights", err, [&] {
+    const std::string target =
+        merge_weights(checkpoint_directory, output_path,
+                      {.safe_serialization = !unsafe_serialization, .remove_checkpoint_dir = remove_checkpoint_dir});
+    out << "Merged weights saved to " << target << "\n";
+    if (remove_checkpoint_dir) out << "Removed the checkpoint folder " << checkpoint_directory << "\n";
+    return 0;
+  });
+}
+
+}  // namespace accelerate::commands
