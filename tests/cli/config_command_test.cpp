@@ -4,6 +4,7 @@
 
 #include "accelerate/utils/environment.h"
 #include "support/process.h"
+#include "support/commands.h"
 #include "support/test_support.h"
 
 #include <gmock/gmock.h>
@@ -23,35 +24,9 @@ using commands::load_config_from_file;
 using ::testing::HasSubstr;
 using ::testing::Not;
 
-std::string write_file(const TempDir& dir, const std::string& name, const std::string& text) {
-  const std::string path = (dir.path() / name).string();
-  std::ofstream(path) << text;
-  return path;
-}
-
-std::string read_file(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
-
-// The result of running `accelerate config <args>` in process with `input` as its standard input.
-struct Outcome {
-  int code = -1;
-  std::string out;
-  std::string err;
-};
-
-Outcome run_config(const std::vector<std::string>& args, const std::string& input = "") {
-  std::istringstream in(input);
-  std::ostringstream out;
-  std::ostringstream err;
-  Outcome outcome;
-  outcome.code = config_main(args, in, out, err);
-  outcome.out = out.str();
-  outcome.err = err.str();
-  return outcome;
+// `accelerate config <args>` in process, with `input` as its standard input.
+CommandOutcome run_config(const std::vector<std::string>& args, const std::string& input = "") {
+  return run_command(config_main, args, input);
 }
 
 // Answers: multi-CPU, 1 machine (default), no debug (default), 4 processes, bf16 by name.
@@ -91,7 +66,7 @@ TEST(ConfigQuestionnaire, PipedAnswersToTheBinaryWriteTheExpectedYaml) {
 TEST(ConfigQuestionnaire, TheDefaultLocationIsUsedWithoutConfigFile) {
   TempDir dir;
   auto env = patch_environment({{"HF_HOME", dir.str()}});
-  const Outcome outcome = run_config({}, kMultiCpuAnswers);
+  const CommandOutcome outcome = run_config({}, kMultiCpuAnswers);
   ASSERT_EQ(outcome.code, 0) << outcome.err;
   const std::string path = dir.str() + "/accelerate/default_config.yaml";
   EXPECT_EQ(read_file(path), kMultiCpuYaml);
@@ -150,7 +125,7 @@ TEST(ConfigQuestionnaire, MultiMachineAnswersAreAllRecorded) {
   const std::string path = (dir.path() / "c.yaml").string();
   // multi-GPU, 2 machines, rank 1, address, port, other networks, c10d, debug, 8 GPUs, ids 0,1,
   // no NUMA binding, fp16.
-  const Outcome outcome =
+  const CommandOutcome outcome =
       run_config({"--config_file", path}, "2\n2\n1\n10.0.0.1\n29500\nno\nc10d\nyes\n8\n0,1\nno\nfp16\n");
   ASSERT_EQ(outcome.code, 0) << outcome.err;
   EXPECT_EQ(read_file(path), R"(compute_environment: LOCAL_MACHINE
@@ -200,7 +175,7 @@ TEST(ConfigQuestionnaire, PythonOnlyIntegrationsAreNotAskedAndSaidSo) {
 TEST(ConfigQuestionnaire, InputEndingEarlyIsAnErrorNamingTheQuestion) {
   TempDir dir;
   const std::string path = (dir.path() / "c.yaml").string();
-  const Outcome outcome = run_config({"--config_file", path}, "1\n\n");
+  const CommandOutcome outcome = run_config({"--config_file", path}, "1\n\n");
   EXPECT_EQ(outcome.code, 1);
   EXPECT_THAT(outcome.err, HasSubstr("the input ended before this question was answered"));
   EXPECT_THAT(outcome.err, HasSubstr("Should distributed operations be checked"));
@@ -217,7 +192,7 @@ TEST(ConfigQuestionnaire, TheBinaryWithNoInputFailsInsteadOfWaiting) {
 }
 
 TEST(ConfigQuestionnaire, OneGpuOnOneMachineIsRefusedAsUpstreamDoes) {
-  const Outcome outcome = run_config({"--config_file", "unused.yaml"}, "2\n\n\n1\n");
+  const CommandOutcome outcome = run_config({"--config_file", "unused.yaml"}, "2\n\n\n1\n");
   EXPECT_EQ(outcome.code, 1);
   EXPECT_THAT(outcome.err, HasSubstr("MULTI_GPU was chosen with a single GPU on a single machine"));
 }
@@ -238,7 +213,7 @@ TEST(ConfigDefault, WritesAConfigurationForThisMachine) {
   if (is_cuda_available()) GTEST_SKIP() << "CUDA is available here; the expected file is the CPU-only one";
   TempDir dir;
   const std::string path = (dir.path() / "default_config.yaml").string();
-  const Outcome outcome = run_config({"default", "--config_file", path, "--mixed_precision", "bf16"});
+  const CommandOutcome outcome = run_config({"default", "--config_file", path, "--mixed_precision", "bf16"});
   ASSERT_EQ(outcome.code, 0) << outcome.err;
   EXPECT_THAT(outcome.out, HasSubstr("accelerate configuration saved at " + path));
   EXPECT_EQ(read_file(path), R"(compute_environment: LOCAL_MACHINE
@@ -283,7 +258,7 @@ TEST(ConfigDefault, MixedPrecisionIsCaseInsensitiveAndOtherValuesAreAUsageError)
   const std::string path = (dir.path() / "c.yaml").string();
   ASSERT_EQ(run_config({"default", "--config_file", path, "--mixed-precision", "FP16"}).code, 0);
   EXPECT_EQ(load_config_from_file(path).mixed_precision, "fp16");
-  const Outcome outcome =
+  const CommandOutcome outcome =
       run_config({"default", "--config_file", (dir.path() / "d.yaml").string(), "--mixed_precision", "fp8"});
   EXPECT_EQ(outcome.code, 2);
   EXPECT_THAT(outcome.err, HasSubstr("--mixed_precision"));
@@ -372,7 +347,7 @@ TEST(ConfigUpdate, UnknownKeysAreRefusedAndTheFileIsLeftAlone) {
   TempDir dir;
   const std::string text = "distributed_type: MULTI_CPU\nnum_processes: 2\nzero_option: 1\nalpha_option: 2\n";
   const std::string path = write_file(dir, "c.yaml", text);
-  const Outcome outcome = run_config({"update", "--config_file", path});
+  const CommandOutcome outcome = run_config({"update", "--config_file", path});
   EXPECT_EQ(outcome.code, 1);
   EXPECT_THAT(outcome.err, HasSubstr("has unknown keys (alpha_option, zero_option)"));
   EXPECT_EQ(read_file(path), text);
@@ -381,7 +356,7 @@ TEST(ConfigUpdate, UnknownKeysAreRefusedAndTheFileIsLeftAlone) {
 TEST(ConfigUpdate, AMissingFileIsAnErrorNamingIt) {
   TempDir dir;
   const std::string path = (dir.path() / "none.yaml").string();
-  const Outcome outcome = run_config({"update", "--config_file", path});
+  const CommandOutcome outcome = run_config({"update", "--config_file", path});
   EXPECT_EQ(outcome.code, 1);
   EXPECT_THAT(outcome.err, HasSubstr("[update_config] the config file " + path + " does not exist"));
   auto env = patch_environment({{"HF_HOME", dir.str()}});
@@ -406,11 +381,11 @@ TEST(ConfigFlags, HelpOfEachCommandExitsZeroAndNamesItsOptions) {
   EXPECT_THAT(top->out, HasSubstr("--config_file"));
   EXPECT_THAT(top->out, HasSubstr("default"));
   EXPECT_THAT(top->out, HasSubstr("update"));
-  const Outcome basic = run_config({"default", "--help"});
+  const CommandOutcome basic = run_config({"default", "--help"});
   EXPECT_EQ(basic.code, 0);
   EXPECT_THAT(basic.out, HasSubstr("--mixed_precision"));
   EXPECT_THAT(basic.out, HasSubstr("--config_file"));
-  const Outcome update = run_config({"update", "-h"});
+  const CommandOutcome update = run_config({"update", "-h"});
   EXPECT_EQ(update.code, 0);
   EXPECT_THAT(update.out, HasSubstr("accelerate config update"));
   EXPECT_THAT(update.out, HasSubstr("--config_file"));
@@ -420,7 +395,7 @@ TEST(ConfigFlags, AnUnknownFlagExitsTwoNamingIt) {
   auto r = run({accelerate_bin(), "config", "--bogus_flag"});
   EXPECT_EQ(r->exit_code(), 2);
   EXPECT_THAT(r->err, HasSubstr("--bogus_flag"));
-  const Outcome outcome = run_config({"default", "--num_processes", "2"});
+  const CommandOutcome outcome = run_config({"default", "--num_processes", "2"});
   EXPECT_EQ(outcome.code, 2);
   EXPECT_THAT(outcome.err, HasSubstr("--num_processes"));
 }

@@ -2,6 +2,7 @@
 #include "accelerate/commands/config.h"
 
 #include "accelerate/utils/environment.h"
+#include "support/commands.h"
 #include "support/test_support.h"
 
 #include <gmock/gmock.h>
@@ -21,20 +22,6 @@ using commands::save_config_file;
 using ::testing::Contains;
 using ::testing::HasSubstr;
 using ::testing::Not;
-
-// Writes `text` to `name` inside `dir` and returns the path.
-std::string write_file(const TempDir& dir, const std::string& name, const std::string& text) {
-  const std::string path = (dir.path() / name).string();
-  std::ofstream(path) << text;
-  return path;
-}
-
-std::string read_file(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
 
 // What `accelerate config` (upstream) writes for two CPU processes in bf16.
 constexpr const char* kUpstreamMultiCpu = R"(compute_environment: LOCAL_MACHINE
@@ -314,9 +301,8 @@ TEST(SaveConfigFile, KeysAreWrittenInUpstreamsSortedOrder) {
   }
   EXPECT_TRUE(std::is_sorted(keys.begin(), keys.end())) << read_file(path);
   for (const char* key : {"compute_environment", "debug", "distributed_type", "downcast_bf16", "enable_cpu_affinity",
-                          "machine_rank", "main_training_function", "mixed_precision", "num_machines",
-                          "num_processes", "rdzv_backend", "same_network", "tpu_env", "tpu_use_cluster",
-                          "tpu_use_sudo", "use_cpu"}) {
+                          "machine_rank", "main_training_function", "mixed_precision", "num_machines", "num_processes",
+                          "rdzv_backend", "same_network", "tpu_env", "tpu_use_cluster", "tpu_use_sudo", "use_cpu"}) {
     EXPECT_THAT(keys, Contains(key));
   }
   EXPECT_THAT(read_file(path), HasSubstr("distributed_type: MULTI_CPU\n"));

@@ -3,6 +3,7 @@
 
 #include "accelerate/utils/environment.h"
 #include "support/process.h"
+#include "support/commands.h"
 #include "support/test_support.h"
 
 #include <gmock/gmock.h>
@@ -19,28 +20,13 @@ namespace {
 using ::testing::Contains;
 using ::testing::HasSubstr;
 
-struct Outcome {
-  int code = -1;
-  std::string out;
-  std::string err;
-};
-
-Outcome run_env(const std::vector<std::string>& args) {
-  std::istringstream in;
-  std::ostringstream out;
-  std::ostringstream err;
-  Outcome outcome;
-  outcome.code = commands::env_main(args, in, out, err);
-  outcome.out = out.str();
-  outcome.err = err.str();
-  return outcome;
-}
+CommandOutcome run_env(const std::vector<std::string>& args) { return run_command(commands::env_main, args); }
 
 TEST(EnvCommand, PrintsTheVersionsTheBlasLineAndTheConfigContents) {
   TempDir dir;
   const std::string path = (dir.path() / "my_config.yaml").string();
   std::ofstream(path) << "distributed_type: MULTI_CPU\nnum_processes: 2\n";
-  const Outcome outcome = run_env({"--config_file", path});
+  const CommandOutcome outcome = run_env({"--config_file", path});
   ASSERT_EQ(outcome.code, 0) << outcome.err;
   const std::string& text = outcome.out;
   EXPECT_THAT(text, HasSubstr("- `accelerate-cpp` version: " + accelerate_version() + "\n"));
@@ -65,7 +51,7 @@ TEST(EnvCommand, ThreadVariablesAreReported) {
   auto env = patch_environment({{"OMP_NUM_THREADS", "3"}, {"OPENBLAS_NUM_THREADS", "5"}});
   TempDir dir;
   auto home = patch_environment({{"HF_HOME", dir.str()}});
-  const Outcome outcome = run_env({});
+  const CommandOutcome outcome = run_env({});
   EXPECT_THAT(outcome.out, HasSubstr("OMP_NUM_THREADS=3, OPENBLAS_NUM_THREADS=5, MKL_NUM_THREADS="));
 }
 
@@ -83,7 +69,7 @@ TEST(EnvCommand, TheDefaultConfigFileIsShownWhenItExists) {
   std::filesystem::create_directories(dir.path() / "accelerate");
   std::ofstream(dir.path() / "accelerate" / "default_config.yaml") << "distributed_type: 'NO'\n";
   auto home = patch_environment({{"HF_HOME", dir.str()}});
-  const Outcome outcome = run_env({});
+  const CommandOutcome outcome = run_env({});
   EXPECT_THAT(outcome.out, HasSubstr("- `Accelerate` default config: " + dir.str() +
                                      "/accelerate/default_config.yaml\n\tdistributed_type: 'NO'\n"));
 }
@@ -92,7 +78,7 @@ TEST(EnvCommand, AConfigFileAccelerateCppCannotUseIsShownWithTheReason) {
   TempDir dir;
   const std::string path = (dir.path() / "c.yaml").string();
   std::ofstream(path) << "distributed_type: MULTI_CPU\nsome_new_key: 1\n";
-  const Outcome outcome = run_env({"--config_file", path});
+  const CommandOutcome outcome = run_env({"--config_file", path});
   EXPECT_EQ(outcome.code, 0);
   EXPECT_THAT(outcome.out, HasSubstr("\tsome_new_key: 1\n"));
   EXPECT_THAT(outcome.out, HasSubstr("not usable by accelerate-cpp"));
@@ -102,13 +88,13 @@ TEST(EnvCommand, AConfigFileAccelerateCppCannotUseIsShownWithTheReason) {
 TEST(EnvCommand, AMissingConfigFileIsAnError) {
   TempDir dir;
   const std::string path = (dir.path() / "none.yaml").string();
-  const Outcome outcome = run_env({"--config_file", path});
+  const CommandOutcome outcome = run_env({"--config_file", path});
   EXPECT_EQ(outcome.code, 1);
   EXPECT_THAT(outcome.err, HasSubstr("the configuration file " + path + " does not exist"));
 }
 
 TEST(EnvCommand, HelpExitsZeroAndAnUnknownFlagExitsTwo) {
-  const Outcome help = run_env({"--help"});
+  const CommandOutcome help = run_env({"--help"});
   EXPECT_EQ(help.code, 0);
   EXPECT_THAT(help.out, HasSubstr("--config_file"));
   auto r = run({accelerate_bin(), "env", "--verbose"});

@@ -3,6 +3,7 @@
 
 #include "accelerate/utils/safetensors.h"
 #include "support/process.h"
+#include "support/commands.h"
 #include "support/test_support.h"
 
 #include <gmock/gmock.h>
@@ -79,21 +80,8 @@ std::string write_sharded(const std::filesystem::path& folder) {
   return path;
 }
 
-struct Outcome {
-  int code = -1;
-  std::string out;
-  std::string err;
-};
-
-Outcome run_estimate(const std::vector<std::string>& args) {
-  std::istringstream in;
-  std::ostringstream out;
-  std::ostringstream err;
-  Outcome outcome;
-  outcome.code = commands::estimate_memory_main(args, in, out, err);
-  outcome.out = out.str();
-  outcome.err = err.str();
-  return outcome;
+CommandOutcome run_estimate(const std::vector<std::string>& args) {
+  return run_command(commands::estimate_memory_main, args);
 }
 
 // ---- sizes -----------------------------------------------------------------------------------
@@ -242,7 +230,7 @@ TEST(EstimateMemoryCommand, DtypesCanBeChosen) {
   TempDir dir;
   const std::string path = (dir.path() / "m.safetensors").string();
   save_file(known_model(), path);
-  const Outcome outcome = run_estimate({path, "--dtypes", "bfloat16", "int8"});
+  const CommandOutcome outcome = run_estimate({path, "--dtypes", "bfloat16", "int8"});
   ASSERT_EQ(outcome.code, 0) << outcome.err;
   EXPECT_THAT(outcome.out, HasSubstr("bfloat16"));
   EXPECT_THAT(outcome.out, HasSubstr("2.41 KB"));
@@ -253,7 +241,7 @@ TEST(EstimateMemoryCommand, DtypesCanBeChosen) {
 TEST(EstimateMemoryCommand, AMissingPathIsAnError) {
   TempDir dir;
   const std::string path = (dir.path() / "nowhere").string();
-  const Outcome outcome = run_estimate({path});
+  const CommandOutcome outcome = run_estimate({path});
   EXPECT_EQ(outcome.code, 1);
   EXPECT_THAT(outcome.err, HasSubstr("[estimate_memory] " + path + " does not exist"));
 }
@@ -269,7 +257,7 @@ TEST(EstimateMemoryCommand, AFileThatIsNotSafetensorsIsNamed) {
   TempDir dir;
   const std::string path = (dir.path() / "notes.txt").string();
   std::ofstream(path) << "hello, this is not a checkpoint";
-  const Outcome outcome = run_estimate({path});
+  const CommandOutcome outcome = run_estimate({path});
   EXPECT_EQ(outcome.code, 1);
   EXPECT_THAT(outcome.err, HasSubstr("[estimate_memory] " + path + " is not a valid safetensors file"));
 }
@@ -303,14 +291,14 @@ TEST(EstimateMemoryCommand, AnIndexEntryItsShardDoesNotHoldIsAnError) {
 }
 
 TEST(EstimateMemoryCommand, HelpExitsZeroAndBadFlagsExitTwo) {
-  const Outcome help = run_estimate({"--help"});
+  const CommandOutcome help = run_estimate({"--help"});
   EXPECT_EQ(help.code, 0);
   EXPECT_THAT(help.out, HasSubstr("--dtypes"));
   EXPECT_THAT(help.out, HasSubstr("checkpoint"));
   auto r = run({accelerate_bin(), "estimate-memory", "x.safetensors", "--trust_remote_code"});
   EXPECT_EQ(r->exit_code(), 2);
   EXPECT_THAT(r->err, HasSubstr("--trust_remote_code"));
-  const Outcome dtype = run_estimate({"x.safetensors", "--dtypes", "float8"});
+  const CommandOutcome dtype = run_estimate({"x.safetensors", "--dtypes", "float8"});
   EXPECT_EQ(dtype.code, 2);
   EXPECT_THAT(dtype.err, HasSubstr("float8"));
   EXPECT_EQ(run_estimate({}).code, 2);

@@ -4,6 +4,7 @@
 #include "accelerate/utils/modeling.h"
 #include "accelerate/utils/safetensors.h"
 #include "support/process.h"
+#include "support/commands.h"
 #include "support/test_support.h"
 
 #include <gmock/gmock.h>
@@ -57,21 +58,8 @@ void expect_same_tensors(const TensorMap& merged, const TensorMap& expected) {
   }
 }
 
-struct Outcome {
-  int code = -1;
-  std::string out;
-  std::string err;
-};
-
-Outcome run_merge(const std::vector<std::string>& args) {
-  std::istringstream in;
-  std::ostringstream out;
-  std::ostringstream err;
-  Outcome outcome;
-  outcome.code = commands::merge_weights_main(args, in, out, err);
-  outcome.out = out.str();
-  outcome.err = err.str();
-  return outcome;
+CommandOutcome run_merge(const std::vector<std::string>& args) {
+  return run_command(commands::merge_weights_main, args);
 }
 
 TEST(MergeWeights, TheMergedFileHoldsEveryTensorOfTheShards) {
@@ -106,7 +94,7 @@ TEST(MergeWeights, AModuleLoadsTheMergedFileLikeTheShards) {
 TEST(MergeWeights, RemoveCheckpointDirDeletesTheInputAfterMerging) {
   TempDir dir;
   const TensorMap expected = write_sharded(dir.path() / "sharded");
-  const Outcome outcome =
+  const CommandOutcome outcome =
       run_merge({(dir.path() / "sharded").string(), (dir.path() / "out").string(), "--remove_checkpoint_dir"});
   ASSERT_EQ(outcome.code, 0) << outcome.err;
   EXPECT_FALSE(fs::exists(dir.path() / "sharded"));
@@ -117,7 +105,7 @@ TEST(MergeWeights, AMissingShardIsNamedAndNothingIsWritten) {
   TempDir dir;
   write_sharded(dir.path() / "sharded");
   fs::remove(dir.path() / "sharded" / "model-00002-of-00003.safetensors");
-  const Outcome outcome = run_merge({(dir.path() / "sharded").string(), (dir.path() / "out").string()});
+  const CommandOutcome outcome = run_merge({(dir.path() / "sharded").string(), (dir.path() / "out").string()});
   EXPECT_EQ(outcome.code, 1);
   EXPECT_THAT(outcome.err, HasSubstr("lists shards that do not exist: model-00002-of-00003.safetensors"));
   EXPECT_FALSE(fs::exists(dir.path() / "out"));
@@ -182,7 +170,7 @@ TEST(MergeWeights, ATensorInTwoShardsIsAnError) {
 TEST(MergeWeights, PickledOutputIsRefused) {
   TempDir dir;
   write_sharded(dir.path() / "sharded");
-  const Outcome outcome =
+  const CommandOutcome outcome =
       run_merge({(dir.path() / "sharded").string(), (dir.path() / "out").string(), "--unsafe_serialization"});
   EXPECT_EQ(outcome.code, 1);
   EXPECT_THAT(outcome.err, HasSubstr("pickled output (--unsafe_serialization) is not supported"));
@@ -196,10 +184,10 @@ TEST(MergeWeights, HelpExitsZeroAndBadArgumentsExitTwo) {
   EXPECT_THAT(help->out, HasSubstr("--unsafe_serialization"));
   EXPECT_THAT(help->out, HasSubstr("checkpoint_directory"));
   EXPECT_THAT(help->out, HasSubstr("output_path"));
-  const Outcome unknown = run_merge({"a", "b", "--safe"});
+  const CommandOutcome unknown = run_merge({"a", "b", "--safe"});
   EXPECT_EQ(unknown.code, 2);
   EXPECT_THAT(unknown.err, HasSubstr("--safe"));
-  const Outcome missing = run_merge({"a"});
+  const CommandOutcome missing = run_merge({"a"});
   EXPECT_EQ(missing.code, 2);
   EXPECT_THAT(missing.err, HasSubstr("output_path"));
 }
