@@ -224,8 +224,8 @@ TEST(LoadCheckpointInModel, RefusesIndexEntriesOutsideItsFolder) {
 TEST(LoadCheckpointInModel, NamesWhatIsWrongWithTheCheckpointPath) {
   TempDir dir;
   auto net = small_net();
-  EXPECT_THROWS_WITH(load_checkpoint_in_model(*net, (dir.path() / "nothing").string()), "no such file or folder");
-  EXPECT_THROWS_WITH(load_checkpoint_in_model(*net, dir.str()), "is not a folder containing a `.index.json` file");
+  EXPECT_THROWS_WITH(load_checkpoint_in_model(*net, (dir.path() / "nothing").string()), "does not exist");
+  EXPECT_THROWS_WITH(load_checkpoint_in_model(*net, dir.str()), "holds neither model.safetensors nor a `.index.json` file");
   detail::write_file((dir.path() / "a.index.json").string(), "{}");
   detail::write_file((dir.path() / "b.index.json").string(), "{}");
   EXPECT_THROWS_WITH(load_checkpoint_in_model(*net, dir.str()), "contains more than one `.index.json` file");

@@ -1,5 +1,6 @@
 #include "accelerate/utils/modeling.h"
 
+#include "detail/checkpoint_index.h"
 #include "detail/files.h"
 
 #include <ATen/ATen.h>
@@ -23,7 +24,6 @@ namespace accelerate {
 
 namespace {
 
-constexpr const char* kWeightsName = "model.safetensors";
 constexpr const char* kWeightsIndexName = "model.safetensors.index.json";
 
 bool ends_with_upper(const std::string& text, const std::string& suffix) {
@@ -53,69 +53,11 @@ std::unordered_map<std::string, at::Tensor> module_tensors(const torch::nn::Modu
 }
 
 // Identifies the memory a tensor lives in, so that aliases are found (upstream: `id_tensor_storage`).
-std::tuple<int, int64_t, const void*> storage_id(const at::Tensor& t) {
-  return {static_cast<int>(t.device().type()) * 1000 + t.device().index(), 0, t.storage().data()};
+std::pair<int, const void*> storage_id(const at::Tensor& t) {
+  return {static_cast<int>(t.device().type()) * 1000 + t.device().index(), t.storage().data()};
 }
 
 std::string shape_string(at::IntArrayRef sizes) { return c10::str(sizes); }
-
-// A checkpoint's files, resolved from a file, an index or a folder.
-std::vector<fs::path> checkpoint_files(const std::string& checkpoint) {
-  const fs::path path(checkpoint);
-  fs::path index;
-  if (fs::is_regular_file(path)) {
-    if (path.extension() != ".json") return {path};
-    index = path;
-  } else if (fs::is_directory(path)) {
-    if (fs::is_regular_file(path / kWeightsName)) return {path / kWeightsName};
-    if (fs::is_regular_file(path / "pytorch_model.bin")) {
-      C10_THROW_ERROR(ValueError, c10::str("[load_checkpoint_in_model] ", checkpoint,
-                                           " holds a pickled pytorch_model.bin, which is never unpickled here; "
-                                           "convert it to model.safetensors"));
-    }
-    std::vector<fs::path> indexes;
-    for (const auto& entry : fs::directory_iterator(path)) {
-      const std::string name = entry.path().filename().string();
-      if (name.size() > 11 && name.compare(name.size() - 11, 11, ".index.json") == 0) indexes.push_back(entry.path());
-    }
-    TORCH_CHECK_VALUE(!indexes.empty(), "[load_checkpoint_in_model] ", checkpoint,
-                      " is not a folder containing a `.index.json` file or a ", kWeightsName, " file");
-    TORCH_CHECK_VALUE(indexes.size() == 1, "[load_checkpoint_in_model] ", checkpoint,
-                      " contains more than one `.index.json` file, delete the irrelevant ones");
-    index = indexes.front();
-  } else {
-    C10_THROW_ERROR(ValueError,
-                    c10::str("[load_checkpoint_in_model] `checkpoint` should be the path to a file containing a whole "
-                             "state dict, or the index of a sharded checkpoint, or a folder containing a sharded "
-                             "checkpoint or the whole state dict, but got ",
-                             checkpoint, " (no such file or folder)"));
-  }
-  nlohmann::json json;
-  try {
-    json = nlohmann::json::parse(detail::read_file(index.string()));
-  } catch (const nlohmann::json::exception& e) {
-    C10_THROW_ERROR(ValueError, c10::str("[load_checkpoint_in_model] the index ", index.string(),
-                                         " is not valid JSON: ", e.what()));
-  }
-  if (json.is_object() && json.contains("weight_map")) json = json.at("weight_map");
-  TORCH_CHECK_VALUE(json.is_object(), "[load_checkpoint_in_model] the index ", index.string(),
-                    " should map tensor names to files (an object, or one under \"weight_map\")");
-  std::set<std::string> names;
-  for (const auto& [tensor, file] : json.items()) {
-    TORCH_CHECK_VALUE(file.is_string(), "[load_checkpoint_in_model] the index ", index.string(), " maps ", tensor,
-                      " to ", file.dump(), " where a file name was expected");
-    const auto name = file.get<std::string>();
-    const fs::path relative(name);
-    bool escapes = relative.is_absolute() || relative.has_root_name() || name.empty();
-    for (const auto& part : relative) escapes = escapes || part == "..";
-    TORCH_CHECK_VALUE(!escapes, "[load_checkpoint_in_model] the index ", index.string(), " maps ", tensor, " to \"",
-                      name, "\", which is outside the index's folder; only files inside it are read");
-    names.insert(name);
-  }
-  std::vector<fs::path> files;
-  for (const auto& name : names) files.push_back(index.parent_path() / name);
-  return files;
-}
 
 }  // namespace
 
@@ -166,7 +108,7 @@ StateDictMap get_state_dict(const torch::nn::Module& module) {
 }
 
 StateDictMap clean_state_dict_for_safetensors(const StateDictMap& state_dict) {
-  std::set<std::tuple<int, int64_t, const void*>> seen;
+  std::set<std::pair<int, const void*>> seen;
   std::vector<std::string> removed;
   StateDictMap out;
   for (const auto& item : state_dict) {
@@ -326,7 +268,7 @@ LoadCheckpointResult load_state_dict_into_module(torch::nn::Module& module, cons
 
 LoadCheckpointResult load_checkpoint_in_model(torch::nn::Module& module, const std::string& checkpoint,
                                               const LoadCheckpointOptions& options) {
-  const auto files = checkpoint_files(checkpoint);
+  const auto files = detail::resolve_checkpoint(checkpoint, "load_checkpoint_in_model").files;
   // Every file is opened (and so validated) before anything is loaded.
   std::vector<SafetensorsFile> opened;
   std::set<std::string> in_files;
