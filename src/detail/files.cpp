@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -25,19 +26,20 @@ struct Fd {
   }
 };
 
-void write_all(int fd, const std::string& bytes, const std::string& path) {
-  size_t done = 0;
-  while (done < bytes.size()) {
-    const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
+}  // namespace
+
+void write_all(int fd, const char* data, size_t size, const std::string& path) {
+  constexpr size_t kChunk = size_t{1} << 30;  // Linux writes at most ~2 GB per call
+  while (size > 0) {
+    const ssize_t n = ::write(fd, data, std::min(size, kChunk));
     if (n < 0) {
       if (errno == EINTR) continue;
       fail("write", path, errno);
     }
-    done += static_cast<size_t>(n);
+    data += n;
+    size -= static_cast<size_t>(n);
   }
 }
-
-}  // namespace
 
 std::string read_file(const std::string& path) {
   Fd f{::open(path.c_str(), O_RDONLY | O_CLOEXEC)};
@@ -59,7 +61,7 @@ std::string read_file(const std::string& path) {
 void write_file(const std::string& path, const std::string& bytes, bool durable) {
   Fd f{::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644)};
   if (f.fd < 0) fail("create", path, errno);
-  write_all(f.fd, bytes, path);
+  write_all(f.fd, bytes.data(), bytes.size(), path);
   if (durable && ::fsync(f.fd) != 0) fail("flush", path, errno);
   const int fd = f.fd;
   f.fd = -1;
@@ -67,23 +69,32 @@ void write_file(const std::string& path, const std::string& bytes, bool durable)
 }
 
 void write_file_atomically(const std::string& path, const std::string& bytes) {
+  write_file_atomically(path, [&](int fd) { write_all(fd, bytes.data(), bytes.size(), path); });
+}
+
+// Note [Atomic write]: the content goes to a new file beside `path` that is renamed over it once
+// complete, so a reader sees the old file or the new one, and a failure leaves no partial file.
+void write_file_atomically(const std::string& path, const std::function<void(int fd)>& write_content,
+                           bool durable) {
   const std::filesystem::path target(path);
   const auto folder = target.has_parent_path() ? target.parent_path() : std::filesystem::path(".");
   std::string temporary = (folder / ("." + target.filename().string() + ".tmp-XXXXXX")).string();
   Fd f{::mkstemp(temporary.data())};
-  if (f.fd < 0) fail("create a temporary file for", path, errno);
+  if (f.fd < 0) fail("write", path, errno);
   try {
-    write_all(f.fd, bytes, path);
-    if (::fchmod(f.fd, 0644) != 0 || ::fsync(f.fd) != 0) fail("flush", path, errno);
+    write_content(f.fd);
+    if (::fchmod(f.fd, 0644) != 0) fail("write", path, errno);
+    if (durable && ::fsync(f.fd) != 0) fail("flush", path, errno);
     const int fd = f.fd;
     f.fd = -1;
-    if (::close(fd) != 0) fail("close", path, errno);
-    if (::rename(temporary.c_str(), path.c_str()) != 0) fail("rename a temporary file to", path, errno);
+    if (::close(fd) != 0) fail("write", path, errno);
+    if (::rename(temporary.c_str(), path.c_str()) != 0) fail("write", path, errno);
   } catch (...) {
     ::unlink(temporary.c_str());
     throw;
   }
-  fsync_directory(folder.string());
+  // The file is in place by now: a failure to make the rename durable is reported but leaves it.
+  if (durable) fsync_directory(folder.string());
 }
 
 void fsync_directory(const std::string& path) {

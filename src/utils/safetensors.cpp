@@ -3,6 +3,8 @@
 // this file maps files, turns byte ranges into tensors and writes files atomically.
 #include "accelerate/utils/safetensors.h"
 
+#include "detail/files.h"
+
 #include "utils/safetensors_format.h"
 
 #include <ATen/Functions.h>
@@ -210,24 +212,6 @@ at::Tensor dense_cpu(const at::Tensor& tensor) {
   return tensor.detach().to(c10::kCPU).resolve_conj().resolve_neg().contiguous();
 }
 
-[[noreturn]] void throw_io(const std::string& what, const std::string& path, int error) {
-  throw std::runtime_error("[save_file] " + what + " " + path + ": " + system_error_text(error));
-}
-
-void write_all(int fd, const char* data, uint64_t size, const std::string& path) {
-  constexpr uint64_t kChunk = uint64_t{1} << 30;  // Linux writes at most ~2 GB per call
-  while (size > 0) {
-    const ssize_t written = ::write(fd, data, static_cast<size_t>(std::min(size, kChunk)));
-    if (written < 0) {
-      if (errno == EINTR) continue;
-      throw_io("cannot write", path, errno);
-    }
-    data += written;
-    size -= static_cast<uint64_t>(written);
-  }
-}
-
-std::atomic<uint64_t> temporary_counter{0};
 
 }  // namespace
 
@@ -258,45 +242,20 @@ std::string save(const TensorMap& tensors, const SafetensorsMetadata& metadata) 
 
 void save_file(const TensorMap& tensors, const std::string& path, const SafetensorsMetadata& metadata, bool fsync) {
   Prepared prepared = prepare(tensors, metadata, "save_file");
-  const std::filesystem::path target(path);
-  const std::filesystem::path folder = target.parent_path().empty() ? std::filesystem::path(".") : target.parent_path();
-
-  // Note [Atomic save]: the bytes go to a new file beside `path` that is renamed over it once
-  // complete, so a reader sees the old file or the new one, and a failure leaves no partial file.
-  std::string temporary;
-  int fd = -1;
-  for (int attempt = 0; fd < 0; ++attempt) {
-    temporary = (folder / ("." + target.filename().string() + ".tmp" + std::to_string(::getpid()) + "-" +
-                           std::to_string(temporary_counter.fetch_add(1))))
-                    .string();
-    fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
-    if (fd < 0 && (errno != EEXIST || attempt >= 100)) throw_io("cannot write", path, errno);
-  }
+  // Tensors are written one after the other, never assembled in memory (see Note [Atomic write]).
   try {
-    write_all(fd, prepared.layout.prefix.data(), prepared.layout.prefix.size(), path);
-    for (const auto& tensor : prepared.tensors) {
-      const at::Tensor dense = dense_cpu(tensor);
-      write_all(fd, static_cast<const char*>(dense.data_ptr()), dense.nbytes(), path);
-    }
-    if (fsync && ::fsync(fd) != 0) throw_io("cannot flush", path, errno);
-    const int closed = ::close(fd);
-    fd = -1;
-    if (closed != 0) throw_io("cannot write", path, errno);
-    if (::rename(temporary.c_str(), path.c_str()) != 0) throw_io("cannot write", path, errno);
-  } catch (...) {
-    if (fd >= 0) ::close(fd);
-    ::unlink(temporary.c_str());
-    throw;
-  }
-  if (fsync) {
-    // Make the rename itself durable. The file is in place by now, so a failure is reported
-    // but leaves it there.
-    const int folder_fd = ::open(folder.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (folder_fd < 0) throw_io("wrote but cannot open the folder of", path, errno);
-    const int synced = ::fsync(folder_fd);
-    const int sync_error = errno;
-    ::close(folder_fd);
-    if (synced != 0 && sync_error != EINVAL) throw_io("wrote but cannot flush the folder of", path, sync_error);
+    detail::write_file_atomically(
+        path,
+        [&](int fd) {
+          detail::write_all(fd, prepared.layout.prefix.data(), prepared.layout.prefix.size(), path);
+          for (const auto& tensor : prepared.tensors) {
+            const at::Tensor dense = dense_cpu(tensor);
+            detail::write_all(fd, static_cast<const char*>(dense.data_ptr()), dense.nbytes(), path);
+          }
+        },
+        fsync);
+  } catch (const std::runtime_error& e) {
+    throw std::runtime_error(std::string("[save_file] ") + e.what());
   }
 }
 
