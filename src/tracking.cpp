@@ -1,0 +1,922 @@
+// Experiment trackers; see include/accelerate/tracking.h. TensorBoard records are encoded by hand
+// (see Note [TensorBoard records without protoc] in docs/design.md).
+#include "accelerate/tracking.h"
+
+#include "detail/files.h"
+#include "detail/tracking.h"
+
+#include <c10/util/Exception.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <ctime>
+#include <filesystem>
+#include <sstream>
+#include <utility>
+
+namespace accelerate {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+double wall_time() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+const std::vector<std::string>& builtin_names() {
+  static const std::vector<std::string> names = {"tensorboard", "dvclive", "jsonl", "csv"};
+  return names;
+}
+
+// Upstream's LoggerType members that need Python or a remote service.
+const std::vector<std::string>& remote_names() {
+  static const std::vector<std::string> names = {"wandb", "comet_ml", "aim", "mlflow", "clearml", "swanlab", "trackio"};
+  return names;
+}
+
+std::string join(const std::vector<std::string>& items) {
+  std::string out;
+  for (const auto& item : items) out += (out.empty() ? "" : ", ") + item;
+  return out;
+}
+
+bool contains(const std::vector<std::string>& items, const std::string& item) {
+  return std::find(items.begin(), items.end(), item) != items.end();
+}
+
+[[noreturn]] void fail_io(const std::string& api, const std::string& what, const std::string& path, int error) {
+  C10_THROW_ERROR(ValueError, "[" + api + "] cannot " + what + " " + path + ": " + std::strerror(error));
+}
+
+void create_folder(const std::string& api, const std::string& path) {
+  std::error_code error;
+  fs::create_directories(path, error);
+  if (error) C10_THROW_ERROR(ValueError, "[" + api + "] cannot create the folder " + path + ": " + error.message());
+}
+
+std::FILE* open_file(const std::string& api, const std::string& path, const char* mode) {
+  std::FILE* file = std::fopen(path.c_str(), mode);
+  if (file == nullptr) fail_io(api, "open", path, errno);
+  return file;
+}
+
+void write_bytes(const std::string& api, std::FILE* file, const std::string& bytes, const std::string& path) {
+  if (std::fwrite(bytes.data(), 1, bytes.size(), file) != bytes.size() || std::fflush(file) != 0) {
+    fail_io(api, "write", path, errno);
+  }
+}
+
+void close_file(const std::string& api, std::FILE*& file, const std::string& path) {
+  if (file == nullptr) return;
+  std::FILE* f = std::exchange(file, nullptr);
+  const bool ok = std::fflush(f) == 0 && ::fsync(::fileno(f)) == 0;
+  const int error = errno;
+  if (std::fclose(f) != 0 || !ok) fail_io(api, "close", path, ok ? errno : error);
+}
+
+// Atomic writes for files rewritten whole (metrics.json, params.yaml, config.json, hparams.yml).
+void write_whole(const std::string& api, const std::string& path, const std::string& bytes) {
+  try {
+    detail::write_file_atomically(path, bytes);
+  } catch (const std::runtime_error& e) {
+    C10_THROW_ERROR(ValueError, "[" + api + "] " + e.what());
+  }
+}
+
+// ---- values ---------------------------------------------------------------------------------
+
+bool is_scalar(const nlohmann::json& v) { return v.is_number() || v.is_boolean(); }
+
+double scalar_of(const nlohmann::json& v) { return v.is_boolean() ? (v.get<bool>() ? 1.0 : 0.0) : v.get<double>(); }
+
+// Values flattened to `key` / `key/member` pairs, in the order given.
+std::vector<std::pair<std::string, nlohmann::json>> flatten(const nlohmann::json& values) {
+  std::vector<std::pair<std::string, nlohmann::json>> out;
+  for (const auto& [key, value] : values.items()) {
+    if (value.is_object()) {
+      for (const auto& [member, v] : value.items()) out.emplace_back(key + "/" + member, v);
+    } else {
+      out.emplace_back(key, value);
+    }
+  }
+  return out;
+}
+
+// ---- YAML -------------------------------------------------------------------------------------
+
+bool plain_yaml(const std::string& s) {
+  if (s.empty()) return false;
+  static const std::vector<std::string> reserved = {"true", "false", "yes", "no", "on", "off", "null", "y", "n", "~"};
+  std::string lower = s;
+  std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char c) { return std::tolower(c); });
+  if (contains(reserved, lower)) return false;
+  if (!(std::isalpha(static_cast<unsigned char>(s[0])) || s[0] == '_')) return false;
+  return std::all_of(s.begin(), s.end(),
+                     [](unsigned char c) {
+                       return std::isalnum(c) || c == '_' || c == '-' || c == '.' || c == '/' || c == ' ';
+                     }) &&
+         s.back() != ' ';
+}
+
+// A JSON string is also a valid YAML double-quoted scalar.
+std::string yaml_string(const std::string& s) { return plain_yaml(s) ? s : nlohmann::json(s).dump(); }
+
+void emit_yaml(std::ostringstream& out, const nlohmann::json& value, int indent) {
+  const std::string pad(static_cast<size_t>(indent), ' ');
+  if (value.is_object()) {
+    for (const auto& [key, v] : value.items()) {
+      out << pad << yaml_string(key) << ":";
+      if ((v.is_object() || v.is_array()) && !v.empty()) {
+        out << "\n";
+        emit_yaml(out, v, indent + 2);
+      } else {
+        out << " ";
+        emit_yaml(out, v, 0);
+      }
+    }
+  } else if (value.is_array()) {
+    for (const auto& v : value) {
+      if ((v.is_object() || v.is_array()) && !v.empty()) {
+        out << pad << "-\n";
+        emit_yaml(out, v, indent + 2);
+      } else {
+        out << pad << "- ";
+        emit_yaml(out, v, 0);
+      }
+    }
+  } else if (value.is_string()) {
+    out << yaml_string(value.get<std::string>()) << "\n";
+  } else {
+    out << (value.is_object() ? "{}" : value.is_array() ? "[]" : value.dump()) << "\n";
+  }
+}
+
+std::string to_yaml(const nlohmann::json& value) {
+  if (value.empty()) return "{}\n";
+  std::ostringstream out;
+  emit_yaml(out, value, 0);
+  return out.str();
+}
+
+// ---- protobuf wire format -------------------------------------------------------------------
+// Only the encodings the Event, Summary and HParams messages need: varints, fixed 32/64-bit
+// numbers and length-delimited fields. Fields at their proto3 default are left out, as protobuf
+// does.
+
+class Proto {
+ public:
+  Proto& varint(int field, uint64_t value) {
+    if (value != 0) {
+      key(field, 0);
+      raw_varint(value);
+    }
+    return *this;
+  }
+  Proto& fixed64(int field, double value) { return value != 0 ? fixed64_always(field, value) : *this; }
+  // For oneof members, which are written even at their default.
+  Proto& fixed64_always(int field, double value) {
+    key(field, 1);
+    uint64_t bits = 0;
+    std::memcpy(&bits, &value, sizeof(bits));
+    for (int i = 0; i < 8; ++i) bytes_.push_back(static_cast<char>((bits >> (8 * i)) & 0xff));
+    return *this;
+  }
+  // Always written: a scalar of 0 is still a value the reader must see.
+  Proto& fixed32_always(int field, float value) {
+    key(field, 5);
+    uint32_t bits = 0;
+    std::memcpy(&bits, &value, sizeof(bits));
+    for (int i = 0; i < 4; ++i) bytes_.push_back(static_cast<char>((bits >> (8 * i)) & 0xff));
+    return *this;
+  }
+  Proto& bytes(int field, const std::string& value) {
+    if (!value.empty()) bytes_always(field, value);
+    return *this;
+  }
+  // For oneof members and repeated elements, which are written even when empty.
+  Proto& bytes_always(int field, const std::string& value) {
+    key(field, 2);
+    raw_varint(value.size());
+    bytes_ += value;
+    return *this;
+  }
+  Proto& message(int field, const Proto& value) { return bytes_always(field, value.str()); }
+  const std::string& str() const { return bytes_; }
+
+ private:
+  void key(int field, int wire_type) { raw_varint((static_cast<uint64_t>(field) << 3) | wire_type); }
+  void raw_varint(uint64_t value) {
+    while (value >= 0x80) {
+      bytes_.push_back(static_cast<char>((value & 0x7f) | 0x80));
+      value >>= 7;
+    }
+    bytes_.push_back(static_cast<char>(value));
+  }
+  std::string bytes_;
+};
+
+// tensorflow.Summary.Value with the given tag.
+Proto summary_value(const std::string& tag) { return std::move(Proto().bytes(1, tag)); }
+
+Proto plugin_metadata(const std::string& plugin_name, const std::string& content) {
+  return std::move(Proto().message(1, std::move(Proto().bytes(1, plugin_name).bytes(2, content))));
+}
+
+Proto scalar_summary(const std::string& tag, double value) {
+  return std::move(Proto().message(1, summary_value(tag).fixed32_always(2, static_cast<float>(value))));
+}
+
+Proto text_summary(const std::string& tag, const std::string& text) {
+  constexpr int kDtString = 7;
+  Proto shape = std::move(Proto().message(2, std::move(Proto().varint(1, 1))));
+  Proto tensor = std::move(Proto().varint(1, kDtString).message(2, shape).bytes_always(8, text));
+  // The text plugin's content is TextPluginData{version: 0}, which serialises to nothing.
+  Proto value = summary_value(tag + "/text_summary");
+  value.message(8, tensor).message(9, plugin_metadata("text", ""));  // fields in number order, as protobuf writes
+  return std::move(Proto().message(1, value));
+}
+
+Proto hparams_summary(const std::string& tag, const Proto& plugin_data) {
+  Proto value = summary_value(tag);
+  value.message(9, plugin_metadata("hparams", plugin_data.str()));
+  return std::move(Proto().message(1, value));
+}
+
+// ---- PNG --------------------------------------------------------------------------------------
+
+uint32_t crc32_png(const std::string& bytes) {
+  static const std::array<uint32_t, 256> table = [] {
+    std::array<uint32_t, 256> t{};
+    for (uint32_t n = 0; n < 256; ++n) {
+      uint32_t c = n;
+      for (int k = 0; k < 8; ++k) c = (c & 1) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+      t[n] = c;
+    }
+    return t;
+  }();
+  uint32_t c = 0xffffffffu;
+  for (unsigned char b : bytes) c = table[(c ^ b) & 0xff] ^ (c >> 8);
+  return c ^ 0xffffffffu;
+}
+
+void put_be32(std::string& out, uint32_t v) {
+  for (int i = 3; i >= 0; --i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+}
+
+void png_chunk(std::string& out, const char* type, const std::string& data) {
+  put_be32(out, static_cast<uint32_t>(data.size()));
+  std::string typed = std::string(type, 4) + data;
+  out += typed;
+  put_be32(out, crc32_png(typed));
+}
+
+// An 8-bit RGB or RGBA PNG of `pixels` (rows of width * channels bytes), compressed with zlib
+// "stored" blocks: valid deflate, readable everywhere, no compression.
+std::string encode_png(const std::string& pixels, int64_t height, int64_t width, int64_t channels) {
+  std::string raw;
+  const auto row = static_cast<size_t>(width * channels);
+  raw.reserve(static_cast<size_t>(height) * (row + 1));
+  for (int64_t y = 0; y < height; ++y) {
+    raw.push_back('\0');  // filter type None
+    raw.append(pixels, static_cast<size_t>(y) * row, row);
+  }
+  std::string zlib = {'\x78', '\x01'};
+  size_t done = 0;
+  do {
+    const size_t n = std::min<size_t>(65535, raw.size() - done);
+    zlib.push_back(done + n == raw.size() ? '\x01' : '\x00');
+    zlib.push_back(static_cast<char>(n & 0xff));
+    zlib.push_back(static_cast<char>(n >> 8));
+    zlib.push_back(static_cast<char>(~n & 0xff));
+    zlib.push_back(static_cast<char>((~n >> 8) & 0xff));
+    zlib.append(raw, done, n);
+    done += n;
+  } while (done < raw.size());
+  uint32_t a = 1, b = 0;
+  for (unsigned char c : raw) {
+    a = (a + c) % 65521;
+    b = (b + a) % 65521;
+  }
+  put_be32(zlib, (b << 16) | a);
+
+  std::string ihdr;
+  put_be32(ihdr, static_cast<uint32_t>(width));
+  put_be32(ihdr, static_cast<uint32_t>(height));
+  ihdr += {'\x08', channels == 4 ? '\x06' : '\x02', '\x00', '\x00', '\x00'};
+  std::string png = "\x89PNG\r\n\x1a\n";
+  png_chunk(png, "IHDR", ihdr);
+  png_chunk(png, "IDAT", zlib);
+  png_chunk(png, "IEND", "");
+  return png;
+}
+
+struct Image {
+  int64_t height, width, channels;
+  std::string png;
+};
+
+// Upstream's add_images: a [N, C, H, W] batch tiled into a grid of up to 8 columns (grey
+// repeated to RGB), floating values scaled by 255, clipped to [0, 255] and truncated to uint8.
+Image to_image(const std::string& key, at::Tensor tensor) {
+  TORCH_CHECK_VALUE(tensor.defined(), "[TensorBoardTracker.log_images] '", key,
+                    "': expected a tensor, got an "
+                    "undefined one");
+  if (tensor.dim() == 3) tensor = tensor.unsqueeze(0);
+  TORCH_CHECK_VALUE(tensor.dim() == 4, "[TensorBoardTracker.log_images] '", key,
+                    "': expected a [C, H, W] or "
+                    "[N, C, H, W] tensor, got ",
+                    tensor.dim(), " dimensions");
+  const int64_t n = tensor.size(0), c = tensor.size(1), h = tensor.size(2), w = tensor.size(3);
+  TORCH_CHECK_VALUE(c == 1 || c == 3 || c == 4, "[TensorBoardTracker.log_images] '", key,
+                    "': expected 1, 3 or 4 "
+                    "channels, got ",
+                    c);
+  TORCH_CHECK_VALUE(n > 0 && h > 0 && w > 0, "[TensorBoardTracker.log_images] '", key, "': the image is empty");
+  tensor = tensor.detach().to(at::kCPU);
+  if (tensor.scalar_type() != at::kByte) {
+    TORCH_CHECK_VALUE(at::isFloatingType(tensor.scalar_type()), "[TensorBoardTracker.log_images] '", key,
+                      "': expected floating values in [0, 1] or uint8, got ", tensor.scalar_type());
+    tensor = (tensor.to(at::kFloat) * 255).clamp(0, 255).to(at::kByte);
+  }
+  if (c == 1) tensor = tensor.expand({n, 3, h, w});
+  const int64_t channels = c == 1 ? 3 : c;
+  const int64_t cols = std::min<int64_t>(n, 8), rows = (n + cols - 1) / cols;
+  at::Tensor canvas = at::zeros({channels, h * rows, w * cols}, at::kByte);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t y = i / cols, x = i % cols;
+    canvas.slice(1, y * h, (y + 1) * h).slice(2, x * w, (x + 1) * w).copy_(tensor[i]);
+  }
+  at::Tensor hwc = canvas.permute({1, 2, 0}).contiguous();
+  std::string pixels(static_cast<const char*>(hwc.data_ptr()), static_cast<size_t>(hwc.numel()));
+  return {h * rows, w * cols, channels, encode_png(pixels, h * rows, w * cols, channels)};
+}
+
+std::string hostname() {
+  char name[256] = {};
+  if (::gethostname(name, sizeof(name) - 1) != 0) return "localhost";
+  return name;
+}
+
+std::atomic<int> event_file_counter{0};
+
+std::string string_option(const nlohmann::json& kwargs, const std::string& key, const std::string& api,
+                          const std::string& tracker) {
+  const auto& v = kwargs.at(key);
+  TORCH_CHECK_VALUE(v.is_string(), "[", api, "] init_kwargs['", tracker, "']['", key, "']: expected a string, got ",
+                    v.dump());
+  return v.get<std::string>();
+}
+
+void check_option_keys(const nlohmann::json& kwargs, const std::vector<std::string>& accepted, const std::string& api,
+                       const std::string& tracker) {
+  TORCH_CHECK_VALUE(kwargs.is_object(), "[", api, "] init_kwargs['", tracker,
+                    "']: expected a JSON object of options, "
+                    "got ",
+                    kwargs.dump());
+  for (const auto& [key, value] : kwargs.items()) {
+    (void)value;
+    TORCH_CHECK_VALUE(contains(accepted, key), "[", api, "] init_kwargs['", tracker, "']: unknown option '", key, "'; ",
+                      tracker, " accepts ", accepted.empty() ? std::string("none") : join(accepted));
+  }
+}
+
+}  // namespace
+
+// ---- CRC32C and TFRecord framing ----------------------------------------------------------------
+
+uint32_t crc32c(const void* data, size_t size) {
+  static const std::array<uint32_t, 256> table = [] {
+    std::array<uint32_t, 256> t{};
+    for (uint32_t n = 0; n < 256; ++n) {
+      uint32_t c = n;
+      for (int k = 0; k < 8; ++k) c = (c & 1) ? 0x82F63B78u ^ (c >> 1) : c >> 1;
+      t[n] = c;
+    }
+    return t;
+  }();
+  const auto* p = static_cast<const unsigned char*>(data);
+  uint32_t c = 0xffffffffu;
+  for (size_t i = 0; i < size; ++i) c = table[(c ^ p[i]) & 0xff] ^ (c >> 8);
+  return c ^ 0xffffffffu;
+}
+
+namespace {
+
+// TFRecord's masked CRC: rotate right by 15 bits and add a constant.
+uint32_t masked_crc32c(const std::string& bytes) {
+  const uint32_t crc = crc32c(bytes.data(), bytes.size());
+  return ((crc >> 15) | (crc << 17)) + 0xa282ead8u;
+}
+
+void put_le(std::string& out, uint64_t v, int size) {
+  for (int i = 0; i < size; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+}
+
+}  // namespace
+
+// One event file: TFRecord records (length, masked CRC of the length, data, masked CRC of the
+// data) holding serialised tensorflow.Event messages, the first one naming the file version.
+class TensorBoardTracker::EventWriter {
+ public:
+  EventWriter(const std::string& folder, const std::string& suffix) {
+    create_folder("TensorBoardTracker", folder);
+    char stamp[32];
+    std::snprintf(stamp, sizeof(stamp), "%010lld", static_cast<long long>(std::time(nullptr)));
+    path_ = (fs::path(folder) / ("events.out.tfevents." + std::string(stamp) + "." + hostname() + "." +
+                                 std::to_string(::getpid()) + "." + std::to_string(event_file_counter++) + suffix))
+                .string();
+    file_ = open_file("TensorBoardTracker", path_, "wb");
+    write(std::move(Proto().fixed64(1, wall_time()).bytes(3, "brain.Event:2")));
+  }
+  ~EventWriter() {
+    try {
+      close();
+    } catch (...) {  // a destructor reports nothing; finish() reports close errors
+    }
+  }
+  EventWriter(const EventWriter&) = delete;
+  EventWriter& operator=(const EventWriter&) = delete;
+
+  void write_summary(const Proto& summary, std::optional<int64_t> step, double time) {
+    write(std::move(Proto().fixed64(1, time).varint(2, static_cast<uint64_t>(step.value_or(0))).message(5, summary)));
+  }
+  void close() { close_file("TensorBoardTracker.finish", file_, path_); }
+  bool closed() const { return file_ == nullptr; }
+
+ private:
+  void write(const Proto& event) {
+    TORCH_CHECK(file_ != nullptr, "[TensorBoardTracker] the tracker is finished: ", path_, " is closed");
+    const std::string& data = event.str();
+    std::string record;
+    std::string length;
+    put_le(length, data.size(), 8);
+    record += length;
+    put_le(record, masked_crc32c(length), 4);
+    record += data;
+    put_le(record, masked_crc32c(data), 4);
+    write_bytes("TensorBoardTracker", file_, record, path_);
+  }
+
+  std::string path_;
+  std::FILE* file_ = nullptr;
+};
+
+// ---- GeneralTracker ---------------------------------------------------------------------------
+
+GeneralTracker::~GeneralTracker() = default;
+
+void GeneralTracker::log_images(const std::map<std::string, at::Tensor>& images, std::optional<int64_t> step) {
+  (void)images;
+  (void)step;
+  C10_THROW_ERROR(ValueError, "[GeneralTracker.log_images] the tracker '" + name() + "' does not log images");
+}
+
+void check_log_values(const nlohmann::json& values, const char* api) {
+  TORCH_CHECK_VALUE(values.is_object(), "[", api, "] expected a JSON object of values, got ", values.type_name());
+  for (const auto& [key, value] : values.items()) {
+    if (value.is_object()) {
+      for (const auto& [member, v] : value.items()) {
+        TORCH_CHECK_VALUE(is_scalar(v), "[", api, "] '", key, "/", member, "': a group of scalars holds numbers, got ",
+                          v.type_name(), " (", v.dump(), ")");
+      }
+      continue;
+    }
+    TORCH_CHECK_VALUE(is_scalar(value) || value.is_string(), "[", api, "] '", key,
+                      "': expected a number, a string or "
+                      "an object of numbers, got ",
+                      value.type_name(), " (", value.dump(), ")");
+  }
+}
+
+// ---- TensorBoardTracker -------------------------------------------------------------------------
+
+TensorBoardTracker::TensorBoardTracker(const std::string& run_name, const std::string& logging_dir,
+                                       const TensorBoardTrackerOptions& options)
+    : run_dir_((fs::path(logging_dir) / run_name).string()), options_(options) {
+  TORCH_CHECK_VALUE(!logging_dir.empty(), "[TensorBoardTracker] requires a logging_dir, got an empty one");
+  main_ = std::make_unique<EventWriter>(run_dir_, options_.filename_suffix);
+}
+
+TensorBoardTracker::~TensorBoardTracker() = default;
+
+TensorBoardTracker::EventWriter& TensorBoardTracker::writer_for(const std::string& folder) {
+  auto& writer = scalars_writers_[folder];
+  if (!writer) writer = std::make_unique<EventWriter>(folder, options_.filename_suffix);
+  return *writer;
+}
+
+void TensorBoardTracker::store_init_configuration(const nlohmann::json& values) {
+  detail::check_hparams(values, "TensorBoardTracker.store_init_configuration");
+  // Upstream's add_hparams(values, metric_dict={}): an Experiment listing each hyperparameter's
+  // type, the session start with the values, and the session end, in a run of their own.
+  constexpr int kFloat64 = 3, kString = 1, kStatusSuccess = 1;
+  Proto experiment, start;
+  for (const auto& [key, value] : values.items()) {
+    if (value.is_null()) continue;
+    Proto v;
+    if (value.is_string()) {
+      v.bytes_always(3, value.get<std::string>());
+    } else {
+      v.fixed64_always(2, scalar_of(value));
+    }
+    experiment.message(4, std::move(Proto().bytes(1, key).varint(4, value.is_string() ? kString : kFloat64)));
+    start.message(1, std::move(Proto().bytes(1, key).message(2, v)));
+  }
+  const double now = wall_time();
+  char stamp[64];
+  std::snprintf(stamp, sizeof(stamp), "%.6f", now);
+  const std::string folder = (fs::path(run_dir_) / stamp).string();
+  {
+    EventWriter hparams(folder, options_.filename_suffix);
+    hparams.write_summary(hparams_summary("_hparams_/experiment", std::move(Proto().message(2, experiment))),
+                          std::nullopt, now);
+    hparams.write_summary(hparams_summary("_hparams_/session_start_info", std::move(Proto().message(3, start))),
+                          std::nullopt, now);
+    hparams.write_summary(hparams_summary("_hparams_/session_end_info",
+                                          std::move(Proto().message(4, std::move(Proto().varint(1, kStatusSuccess))))),
+                          std::nullopt, now);
+    hparams.close();
+  }
+  write_whole("TensorBoardTracker.store_init_configuration", (fs::path(folder) / "hparams.yml").string(),
+              to_yaml(values));
+}
+
+void TensorBoardTracker::log(const nlohmann::json& values, std::optional<int64_t> step) {
+  check_log_values(values, "TensorBoardTracker.log");
+  const double now = wall_time();
+  for (const auto& [key, value] : values.items()) {
+    if (value.is_string()) {
+      main_->write_summary(text_summary(key, value.get<std::string>()), step, now);
+    } else if (value.is_object()) {
+      std::string prefix = key;
+      std::replace(prefix.begin(), prefix.end(), '/', '_');
+      for (const auto& [member, v] : value.items()) {
+        writer_for((fs::path(run_dir_) / (prefix + "_" + member)).string())
+            .write_summary(scalar_summary(key, scalar_of(v)), step, now);
+      }
+    } else {
+      main_->write_summary(scalar_summary(key, scalar_of(value)), step, now);
+    }
+  }
+}
+
+void TensorBoardTracker::log_images(const std::map<std::string, at::Tensor>& images, std::optional<int64_t> step) {
+  std::vector<std::pair<std::string, Image>> encoded;
+  for (const auto& [key, tensor] : images) encoded.emplace_back(key, to_image(key, tensor));
+  const double now = wall_time();
+  for (const auto& [key, image] : encoded) {
+    Proto img = std::move(Proto()
+                              .varint(1, static_cast<uint64_t>(image.height))
+                              .varint(2, static_cast<uint64_t>(image.width))
+                              .varint(3, static_cast<uint64_t>(image.channels))
+                              .bytes(4, image.png));
+    main_->write_summary(std::move(Proto().message(1, std::move(summary_value(key).message(4, img)))), step, now);
+  }
+}
+
+void TensorBoardTracker::finish() {
+  main_->close();
+  for (auto& [folder, writer] : scalars_writers_) writer->close();
+}
+
+// ---- DVCLiveTracker ---------------------------------------------------------------------------
+
+DVCLiveTracker::DVCLiveTracker(const std::string& run_name, const std::string& logging_dir,
+                               const DVCLiveTrackerOptions& options)
+    : dir_(!options.dir.empty()   ? options.dir
+           : !logging_dir.empty() ? (fs::path(logging_dir) / run_name).string()
+                                  : std::string("dvclive")) {
+  create_folder("DVCLiveTracker", dir_);
+}
+
+void DVCLiveTracker::store_init_configuration(const nlohmann::json& values) {
+  TORCH_CHECK_VALUE(values.is_object(), "[DVCLiveTracker.store_init_configuration] expected a JSON object, got ",
+                    values.type_name());
+  for (const auto& [key, value] : values.items()) params_[key] = value;
+  write_whole("DVCLiveTracker.store_init_configuration", (fs::path(dir_) / "params.yaml").string(), to_yaml(params_));
+}
+
+void DVCLiveTracker::log(const nlohmann::json& values, std::optional<int64_t> step) {
+  check_log_values(values, "DVCLiveTracker.log");
+  if (step) step_ = *step;
+  for (const auto& [key, value] : flatten(values)) {
+    const fs::path tsv = fs::path(dir_) / "plots" / "metrics" / (key + ".tsv");
+    create_folder("DVCLiveTracker.log", tsv.parent_path().string());
+    const bool existed = fs::exists(tsv);
+    std::string text = value.is_string() ? value.get<std::string>() : value.dump();
+    if (text.find_first_of("\t\"\n\r") != std::string::npos) {
+      std::string quoted = "\"";
+      for (char ch : text) quoted += ch == '"' ? std::string("\"\"") : std::string(1, ch);
+      text = quoted + "\"";
+    }
+    std::string rows = existed ? "" : "step\t" + tsv.stem().string() + "\n";
+    rows += std::to_string(step_) + "\t" + text + "\n";
+    std::FILE* file = open_file("DVCLiveTracker.log", tsv.string(), "ab");
+    try {
+      write_bytes("DVCLiveTracker.log", file, rows, tsv.string());
+    } catch (...) {
+      std::fclose(file);
+      throw;
+    }
+    std::fclose(file);
+    nlohmann::json* node = &summary_;
+    std::string rest = key;
+    for (size_t slash; (slash = rest.find('/')) != std::string::npos; rest = rest.substr(slash + 1)) {
+      node = &(*node)[rest.substr(0, slash)];
+      if (!node->is_object()) *node = nlohmann::json::object();
+    }
+    (*node)[rest] = value;
+  }
+  summary_["step"] = step_;
+  write_whole("DVCLiveTracker.log", (fs::path(dir_) / "metrics.json").string(), summary_.dump(4) + "\n");
+  step_ += 1;
+}
+
+// ---- JSONLTracker -----------------------------------------------------------------------------
+
+JSONLTracker::JSONLTracker(const std::string& run_name, const std::string& logging_dir,
+                           const JSONLTrackerOptions& options)
+    : dir_((fs::path(logging_dir) / run_name).string()), path_((fs::path(dir_) / options.filename).string()) {
+  TORCH_CHECK_VALUE(!logging_dir.empty(), "[JSONLTracker] requires a logging_dir, got an empty one");
+  create_folder("JSONLTracker", dir_);
+  file_ = open_file("JSONLTracker", path_, "ab");
+}
+
+JSONLTracker::~JSONLTracker() {
+  if (file_ != nullptr) std::fclose(file_);
+}
+
+void JSONLTracker::store_init_configuration(const nlohmann::json& values) {
+  write_whole("JSONLTracker.store_init_configuration", (fs::path(dir_) / "config.json").string(),
+              values.dump(2) + "\n");
+}
+
+void JSONLTracker::log(const nlohmann::json& values, std::optional<int64_t> step) {
+  check_log_values(values, "JSONLTracker.log");
+  TORCH_CHECK(file_ != nullptr, "[JSONLTracker.log] the tracker is finished: ", path_, " is closed");
+  const std::string line = "{\"step\":" + (step ? std::to_string(*step) : std::string("null")) +
+                           ",\"wall_time\":" + nlohmann::json(wall_time()).dump() + ",\"values\":" + values.dump() +
+                           "}\n";
+  write_bytes("JSONLTracker.log", file_, line, path_);
+}
+
+void JSONLTracker::finish() { close_file("JSONLTracker.finish", file_, path_); }
+
+// ---- CSVTracker -------------------------------------------------------------------------------
+
+namespace {
+
+std::string csv_field(const std::string& text) {
+  if (text.find_first_of(",\"\n\r") == std::string::npos) return text;
+  std::string out = "\"";
+  for (char c : text) out += c == '"' ? std::string("\"\"") : std::string(1, c);
+  return out + "\"";
+}
+
+// The records of a CSV text (a quoted field may hold line breaks), without their line ends.
+std::vector<std::string> csv_records(const std::string& text) {
+  std::vector<std::string> records;
+  std::string current;
+  bool quoted = false;
+  for (char c : text) {
+    if (c == '"') quoted = !quoted;
+    if (c == '\n' && !quoted) {
+      records.push_back(std::move(current));
+      current.clear();
+    } else {
+      current.push_back(c);
+    }
+  }
+  if (!current.empty()) records.push_back(std::move(current));
+  return records;
+}
+
+std::vector<std::string> csv_fields(const std::string& record) {
+  std::vector<std::string> fields(1);
+  bool quoted = false;
+  for (size_t i = 0; i < record.size(); ++i) {
+    const char c = record[i];
+    if (quoted) {
+      if (c == '"' && i + 1 < record.size() && record[i + 1] == '"') {
+        fields.back().push_back('"');
+        ++i;
+      } else if (c == '"') {
+        quoted = false;
+      } else {
+        fields.back().push_back(c);
+      }
+    } else if (c == '"') {
+      quoted = true;
+    } else if (c == ',') {
+      fields.emplace_back();
+    } else {
+      fields.back().push_back(c);
+    }
+  }
+  return fields;
+}
+
+std::string csv_header(const std::vector<std::string>& columns) {
+  std::string out = "step,wall_time";
+  for (const auto& c : columns) out += "," + csv_field(c);
+  return out + "\n";
+}
+
+}  // namespace
+
+CSVTracker::CSVTracker(const std::string& run_name, const std::string& logging_dir, const CSVTrackerOptions& options)
+    : dir_((fs::path(logging_dir) / run_name).string()), path_((fs::path(dir_) / options.filename).string()) {
+  TORCH_CHECK_VALUE(!logging_dir.empty(), "[CSVTracker] requires a logging_dir, got an empty one");
+  create_folder("CSVTracker", dir_);
+  // A run continuing in the same folder keeps the columns it had.
+  if (fs::exists(path_)) {
+    const auto records = csv_records(detail::read_file(path_));
+    if (!records.empty()) {
+      auto fields = csv_fields(records.front());
+      TORCH_CHECK_VALUE(fields.size() >= 2 && fields[0] == "step" && fields[1] == "wall_time", "[CSVTracker] ", path_,
+                        " exists and is not a log of this tracker (its header does not start with step,wall_time)");
+      columns_.assign(fields.begin() + 2, fields.end());
+    }
+  }
+  open_for_append();
+}
+
+CSVTracker::~CSVTracker() {
+  if (file_ != nullptr) std::fclose(file_);
+}
+
+void CSVTracker::open_for_append() {
+  file_ = open_file("CSVTracker", path_, "ab");
+  if (std::ftell(file_) == 0) write_bytes("CSVTracker", file_, csv_header(columns_), path_);
+}
+
+void CSVTracker::store_init_configuration(const nlohmann::json& values) {
+  write_whole("CSVTracker.store_init_configuration", (fs::path(dir_) / "config.json").string(), values.dump(2) + "\n");
+}
+
+void CSVTracker::log(const nlohmann::json& values, std::optional<int64_t> step) {
+  check_log_values(values, "CSVTracker.log");
+  TORCH_CHECK(file_ != nullptr, "[CSVTracker.log] the tracker is finished: ", path_, " is closed");
+  const auto flat = flatten(values);
+  const size_t old_columns = columns_.size();
+  for (const auto& [key, value] : flat) {
+    if (!contains(columns_, key)) columns_.push_back(key);
+  }
+  if (columns_.size() != old_columns) {
+    // Rewrite with the extended header; earlier rows get empty fields for the new columns.
+    std::fflush(file_);
+    const auto records = csv_records(detail::read_file(path_));
+    std::string text = csv_header(columns_);
+    const std::string padding(columns_.size() - old_columns, ',');
+    for (size_t i = 1; i < records.size(); ++i) text += records[i] + padding + "\n";
+    std::fclose(std::exchange(file_, nullptr));
+    write_whole("CSVTracker.log", path_, text);
+    open_for_append();
+  }
+  std::vector<std::string> row(columns_.size());
+  for (const auto& [key, value] : flat) {
+    const size_t i = static_cast<size_t>(std::find(columns_.begin(), columns_.end(), key) - columns_.begin());
+    row[i] = csv_field(value.is_string() ? value.get<std::string>() : value.dump());
+  }
+  std::string line = step ? std::to_string(*step) : "";
+  line += "," + nlohmann::json(wall_time()).dump();
+  for (const auto& field : row) line += "," + field;
+  write_bytes("CSVTracker.log", file_, line + "\n", path_);
+}
+
+void CSVTracker::finish() { close_file("CSVTracker.finish", file_, path_); }
+
+// ---- names ------------------------------------------------------------------------------------
+
+Tracker::Tracker(std::shared_ptr<GeneralTracker> tracker) : tracker_(std::move(tracker)) {
+  TORCH_CHECK_VALUE(tracker_ != nullptr, "[Tracker] expected a tracker, got null");
+}
+
+std::string Tracker::name() const { return tracker_ ? tracker_->name() : name_; }
+
+std::vector<std::string> available_trackers() { return builtin_names(); }
+
+std::vector<Tracker> filter_trackers(const std::vector<Tracker>& log_with, const std::string& logging_dir) {
+  return detail::filter_trackers(log_with, logging_dir, "filter_trackers");
+}
+
+std::shared_ptr<GeneralTracker> make_tracker(const std::string& name, const std::string& run_name,
+                                             const std::string& logging_dir, const nlohmann::json& init_kwargs) {
+  return detail::make_tracker(name, run_name, logging_dir, init_kwargs, "make_tracker");
+}
+
+namespace detail {
+
+std::vector<Tracker> filter_trackers(const std::vector<Tracker>& log_with, const std::string& logging_dir,
+                                     const std::string& api) {
+  const std::string choices = join(builtin_names()) + ", all";
+  std::vector<Tracker> requested;
+  bool all = false;
+  for (const auto& tracker : log_with) {
+    if (!tracker.is_name()) continue;
+    const std::string name = tracker.name();
+    if (name == "all") {
+      all = true;
+      continue;
+    }
+    TORCH_CHECK_VALUE(!contains(remote_names(), name), "[", api, "] log_with: '", name,
+                      "' needs Python or a remote "
+                      "service and is not available in accelerate-cpp; available trackers: ",
+                      choices, " (or implement GeneralTracker and pass your tracker)");
+    TORCH_CHECK_VALUE(contains(builtin_names(), name), "[", api, "] log_with: unsupported logging capability '", name,
+                      "'; choose between ", choices, " (or pass a GeneralTracker of your own)");
+  }
+  std::vector<Tracker> out;
+  std::vector<std::string> seen;
+  auto add = [&](const Tracker& t) {
+    if (t.is_name()) {
+      if (contains(seen, t.name())) return;
+      seen.push_back(t.name());
+      // Every built-in except dvclive writes under the logging folder.
+      TORCH_CHECK_VALUE(t.name() == "dvclive" || !logging_dir.empty(), "[", api, "] log_with: logging with '", t.name(),
+                        "' requires a logging_dir; set project_dir or project_config.logging_dir");
+    } else if (t.tracker()->requires_logging_directory()) {
+      TORCH_CHECK_VALUE(!logging_dir.empty(), "[", api, "] log_with: logging with '", t.name(),
+                        "' requires a logging_dir; set project_dir or project_config.logging_dir");
+    }
+    out.push_back(t);
+  };
+  // Upstream's order: log_with as given; with "all", the user's trackers then every built-in.
+  if (all) {
+    for (const auto& tracker : log_with) {
+      if (!tracker.is_name()) add(tracker);
+    }
+    for (const auto& name : builtin_names()) add(name);
+  } else {
+    for (const auto& tracker : log_with) add(tracker);
+  }
+  return out;
+}
+
+void check_init_kwargs(const std::string& name, const nlohmann::json& kwargs, const std::string& api) {
+  if (name == "tensorboard") {
+    check_option_keys(kwargs, {"filename_suffix", "flush_secs", "max_queue"}, api, name);
+  } else if (name == "dvclive") {
+    check_option_keys(kwargs, {"dir"}, api, name);
+  } else if (name == "jsonl" || name == "csv") {
+    check_option_keys(kwargs, {"filename"}, api, name);
+  }
+  for (const auto& key : {"filename_suffix", "dir", "filename"}) {
+    if (kwargs.contains(key)) (void)string_option(kwargs, key, api, name);
+  }
+  for (const auto& key : {"flush_secs", "max_queue"}) {
+    if (kwargs.contains(key)) {
+      TORCH_CHECK_VALUE(kwargs.at(key).is_number(), "[", api, "] init_kwargs['", name, "']['", key,
+                        "']: expected a number, got ", kwargs.at(key).dump());
+    }
+  }
+  if (kwargs.contains("filename")) {
+    const auto filename = kwargs.at("filename").get<std::string>();
+    TORCH_CHECK_VALUE(!filename.empty() && filename.find('/') == std::string::npos, "[", api, "] init_kwargs['", name,
+                      "']['filename']: expected a file name without folders, got '", filename, "'");
+  }
+}
+
+std::shared_ptr<GeneralTracker> make_tracker(const std::string& name, const std::string& run_name,
+                                             const std::string& logging_dir, const nlohmann::json& init_kwargs,
+                                             const std::string& api) {
+  TORCH_CHECK_VALUE(contains(builtin_names(), name), "[", api, "] unknown tracker '", name,
+                    "'; available trackers: ", join(builtin_names()));
+  check_init_kwargs(name, init_kwargs, api);
+  auto option = [&](const char* key, std::string fallback) {
+    return init_kwargs.contains(key) ? init_kwargs.at(key).get<std::string>() : fallback;
+  };
+  if (name == "tensorboard") {
+    return std::make_shared<TensorBoardTracker>(run_name, logging_dir,
+                                                TensorBoardTrackerOptions{option("filename_suffix", "")});
+  }
+  if (name == "dvclive") {
+    return std::make_shared<DVCLiveTracker>(run_name, logging_dir, DVCLiveTrackerOptions{option("dir", "")});
+  }
+  if (name == "jsonl") {
+    return std::make_shared<JSONLTracker>(run_name, logging_dir, JSONLTrackerOptions{option("filename", "log.jsonl")});
+  }
+  return std::make_shared<CSVTracker>(run_name, logging_dir, CSVTrackerOptions{option("filename", "log.csv")});
+}
+
+void check_hparams(const nlohmann::json& values, const std::string& api) {
+  TORCH_CHECK_VALUE(values.is_object(), "[", api, "] expected a JSON object of hyperparameters, got ",
+                    values.type_name());
+  for (const auto& [key, value] : values.items()) {
+    TORCH_CHECK_VALUE(value.is_null() || value.is_primitive(), "[", api, "] '", key,
+                      "': TensorBoard hyperparameters "
+                      "are numbers, booleans, strings or null, got ",
+                      value.type_name(), " (", value.dump(), ")");
+  }
+}
+
+}  // namespace detail
+
+}  // namespace accelerate
