@@ -4,6 +4,7 @@
 #include "accelerate/memory_utils.h"
 #include "accelerate/utils/environment.h"
 #include "detail/accelerator_impl.h"
+#include "detail/tracking.h"
 
 #include <c10/util/Exception.h>
 #include <torch/nn/utils/clip_grad.h>
@@ -46,8 +47,6 @@ GradientAccumulationPlugin accumulation_plugin(const AcceleratorOptions& options
 }
 
 void check_options(const AcceleratorOptions& options) {
-  TORCH_CHECK_VALUE(options.log_with.empty(),
-                    "[Accelerator] log_with: experiment trackers are not available in this version of accelerate-cpp");
   for (const auto& type : options.rng_types) {
     TORCH_CHECK_VALUE(type == "torch" || type == "cuda" || type == "generator", "[Accelerator] rng_types: unknown "
                                                                                "generator '", type,
@@ -91,6 +90,7 @@ Accelerator::Accelerator(const AcceleratorOptions& options)
   impl_->project = options.project_config;
   if (impl_->project.project_dir.empty()) impl_->project.project_dir = options.project_dir;
   if (impl_->project.logging_dir.empty()) impl_->project.logging_dir = impl_->project.project_dir;
+  impl_->log_with = detail::filter_trackers(options.log_with, impl_->project.logging_dir, "Accelerator");
   if (state_.mixed_precision() == PrecisionType::kFp16 && state_.device().is_cuda()) {
     impl_->scaler = GradScaler(options.scaler_kwargs);
   }

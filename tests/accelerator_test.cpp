@@ -171,8 +171,8 @@ TEST_F(ProcessWideAccelerator, PreparingAfterAResetIsRefused) {
   EXPECT_NO_THROW((void)fresh.prepare(net));
 }
 
-TEST_F(ProcessWideAccelerator, TrackersAndUnknownGeneratorsAreRefused) {
-  EXPECT_THROWS_WITH(Accelerator({.log_with = {"tensorboard"}}), "log_with: experiment trackers are not available");
+TEST_F(ProcessWideAccelerator, UnknownTrackersAndGeneratorsAreRefused) {
+  EXPECT_THROWS_WITH(Accelerator({.log_with = {"neptune"}}), "log_with: unsupported logging capability 'neptune'");
   EXPECT_THROWS_WITH(Accelerator({.rng_types = {"numpy"}}), "rng_types: unknown generator 'numpy'");
 }
 

@@ -14,6 +14,7 @@
 #include "accelerate/scheduler.h"
 #include "accelerate/memory_utils.h"
 #include "accelerate/state.h"
+#include "accelerate/tracking.h"
 #include "accelerate/utils/autocast.h"
 #include "accelerate/utils/dataclasses.h"
 #include "accelerate/utils/environment.h"

@@ -4,7 +4,8 @@
 // backward pass with gradient accumulation and fp16 loss scaling, controls when gradients are
 // synchronised, and offers the process-control helpers and collectives over nested data.
 // Checkpoints: `save_state` / `load_state` (crash-safe, see docs/design.md), `save_model` (sharded
-// safetensors) and `register_for_checkpointing`. Experiment tracking is not part of this file.
+// safetensors) and `register_for_checkpointing`. Experiment tracking: `log_with`, `init_trackers`,
+// `log`, `get_tracker`, `end_training` (the trackers themselves are in tracking.h).
 //
 // Example:
 //   accelerate::Accelerator accelerator({.mixed_precision = "bf16", .gradient_accumulation_steps = 2});
@@ -25,6 +26,7 @@
 #include "accelerate/optimizer.h"
 #include "accelerate/scheduler.h"
 #include "accelerate/state.h"
+#include "accelerate/tracking.h"
 #include "accelerate/utils/autocast.h"
 #include "accelerate/utils/dataclasses.h"
 #include "accelerate/utils/modeling.h"
@@ -68,8 +70,11 @@ struct AcceleratorOptions {
   /// data loader: "torch" (LibTorch's CPU generator), "cuda", "generator" (the loader's own,
   /// always synchronised here). Empty: {"generator"}.
   std::vector<std::string> rng_types{};
-  /// Experiment trackers ("tensorboard", …).
-  std::vector<std::string> log_with{};
+  /// Experiment trackers: built-in names ("tensorboard", "dvclive", "jsonl", "csv", "all") and
+  /// trackers of the user's (see tracking.h); started by `init_trackers`. Checked here: unknown
+  /// names, trackers that need Python or a remote service, and trackers that need a logging folder
+  /// without one (`project_config.logging_dir`, default `project_dir`) are refused.
+  std::vector<Tracker> log_with{};
   /// Folder for checkpoints and logs (sets `project_config.project_dir` when that is empty).
   std::string project_dir{};
   /// Checkpoint naming and folders.
@@ -493,6 +498,39 @@ class Accelerator {
   int save_iteration() const;
   /// Sets the number of the next automatically named checkpoint.
   void set_save_iteration(int iteration) const;
+
+  // ---- experiment tracking --------------------------------------------------------------------
+
+  /// Starts a run named `project_name` on every tracker of `log_with` (upstream: `init_trackers`):
+  /// built-in trackers are created — on the main process only, other processes get trackers that
+  /// do nothing — with their options from `init_kwargs` (a JSON object keyed by tracker name, e.g.
+  /// `{{"tensorboard", {{"filename_suffix", ".v2"}}}}`; unknown names and options are refused), and a
+  /// non-empty `config` (a JSON object) is stored by every tracker as the run's hyperparameters.
+  /// Trackers of the user's with `main_process_only()` false run on every process.
+  ///
+  /// Example:
+  ///   accelerator.init_trackers("my_project", {{"learning_rate", 1e-3}, {"batch_size", 32}});
+  void init_trackers(const std::string& project_name, const nlohmann::json& config = nlohmann::json::object(),
+                     const nlohmann::json& init_kwargs = nlohmann::json::object()) const;
+  /// Logs `values` (a JSON object: numbers, strings, or objects of numbers — see tracking.h) at
+  /// `step` to every tracker, on the main process only (upstream: `log`). The values are checked on
+  /// every process. `log_kwargs` is keyed by tracker name, as upstream; the built-in trackers take
+  /// no log options, so it must hold only empty objects.
+  ///
+  /// Example:
+  ///   accelerator.log({{"train_loss", 1.12}, {"valid_loss", 0.8}}, /*step=*/1);
+  void log(const nlohmann::json& values, std::optional<int64_t> step = std::nullopt,
+           const nlohmann::json& log_kwargs = nlohmann::json::object()) const;
+  /// The tracker named `name` (upstream: `get_tracker`); on a process that does not run it, a
+  /// tracker of that name that does nothing. Without any tracker, a tracker that does nothing.
+  std::shared_ptr<GeneralTracker> get_tracker(const std::string& name) const;
+  /// The trackers started by `init_trackers`, in `log_with` order ("all" expands to every
+  /// built-in after the user's trackers).
+  const std::vector<std::shared_ptr<GeneralTracker>>& trackers() const;
+  /// Finishes every tracker (closing their files) and waits for every process (upstream:
+  /// `end_training`). Every tracker is finished even when one fails; the first error is raised
+  /// after the wait. A collective; `init_trackers` may start new runs afterwards.
+  void end_training() const;
 
   // ---- uneven inputs --------------------------------------------------------------------------
 

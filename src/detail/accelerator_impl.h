@@ -26,6 +26,11 @@ struct AcceleratorImpl {
   std::map<int64_t, SaveStatePreHook> save_hooks;
   std::map<int64_t, LoadStatePreHook> load_hooks;
   int64_t next_hook_id = 0;
+
+  // Experiment tracking (src/accelerator_tracking.cpp).
+  std::vector<Tracker> log_with;  // checked and resolved by filter_trackers
+  std::vector<std::shared_ptr<GeneralTracker>> trackers;
+  bool trackers_running = false;
 };
 
 }  // namespace accelerate::detail
