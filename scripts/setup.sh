@@ -12,7 +12,7 @@ packages=(
   libprotobuf-dev protobuf-compiler
   libnuma-dev
   libgtest-dev libgmock-dev googletest libbenchmark-dev
-  python3
+  python3 python3-protobuf            # python3-protobuf: the test suite's TensorBoard file reader
   clang libclang-rt-14-dev           # the libFuzzer target (scripts/fuzz.sh)
 )
 

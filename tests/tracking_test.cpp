@@ -1,0 +1,592 @@
+// Experiment tracking (tracking.h and the Accelerator's init_trackers / log / get_tracker /
+// end_training): TensorBoard event files read back by an independent Python reader
+// (tests/python/tensorboard_check.py: its own CRC-32C, the protobuf runtime), the exact content
+// of the JSONL, CSV and dvclive files, main-process-only writing with two ranks as threads, user
+// trackers, and every error a user can cause.
+#include "accelerate/tracking.h"
+
+#include "accelerate/accelerator.h"
+#include "detail/files.h"
+#include "support/accelerators.h"
+#include "support/process.h"
+#include "support/test_support.h"
+
+#include <ATen/ATen.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <mutex>
+#include <regex>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace accelerate::testing {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+const char* const kPython = "/usr/bin/python3";
+
+// A one-process accelerator over a state of its own.
+Accelerator single(AcceleratorOptions options) {
+  options.standalone_state = PartialStateOptions{.process_index = 0, .num_processes = 1};
+  return Accelerator(options);
+}
+
+std::string read(const fs::path& path) { return detail::read_file(path.string()); }
+
+std::vector<std::string> lines_of(const std::string& text) {
+  std::vector<std::string> lines;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  return lines;
+}
+
+double now() { return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count(); }
+
+// Runs the independent reader on `folder` and returns what it printed.
+json read_tensorboard(const fs::path& folder) {
+  auto r = run({kPython, built("tests/python/tensorboard_check.py"), folder.string()});
+  EXPECT_EQ(r->exit_code(), 0) << r->err;
+  if (r->exit_code() != 0) return json::object();
+  return json::parse(r->out);
+}
+
+// The values of the summary events of one run (the file-version event first, checked).
+std::vector<json> summaries(const json& run) {
+  std::vector<json> out;
+  const auto& events = run.at("events");
+  EXPECT_EQ(events.at(0).value("file_version", ""), "brain.Event:2");
+  for (size_t i = 1; i < events.size(); ++i) {
+    for (const auto& v : events[i].at("values")) {
+      json item = v;
+      item["step"] = events[i].at("step");
+      out.push_back(item);
+    }
+  }
+  return out;
+}
+
+// A tracker of the user's that records every call.
+class RecordingTracker : public GeneralTracker {
+ public:
+  explicit RecordingTracker(std::string name, bool main_only = true, bool needs_dir = false)
+      : name_(std::move(name)), main_only_(main_only), needs_dir_(needs_dir) {}
+  std::string name() const override { return name_; }
+  bool requires_logging_directory() const override { return needs_dir_; }
+  bool main_process_only() const override { return main_only_; }
+  void store_init_configuration(const json& values) override { record("config " + values.dump()); }
+  void log(const json& values, std::optional<int64_t> step) override {
+    record("log " + values.dump() + " step " + (step ? std::to_string(*step) : "none"));
+  }
+  void finish() override { record("finish"); }
+  std::vector<std::string> calls() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return calls_;
+  }
+
+ private:
+  void record(const std::string& call) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    calls_.push_back(call);
+  }
+  std::string name_;
+  bool main_only_, needs_dir_;
+  mutable std::mutex mutex_;
+  std::vector<std::string> calls_;
+};
+
+// ---- CRC-32C ----------------------------------------------------------------------------------
+
+TEST(TrackingCrc32c, MatchesTheCastagnoliCheckValue) {
+  EXPECT_EQ(crc32c("123456789", 9), 0xE3069283u);
+  EXPECT_EQ(crc32c("", 0), 0u);
+  // A known TFRecord value: the CRC-32C of 32 zero bytes (RFC 3720, B.4).
+  const std::string zeros(32, '\0');
+  EXPECT_EQ(crc32c(zeros.data(), zeros.size()), 0x8A9136AAu);
+}
+
+// ---- names --------------------------------------------------------------------------------------
+
+TEST(TrackingNames, TheBuiltInTrackersAreAvailable) {
+  EXPECT_THAT(available_trackers(), ElementsAre("tensorboard", "dvclive", "jsonl", "csv"));
+}
+
+TEST(TrackingNames, AllExpandsAfterTheUsersTrackersAndRepeatsCountOnce) {
+  auto mine = std::make_shared<RecordingTracker>("mine");
+  auto resolved = filter_trackers({"jsonl", "all", mine, "jsonl"}, "logs");
+  std::vector<std::string> names;
+  for (const auto& t : resolved) names.push_back(t.name());
+  EXPECT_THAT(names, ElementsAre("mine", "tensorboard", "dvclive", "jsonl", "csv"));
+  resolved = filter_trackers({"csv", "jsonl", "csv"}, "logs");
+  names.clear();
+  for (const auto& t : resolved) names.push_back(t.name());
+  EXPECT_THAT(names, ElementsAre("csv", "jsonl"));
+}
+
+TEST(TrackingNames, UnknownAndRemoteTrackersAreRefusedNamingTheAvailableOnes) {
+  EXPECT_THROWS_WITH(single({.log_with = {"neptune"}, .project_dir = "runs"}),
+                     "[Accelerator] log_with: unsupported logging capability 'neptune'; choose between tensorboard, "
+                     "dvclive, jsonl, csv, all");
+  for (const char* remote : {"wandb", "comet_ml", "aim", "mlflow", "clearml", "swanlab", "trackio"}) {
+    EXPECT_THROWS_WITH(single({.log_with = {remote}, .project_dir = "runs"}),
+                       std::string("[Accelerator] log_with: '") + remote +
+                           "' needs Python or a remote service and is not available in accelerate-cpp; available "
+                           "trackers: tensorboard, dvclive, jsonl, csv, all");
+  }
+}
+
+TEST(TrackingNames, TrackersThatWriteFilesNeedALoggingDir) {
+  for (const char* name : {"tensorboard", "jsonl", "csv", "all"}) {
+    EXPECT_THROWS_WITH(single({.log_with = {name}}),
+                       "requires a logging_dir; set project_dir or "
+                       "project_config.logging_dir");
+  }
+  EXPECT_THROWS_WITH(single({.log_with = {"tensorboard"}}),
+                     "[Accelerator] log_with: logging with 'tensorboard' "
+                     "requires a logging_dir");
+  auto needs_dir = std::make_shared<RecordingTracker>("needs_dir", true, /*needs_dir=*/true);
+  EXPECT_THROWS_WITH(single({.log_with = {needs_dir}}), "logging with 'needs_dir' requires a logging_dir");
+  // dvclive has a default folder; project_config.logging_dir alone is enough for the others.
+  EXPECT_NO_THROW(single({.log_with = {"dvclive"}}));
+  TempDir dir;
+  EXPECT_NO_THROW(single({.log_with = {"tensorboard"}, .project_config = {.logging_dir = dir.str()}}));
+  EXPECT_THROWS_WITH((void)Tracker(std::shared_ptr<GeneralTracker>{}), "[Tracker] expected a tracker, got null");
+}
+
+// ---- TensorBoard --------------------------------------------------------------------------------
+
+TEST(TrackingTensorBoard, AnIndependentReaderFindsTheScalarsTextGroupsAndHparamsWeLogged) {
+  ASSERT_TRUE(fs::exists(kPython)) << kPython << " is missing; scripts/setup.sh installs python3";
+  TempDir dir;
+  auto accelerator = single({.log_with = {"tensorboard"}, .project_dir = dir.str()});
+  accelerator.init_trackers("proj", {{"lr", 0.001}, {"batch", 32}, {"opt", "adam"}, {"amp", true}, {"none", nullptr}});
+  accelerator.log({{"loss", 0.5}, {"note", "hello, world"}}, 1);
+  accelerator.log({{"loss", 0.25}, {"acc", {{"train", 0.75}, {"valid", 0.5}}}}, 2);
+  accelerator.log({{"zero", 0}});
+  accelerator.end_training();
+
+  const json out = read_tensorboard(dir.path() / "proj");
+  const auto& runs = out.at("runs");
+  ASSERT_EQ(runs.size(), 4u) << out.dump(2);  // the run, two groups, the hparams session
+
+  // File names as SummaryWriter makes them.
+  char host[256] = {};
+  ::gethostname(host, sizeof(host) - 1);
+  const std::regex name("events\\.out\\.tfevents\\.[0-9]{10}\\." + std::string(host) + "\\." +
+                        std::to_string(::getpid()) + "\\.[0-9]+");
+  for (const auto& [folder, run] : runs.items()) {
+    EXPECT_TRUE(std::regex_match(run.at("file").get<std::string>(), name)) << run.at("file");
+  }
+
+  const auto main = summaries(runs.at("."));
+  ASSERT_EQ(main.size(), 4u) << runs.at(".").dump(2);
+  EXPECT_EQ(main[0], (json{{"tag", "loss"}, {"simple_value", 0.5}, {"step", 1}}));
+  EXPECT_EQ(main[1], (json{{"tag", "note/text_summary"},
+                           {"plugin", "text"},
+                           {"plugin_content", ""},
+                           {"dtype", 7},
+                           {"shape", {1}},
+                           {"string_val", {"hello, world"}},
+                           {"step", 1}}));
+  EXPECT_EQ(main[2], (json{{"tag", "loss"}, {"simple_value", 0.25}, {"step", 2}}));
+  EXPECT_EQ(main[3], (json{{"tag", "zero"}, {"simple_value", 0.0}, {"step", 0}}));
+
+  // add_scalars: one run per member, tagged with the group's name.
+  EXPECT_EQ(summaries(runs.at("acc_train")),
+            (std::vector<json>{{{"tag", "acc"}, {"simple_value", 0.75}, {"step", 2}}}));
+  EXPECT_EQ(summaries(runs.at("acc_valid")), (std::vector<json>{{{"tag", "acc"}, {"simple_value", 0.5}, {"step", 2}}}));
+
+  // add_hparams(config, metric_dict={}): experiment, session start, session end.
+  std::string session;
+  for (const auto& [folder, run] : runs.items()) {
+    if (folder != "." && folder.rfind("acc_", 0) != 0) session = folder;
+  }
+  ASSERT_FALSE(session.empty());
+  const auto hparams = summaries(runs.at(session));
+  ASSERT_EQ(hparams.size(), 3u);
+  EXPECT_EQ(hparams[0].at("tag"), "_hparams_/experiment");
+  EXPECT_EQ(hparams[0].at("plugin"), "hparams");
+  EXPECT_EQ(hparams[0].at("hparams"), json::parse(R"({"experiment": {"hparam_infos": [
+      {"name": "amp", "type": "DATA_TYPE_FLOAT64"}, {"name": "batch", "type": "DATA_TYPE_FLOAT64"},
+      {"name": "lr", "type": "DATA_TYPE_FLOAT64"}, {"name": "opt", "type": "DATA_TYPE_STRING"}]}})"));
+  EXPECT_EQ(hparams[1].at("tag"), "_hparams_/session_start_info");
+  EXPECT_EQ(
+      hparams[1].at("hparams"),
+      json::parse(R"({"session_start_info": {"hparams": {"amp": 1.0, "batch": 32.0, "lr": 0.001, "opt": "adam"}}})"));
+  EXPECT_EQ(hparams[2].at("tag"), "_hparams_/session_end_info");
+  EXPECT_EQ(hparams[2].at("hparams"), json::parse(R"({"session_end_info": {"status": "STATUS_SUCCESS"}})"));
+  EXPECT_EQ(read(dir.path() / "proj" / session / "hparams.yml"),
+            "amp: true\nbatch: 32\nlr: 0.001\nnone: null\nopt: adam\n");
+}
+
+TEST(TrackingTensorBoard, TheReaderFailsOnACorruptedRecord) {
+  ASSERT_TRUE(fs::exists(kPython)) << kPython << " is missing; scripts/setup.sh installs python3";
+  TempDir dir;
+  TensorBoardTracker tracker("run", dir.str());
+  tracker.log({{"loss", 0.5}}, 3);
+  tracker.finish();
+  fs::path file;
+  for (const auto& entry : fs::directory_iterator(dir.path() / "run")) file = entry.path();
+  std::string bytes = read(file);
+  bytes[bytes.size() - 6] ^= 0x01;  // inside the float of the last record
+  detail::write_file(file.string(), bytes);
+  auto r = run({kPython, built("tests/python/tensorboard_check.py"), (dir.path() / "run").string()});
+  EXPECT_EQ(r->exit_code(), 1);
+  EXPECT_THAT(r->err, HasSubstr("data CRC mismatch"));
+}
+
+TEST(TrackingTensorBoard, ImagesArePngGridsAsAddImagesMakesThem) {
+  ASSERT_TRUE(fs::exists(kPython)) << kPython << " is missing; scripts/setup.sh installs python3";
+  TempDir dir;
+  TensorBoardTracker tracker("run", dir.str());
+  // Two grey 2x2 images side by side; 0.5 * 255 truncates to 127, as numpy's astype does.
+  const at::Tensor batch = at::tensor({0.0, 1.0, 0.5, 2.0, 1.0, 0.0, -1.0, 0.25}).view({2, 1, 2, 2});
+  const at::Tensor rgba = at::tensor({1, 2, 3, 4}, at::kByte).view({4, 1, 1});
+  tracker.log_images({{"grey", batch}, {"rgba", rgba}}, 7);
+  tracker.finish();
+  const auto values = summaries(read_tensorboard(dir.path() / "run").at("runs").at("."));
+  ASSERT_EQ(values.size(), 2u);
+  EXPECT_EQ(values[0].at("tag"), "grey");
+  EXPECT_EQ(values[0].at("step"), 7);
+  const auto& grey = values[0].at("image");
+  EXPECT_EQ(grey.at("height"), 2);
+  EXPECT_EQ(grey.at("width"), 4);
+  EXPECT_EQ(grey.at("colorspace"), 3);
+  // Row 0: image 0 (0, 255), image 1 (255, 0); row 1: (127, 255), (0, 63); each grey value as RGB.
+  std::vector<int> expected;
+  for (int v : {0, 255, 255, 0, 127, 255, 0, 63}) expected.insert(expected.end(), {v, v, v});
+  EXPECT_EQ(grey.at("png").at("pixels").get<std::vector<int>>(), expected);
+  const auto& color = values[1].at("image");
+  EXPECT_EQ(color.at("colorspace"), 4);
+  EXPECT_EQ(color.at("png").at("pixels").get<std::vector<int>>(), (std::vector<int>{1, 2, 3, 4}));
+
+  TensorBoardTracker other("other", dir.str());
+  EXPECT_THROWS_WITH(other.log_images({{"bad", at::zeros({2, 2, 2})}}, 0),
+                     "[TensorBoardTracker.log_images] 'bad': expected 1, 3 or 4 channels, got 2");
+  EXPECT_THROWS_WITH(other.log_images({{"bad", at::zeros({4})}}, 0), "expected a [C, H, W] or [N, C, H, W] tensor");
+  EXPECT_THROWS_WITH(other.log_images({{"bad", at::zeros({1, 2, 2}, at::kInt)}}, 0),
+                     "expected floating values in [0, 1] or uint8");
+}
+
+TEST(TrackingTensorBoard, OptionsComeFromInitKwargs) {
+  TempDir dir;
+  auto accelerator = single({.log_with = {"tensorboard"}, .project_dir = dir.str()});
+  accelerator.init_trackers("proj", json::object(),
+                            {{"tensorboard", {{"filename_suffix", ".v2"}, {"flush_secs", 60}}}});
+  auto tracker = std::dynamic_pointer_cast<TensorBoardTracker>(accelerator.get_tracker("tensorboard"));
+  ASSERT_NE(tracker, nullptr);
+  EXPECT_EQ(tracker->logging_dir(), (dir.path() / "proj").string());
+  accelerator.end_training();
+  std::vector<std::string> names;
+  for (const auto& entry : fs::directory_iterator(dir.path() / "proj")) names.push_back(entry.path().filename());
+  ASSERT_EQ(names.size(), 1u);
+  EXPECT_THAT(names[0], ::testing::EndsWith(".v2"));
+}
+
+// ---- JSONL, CSV, dvclive --------------------------------------------------------------------------
+
+TEST(TrackingJSONL, EachLogCallIsOneLineWithStepWallTimeAndTheValues) {
+  TempDir dir;
+  auto accelerator = single({.log_with = {"jsonl"}, .project_dir = dir.str()});
+  accelerator.init_trackers("proj", {{"lr", 0.01}, {"layers", {1, 2}}});
+  const double before = now();
+  accelerator.log({{"loss", 0.5}, {"note", "a\nb"}}, 1);
+  accelerator.log({{"acc", {{"train", 0.75}}}});
+  const double after = now();
+  accelerator.end_training();
+  const auto lines = lines_of(read(dir.path() / "proj" / "log.jsonl"));
+  ASSERT_EQ(lines.size(), 2u);
+  const json first = json::parse(lines[0]), second = json::parse(lines[1]);
+  EXPECT_EQ(first.at("step"), 1);
+  EXPECT_EQ(first.at("values"), (json{{"loss", 0.5}, {"note", "a\nb"}}));
+  EXPECT_TRUE(second.at("step").is_null());
+  EXPECT_EQ(second.at("values"), (json{{"acc", {{"train", 0.75}}}}));
+  for (const auto& line : {first, second}) {
+    EXPECT_GE(line.at("wall_time").get<double>(), before - 1);
+    EXPECT_LE(line.at("wall_time").get<double>(), after + 1);
+  }
+  EXPECT_THAT(lines[0], ::testing::StartsWith(R"({"step":1,"wall_time":)"));
+  EXPECT_EQ(json::parse(read(dir.path() / "proj" / "config.json")), (json{{"lr", 0.01}, {"layers", {1, 2}}}));
+}
+
+// The CSV text with every wall_time field replaced by "T".
+std::string without_wall_times(const std::string& text) {
+  std::string out;
+  for (const auto& line : lines_of(text)) {
+    const auto first = line.find(',');
+    const auto second = line.find(',', first + 1);
+    out += line.substr(0, first) + (line.rfind("step,", 0) == 0 ? line.substr(first, second - first) : ",T") +
+           line.substr(second) + "\n";
+  }
+  return out;
+}
+
+TEST(TrackingCSV, NewKeysRewriteTheFileWithAnExtendedHeader) {
+  TempDir dir;
+  auto accelerator = single({.log_with = {"csv"}, .project_dir = dir.str()});
+  accelerator.init_trackers("proj", {{"lr", 0.01}});
+  accelerator.log({{"loss", 0.5}}, 1);
+  accelerator.log({{"loss", 0.25}, {"acc", {{"train", 0.75}}}, {"note", "a,\"b\""}}, 2);
+  accelerator.log({{"loss", 0.125}});
+  accelerator.end_training();
+  const auto path = dir.path() / "proj" / "log.csv";
+  EXPECT_EQ(without_wall_times(read(path)),
+            "step,wall_time,loss,acc/train,note\n"
+            "1,T,0.5,,\n"
+            "2,T,0.25,0.75,\"a,\"\"b\"\"\"\n"
+            ",T,0.125,,\n");
+  EXPECT_EQ(json::parse(read(dir.path() / "proj" / "config.json")), (json{{"lr", 0.01}}));
+
+  // A run continuing in the same folder keeps the columns and appends.
+  CSVTracker again("proj", dir.str());
+  again.log({{"note", "x"}}, 4);
+  again.finish();
+  EXPECT_EQ(without_wall_times(read(path)),
+            "step,wall_time,loss,acc/train,note\n"
+            "1,T,0.5,,\n"
+            "2,T,0.25,0.75,\"a,\"\"b\"\"\"\n"
+            ",T,0.125,,\n"
+            "4,T,,,x\n");
+  // Nothing is left behind by the rewrites.
+  std::vector<std::string> names;
+  for (const auto& entry : fs::directory_iterator(dir.path() / "proj")) names.push_back(entry.path().filename());
+  std::sort(names.begin(), names.end());
+  EXPECT_THAT(names, ElementsAre("config.json", "log.csv"));
+}
+
+TEST(TrackingCSV, AFileThatIsNotOurLogIsRefused) {
+  TempDir dir;
+  fs::create_directories(dir.path() / "proj");
+  detail::write_file((dir.path() / "proj" / "log.csv").string(), "a,b\n1,2\n");
+  EXPECT_THROWS_WITH(CSVTracker("proj", dir.str()), "exists and is not a log of this tracker");
+}
+
+TEST(TrackingDVCLive, TheFilesFollowDvclivesLayout) {
+  TempDir dir;
+  auto accelerator = single({.log_with = {"dvclive"}, .project_dir = dir.str()});
+  accelerator.init_trackers("proj", {{"lr", 0.01}, {"optimizer", {{"name", "adam"}, {"betas", {0.9, 0.999}}}}});
+  accelerator.log({{"loss", 0.5}, {"train", {{"acc", 0.75}}}}, 3);
+  accelerator.log({{"loss", 0.25}, {"note", "ok"}});
+  accelerator.end_training();
+  const auto root = dir.path() / "proj";
+  EXPECT_EQ(read(root / "params.yaml"), "lr: 0.01\noptimizer:\n  betas:\n    - 0.9\n    - 0.999\n  name: adam\n");
+  EXPECT_EQ(read(root / "plots" / "metrics" / "loss.tsv"), "step\tloss\n3\t0.5\n4\t0.25\n");
+  EXPECT_EQ(read(root / "plots" / "metrics" / "train" / "acc.tsv"), "step\tacc\n3\t0.75\n");
+  EXPECT_EQ(read(root / "plots" / "metrics" / "note.tsv"), "step\tnote\n4\tok\n");
+  EXPECT_EQ(json::parse(read(root / "metrics.json")),
+            (json{{"loss", 0.25}, {"train", {{"acc", 0.75}}}, {"note", "ok"}, {"step", 4}}));
+}
+
+TEST(TrackingDVCLive, TheFolderComesFromInitKwargs) {
+  TempDir dir;
+  auto accelerator = single({.log_with = {"dvclive"}, .project_dir = dir.str()});
+  const auto custom = (dir.path() / "custom").string();
+  accelerator.init_trackers("proj", json::object(), {{"dvclive", {{"dir", custom}}}});
+  accelerator.log({{"loss", 1}}, 0);
+  accelerator.end_training();
+  EXPECT_EQ(read(fs::path(custom) / "plots" / "metrics" / "loss.tsv"), "step\tloss\n0\t1\n");
+  EXPECT_FALSE(fs::exists(dir.path() / "proj"));
+  // Without a logging folder, dvclive's default folder in the working directory.
+  const bool existed = fs::exists("dvclive");
+  EXPECT_EQ(DVCLiveTracker("proj", "").dir(), "dvclive");
+  if (!existed) fs::remove_all("dvclive");
+}
+
+// ---- the Accelerator ------------------------------------------------------------------------------
+
+TEST(TrackingAccelerator, AUserTrackerReceivesTheConfigTheLogsAndFinish) {
+  auto mine = std::make_shared<RecordingTracker>("mine");
+  auto accelerator = single({.log_with = {mine}});
+  accelerator.init_trackers("proj", {{"lr", 0.5}});
+  accelerator.log({{"loss", 1.5}}, 4);
+  accelerator.log({{"text", "hi"}});
+  EXPECT_EQ(accelerator.get_tracker("mine"), mine);
+  ASSERT_EQ(accelerator.trackers().size(), 1u);
+  EXPECT_EQ(accelerator.trackers()[0], mine);
+  accelerator.end_training();
+  EXPECT_THAT(mine->calls(), ElementsAre("config {\"lr\":0.5}", "log {\"loss\":1.5} step 4",
+                                         "log {\"text\":\"hi\"} step none", "finish"));
+  EXPECT_THROWS_WITH(mine->log_images({}, 0), "[GeneralTracker.log_images] the tracker 'mine' does not log images");
+}
+
+TEST(TrackingAccelerator, OnlyTheMainProcessWritesWithTwoRanks) {
+  TempDir dir;
+  auto everywhere = std::make_shared<RecordingTracker>("everywhere", /*main_only=*/false);
+  std::vector<std::shared_ptr<RecordingTracker>> main_only = {std::make_shared<RecordingTracker>("main_only"),
+                                                              std::make_shared<RecordingTracker>("main_only")};
+  std::vector<std::string> kinds(2);
+  std::mutex mutex;
+  Store store = Store::in_memory();
+  run_threads(2, [&](int rank) {
+    AcceleratorOptions options{.log_with = {"all", everywhere, main_only[rank]}, .project_dir = dir.str()};
+    options.standalone_state = rank_options(PartialStateOptions{}, rank, 2, store);
+    Accelerator accelerator(options);
+    accelerator.init_trackers("proj", {{"lr", 0.5}});
+    for (int step = 0; step < 3; ++step) accelerator.log({{"loss", 1.0 / (step + 1)}}, step);
+    const bool real = std::dynamic_pointer_cast<TensorBoardTracker>(accelerator.get_tracker("tensorboard")) != nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      kinds[rank] = std::string(real ? "real" : "blank") + " " + std::to_string(accelerator.trackers().size());
+    }
+    // A process that does not run a tracker holds one of the same name that does nothing.
+    EXPECT_EQ(accelerator.get_tracker("jsonl")->name(), "jsonl");
+    accelerator.get_tracker("jsonl")->log({{"direct", 1}}, 9);
+    accelerator.end_training();
+  });
+  EXPECT_THAT(kinds, ElementsAre("real 6", "blank 6"));
+  EXPECT_EQ(lines_of(read(dir.path() / "proj" / "log.jsonl")).size(), 4u);  // three logs and one direct call
+  EXPECT_EQ(lines_of(read(dir.path() / "proj" / "log.csv")).size(), 4u);
+  EXPECT_EQ(read(dir.path() / "proj" / "plots" / "metrics" / "loss.tsv"),
+            "step\tloss\n0\t1.0\n1\t0.5\n2\t0.3333333333333333\n");
+  size_t event_files = 0;
+  for (const auto& entry : fs::directory_iterator(dir.path() / "proj")) {
+    event_files += entry.path().filename().string().rfind("events.out.tfevents.", 0) == 0;
+  }
+  EXPECT_EQ(event_files, 1u);
+  // The main process's user tracker gets every call; the other one's none. A tracker that runs
+  // everywhere is configured and finished on both, and logs on the main process only (upstream's
+  // `log` runs on the main process).
+  EXPECT_EQ(main_only[0]->calls().size(), 5u);
+  EXPECT_TRUE(main_only[1]->calls().empty());
+  const auto calls = everywhere->calls();
+  EXPECT_EQ(std::count(calls.begin(), calls.end(), "config {\"lr\":0.5}"), 2);
+  EXPECT_EQ(std::count(calls.begin(), calls.end(), "finish"), 2);
+  EXPECT_EQ(std::count_if(calls.begin(), calls.end(), [](const std::string& c) { return c.rfind("log ", 0) == 0; }), 3);
+}
+
+TEST(TrackingAccelerator, EndTrainingClosesTheFiles) {
+  TempDir dir;
+  auto accelerator = single({.log_with = {"tensorboard", "jsonl", "csv"}, .project_dir = dir.str()});
+  accelerator.init_trackers("proj");
+  accelerator.log({{"loss", 0.5}}, 1);
+  accelerator.end_training();
+  EXPECT_THROWS_WITH(accelerator.log({{"loss", 0.5}}, 2), "[TensorBoardTracker] the tracker is finished");
+  EXPECT_THROWS_WITH(accelerator.get_tracker("jsonl")->log({{"loss", 0.5}}, 2),
+                     "[JSONLTracker.log] the tracker is "
+                     "finished");
+  EXPECT_THROWS_WITH(accelerator.get_tracker("csv")->log({{"loss", 0.5}}, 2),
+                     "[CSVTracker.log] the tracker is "
+                     "finished");
+  EXPECT_EQ(lines_of(read(dir.path() / "proj" / "log.jsonl")).size(), 1u);
+  // After end_training a new run can start.
+  accelerator.init_trackers("second");
+  accelerator.log({{"loss", 0.25}}, 1);
+  accelerator.end_training();
+  EXPECT_EQ(lines_of(read(dir.path() / "second" / "log.jsonl")).size(), 1u);
+}
+
+TEST(TrackingAccelerator, GetTrackerWithoutTrackersGivesOneThatDoesNothing) {
+  auto accelerator = single({});
+  auto blank = accelerator.get_tracker("tensorboard");
+  ASSERT_NE(blank, nullptr);
+  EXPECT_EQ(blank->name(), "tensorboard");
+  EXPECT_NO_THROW(blank->log({{"loss", 1}}, 0));
+  EXPECT_NO_THROW(accelerator.init_trackers("proj", {{"lr", 1}}));
+  EXPECT_NO_THROW(accelerator.log({{"loss", 1}}, 0));
+  EXPECT_TRUE(accelerator.trackers().empty());
+  EXPECT_NO_THROW(accelerator.end_training());
+}
+
+TEST(TrackingAccelerator, ArgumentMistakesAreRefusedNamingWhatIsWrong) {
+  TempDir dir;
+  auto mine = std::make_shared<RecordingTracker>("mine");
+  auto accelerator = single({.log_with = {"tensorboard", "jsonl", mine}, .project_dir = dir.str()});
+  const char* init = "[Accelerator.init_trackers]";
+  EXPECT_THROWS_WITH(accelerator.init_trackers("p", json::object(), {{"wandb", json::object()}}),
+                     std::string(init) +
+                         " init_kwargs: no tracker named 'wandb' in log_with (tensorboard, jsonl, "
+                         "mine)");
+  EXPECT_THROWS_WITH(accelerator.init_trackers("p", json::object(), {{"tensorboard", {{"log_dir", "x"}}}}),
+                     std::string(init) +
+                         " init_kwargs['tensorboard']: unknown option 'log_dir'; tensorboard accepts "
+                         "filename_suffix, flush_secs, max_queue");
+  EXPECT_THROWS_WITH(accelerator.init_trackers("p", json::object(), {{"jsonl", {{"filename", 3}}}}),
+                     "init_kwargs['jsonl']['filename']: expected a string, got 3");
+  EXPECT_THROWS_WITH(accelerator.init_trackers("p", json::object(), {{"jsonl", {{"filename", "a/b"}}}}),
+                     "init_kwargs['jsonl']['filename']: expected a file name without folders, got 'a/b'");
+  EXPECT_THROWS_WITH(accelerator.init_trackers("p", json::object(), {{"jsonl", 1}}),
+                     "init_kwargs['jsonl']: expected a JSON object of options, got 1");
+  EXPECT_THROWS_WITH(accelerator.init_trackers("p", json::object(), {{"mine", json::object()}}),
+                     "init_kwargs['mine']: 'mine' is a tracker you constructed; pass its options to its constructor");
+  EXPECT_THROWS_WITH(accelerator.init_trackers("p", json::array()), std::string(init) +
+                                                                        " config: expected a JSON "
+                                                                        "object, got array");
+  EXPECT_THROWS_WITH(accelerator.init_trackers("p", {{"layers", {1, 2}}}),
+                     std::string(init) +
+                         " 'layers': TensorBoard hyperparameters are numbers, booleans, strings or "
+                         "null, got array ([1,2])");
+  EXPECT_TRUE(accelerator.trackers().empty());  // nothing was started by the refused calls
+  EXPECT_TRUE(mine->calls().empty());
+
+  accelerator.init_trackers("p");
+  EXPECT_THROWS_WITH(accelerator.init_trackers("p"), std::string(init) +
+                                                         " the trackers are already running; call "
+                                                         "end_training() before starting new runs");
+  const char* log = "[Accelerator.log]";
+  EXPECT_THROWS_WITH(accelerator.log({{"x", {1, 2}}}), std::string(log) +
+                                                           " 'x': expected a number, a string or an "
+                                                           "object of numbers, got array ([1,2])");
+  EXPECT_THROWS_WITH(accelerator.log({{"x", nullptr}}),
+                     "'x': expected a number, a string or an object of numbers, "
+                     "got null");
+  EXPECT_THROWS_WITH(accelerator.log({{"acc", {{"train", "high"}}}}),
+                     std::string(log) + " 'acc/train': a group of scalars holds numbers, got string (\"high\")");
+  EXPECT_THROWS_WITH(accelerator.log(json::array({1})), std::string(log) +
+                                                            " expected a JSON object of values, got "
+                                                            "array");
+  EXPECT_THROWS_WITH(accelerator.log({{"loss", 1}}, 0, {{"tensorboard", {{"walltime", 1}}}}),
+                     std::string(log) + " log_kwargs['tensorboard']: the trackers take no log options");
+  EXPECT_THROWS_WITH(accelerator.log({{"loss", 1}}, 0, {{"csv", json::object()}}),
+                     std::string(log) + " log_kwargs: no tracker named 'csv' in log_with (tensorboard, jsonl, mine)");
+  EXPECT_NO_THROW(accelerator.log({{"loss", 1}}, 0, {{"jsonl", json::object()}}));
+  EXPECT_THROWS_WITH(accelerator.get_tracker("csv"),
+                     "[Accelerator.get_tracker] 'csv' is not an available tracker "
+                     "stored inside the Accelerator (trackers: tensorboard, jsonl, "
+                     "mine)");
+  accelerator.end_training();
+  // A refused log reached no tracker.
+  EXPECT_EQ(lines_of(read(dir.path() / "p" / "log.jsonl")).size(), 1u);
+}
+
+TEST(TrackingAccelerator, AnUnwritableFolderIsRefusedNamingIt) {
+  TempDir dir;
+  detail::write_file((dir.path() / "file").string(), "x");
+  const auto below_a_file = (dir.path() / "file" / "logs").string();
+  for (const char* name : {"tensorboard", "jsonl", "csv", "dvclive"}) {
+    auto accelerator = single({.log_with = {name}, .project_dir = below_a_file});
+    EXPECT_THROWS_WITH(accelerator.init_trackers("proj"), "cannot create the folder " + below_a_file + "/proj");
+  }
+  // A log file that cannot be opened (a folder of that name is in the way).
+  fs::create_directories(dir.path() / "ok" / "proj" / "log.jsonl");
+  auto accelerator = single({.log_with = {"jsonl"}, .project_dir = (dir.path() / "ok").string()});
+  EXPECT_THROWS_WITH(accelerator.init_trackers("proj"),
+                     "[JSONLTracker] cannot open " + (dir.path() / "ok" / "proj" / "log.jsonl").string());
+}
+
+TEST(TrackingAccelerator, EveryTrackerIsFinishedEvenWhenOneFails) {
+  class FailingTracker : public RecordingTracker {
+   public:
+    FailingTracker() : RecordingTracker("failing") {}
+    void finish() override { throw std::runtime_error("disk full"); }
+  };
+  auto failing = std::make_shared<FailingTracker>();
+  auto after = std::make_shared<RecordingTracker>("after");
+  auto accelerator = single({.log_with = {failing, after}});
+  accelerator.init_trackers("proj");
+  EXPECT_THROWS_WITH(accelerator.end_training(), "disk full");
+  EXPECT_THAT(after->calls(), ElementsAre("finish"));
+}
+
+}  // namespace
+}  // namespace accelerate::testing
