@@ -96,6 +96,19 @@ bool is_scalar(const nlohmann::json& v) { return v.is_number() || v.is_boolean()
 
 double scalar_of(const nlohmann::json& v) { return v.is_boolean() ? (v.get<bool>() ? 1.0 : 0.0) : v.get<double>(); }
 
+// A value as the text formats show it: strings as they are, numbers in JSON's shortest round-trip
+// form, and (with `python`, for the files dvclive's Python writes) non-finite numbers and booleans
+// as Python prints them.
+std::string value_text(const nlohmann::json& v, bool python) {
+  if (v.is_string()) return v.get<std::string>();
+  if (v.is_number_float() && !std::isfinite(v.get<double>())) {
+    const double d = v.get<double>();
+    return std::isnan(d) ? "nan" : d > 0 ? "inf" : "-inf";
+  }
+  if (python && v.is_boolean()) return v.get<bool>() ? "True" : "False";
+  return v.dump();
+}
+
 // Values flattened to `key` / `key/member` pairs, in the order given.
 std::vector<std::pair<std::string, nlohmann::json>> flatten(const nlohmann::json& values) {
   std::vector<std::pair<std::string, nlohmann::json>> out;
@@ -606,11 +619,20 @@ void DVCLiveTracker::store_init_configuration(const nlohmann::json& values) {
 void DVCLiveTracker::log(const nlohmann::json& values, std::optional<int64_t> step) {
   check_log_values(values, "DVCLiveTracker.log");
   if (step) step_ = *step;
-  for (const auto& [key, value] : flatten(values)) {
+  const auto flat = flatten(values);
+  for (const auto& [key, value] : flat) {
+    // dvclive names each metric's file after it; a name must stay inside the folder.
+    const fs::path name(key);
+    const bool inside = !key.empty() && name.is_relative() && key.back() != '/' &&
+                        std::none_of(name.begin(), name.end(), [](const fs::path& p) { return p == ".." || p == "."; });
+    TORCH_CHECK_VALUE(inside, "[DVCLiveTracker.log] '", key, "': metric names become file paths under ", dir_,
+                      "/plots/metrics; expected a relative name without '.' or '..' parts");
+  }
+  for (const auto& [key, value] : flat) {
     const fs::path tsv = fs::path(dir_) / "plots" / "metrics" / (key + ".tsv");
     create_folder("DVCLiveTracker.log", tsv.parent_path().string());
     const bool existed = fs::exists(tsv);
-    std::string text = value.is_string() ? value.get<std::string>() : value.dump();
+    std::string text = value_text(value, /*python=*/true);
     if (text.find_first_of("\t\"\n\r") != std::string::npos) {
       std::string quoted = "\"";
       for (char ch : text) quoted += ch == '"' ? std::string("\"\"") : std::string(1, ch);
@@ -632,7 +654,9 @@ void DVCLiveTracker::log(const nlohmann::json& values, std::optional<int64_t> st
       node = &(*node)[rest.substr(0, slash)];
       if (!node->is_object()) *node = nlohmann::json::object();
     }
-    (*node)[rest] = value;
+    // dvclive keeps non-finite numbers as their text.
+    const bool finite = !value.is_number_float() || std::isfinite(value.get<double>());
+    (*node)[rest] = finite ? value : nlohmann::json(value_text(value, /*python=*/true));
   }
   summary_["step"] = step_;
   write_whole("DVCLiveTracker.log", (fs::path(dir_) / "metrics.json").string(), summary_.dump(4) + "\n");
@@ -783,7 +807,7 @@ void CSVTracker::log(const nlohmann::json& values, std::optional<int64_t> step) 
   std::vector<std::string> row(columns_.size());
   for (const auto& [key, value] : flat) {
     const size_t i = static_cast<size_t>(std::find(columns_.begin(), columns_.end(), key) - columns_.begin());
-    row[i] = csv_field(value.is_string() ? value.get<std::string>() : value.dump());
+    row[i] = csv_field(value_text(value, /*python=*/false));
   }
   std::string line = step ? std::to_string(*step) : "";
   line += "," + nlohmann::json(wall_time()).dump();

@@ -19,8 +19,10 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <mutex>
 #include <regex>
 #include <sstream>
@@ -386,6 +388,35 @@ TEST(TrackingDVCLive, TheFilesFollowDvclivesLayout) {
   EXPECT_EQ(read(root / "plots" / "metrics" / "note.tsv"), "step\tnote\n4\tok\n");
   EXPECT_EQ(json::parse(read(root / "metrics.json")),
             (json{{"loss", 0.25}, {"train", {{"acc", 0.75}}}, {"note", "ok"}, {"step", 4}}));
+}
+
+TEST(TrackingDVCLive, NonFiniteNumbersAndBooleansAreWrittenAsPythonWritesThem) {
+  TempDir dir;
+  auto accelerator = single({.log_with = {"dvclive", "csv", "jsonl"}, .project_dir = dir.str()});
+  accelerator.init_trackers("proj");
+  const double inf = std::numeric_limits<double>::infinity();
+  accelerator.log({{"a", std::nan("")}, {"b", -inf}, {"c", true}}, 0);
+  accelerator.end_training();
+  const auto root = dir.path() / "proj";
+  EXPECT_EQ(read(root / "plots" / "metrics" / "a.tsv"), "step\ta\n0\tnan\n");
+  EXPECT_EQ(read(root / "plots" / "metrics" / "b.tsv"), "step\tb\n0\t-inf\n");
+  EXPECT_EQ(read(root / "plots" / "metrics" / "c.tsv"), "step\tc\n0\tTrue\n");
+  EXPECT_EQ(json::parse(read(root / "metrics.json")), (json{{"a", "nan"}, {"b", "-inf"}, {"c", true}, {"step", 0}}));
+  EXPECT_EQ(without_wall_times(read(root / "log.csv")), "step,wall_time,a,b,c\n0,T,nan,-inf,true\n");
+  EXPECT_EQ(json::parse(read(root / "log.jsonl")).at("values"), (json{{"a", nullptr}, {"b", nullptr}, {"c", true}}));
+}
+
+TEST(TrackingDVCLive, MetricNamesThatLeaveTheFolderAreRefused) {
+  TempDir dir;
+  DVCLiveTracker tracker("proj", dir.str());
+  for (const char* key : {"../up", "/abs", "a/./b", "x/"}) {
+    EXPECT_THROWS_WITH(tracker.log({{key, 1}}, 0), "[DVCLiveTracker.log] '" + std::string(key) +
+                                                       "': metric names become file paths under " + tracker.dir() +
+                                                       "/plots/metrics");
+  }
+  EXPECT_THROWS_WITH(tracker.log({{"acc", {{"", 1}}}}, 0), "'acc/': metric names become file paths");
+  EXPECT_FALSE(fs::exists(dir.path() / "proj" / "metrics.json"));  // nothing of a refused call is written
+  EXPECT_FALSE(fs::exists(dir.path() / "up.tsv"));
 }
 
 TEST(TrackingDVCLive, TheFolderComesFromInitKwargs) {

@@ -525,7 +525,8 @@ class Accelerator {
   /// tracker of that name that does nothing. Without any tracker, a tracker that does nothing.
   std::shared_ptr<GeneralTracker> get_tracker(const std::string& name) const;
   /// The trackers started by `init_trackers`, in `log_with` order ("all" expands to every
-  /// built-in after the user's trackers).
+  /// built-in after the user's trackers). Its content changes with `init_trackers`, which must
+  /// not run on another thread while it is read.
   const std::vector<std::shared_ptr<GeneralTracker>>& trackers() const;
   /// Finishes every tracker (closing their files) and waits for every process (upstream:
   /// `end_training`). Every tracker is finished even when one fails; the first error is raised

@@ -111,7 +111,9 @@ struct DVCLiveTrackerOptions {
 /// appends one row per value to `<dir>/plots/metrics/<key>.tsv` (`step\t<basename of key>`),
 /// rewrites `<dir>/metrics.json` with the latest value of every metric (keys with `/` nest) and
 /// `"step"`, then advances the step as dvclive's `next_step` does; `store_init_configuration`
-/// writes `<dir>/params.yaml`. Numbers and strings are metrics.
+/// writes `<dir>/params.yaml`. Numbers and strings are metrics; non-finite numbers and booleans
+/// are written as Python's dvclive writes them (`nan`, `True`). Metric names must stay inside the
+/// folder (no absolute names, no `.` or `..` parts).
 class DVCLiveTracker : public GeneralTracker {
  public:
   DVCLiveTracker(const std::string& run_name, const std::string& logging_dir,
@@ -137,7 +139,8 @@ struct JSONLTrackerOptions {
 };
 
 /// Appends one JSON object per `log` call, one per line, to `<logging_dir>/<run_name>/log.jsonl`:
-/// `{"step":<step or null>,"wall_time":<seconds since the epoch>,"values":{…as logged…}}`.
+/// `{"step":<step or null>,"wall_time":<seconds since the epoch>,"values":{…as logged…}}`
+/// (JSON has no NaN or infinity: such values are written as null).
 /// `store_init_configuration` writes `<logging_dir>/<run_name>/config.json`. Each line is flushed
 /// to the operating system when written.
 class JSONLTracker : public GeneralTracker {
@@ -168,6 +171,7 @@ struct CSVTrackerOptions {
 /// separated, `\n` line ends, fields with a comma, quote or line break quoted): the header is
 /// `step,wall_time` then every key in the order it first appeared (an object of numbers gives
 /// `key/member` columns); a value not logged in a row is an empty field, as is a missing step.
+/// Numbers are written in JSON's shortest round-trip form (`nan`, `inf`, `-inf` for non-finite ones).
 /// When a row brings a new key, the file is rewritten with the extended header (old rows get
 /// empty fields) into a temporary file that is then renamed over the old one, so the file is
 /// always a complete, rectangular CSV. `store_init_configuration` writes `config.json` beside.
@@ -196,8 +200,7 @@ class CSVTracker : public GeneralTracker {
 ///
 /// Example:
 ///   accelerate::Accelerator accelerator({.log_with = {"tensorboard", my_tracker}, .project_dir = "runs"});
-class Tracker {
- public:
+struct Tracker {
   Tracker(const char* name) : name_(name) {}             // NOLINT(google-explicit-constructor)
   Tracker(std::string name) : name_(std::move(name)) {}  // NOLINT(google-explicit-constructor)
   Tracker(std::shared_ptr<GeneralTracker> tracker);      // NOLINT(google-explicit-constructor)
