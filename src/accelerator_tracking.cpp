@@ -50,16 +50,13 @@ void Accelerator::init_trackers(const std::string& project_name, const nlohmann:
   constexpr const char* api = "Accelerator.init_trackers";
   TORCH_CHECK_VALUE(config.is_object(), "[", api, "] config: expected a JSON object, got ", config.type_name());
   TORCH_CHECK_VALUE(init_kwargs.is_object(), "[", api,
-                    "] init_kwargs: expected a JSON object keyed by tracker name, "
-                    "got ",
-                    init_kwargs.type_name());
+                    "] init_kwargs: expected a JSON object keyed by tracker name, got ", init_kwargs.type_name());
   std::vector<Tracker> log_with;
   std::string logging_dir;
   {
     std::lock_guard<std::mutex> lock(impl_->mutex);
     TORCH_CHECK(!impl_->trackers_running, "[", api,
-                "] the trackers are already running; call end_training() before "
-                "starting new runs");
+                "] the trackers are already running; call end_training() before starting new runs");
     log_with = impl_->log_with;
     logging_dir = impl_->project.logging_dir;
   }
@@ -69,8 +66,7 @@ void Accelerator::init_trackers(const std::string& project_name, const nlohmann:
     TORCH_CHECK_VALUE(tracker != nullptr, "[", api, "] init_kwargs: no tracker named '", name, "' in log_with (",
                       tracker_names(log_with), ")");
     TORCH_CHECK_VALUE(tracker->is_name(), "[", api, "] init_kwargs['", name, "']: '", name,
-                      "' is a tracker you "
-                      "constructed; pass its options to its constructor");
+                      "' is a tracker you constructed; pass its options to its constructor");
     detail::check_init_kwargs(name, kwargs, api);
   }
   if (!config.empty() && find_tracker(log_with, "tensorboard") != nullptr) detail::check_hparams(config, api);
@@ -103,18 +99,14 @@ void Accelerator::log(const nlohmann::json& values, std::optional<int64_t> step,
   constexpr const char* api = "Accelerator.log";
   check_log_values(values, api);
   TORCH_CHECK_VALUE(log_kwargs.is_object(), "[", api,
-                    "] log_kwargs: expected a JSON object keyed by tracker name, "
-                    "got ",
-                    log_kwargs.type_name());
+                    "] log_kwargs: expected a JSON object keyed by tracker name, got ", log_kwargs.type_name());
   if (!log_kwargs.empty()) {
     std::lock_guard<std::mutex> lock(impl_->mutex);
     for (const auto& [name, kwargs] : log_kwargs.items()) {
       TORCH_CHECK_VALUE(find_tracker(impl_->log_with, name) != nullptr, "[", api, "] log_kwargs: no tracker named '",
                         name, "' in log_with (", tracker_names(impl_->log_with), ")");
       TORCH_CHECK_VALUE(kwargs.is_object() && kwargs.empty(), "[", api, "] log_kwargs['", name,
-                        "']: the trackers "
-                        "take no log options, got ",
-                        kwargs.dump());
+                        "']: the trackers take no log options, got ", kwargs.dump());
     }
   }
   if (!is_main_process()) return;

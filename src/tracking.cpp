@@ -339,18 +339,13 @@ struct Image {
 // repeated to RGB), floating values scaled by 255, clipped to [0, 255] and truncated to uint8.
 Image to_image(const std::string& key, at::Tensor tensor) {
   TORCH_CHECK_VALUE(tensor.defined(), "[TensorBoardTracker.log_images] '", key,
-                    "': expected a tensor, got an "
-                    "undefined one");
+                    "': expected a tensor, got an undefined one");
   if (tensor.dim() == 3) tensor = tensor.unsqueeze(0);
   TORCH_CHECK_VALUE(tensor.dim() == 4, "[TensorBoardTracker.log_images] '", key,
-                    "': expected a [C, H, W] or "
-                    "[N, C, H, W] tensor, got ",
-                    tensor.dim(), " dimensions");
+                    "': expected a [C, H, W] or [N, C, H, W] tensor, got ", tensor.dim(), " dimensions");
   const int64_t n = tensor.size(0), c = tensor.size(1), h = tensor.size(2), w = tensor.size(3);
   TORCH_CHECK_VALUE(c == 1 || c == 3 || c == 4, "[TensorBoardTracker.log_images] '", key,
-                    "': expected 1, 3 or 4 "
-                    "channels, got ",
-                    c);
+                    "': expected 1, 3 or 4 channels, got ", c);
   TORCH_CHECK_VALUE(n > 0 && h > 0 && w > 0, "[TensorBoardTracker.log_images] '", key, "': the image is empty");
   tensor = tensor.detach().to(at::kCPU);
   if (tensor.scalar_type() != at::kByte) {
@@ -390,9 +385,7 @@ std::string string_option(const nlohmann::json& kwargs, const std::string& key, 
 void check_option_keys(const nlohmann::json& kwargs, const std::vector<std::string>& accepted, const std::string& api,
                        const std::string& tracker) {
   TORCH_CHECK_VALUE(kwargs.is_object(), "[", api, "] init_kwargs['", tracker,
-                    "']: expected a JSON object of options, "
-                    "got ",
-                    kwargs.dump());
+                    "']: expected a JSON object of options, got ", kwargs.dump());
   for (const auto& [key, value] : kwargs.items()) {
     (void)value;
     TORCH_CHECK_VALUE(contains(accepted, key), "[", api, "] init_kwargs['", tracker, "']: unknown option '", key, "'; ",
@@ -502,9 +495,8 @@ void check_log_values(const nlohmann::json& values, const char* api) {
       continue;
     }
     TORCH_CHECK_VALUE(is_scalar(value) || value.is_string(), "[", api, "] '", key,
-                      "': expected a number, a string or "
-                      "an object of numbers, got ",
-                      value.type_name(), " (", value.dump(), ")");
+                      "': expected a number, a string or an object of numbers, got ", value.type_name(), " (",
+                      value.dump(), ")");
   }
 }
 
@@ -851,8 +843,7 @@ std::vector<Tracker> filter_trackers(const std::vector<Tracker>& log_with, const
       continue;
     }
     TORCH_CHECK_VALUE(!contains(remote_names(), name), "[", api, "] log_with: '", name,
-                      "' needs Python or a remote "
-                      "service and is not available in accelerate-cpp; available trackers: ",
+                      "' needs Python or a remote service and is not available in accelerate-cpp; available trackers: ",
                       choices, " (or implement GeneralTracker and pass your tracker)");
     TORCH_CHECK_VALUE(contains(builtin_names(), name), "[", api, "] log_with: unsupported logging capability '", name,
                       "'; choose between ", choices, " (or pass a GeneralTracker of your own)");
@@ -935,9 +926,8 @@ void check_hparams(const nlohmann::json& values, const std::string& api) {
                     values.type_name());
   for (const auto& [key, value] : values.items()) {
     TORCH_CHECK_VALUE(value.is_null() || value.is_primitive(), "[", api, "] '", key,
-                      "': TensorBoard hyperparameters "
-                      "are numbers, booleans, strings or null, got ",
-                      value.type_name(), " (", value.dump(), ")");
+                      "': TensorBoard hyperparameters are numbers, booleans, strings or null, got ", value.type_name(),
+                      " (", value.dump(), ")");
   }
 }
 
