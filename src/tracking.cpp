@@ -879,7 +879,18 @@ void check_init_kwargs(const std::string& name, const nlohmann::json& kwargs, co
   if (name == "tensorboard") {
     check_option_keys(kwargs, {"filename_suffix", "flush_secs", "max_queue"}, api, name);
   } else if (name == "dvclive") {
-    check_option_keys(kwargs, {"dir"}, api, name);
+    // dvclive.Live's save_dvc_exp and dvcyaml are accepted with the values that describe what this
+    // tracker does (no DVC experiment, no dvc.yaml), so upstream's documented calls port unchanged.
+    check_option_keys(kwargs, {"dir", "save_dvc_exp", "dvcyaml"}, api, name);
+    TORCH_CHECK_VALUE(!kwargs.contains("save_dvc_exp") || kwargs.at("save_dvc_exp") == false, "[", api,
+                      "] init_kwargs['dvclive']['save_dvc_exp']: only false is supported (no DVC experiment is "
+                      "saved), got ",
+                      kwargs.at("save_dvc_exp").dump());
+    TORCH_CHECK_VALUE(!kwargs.contains("dvcyaml") || kwargs.at("dvcyaml").is_null() || kwargs.at("dvcyaml") == false,
+                      "[", api,
+                      "] init_kwargs['dvclive']['dvcyaml']: only null or false is supported (no dvc.yaml is "
+                      "written), got ",
+                      kwargs.at("dvcyaml").dump());
   } else if (name == "jsonl" || name == "csv") {
     check_option_keys(kwargs, {"filename"}, api, name);
   }

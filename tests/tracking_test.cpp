@@ -423,10 +423,20 @@ TEST(TrackingDVCLive, TheFolderComesFromInitKwargs) {
   TempDir dir;
   auto accelerator = single({.log_with = {"dvclive"}, .project_dir = dir.str()});
   const auto custom = (dir.path() / "custom").string();
-  accelerator.init_trackers("proj", json::object(), {{"dvclive", {{"dir", custom}}}});
-  accelerator.log({{"loss", 1}}, 0);
+  // Upstream's test: two logs without a step, then step 3.
+  accelerator.init_trackers("proj", json::object(),
+                            {{"dvclive", {{"dir", custom}, {"save_dvc_exp", false}, {"dvcyaml", nullptr}}}});
+  accelerator.log({{"loss", 1}});
+  accelerator.log({{"loss", 2}});
+  accelerator.log({{"loss", 3}}, 3);
   accelerator.end_training();
-  EXPECT_EQ(read(fs::path(custom) / "plots" / "metrics" / "loss.tsv"), "step\tloss\n0\t1\n");
+  EXPECT_EQ(read(fs::path(custom) / "plots" / "metrics" / "loss.tsv"), "step\tloss\n0\t1\n1\t2\n3\t3\n");
+  EXPECT_EQ(json::parse(read(fs::path(custom) / "metrics.json")), (json{{"loss", 3}, {"step", 3}}));
+  EXPECT_THROWS_WITH(accelerator.init_trackers("proj", json::object(), {{"dvclive", {{"save_dvc_exp", true}}}}),
+                     "[Accelerator.init_trackers] init_kwargs['dvclive']['save_dvc_exp']: only false is supported "
+                     "(no DVC experiment is saved), got true");
+  EXPECT_THROWS_WITH(accelerator.init_trackers("proj", json::object(), {{"dvclive", {{"dvcyaml", "dvc.yaml"}}}}),
+                     "init_kwargs['dvclive']['dvcyaml']: only null or false is supported");
   EXPECT_FALSE(fs::exists(dir.path() / "proj"));
   // Without a logging folder, dvclive's default folder in the working directory.
   const bool existed = fs::exists("dvclive");

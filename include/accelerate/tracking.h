@@ -101,6 +101,8 @@ class TensorBoardTracker : public GeneralTracker {
 };
 
 /// Options of `DVCLiveTracker` (`init_kwargs["dvclive"]`; upstream passes these to `dvclive.Live`).
+/// `init_kwargs` also accepts dvclive's `"save_dvc_exp": false` and `"dvcyaml": null` (or false),
+/// which describe what this tracker does: it saves no DVC experiment and writes no dvc.yaml.
 struct DVCLiveTrackerOptions {
   /// The output folder; empty: `<logging_dir>/<run_name>` with a logging folder, else "dvclive"
   /// (dvclive's default).
