@@ -260,8 +260,11 @@ void train(const Settings& s) {
       .mixed_precision = s.mixed_precision,
       .gradient_accumulation_steps = s.gradient_accumulation_steps,
       .dataloader_config = {.use_stateful_dataloader = true},
+      .log_with = {"tensorboard", "jsonl"},
       .project_dir = s.output_dir,
-      .project_config = {.automatic_checkpoint_naming = true, .total_limit = s.total_limit},
+      .project_config = {.logging_dir = s.output_dir + "/logs",
+                         .automatic_checkpoint_naming = true,
+                         .total_limit = s.total_limit},
   });
   auto logger = acc::get_logger("char_gpt", "INFO");
 
@@ -288,6 +291,17 @@ void train(const Settings& s) {
   auto progress = std::make_shared<Progress>();
   accelerator.register_for_checkpointing(progress);
 
+  // Curves under <output_dir>/logs/char_gpt: `tensorboard --logdir <output_dir>/logs`, or log.jsonl.
+  accelerator.init_trackers("char_gpt", {{"n_layer", s.n_layer},
+                                         {"n_embd", s.n_embd},
+                                         {"n_head", s.n_head},
+                                         {"block_size", s.block_size},
+                                         {"batch_size", s.batch_size},
+                                         {"gradient_accumulation_steps", s.gradient_accumulation_steps},
+                                         {"learning_rate", s.learning_rate},
+                                         {"max_steps", s.max_steps},
+                                         {"processes", accelerator.num_processes()},
+                                         {"mixed_precision", accelerator.mixed_precision()}});
   if (s.resume) {
     accelerator.load_state();  // the newest complete checkpoint under
                                // <output_dir>/checkpoints
@@ -307,7 +321,11 @@ void train(const Settings& s) {
   };
 
   acc::ProgressBar bar({.total = s.max_steps, .desc = "train", .initial = progress->step});
-  if (progress->step == 0) logger.info(c10::str("step 0: val_loss ", fixed(evaluate())));
+  if (progress->step == 0) {
+    const double val_loss = evaluate();
+    logger.info(c10::str("step 0: val_loss ", fixed(val_loss)));
+    accelerator.log({{"val_loss", val_loss}}, 0);
+  }
   double running = 0;
   int64_t running_count = 0;
   while (progress->step < s.max_steps) {
@@ -331,6 +349,10 @@ void train(const Settings& s) {
         const double val_loss = evaluate();
         logger.info(c10::str("step ", step, ": train_loss ", fixed(running / running_count), ", val_loss ",
                              fixed(val_loss), ", lr ", scheduler.get_last_lr()[0]));
+        accelerator.log({{"train_loss", running / running_count},
+                         {"val_loss", val_loss},
+                         {"learning_rate", scheduler.get_last_lr()[0]}},
+                        step);
         running = 0;
         running_count = 0;
       }
@@ -342,6 +364,7 @@ void train(const Settings& s) {
     }
   }
   bar.close();
+  accelerator.end_training();
 
   accelerator.wait_for_everyone();
   if (accelerator.is_main_process()) {

@@ -16,6 +16,7 @@
 #include "accelerate/data_loader.h"
 #include "accelerate/utils/modeling.h"
 #include "accelerate/utils/safetensors.h"
+#include "accelerate/utils/type_traits.h"
 
 #include <nlohmann/json.hpp>
 #include <torch/nn/module.h>
@@ -70,8 +71,7 @@ struct CheckpointObject {
 
 namespace checkpoint_detail {
 
-template <typename T> struct is_shared_ptr : std::false_type {};
-template <typename T> struct is_shared_ptr<std::shared_ptr<T>> : std::true_type {};
+using traits::is_shared_ptr;
 
 template <typename T>
 constexpr bool is_module_v = std::is_base_of_v<torch::nn::Module, T> ||
@@ -120,8 +120,8 @@ template <typename T>
 struct has_state_methods<T, std::void_t<decltype(std::declval<T&>().load_state_dict(std::declval<T&>().state_dict()))>>
     : std::true_type {};
 
-template <typename T> struct pointee { using type = T; };
-template <typename T> struct pointee<std::shared_ptr<T>> { using type = T; };
+// The object behind a shared pointer, or the type itself.
+template <typename T> using pointee = traits::pointee<T, T>;
 
 template <typename T>
 constexpr bool checkpointable_v = is_module_v<typename pointee<T>::type> || has_state_methods<typename pointee<T>::type>::value;

@@ -20,6 +20,7 @@
 #include "accelerate/utils/dataclasses.h"
 #include "accelerate/utils/operations.h"
 #include "accelerate/utils/tensor_tree.h"
+#include "accelerate/utils/type_traits.h"
 
 #include <torch/nn/module.h>
 
@@ -181,10 +182,8 @@ class DistributedDataParallel {
 };
 
 namespace model_detail {
-template <typename T> struct pointee { using type = void; };
-template <typename T> struct pointee<std::shared_ptr<T>> { using type = T; };
-template <typename T> struct is_shared_ptr : std::false_type {};
-template <typename T> struct is_shared_ptr<std::shared_ptr<T>> : std::true_type {};
+template <typename T> using pointee = traits::pointee<T, void>;
+using traits::is_shared_ptr;
 template <typename T, typename = void> struct is_module_holder : std::false_type {};
 template <typename T>
 struct is_module_holder<T, std::void_t<typename T::ContainedType>>

@@ -7,7 +7,10 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <nlohmann/json.hpp>
+
 #include <filesystem>
+#include <fstream>
 #include <regex>
 
 namespace accelerate::testing {
@@ -57,6 +60,26 @@ TEST(CharGptExample, TheValidationLossFallsOnTwoProcesses) {
   // Checkpoints at steps 20 and 40, and logs only from rank 0.
   EXPECT_TRUE(std::filesystem::is_directory(dir.path() / "checkpoints/checkpoint_1"));
   EXPECT_THAT(r->err, ::testing::Not(HasSubstr("[rank1]: 20")));
+
+  // The same losses went to the JSONL log, and a TensorBoard event file exists beside it.
+  std::ifstream jsonl(dir.path() / "logs/char_gpt/log.jsonl");
+  std::vector<std::pair<int64_t, double>> logged;
+  for (std::string line; std::getline(jsonl, line);) {
+    const auto record = nlohmann::json::parse(line);
+    if (record.at("values").contains("val_loss")) {
+      logged.emplace_back(record.at("step").get<int64_t>(), record.at("values").at("val_loss").get<double>());
+    }
+  }
+  ASSERT_EQ(logged.size(), 3u);
+  EXPECT_EQ(logged[0].first, 0);
+  EXPECT_EQ(logged[2].first, 40);
+  EXPECT_NEAR(logged[0].second, losses[0], 1e-4);
+  EXPECT_NEAR(logged[2].second, losses[2], 1e-4);
+  bool event_file = false;
+  for (const auto& entry : std::filesystem::directory_iterator(dir.path() / "logs/char_gpt")) {
+    event_file = event_file || entry.path().filename().string().rfind("events.out.tfevents.", 0) == 0;
+  }
+  EXPECT_TRUE(event_file);
 }
 
 TEST(CharGptExample, ResumeContinuesFromTheNewestCheckpoint) {
@@ -111,6 +134,21 @@ TEST(ByFeatureExamples, CheckpointingResumesMidEpochExactlyWhereTheRunStopped) {
   ASSERT_EQ(after_resume.size(), 2u) << resumed->out;  // epochs 1 and 2
   EXPECT_EQ(after_resume[0], expected[1]);
   EXPECT_EQ(after_resume[1], expected[2]);
+}
+
+TEST(ByFeatureExamples, TrackingWritesOneJsonlRecordPerEpochFromTheMainProcess) {
+  TempDir dir;
+  auto r = launch_example("by_feature/tracking", {"--project_dir", dir.str()});
+  ASSERT_EQ(r->exit_code(), 0) << r->out << r->err;
+  const auto accuracy = numbers_after(r->out, "accuracy");
+  ASSERT_EQ(accuracy.size(), 4u) << r->out;
+  std::ifstream jsonl(dir.path() / "spirals/log.jsonl");
+  std::vector<nlohmann::json> records;
+  for (std::string line; std::getline(jsonl, line);) records.push_back(nlohmann::json::parse(line));
+  ASSERT_EQ(records.size(), 4u);  // written once, not once per process
+  EXPECT_NEAR(records[3].at("values").at("accuracy").get<double>(), accuracy[3], 1e-6);
+  EXPECT_EQ(records[3].at("values").at("epoch").get<int>(), 3);
+  EXPECT_EQ(nlohmann::json::parse(std::ifstream(dir.path() / "spirals/config.json")).at("num_epochs"), 4);
 }
 
 TEST(ByFeatureExamples, MemoryFindsTheLargestBatchThatFits) {
