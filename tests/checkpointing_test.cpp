@@ -291,6 +291,25 @@ TEST(SaveState, AutomaticNamingKeepsExactlyTheLastTotalLimitCheckpoints) {
   }, project_options(dir.str(), 2));
 }
 
+TEST(SaveState, MisuseIsRefusedNamingWhatIsMissing) {
+  // Without automatic naming, save_state needs a folder.
+  run_accelerators(1, [&](const Accelerator& acc, int) {
+    EXPECT_THROWS_WITH(acc.save_state(), "expected an output_dir (or ProjectConfiguration::automatic_checkpoint_naming)");
+    EXPECT_THROWS_WITH(acc.set_save_iteration(-1), "expected a non-negative iteration, got -1");
+    EXPECT_THROWS_WITH(acc.register_save_state_pre_hook(nullptr),
+                       "[Accelerator::register_save_state_pre_hook] expected a hook, got none");
+    EXPECT_THROWS_WITH(acc.register_load_state_pre_hook(nullptr),
+                       "[Accelerator::register_load_state_pre_hook] expected a hook, got none");
+    EXPECT_EQ(acc.save_iteration(), 0);
+  });
+  // Automatic naming needs a project folder to put checkpoints/ in.
+  AcceleratorOptions no_project;
+  no_project.project_config.automatic_checkpoint_naming = true;
+  run_accelerators(1, [&](const Accelerator& acc, int) {
+    EXPECT_THROWS_WITH(acc.save_state(), "automatic_checkpoint_naming needs ProjectConfiguration::project_dir");
+  }, no_project);
+}
+
 TEST(LoadState, TakesTheNewestCompleteCheckpointIgnoringLeftoversAndContinuesItsNumbering) {
   TempDir dir;
   torch::Tensor newest;
