@@ -262,21 +262,30 @@ Proto hparams_summary(const std::string& tag, const Proto& plugin_data) {
   return std::move(Proto().message(1, value));
 }
 
-// ---- PNG --------------------------------------------------------------------------------------
+// ---- checksums ----------------------------------------------------------------------------------
 
-uint32_t crc32_png(const std::string& bytes) {
+// A table-driven CRC-32 over the reflected polynomial `Poly`, starting from all ones and inverted at
+// the end: 0xEDB88320 is zlib's CRC-32 (PNG chunks), 0x82F63B78 is CRC-32C (TFRecord framing).
+template <uint32_t Poly>
+uint32_t reflected_crc32(const unsigned char* data, size_t size) {
   static const std::array<uint32_t, 256> table = [] {
     std::array<uint32_t, 256> t{};
     for (uint32_t n = 0; n < 256; ++n) {
       uint32_t c = n;
-      for (int k = 0; k < 8; ++k) c = (c & 1) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+      for (int k = 0; k < 8; ++k) c = (c & 1) ? Poly ^ (c >> 1) : c >> 1;
       t[n] = c;
     }
     return t;
   }();
   uint32_t c = 0xffffffffu;
-  for (unsigned char b : bytes) c = table[(c ^ b) & 0xff] ^ (c >> 8);
+  for (size_t i = 0; i < size; ++i) c = table[(c ^ data[i]) & 0xff] ^ (c >> 8);
   return c ^ 0xffffffffu;
+}
+
+// ---- PNG --------------------------------------------------------------------------------------
+
+uint32_t crc32_png(const std::string& bytes) {
+  return reflected_crc32<0xEDB88320u>(reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size());
 }
 
 void put_be32(std::string& out, uint32_t v) {
@@ -398,19 +407,7 @@ void check_option_keys(const nlohmann::json& kwargs, const std::vector<std::stri
 // ---- CRC32C and TFRecord framing ----------------------------------------------------------------
 
 uint32_t crc32c(const void* data, size_t size) {
-  static const std::array<uint32_t, 256> table = [] {
-    std::array<uint32_t, 256> t{};
-    for (uint32_t n = 0; n < 256; ++n) {
-      uint32_t c = n;
-      for (int k = 0; k < 8; ++k) c = (c & 1) ? 0x82F63B78u ^ (c >> 1) : c >> 1;
-      t[n] = c;
-    }
-    return t;
-  }();
-  const auto* p = static_cast<const unsigned char*>(data);
-  uint32_t c = 0xffffffffu;
-  for (size_t i = 0; i < size; ++i) c = table[(c ^ p[i]) & 0xff] ^ (c >> 8);
-  return c ^ 0xffffffffu;
+  return reflected_crc32<0x82F63B78u>(static_cast<const unsigned char*>(data), size);
 }
 
 namespace {

@@ -60,6 +60,7 @@ class Logger {
   const std::string& name() const;
   /// Messages below this level are dropped.
   LogLevel level() const;
+  /// Changes the level for every handle of this logger.
   void set_level(LogLevel level);
   /// Whether a message at `level` would be written.
   bool is_enabled_for(LogLevel level) const;
@@ -68,6 +69,7 @@ class Logger {
   /// the logger is not bound to a state (upstream raises the same), since it cannot tell which
   /// process it runs on.
   void log(LogLevel level, const std::string& message, LogOptions options = {}) const;
+  /// `log` at DEBUG, INFO, WARNING, ERROR and CRITICAL.
   void debug(const std::string& message, LogOptions options = {}) const { log(LogLevel::kDebug, message, options); }
   void info(const std::string& message, LogOptions options = {}) const { log(LogLevel::kInfo, message, options); }
   void warning(const std::string& message, LogOptions options = {}) const { log(LogLevel::kWarning, message, options); }
