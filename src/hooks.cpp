@@ -1,0 +1,349 @@
+#include "accelerate/hooks.h"
+
+#include "accelerate/utils/device_map.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/nn/modules/container/any.h>
+
+#include <algorithm>
+#include <mutex>
+#include <unordered_map>
+
+namespace accelerate {
+
+namespace {
+
+// Hooks live beside the modules, keyed by address; the weak pointer tells a module that died
+// (and whose address was reused) from the one the hook was attached to.
+struct Attached {
+  std::weak_ptr<torch::nn::Module> owner;
+  bool shared = false;  // whether `owner` was set (modules outside a shared_ptr have none)
+  std::shared_ptr<ModelHook> hook;
+};
+
+std::mutex& registry_mutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+
+std::unordered_map<const torch::nn::Module*, Attached>& registry() {
+  static std::unordered_map<const torch::nn::Module*, Attached> hooks;
+  return hooks;
+}
+
+std::weak_ptr<torch::nn::Module> weak_of(torch::nn::Module& module) {
+  try {
+    return module.shared_from_this();
+  } catch (const std::bad_weak_ptr&) {
+    return {};
+  }
+}
+
+bool has_tensors(const torch::nn::Module& module, bool recurse) {
+  return !module.named_parameters(recurse).is_empty() || !module.named_buffers(recurse).is_empty();
+}
+
+bool in_classes(const torch::nn::Module& module, const std::vector<std::string>& classes) {
+  const auto name = module_class_name(module);
+  return std::any_of(classes.begin(), classes.end(), [&](const auto& c) { return c == name || c == module.name(); });
+}
+
+std::string join_name(const std::string& prefix, const std::string& name) {
+  return prefix.empty() ? name : prefix + "." + name;
+}
+
+}  // namespace
+
+SequentialHook::SequentialHook(std::vector<std::shared_ptr<ModelHook>> hooks) : hooks_(std::move(hooks)) {
+  for (const auto& h : hooks_) TORCH_CHECK_VALUE(h != nullptr, "[SequentialHook] a hook is null");
+}
+
+void SequentialHook::init_hook(torch::nn::Module& module) {
+  for (auto& h : hooks_) h->init_hook(module);
+}
+void SequentialHook::pre_forward(torch::nn::Module& module, std::vector<at::Tensor>& inputs) {
+  for (auto& h : hooks_) h->pre_forward(module, inputs);
+}
+void SequentialHook::post_forward(torch::nn::Module& module, std::vector<at::Tensor>& outputs) {
+  for (auto& h : hooks_) h->post_forward(module, outputs);
+}
+void SequentialHook::detach_hook(torch::nn::Module& module) {
+  for (auto& h : hooks_) h->detach_hook(module);
+}
+
+AlignDevicesHook::AlignDevicesHook(AlignDevicesOptions options) : options_(std::move(options)) {}
+
+std::vector<std::string> AlignDevicesHook::offloaded_names(const torch::nn::Module& module) const {
+  std::vector<std::string> names;
+  for (const auto& [name, tensor] : named_module_tensors(module, options_.offload_buffers, options_.place_submodules)) {
+    names.push_back(name);
+  }
+  return names;
+}
+
+void AlignDevicesHook::init_hook(torch::nn::Module& module) {
+  const bool recurse = options_.place_submodules;
+  if (!options_.offload) {
+    if (options_.execution_device) {
+      for (const auto& [name, tensor] : named_module_tensors(module, true, recurse)) {
+        set_module_tensor_to_device(module, name, *options_.execution_device);
+      }
+    }
+    return;
+  }
+  original_devices_.clear();
+  for (const auto& [name, tensor] : named_module_tensors(module, true, recurse)) {
+    original_devices_.emplace_back(name, tensor.device());
+  }
+  if (!options_.weights_map) {
+    TensorMap copies;
+    for (const auto& [name, tensor] : named_module_tensors(module, options_.offload_buffers, recurse)) {
+      copies[name] = tensor.detach().to(c10::kCPU);
+    }
+    options_.weights_map = std::make_shared<OffloadedWeightsLoader>(std::move(copies), std::nullopt, OffloadIndex{});
+  }
+  for (const auto& name : offloaded_names(module)) {
+    TORCH_CHECK_VALUE(options_.weights_map->contains(name), "[AlignDevicesHook] the weights map has no '", name,
+                      "' for ", module.name());
+    set_module_tensor_to_device(module, name, c10::kMeta);
+  }
+  if (!options_.offload_buffers && options_.execution_device) {
+    for (const auto& b : module.named_buffers(recurse)) {
+      set_module_tensor_to_device(module, b.key(), *options_.execution_device);
+    }
+  }
+}
+
+void AlignDevicesHook::pre_forward(torch::nn::Module& module, std::vector<at::Tensor>& inputs) {
+  if (options_.io_same_device) {
+    input_device_.reset();
+    for (const auto& t : inputs) {
+      if (t.defined()) {
+        input_device_ = t.device();
+        break;
+      }
+    }
+  }
+  if (options_.offload) {
+    const auto device = options_.execution_device.value_or(c10::Device(c10::kCPU));
+    for (const auto& name : offloaded_names(module)) {
+      set_module_tensor_to_device(module, name, device, options_.weights_map->get(name));
+    }
+  }
+  if (options_.execution_device) {
+    for (auto& t : inputs) {
+      if (t.defined() && t.device() != *options_.execution_device) t = t.to(*options_.execution_device);
+    }
+  }
+}
+
+void AlignDevicesHook::post_forward(torch::nn::Module& module, std::vector<at::Tensor>& outputs) {
+  if (options_.offload) {
+    for (const auto& name : offloaded_names(module)) set_module_tensor_to_device(module, name, c10::kMeta);
+  }
+  const bool meta_run = (options_.execution_device && options_.execution_device->is_meta()) ||
+                        (input_device_ && input_device_->is_meta());
+  if (!meta_run) {
+    for (const auto& t : outputs) {
+      TORCH_CHECK(!t.defined() || !t.is_meta(), "[AlignDevicesHook] the forward of ", module.name(),
+                  " returned a tensor on the meta device: a submodule whose weights are offloaded ran without its "
+                  "hook. Call children through accelerate::forward(child, …) or list the module's class in "
+                  "preload_module_classes");
+    }
+  }
+  if (options_.io_same_device && input_device_) {
+    for (auto& t : outputs) {
+      if (t.defined() && t.device() != *input_device_) t = t.to(*input_device_);
+    }
+  }
+}
+
+void AlignDevicesHook::detach_hook(torch::nn::Module& module) {
+  if (!options_.offload) return;
+  for (const auto& [name, device] : original_devices_) {
+    if (device.is_meta()) continue;
+    if (options_.weights_map && options_.weights_map->contains(name)) {
+      set_module_tensor_to_device(module, name, device, options_.weights_map->get(name));
+    }
+  }
+}
+
+void add_hook_to_module(torch::nn::Module& module, std::shared_ptr<ModelHook> hook, bool append) {
+  TORCH_CHECK_VALUE(hook != nullptr, "[add_hook_to_module] the hook is null");
+  if (append) {
+    if (auto old = get_hook(module)) {
+      remove_hook_from_module(module);
+      hook = std::make_shared<SequentialHook>(std::vector<std::shared_ptr<ModelHook>>{old, hook});
+    }
+  }
+  hook->init_hook(module);
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  auto owner = weak_of(module);
+  const bool shared = !owner.expired();
+  registry()[&module] = Attached{std::move(owner), shared, std::move(hook)};
+}
+
+std::shared_ptr<ModelHook> get_hook(const torch::nn::Module& module) {
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  auto& hooks = registry();
+  auto it = hooks.find(&module);
+  if (it == hooks.end()) return nullptr;
+  if (it->second.shared) {
+    auto owner = it->second.owner.lock();
+    if (owner == nullptr || owner.get() != &module) {
+      // The hooked module died and another one now lives at its address.
+      hooks.erase(it);
+      return nullptr;
+    }
+  }
+  return it->second.hook;
+}
+
+void remove_hook_from_module(torch::nn::Module& module, bool recurse) {
+  if (auto hook = get_hook(module)) {
+    hook->detach_hook(module);
+    std::lock_guard<std::mutex> lock(registry_mutex());
+    registry().erase(&module);
+  }
+  if (recurse) {
+    for (auto& child : module.children()) remove_hook_from_module(*child, true);
+  }
+}
+
+void remove_hook_from_submodules(torch::nn::Module& module) {
+  for (auto& child : module.children()) remove_hook_from_module(*child, true);
+}
+
+void attach_align_device_hook(torch::nn::Module& module, std::optional<c10::Device> execution_device, bool offload,
+                              std::shared_ptr<const WeightsMap> weights_map, bool offload_buffers,
+                              const std::string& module_name, const std::vector<std::string>& preload_module_classes) {
+  const bool preload = in_classes(module, preload_module_classes);
+  const bool direct =
+      !module.named_parameters(false).is_empty() || (offload_buffers && !module.named_buffers(false).is_empty());
+  if ((direct || preload) && has_tensors(module, preload)) {
+    AlignDevicesOptions options;
+    options.execution_device = execution_device;
+    options.offload = offload;
+    options.offload_buffers = offload_buffers;
+    options.place_submodules = preload;
+    if (weights_map) {
+      options.weights_map =
+          module_name.empty() ? weights_map : std::make_shared<PrefixedWeightsMap>(weights_map, module_name + ".");
+    }
+    add_hook_to_module(module, std::make_shared<AlignDevicesHook>(std::move(options)), /*append=*/true);
+  }
+  if (preload) return;
+  for (const auto& child : module.named_children()) {
+    attach_align_device_hook(*child.value(), execution_device, offload, weights_map, offload_buffers,
+                             join_name(module_name, child.key()), preload_module_classes);
+  }
+}
+
+void attach_execution_device_hook(torch::nn::Module& module, const c10::Device& execution_device,
+                                  const std::vector<std::string>& preload_module_classes) {
+  if (!get_hook(module) && has_tensors(module, true)) {
+    AlignDevicesOptions options;
+    options.execution_device = execution_device;
+    add_hook_to_module(module, std::make_shared<AlignDevicesHook>(std::move(options)));
+  }
+  if (in_classes(module, preload_module_classes)) return;
+  for (auto& child : module.children()) attach_execution_device_hook(*child, execution_device, preload_module_classes);
+}
+
+void attach_align_device_hook_on_blocks(torch::nn::Module& module,
+                                        const std::map<std::string, c10::Device>& execution_device,
+                                        const std::map<std::string, bool>& offload,
+                                        std::shared_ptr<const WeightsMap> weights_map, bool offload_buffers,
+                                        const std::string& module_name,
+                                        const std::vector<std::string>& preload_module_classes) {
+  const auto device = execution_device.find(module_name);
+  const auto off = offload.find(module_name);
+  if (device != execution_device.end() && off != offload.end() && !off->second) {
+    AlignDevicesOptions options;
+    options.execution_device = device->second;
+    options.offload_buffers = offload_buffers;
+    options.io_same_device = module_name.empty();
+    options.place_submodules = true;
+    add_hook_to_module(module, std::make_shared<AlignDevicesHook>(std::move(options)));
+    attach_execution_device_hook(module, device->second, preload_module_classes);
+  } else if (device != execution_device.end() && off != offload.end()) {
+    attach_align_device_hook(module, device->second, true, weights_map, offload_buffers, module_name,
+                             preload_module_classes);
+    if (!get_hook(module)) {
+      AlignDevicesOptions options;
+      options.execution_device = device->second;
+      options.io_same_device = module_name.empty();
+      add_hook_to_module(module, std::make_shared<AlignDevicesHook>(std::move(options)));
+    }
+    attach_execution_device_hook(module, device->second, preload_module_classes);
+  } else if (module_name.empty()) {
+    AlignDevicesOptions options;
+    if (auto root = execution_device.find(""); root != execution_device.end()) options.execution_device = root->second;
+    options.io_same_device = true;
+    add_hook_to_module(module, std::make_shared<AlignDevicesHook>(std::move(options)));
+  }
+  for (const auto& child : module.named_children()) {
+    attach_align_device_hook_on_blocks(*child.value(), execution_device, offload, weights_map, offload_buffers,
+                                       join_name(module_name, child.key()), preload_module_classes);
+  }
+}
+
+namespace detail {
+
+void run_pre_hook(ModelHook& hook, torch::nn::Module& module, std::vector<at::Tensor>& tensors) {
+  hook.pre_forward(module, tensors);
+}
+
+void run_post_hook(ModelHook& hook, torch::nn::Module& module, std::vector<at::Tensor>& tensors) {
+  hook.post_forward(module, tensors);
+}
+
+void rethrow_forward_error(const torch::nn::Module& module) {
+  bool meta = false;
+  for (const auto& [name, tensor] : named_module_tensors(module, true, true)) meta = meta || tensor.is_meta();
+  if (!meta) throw;
+  try {
+    throw;
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "[accelerate::forward] the forward of ", module.name(),
+                " failed while some of its weights are on the meta device: a submodule whose weights are offloaded "
+                "ran without its hook. Call children through accelerate::forward(child, …) or list the module's "
+                "class in preload_module_classes. The error was: ",
+                e.what_without_backtrace());
+  }
+}
+
+at::Tensor forward_sequential(torch::nn::SequentialImpl& sequential, at::Tensor input) {
+  auto own = get_hook(sequential);
+  std::vector<at::Tensor> io{std::move(input)};
+  if (own) own->pre_forward(sequential, io);
+  at::Tensor x = io.front();
+  for (auto& element : sequential) {
+    auto child = element.ptr();
+    if (auto nested = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(child)) {
+      x = forward_sequential(*nested, x);
+      continue;
+    }
+    auto hook = get_hook(*child);
+    if (!hook) {
+      x = element.forward(x);
+      continue;
+    }
+    std::vector<at::Tensor> inputs{x};
+    hook->pre_forward(*child, inputs);
+    std::vector<at::Tensor> outputs{element.forward(inputs.front())};
+    hook->post_forward(*child, outputs);
+    x = outputs.front();
+  }
+  if (own) {
+    std::vector<at::Tensor> out{x};
+    own->post_forward(sequential, out);
+    x = out.front();
+  }
+  return x;
+}
+
+}  // namespace detail
+
+}  // namespace accelerate

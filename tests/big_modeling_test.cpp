@@ -1,0 +1,434 @@
+// Big-model inference: sizes, device maps (upstream's oracles from test_modeling_utils), the
+// offload folder format, hooks, empty initialisation and dispatch on CPU + disk.
+#include "accelerate/big_modeling.h"
+
+#include "support/test_support.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <fstream>
+
+namespace acc = accelerate;
+namespace fs = std::filesystem;
+using acc::testing::TempDir;
+
+namespace {
+
+// Upstream's ModelForTest: 236 bytes (linear1 64, batchnorm 72, linear2 100).
+struct ModelForTestImpl : torch::nn::Module {
+  ModelForTestImpl() {
+    linear1 = register_module("linear1", torch::nn::Linear(3, 4));
+    batchnorm = register_module("batchnorm", torch::nn::BatchNorm1d(4));
+    linear2 = register_module("linear2", torch::nn::Linear(4, 5));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    x = acc::forward(linear1, x);
+    x = acc::forward(batchnorm, x);
+    return acc::forward(linear2, x);
+  }
+  torch::nn::Linear linear1{nullptr};
+  torch::nn::BatchNorm1d batchnorm{nullptr};
+  torch::nn::Linear linear2{nullptr};
+};
+TORCH_MODULE(ModelForTest);
+
+// Ties `owner`'s parameter `leaf` to `tensor` the way a LibTorch module does it: the same tensor
+// object registered under a second name.
+struct Retie : torch::nn::Module {
+  static void tie(torch::nn::Module& owner, const std::string& leaf, const torch::Tensor& tensor) {
+    static_cast<Retie&>(owner).parameters_.erase(leaf);
+    static_cast<Retie&>(owner).register_parameter(leaf, tensor);
+  }
+};
+
+acc::DeviceMap map(std::initializer_list<std::pair<const std::string, acc::MapDevice>> entries) { return entries; }
+
+std::string device_map_string(const acc::DeviceMap& m) {
+  std::string out;
+  for (const auto& [k, v] : m) out += k + ":" + v.str() + " ";
+  return out;
+}
+
+}  // namespace
+
+TEST(DeviceMap, MapDeviceParsesAndOrdersAsUpstream) {
+  EXPECT_EQ(acc::MapDevice("cuda:1"), acc::MapDevice(1));
+  EXPECT_TRUE(acc::MapDevice("cpu").is_cpu());
+  EXPECT_TRUE(acc::MapDevice(0) < acc::MapDevice(1));
+  EXPECT_TRUE(acc::MapDevice(5) < acc::MapDevice("cpu"));
+  EXPECT_TRUE(acc::MapDevice("cpu") < acc::MapDevice("disk"));
+  EXPECT_THROWS_WITH(acc::MapDevice("tpu"), "device 'tpu' is not recognized");
+  EXPECT_THROWS_WITH(acc::MapDevice("disk").device(), "\"disk\" is a storage place");
+  EXPECT_EQ(acc::MemorySize("10GiB").bytes, int64_t{10} << 30);
+  EXPECT_EQ(acc::MemorySize("200MB").bytes, 200'000'000);
+}
+
+TEST(DeviceMap, ComputeModuleSizes) {
+  ModelForTest model;
+  auto sizes = acc::compute_module_sizes(*model);
+  EXPECT_EQ(sizes.at(""), 236);
+  EXPECT_EQ(sizes.at("linear1"), 64);
+  EXPECT_EQ(sizes.at("linear1.weight"), 48);
+  EXPECT_EQ(sizes.at("batchnorm"), 72);
+  EXPECT_EQ(sizes.at("linear2"), 100);
+  // In half precision floats shrink, the int64 batch counter does not.
+  auto half = acc::compute_module_sizes(*model, torch::kHalf);
+  EXPECT_EQ(half.at("linear1"), 32);
+  EXPECT_EQ(half.at("batchnorm"), 40);
+  EXPECT_EQ(half.at(""), 122);
+  // A special dtype overrides the default for one tensor.
+  auto special = acc::compute_module_sizes(*model, torch::kHalf, {{"linear2.weight", torch::kDouble}});
+  EXPECT_EQ(special.at("linear2"), 20 * 8 + 5 * 2);
+  EXPECT_EQ(acc::compute_module_sizes(*model, std::nullopt, {}, true).at(""), 4 * 4 + 4 * 4 + 8);
+}
+
+TEST(DeviceMap, MaximumSizesAndLargestLayer) {
+  ModelForTest model;
+  auto sizes = acc::calculate_maximum_sizes(*model);
+  EXPECT_EQ(sizes.total_size, 236);
+  EXPECT_EQ(sizes.largest_layer_size, 100);
+  EXPECT_EQ(sizes.largest_layer_names, std::vector<std::string>{"linear2"});
+  torch::nn::Sequential seq{ModelForTest(), ModelForTest()};
+  auto whole = acc::calculate_maximum_sizes(*seq, {"ModelForTest"});
+  EXPECT_EQ(whole.largest_layer_size, 236);
+  EXPECT_EQ(whole.largest_layer_names, (std::vector<std::string>{"0", "1"}));
+  EXPECT_EQ(acc::module_class_name(*ModelForTest()), "ModelForTest");
+  EXPECT_EQ(acc::module_class_name(*torch::nn::Linear(1, 1)), "Linear");
+}
+
+TEST(DeviceMap, InferAutoDeviceMapUpstreamOracles) {
+  ModelForTest model;
+  // Only linear1 fits on device 0, which keeps room for the largest layer (100 bytes).
+  EXPECT_EQ(acc::infer_auto_device_map(*model, {.max_memory = acc::MaxMemory{{0, 200}, {1, 200}}}),
+            map({{"linear1", 0}, {"batchnorm", 1}, {"linear2", 1}}));
+  // Device 1 need not keep room: batchnorm + linear2 (172) fit exactly.
+  EXPECT_EQ(acc::infer_auto_device_map(*model, {.max_memory = acc::MaxMemory{{0, 200}, {1, 172}, {2, 200}}}),
+            map({{"linear1", 0}, {"batchnorm", 1}, {"linear2", 1}}));
+  // With linear1's weight tied to linear2's, the model is smaller and fits on device 0.
+  Retie::tie(*model->linear1, "weight", model->linear2->weight);
+  EXPECT_EQ(acc::infer_auto_device_map(*model, {.max_memory = acc::MaxMemory{{0, 200}, {1, 200}}}), map({{"", 0}}));
+
+  // A bigger model is split at the layer level…
+  torch::nn::Sequential seq{ModelForTest(), ModelForTest(), ModelForTest()};
+  EXPECT_EQ(acc::infer_auto_device_map(*seq, {.max_memory = acc::MaxMemory{{0, 500}, {1, 500}}}),
+            map({{"0", 0}, {"1.linear1", 0}, {"1.batchnorm", 0}, {"1.linear2", 1}, {"2", 1}}));
+  // …or at the level of the classes that must not be split.
+  EXPECT_EQ(acc::infer_auto_device_map(
+                *seq, {.max_memory = acc::MaxMemory{{0, 500}, {1, 500}}, .no_split_module_classes = {"ModelForTest"}}),
+            map({{"0", 0}, {"1", 1}, {"2", 1}}));
+  // Without cleaning, every placed entry is listed.
+  auto raw =
+      acc::infer_auto_device_map(*seq, {.max_memory = acc::MaxMemory{{0, 500}, {1, 500}}, .clean_result = false});
+  EXPECT_EQ(raw.at("1.linear2"), acc::MapDevice(1));
+  EXPECT_EQ(raw.count("2"), 1u);
+  // CPU then disk when GPUs are missing: the CPU keeps room for the largest layer.
+  EXPECT_EQ(acc::infer_auto_device_map(*ModelForTest(), {.max_memory = acc::MaxMemory{{"cpu", 180}}}),
+            map({{"linear1", "cpu"}, {"batchnorm", "disk"}, {"linear2", "disk"}}));
+}
+
+TEST(DeviceMap, TiedWeightsStayTogether) {
+  torch::nn::Sequential seq;
+  ModelForTest l1, l2, l3;
+  seq->push_back("layer1", l1);
+  seq->push_back("layer2", l2);
+  seq->push_back("layer3", l3);
+  Retie::tie(*l3->linear2, "weight", l1->linear2->weight);
+  EXPECT_EQ(acc::find_tied_parameters(*seq),
+            (std::vector<std::vector<std::string>>{{"layer1.linear2.weight", "layer3.linear2.weight"}}));
+  EXPECT_EQ(acc::infer_auto_device_map(*seq, {.max_memory = acc::MaxMemory{{0, 400}, {1, 500}}}),
+            map({{"layer1", 0}, {"layer3.linear2", 0}, {"layer2", 1}, {"layer3.linear1", 1}, {"layer3.batchnorm", 1}}))
+      << device_map_string(acc::infer_auto_device_map(*seq, {.max_memory = acc::MaxMemory{{0, 400}, {1, 500}}}));
+  // Three weights tied together.
+  Retie::tie(*l2->linear2, "weight", l1->linear2->weight);
+  EXPECT_EQ(acc::infer_auto_device_map(*seq, {.max_memory = acc::MaxMemory{{0, 400}, {1, 500}}}),
+            map({{"layer1", 0},
+                 {"layer2.linear2", 0},
+                 {"layer3.linear2", 0},
+                 {"layer2.linear1", 1},
+                 {"layer2.batchnorm", 1},
+                 {"layer3.linear1", 1},
+                 {"layer3.batchnorm", 1}}));
+}
+
+TEST(DeviceMap, BalancedMemoryUpstreamOracles) {
+  ModelForTest model;
+  auto balanced = [&](acc::MaxMemory m, bool low_zero = false) {
+    std::map<std::string, int64_t> out;
+    for (const auto& [d, s] : acc::get_balanced_memory(*model, {.max_memory = m, .low_zero = low_zero})) {
+      out[d.str()] = s.bytes;
+    }
+    return out;
+  };
+  using M = std::map<std::string, int64_t>;
+  EXPECT_EQ(balanced({{0, 200}, {1, 200}}), (M{{"0", 200}, {"1", 200}}));
+  EXPECT_EQ(balanced({{0, 200}, {2, 200}}), (M{{"0", 200}, {"2", 200}}));
+  EXPECT_EQ(balanced({{0, 300}, {1, 300}}), (M{{"0", 215}, {"1", 300}}));
+  EXPECT_EQ(balanced({{0, 300}, {1, 500}}), (M{{"0", 215}, {"1", 500}}));
+  EXPECT_EQ(balanced({{0, 300}, {"cpu", 1000}}), (M{{"0", 300}, {"cpu", 1000}}));
+  EXPECT_EQ(balanced({{0, 0}, {1, 300}, {2, 300}}), (M{{"0", 0}, {"1", 215}, {"2", 300}}));
+  EXPECT_EQ(balanced({{0, 0}, {"cpu", 100}}), (M{{"0", 0}, {"cpu", 100}}));
+  // low_zero: GPU 0 keeps only what the others cannot hold.
+  EXPECT_EQ(balanced({{0, 300}, {1, 100}}, true), (M{{"0", 136}, {"1", 100}}));
+}
+
+TEST(DeviceMap, CleanDeviceMapUpstreamOracles) {
+  auto a = map({{"a", 0}, {"b", 0}, {"c", 0}});
+  EXPECT_EQ(acc::clean_device_map(a), map({{"", 0}}));
+  auto b = map({{"a.x", 0}, {"a.y", 0}, {"b.x", 1}, {"b.y", 1}, {"c", 1}});
+  EXPECT_EQ(acc::clean_device_map(b), map({{"a", 0}, {"b", 1}, {"c", 1}}));
+  auto c = map({{"a.x", 0}, {"a.y", 0}, {"b.x.0", 1}, {"b.x.1", 1}, {"b.y.0", 2}, {"b.y.1", 2}, {"c", 2}});
+  EXPECT_EQ(acc::clean_device_map(c), map({{"a", 0}, {"b.x", 1}, {"b.y", 2}, {"c", 2}}));
+}
+
+TEST(DeviceMap, CheckDeviceMapNamesWhatIsMissing) {
+  ModelForTest model;
+  acc::check_device_map(*model, map({{"", 0}}));
+  acc::check_device_map(*model, map({{"linear1", 0}, {"batchnorm", 1}, {"linear2", "cpu"}}));
+  EXPECT_THROWS_WITH(acc::check_device_map(*model, map({{"linear1", 0}, {"batchnorm", 1}})),
+                     "does not give any device for the following parameters: linear2.weight, linear2.bias");
+  EXPECT_THROWS_WITH(acc::check_device_map(*model, map({{"linear1", 0}, {"linear2", 1}})), "batchnorm.running_mean");
+}
+
+TEST(DeviceMap, SetModuleTensorToDevice) {
+  torch::nn::Linear lin(3, 4);
+  auto handle = lin->weight;  // another handle to the same parameter
+  acc::set_module_tensor_to_device(*lin, "weight", torch::kMeta);
+  EXPECT_TRUE(handle.is_meta());
+  EXPECT_TRUE(lin->weight.is_meta());
+  EXPECT_TRUE(lin->weight.requires_grad());
+  EXPECT_THROWS_WITH(acc::set_module_tensor_to_device(*lin, "weight", torch::kCPU),
+                     "weight is on the meta device, we need a `value`");
+  EXPECT_THROWS_WITH(acc::set_module_tensor_to_device(*lin, "weight", torch::kCPU, torch::ones({4, 4})),
+                     "Trying to set a tensor of shape [4, 4] in \"weight\" (which has shape [4, 3])");
+  acc::set_module_tensor_to_device(*lin, "weight", torch::kCPU, torch::ones({4, 3}, torch::kDouble));
+  EXPECT_EQ(handle.scalar_type(), torch::kFloat);  // keeps the tensor's dtype
+  EXPECT_TRUE(torch::equal(lin->forward(torch::ones({1, 3})) - lin->bias, torch::full({1, 4}, 3.0)));
+  acc::set_module_tensor_to_device(*lin, "weight", torch::kCPU, torch::ones({4, 3}), torch::kBFloat16);
+  EXPECT_EQ(lin->weight.scalar_type(), torch::kBFloat16);
+  EXPECT_THROWS_WITH(acc::set_module_tensor_to_device(*lin, "nothing", torch::kCPU),
+                     "no parameter or buffer 'nothing'");
+  torch::nn::Sequential seq(torch::nn::Linear(2, 2));
+  EXPECT_THROWS_WITH(acc::set_module_tensor_to_device(*seq, "5.weight", torch::kCPU), "no submodule '5'");
+}
+
+TEST(BigModeling, InitEmptyWeightsAllocatesNothing) {
+  // 4 GB of parameters would not go unnoticed.
+  auto model = acc::init_empty_weights(
+      [] { return torch::nn::Sequential(torch::nn::Linear(100000, 10000), torch::nn::BatchNorm1d(10000)); });
+  for (const auto& [name, t] : acc::named_module_tensors(*model, true, true)) EXPECT_TRUE(t.is_meta()) << name;
+  EXPECT_EQ(acc::compute_module_sizes(*model).at(""), (100000LL * 10000 + 10000) * 4 + 4 * 10000 * 4 + 8);
+  // The thread computes normally afterwards.
+  EXPECT_EQ(torch::ones({2}).sum().item<float>(), 2.0f);
+  EXPECT_FALSE(torch::zeros({3}).is_meta());
+  // A failing factory leaves the thread normal too.
+  EXPECT_THROW(acc::init_empty_weights([]() -> torch::nn::Linear { throw std::runtime_error("boom"); }),
+               std::runtime_error);
+  EXPECT_EQ(torch::ones({2}).sum().item<float>(), 2.0f);
+  auto on_cpu = acc::init_on_device(torch::kCPU, [] { return torch::nn::Linear(2, 2); });
+  EXPECT_FALSE(on_cpu->weight.is_meta());
+}
+
+TEST(Offload, RoundTripsEveryDtypeWithUpstreamIndex) {
+  TempDir dir;
+  acc::TensorMap tensors{{"a.f32", torch::randn({3, 4})},
+                         {"b.f16", torch::randn({5}).to(torch::kHalf)},
+                         {"c.bf16", torch::randn({2, 2}).to(torch::kBFloat16)},
+                         {"d.i64", torch::arange(6).reshape({2, 3})},
+                         {"e.scalar", torch::tensor(3.5)}};
+  acc::offload_state_dict(dir.str(), tensors);
+  nlohmann::json index;
+  std::ifstream(dir.path() / "index.json") >> index;
+  EXPECT_EQ(index["a.f32"], (nlohmann::json{{"dtype", "float32"}, {"shape", {3, 4}}}));
+  EXPECT_EQ(index["b.f16"]["dtype"], "float16");
+  EXPECT_EQ(index["c.bf16"]["dtype"], "bfloat16");
+  EXPECT_EQ(index["d.i64"]["dtype"], "int64");
+  EXPECT_EQ(index["e.scalar"]["shape"], nlohmann::json::array());
+  EXPECT_EQ(fs::file_size(dir.path() / "a.f32.dat"), 48u);
+  EXPECT_EQ(fs::file_size(dir.path() / "e.scalar.dat"), 4u);
+  auto loaded = acc::load_offload_index(dir.str());
+  for (const auto& [name, t] : tensors) {
+    auto back = acc::load_offloaded_weight((dir.path() / (name + ".dat")).string(), loaded.at(name));
+    EXPECT_EQ(back.scalar_type(), t.scalar_type()) << name;
+    EXPECT_TRUE(torch::equal(back, t)) << name;
+  }
+  // Writing into a loaded weight never changes the file.
+  auto w = acc::load_offloaded_weight((dir.path() / "a.f32.dat").string(), loaded.at("a.f32"));
+  w.fill_(7);
+  EXPECT_TRUE(torch::equal(acc::OffloadedWeightsLoader({}, dir.str()).get("a.f32"), tensors.at("a.f32")));
+  // A second offload merges into the index.
+  acc::offload_state_dict(dir.str(), {{"f.more", torch::ones({1})}});
+  EXPECT_EQ(acc::load_offload_index(dir.str()).size(), 6u);
+}
+
+TEST(Offload, DamagedFolderIsReportedByName) {
+  TempDir dir;
+  acc::offload_state_dict(dir.str(), {{"w", torch::ones({4, 4})}});
+  fs::resize_file(dir.path() / "w.dat", 10);
+  EXPECT_THROWS_WITH(acc::OffloadedWeightsLoader({}, dir.str()).get("w"), "w.dat holds 10 bytes but its index entry");
+  std::ofstream(dir.path() / "index.json") << "{\"w\": {\"dtype\": \"float32\"}}";
+  EXPECT_THROWS_WITH(acc::load_offload_index(dir.str()), "needs \"dtype\" and \"shape\"");
+  std::ofstream(dir.path() / "index.json") << "{\"../x\": {\"dtype\": \"float32\", \"shape\": [1]}}";
+  EXPECT_THROWS_WITH(acc::load_offload_index(dir.str()), "'../x' is not a valid weight name");
+  std::ofstream(dir.path() / "index.json") << "not json";
+  EXPECT_THROWS_WITH(acc::load_offload_index(dir.str()), "is not valid JSON");
+  EXPECT_THROWS_WITH(acc::OffloadedWeightsLoader({}, dir.str() + "/missing"), "index.json does not exist");
+  EXPECT_THROWS_WITH(acc::OffloadedWeightsLoader({}), "Need either a `state_dict`");
+  EXPECT_THROWS_WITH(acc::OffloadedWeightsLoader({{"a", torch::ones(1)}}).get("b"), "no offloaded weight named 'b'");
+}
+
+namespace {
+
+torch::nn::Sequential make_mlp() {
+  torch::manual_seed(0);
+  return torch::nn::Sequential(torch::nn::Linear(8, 16), torch::nn::ReLU(), torch::nn::Linear(16, 16),
+                               torch::nn::BatchNorm1d(16), torch::nn::Linear(16, 4));
+}
+
+}  // namespace
+
+TEST(Hooks, CpuAndDiskOffloadGiveThePlainOutputs) {
+  auto plain = make_mlp();
+  plain->eval();
+  auto x = torch::randn({5, 8});
+  auto expected = plain->forward(x);
+
+  auto cpu = make_mlp();
+  cpu->eval();
+  acc::cpu_offload(*cpu);
+  EXPECT_TRUE(cpu[0]->as<torch::nn::Linear>()->weight.is_meta());
+  EXPECT_TRUE(torch::allclose(acc::forward(cpu, x), expected));
+  EXPECT_TRUE(cpu[2]->as<torch::nn::Linear>()->weight.is_meta());  // released after the call
+
+  TempDir dir;
+  auto disk = make_mlp();
+  disk->eval();
+  acc::disk_offload(*disk, dir.str());
+  EXPECT_TRUE(fs::exists(dir.path() / "index.json"));
+  EXPECT_TRUE(fs::exists(dir.path() / "2.weight.dat"));
+  EXPECT_TRUE(torch::allclose(acc::forward(disk, x), expected));
+  EXPECT_TRUE(disk[4]->as<torch::nn::Linear>()->weight.is_meta());
+  // Removing the hooks puts the weights back.
+  acc::remove_hook_from_module(*disk, true);
+  EXPECT_FALSE(disk[4]->as<torch::nn::Linear>()->weight.is_meta());
+  EXPECT_TRUE(torch::allclose(disk->forward(x), expected));
+  EXPECT_EQ(acc::get_hook(*disk[0]), nullptr);
+}
+
+TEST(Hooks, CustomModulesReachChildHooksThroughForward) {
+  torch::manual_seed(1);
+  ModelForTest plain;
+  plain->eval();
+  auto x = torch::randn({3, 3});
+  auto expected = plain->forward(x);
+  TempDir dir;
+  acc::disk_offload(*plain, dir.str());
+  EXPECT_TRUE(torch::allclose(acc::forward(plain, x), expected));
+  // A child called directly computes on the meta device; the outer hook says so.
+  struct DirectImpl : torch::nn::Module {
+    DirectImpl() { lin = register_module("lin", torch::nn::Linear(2, 2)); }
+    torch::Tensor forward(torch::Tensor x) { return lin(x); }
+    torch::nn::Linear lin{nullptr};
+  };
+  auto direct = std::make_shared<DirectImpl>();
+  acc::cpu_offload(*direct);
+  EXPECT_THROWS_WITH(acc::forward(direct, torch::ones({1, 2})), "ran without its hook");
+  // Listing its class preloads its whole subtree instead.
+  auto preloaded = std::make_shared<DirectImpl>();
+  auto reference = preloaded->forward(torch::ones({1, 2}));
+  acc::cpu_offload(*preloaded, std::nullopt, false, std::nullopt, {"Direct"});
+  EXPECT_TRUE(torch::allclose(acc::forward(preloaded, torch::ones({1, 2})), reference));
+}
+
+TEST(Hooks, SequentialHookRunsInOrderAndRemoveDetaches) {
+  struct Recorder : acc::ModelHook {
+    Recorder(std::vector<std::string>& log, std::string name) : log(log), name(std::move(name)) {}
+    void init_hook(torch::nn::Module&) override { log.push_back(name + ".init"); }
+    void pre_forward(torch::nn::Module&, std::vector<at::Tensor>& in) override {
+      log.push_back(name + ".pre");
+      in[0] = in[0] * 2;
+    }
+    void post_forward(torch::nn::Module&, std::vector<at::Tensor>& out) override {
+      log.push_back(name + ".post");
+      out[0] = out[0] + 1;
+    }
+    void detach_hook(torch::nn::Module&) override { log.push_back(name + ".detach"); }
+    std::vector<std::string>& log;
+    std::string name;
+  };
+  std::vector<std::string> log;
+  torch::nn::Identity id;
+  acc::add_hook_to_module(*id, std::make_shared<Recorder>(log, "a"));
+  acc::add_hook_to_module(*id, std::make_shared<Recorder>(log, "b"), /*append=*/true);
+  auto y = acc::forward(id, torch::ones({1}));
+  EXPECT_EQ(y.item<float>(), 4 + 1 + 1);  // doubled twice, then plus one twice
+  acc::remove_hook_from_module(*id);
+  // Appending re-runs the first hook's init inside the new sequence, as upstream.
+  EXPECT_EQ(log, (std::vector<std::string>{"a.init", "a.detach", "a.init", "b.init", "a.pre", "b.pre", "a.post",
+                                           "b.post", "a.detach", "b.detach"}));
+  EXPECT_EQ(acc::forward(id, torch::ones({1})).item<float>(), 1.0f);
+  EXPECT_THROWS_WITH(acc::add_hook_to_module(*id, nullptr), "the hook is null");
+}
+
+TEST(BigModeling, LoadCheckpointAndDispatchOnCpuAndDisk) {
+  auto plain = make_mlp();
+  plain->eval();
+  auto x = torch::randn({4, 8});
+  auto expected = plain->forward(x);
+  TempDir ckpt, offload;
+  acc::save_state_dict_sharded(acc::get_state_dict(*plain), ckpt.str(), "700");
+
+  auto model = acc::init_empty_weights(make_mlp);
+  model->eval();
+  // 8x16+16 = 576 bytes, 16x16+16 = 1088, batchnorm 264, 16x4+4 = 272: the CPU (with room kept
+  // for the largest layer) takes the first Linear only.
+  acc::load_checkpoint_and_dispatch(*model, ckpt.str(),
+                                    {.device_map = std::string("auto"),
+                                     .max_memory = acc::MaxMemory{{"cpu", 1700}},
+                                     .offload_folder = offload.str()});
+  EXPECT_FALSE(model[0]->as<torch::nn::Linear>()->weight.is_meta());
+  EXPECT_TRUE(model[2]->as<torch::nn::Linear>()->weight.is_meta());
+  auto index = acc::load_offload_index(offload.str());
+  EXPECT_EQ(index.count("2.weight"), 1u);
+  EXPECT_FALSE(index.at("2.weight").safetensors_file.empty());  // points into the checkpoint
+  EXPECT_EQ(index.count("0.weight"), 0u);
+  EXPECT_TRUE(torch::allclose(acc::forward(model, x), expected, 1e-5, 1e-6));
+
+  // An explicit map in bf16.
+  auto half = acc::init_empty_weights(make_mlp);
+  half->eval();
+  TempDir offload2;
+  acc::load_checkpoint_and_dispatch(
+      *half, ckpt.str(),
+      {.device_map = map({{"0", "cpu"}, {"1", "cpu"}, {"2", "disk"}, {"3", "cpu"}, {"4", "disk"}}),
+       .offload_folder = offload2.str(),
+       .dtype = torch::kBFloat16});
+  EXPECT_EQ(half[0]->as<torch::nn::Linear>()->weight.scalar_type(), torch::kBFloat16);
+  EXPECT_EQ(acc::load_offload_index(offload2.str()).at("4.weight").dtype, "bfloat16");
+  auto out = acc::forward(half, x.to(torch::kBFloat16));
+  EXPECT_TRUE(torch::allclose(out.to(torch::kFloat), expected, 0.05, 0.05));
+
+  auto bad = acc::init_empty_weights(make_mlp);
+  EXPECT_THROWS_WITH(acc::load_checkpoint_and_dispatch(*bad, ckpt.str(), {.device_map = std::string("fastest")}),
+                     "please choose 'auto', 'balanced', 'balanced_low_0' or 'sequential'");
+  EXPECT_THROWS_WITH(acc::load_checkpoint_and_dispatch(*bad, ckpt.str(), {.device_map = map({{"", "disk"}})}),
+                     "please pass along an `offload_folder`");
+  auto plain2 = make_mlp();
+  EXPECT_THROWS_WITH(
+      acc::dispatch_model(*plain2, map({{"0", "cpu"}, {"1", "cpu"}, {"2", "disk"}, {"3", "cpu"}, {"4", "cpu"}})),
+      "We need an `offload_dir` to dispatch this model according to this `device_map`, the following "
+      "submodules need to be offloaded: 2.");
+}
+
+TEST(BigModeling, LoadStateDictWithDeviceMap) {
+  TempDir dir;
+  auto model = make_mlp();
+  acc::save_state_dict_sharded(acc::get_state_dict(*model), dir.str());
+  auto loaded = acc::load_state_dict((dir.path() / "model.safetensors").string(), map({{"0", "cpu"}, {"2", "disk"}}));
+  EXPECT_EQ(loaded.size(), 11u);
+  EXPECT_TRUE(torch::equal(loaded.at("2.weight"), model[2]->as<torch::nn::Linear>()->weight));
+  EXPECT_EQ(loaded.at("2.weight").device(), torch::Device(torch::kCPU));
+}
