@@ -128,7 +128,8 @@ void AlignDevicesHook::pre_forward(torch::nn::Module& module, std::vector<at::Te
   if (options_.offload) {
     const auto device = options_.execution_device.value_or(c10::Device(c10::kCPU));
     for (const auto& name : offloaded_names(module)) {
-      set_module_tensor_to_device(module, name, device, options_.weights_map->get(name));
+      // A copy: the module must not keep depending on an offload file once the hook is gone.
+      set_module_tensor_to_device(module, name, device, options_.weights_map->get(name).clone());
     }
   }
   if (options_.execution_device) {
@@ -164,7 +165,8 @@ void AlignDevicesHook::detach_hook(torch::nn::Module& module) {
   for (const auto& [name, device] : original_devices_) {
     if (device.is_meta()) continue;
     if (options_.weights_map && options_.weights_map->contains(name)) {
-      set_module_tensor_to_device(module, name, device, options_.weights_map->get(name));
+      // A copy: the module must not keep depending on an offload file once the hook is gone.
+      set_module_tensor_to_device(module, name, device, options_.weights_map->get(name).clone());
     }
   }
 }
@@ -320,11 +322,8 @@ at::Tensor forward_sequential(torch::nn::SequentialImpl& sequential, at::Tensor 
   if (own) own->pre_forward(sequential, io);
   at::Tensor x = io.front();
   for (auto& element : sequential) {
+    // (LibTorch's AnyModule cannot hold a Sequential, so elements are never Sequentials.)
     auto child = element.ptr();
-    if (auto nested = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(child)) {
-      x = forward_sequential(*nested, x);
-      continue;
-    }
     auto hook = get_hook(*child);
     if (!hook) {
       x = element.forward(x);

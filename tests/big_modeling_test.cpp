@@ -130,6 +130,56 @@ TEST(DeviceMap, InferAutoDeviceMapUpstreamOracles) {
             map({{"linear1", "cpu"}, {"batchnorm", "disk"}, {"linear2", "disk"}}));
 }
 
+// Collects the TORCH_WARN messages raised while alive.
+struct WarningCapture : c10::WarningHandler {
+  WarningCapture() : guard(this) {}
+  void process(const c10::SourceLocation&, const std::string& msg, const bool) override { messages.push_back(msg); }
+  bool saw(const std::string& text) const {
+    return std::any_of(messages.begin(), messages.end(),
+                       [&](const std::string& m) { return m.find(text) != std::string::npos; });
+  }
+  std::vector<std::string> messages;
+  c10::Warning::WarningHandlerGuard guard;
+};
+
+TEST(DeviceMap, FallbackAllocationFindsASmallerModule) {
+  torch::nn::Sequential inner;
+  inner->push_back("linear1", torch::nn::Linear(10, 4));
+  inner->push_back("linear2", torch::nn::Linear(4, 4));
+  inner->push_back("linear3", torch::nn::Linear(4, 8));
+  auto model = std::make_shared<torch::nn::Module>();
+  model->register_module("module", inner);
+  auto without = acc::infer_auto_device_map(*model, {.max_memory = acc::MaxMemory{{0, 256}}});
+  for (const auto& [name, device] : without) EXPECT_NE(device, acc::MapDevice(0)) << name;
+  EXPECT_EQ(acc::infer_auto_device_map(*model, {.max_memory = acc::MaxMemory{{0, 256}}, .fallback_allocation = true}),
+            map({{"module.linear1", "disk"}, {"module.linear2", 0}, {"module.linear3", "disk"}}));
+}
+
+TEST(DeviceMap, BuffersOfOffloadedLayersThatFitNoGpuAreWarnedAbout) {
+  ModelForTest model;
+  model->linear1->register_buffer("test_buffer1", torch::zeros({10, 2}));
+  model->batchnorm->register_buffer("test_buffer2", torch::zeros({10, 3}));
+  model->linear2->register_buffer("test_buffer3", torch::zeros({10, 3}));
+  {
+    WarningCapture warnings;
+    EXPECT_EQ(acc::infer_auto_device_map(*model, {.max_memory = acc::MaxMemory{{0, 400}, {"cpu", "1GB"}}}),
+              map({{"linear1", 0}, {"batchnorm", "cpu"}, {"linear2", "cpu"}}));
+    EXPECT_TRUE(warnings.saw("bytes of buffer for offloaded layers"));
+  }
+  WarningCapture warnings;
+  EXPECT_EQ(acc::infer_auto_device_map(
+                *model, {.max_memory = acc::MaxMemory{{0, 400}, {"cpu", "1GB"}}, .offload_buffers = true}),
+            map({{"linear1", 0}, {"batchnorm", "cpu"}, {"linear2", "cpu"}}));
+  EXPECT_FALSE(warnings.saw("bytes of buffer for offloaded layers"));
+}
+
+TEST(DeviceMap, MaxMemoryDefaultsToTheAvailableRam) {
+  auto memory = acc::get_max_memory();
+  ASSERT_EQ(memory.size(), 1u);
+  EXPECT_GT(memory.at("cpu").bytes, int64_t{1} << 20);
+  EXPECT_THROWS_WITH(acc::get_max_memory(acc::MaxMemory{{"cpu", -1}}), "the budget of cpu is negative");
+}
+
 TEST(DeviceMap, TiedWeightsStayTogether) {
   torch::nn::Sequential seq;
   ModelForTest l1, l2, l3;

@@ -3,10 +3,12 @@
 #pragma once
 
 #include "accelerate/accelerator.h"
+#include "accelerate/big_modeling.h"
 #include "accelerate/checkpointing.h"
 #include "accelerate/data_loader.h"
 #include "accelerate/distributed.h"
 #include "accelerate/grad_scaler.h"
+#include "accelerate/hooks.h"
 #include "accelerate/local_sgd.h"
 #include "accelerate/logging.h"
 #include "accelerate/lr_scheduler.h"
@@ -17,8 +19,10 @@
 #include "accelerate/tracking.h"
 #include "accelerate/utils/autocast.h"
 #include "accelerate/utils/dataclasses.h"
+#include "accelerate/utils/device_map.h"
 #include "accelerate/utils/environment.h"
 #include "accelerate/utils/modeling.h"
+#include "accelerate/utils/offload.h"
 #include "accelerate/utils/operations.h"
 #include "accelerate/utils/profiler.h"
 #include "accelerate/utils/random.h"

@@ -8,8 +8,8 @@
 //   - `accelerate::forward(module, args...)` runs the hook of `module` (if any) around
 //     `module->forward(args...)`. A module's own forward reaches its children's hooks by calling
 //     them the same way: `x = accelerate::forward(blocks[i], x);` instead of `blocks[i](x)`.
-//   - `torch::nn::Sequential` is walked by `accelerate::forward` itself: each element's hook runs
-//     (nested Sequentials too), so models built from standard containers and LibTorch layers
+//   - `torch::nn::Sequential` is walked by `accelerate::forward` itself: each element's hook runs,
+//     so models built from standard containers and LibTorch layers
 //     need no change.
 // What is not: a child called directly (`child(x)`, `child->forward(x)`) or whose weights are
 // used in a functional call (`F::linear(x, child->weight)`) bypasses the child's hook. If that

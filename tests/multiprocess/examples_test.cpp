@@ -161,5 +161,18 @@ TEST(ByFeatureExamples, MemoryFindsTheLargestBatchThatFits) {
   EXPECT_THAT(r->out, HasSubstr("batch size 92 fits"));
 }
 
+TEST(ByFeatureExamples, BigModelInferenceOffloadsToDiskAndMatchesTheInMemoryModel) {
+  TempDir dir;
+  auto r = run({built("examples/by_feature/big_model_inference"), "--work_dir", dir.str(), "--max_cpu_memory", "6MB"},
+               120);
+  ASSERT_EQ(r->exit_code(), 0) << r->out << r->err;
+  // 6 MB keep room for one 2.1 MB block: the embedding and the first block stay in memory.
+  EXPECT_THAT(r->out, HasSubstr("device_map blocks.0: cpu"));
+  EXPECT_THAT(r->out, HasSubstr("device_map blocks.1: disk"));
+  EXPECT_THAT(r->out, HasSubstr("device_map head: disk"));
+  EXPECT_THAT(r->out, HasSubstr("matches: yes"));
+  EXPECT_TRUE(std::filesystem::exists(dir.path() / "offload" / "index.json"));
+}
+
 }  // namespace
 }  // namespace accelerate::testing

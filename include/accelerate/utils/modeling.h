@@ -9,6 +9,7 @@
 //   auto result = accelerate::load_checkpoint_in_model(*net, "out", {.strict = true});
 #pragma once
 
+#include "accelerate/utils/device_map.h"  // the device-map half of upstream's modeling module
 #include "accelerate/utils/safetensors.h"
 
 #include <ATen/core/Tensor.h>
