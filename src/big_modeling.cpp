@@ -1,6 +1,7 @@
 #include "accelerate/big_modeling.h"
 
 #include "detail/checkpoint_index.h"
+#include "detail/offload_dtypes.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
@@ -73,16 +74,6 @@ std::optional<c10::Device> first_parameter_device(const torch::nn::Module& model
     if (p.value().defined() && !p.value().is_meta()) return p.value().device();
   }
   return std::nullopt;
-}
-
-std::string numpy_dtype_name(c10::ScalarType type) {
-  switch (type) {
-    case c10::kFloat: return "float32";
-    case c10::kDouble: return "float64";
-    case c10::kHalf: return "float16";
-    case c10::kBFloat16: return "bfloat16";
-    default: TORCH_CHECK_VALUE(false, "[load_checkpoint_in_model] dtype ", type, " is not a floating-point dtype");
-  }
 }
 
 }  // namespace
@@ -269,7 +260,7 @@ OffloadIndex load_checkpoint_in_model(torch::nn::Module& model, const std::strin
         entry.safetensors_file = fs::absolute(file.path()).string();
         entry.weight_name = key;
         if (options.dtype && c10::isFloatingType(stored) && stored != *options.dtype) {
-          entry.dtype = numpy_dtype_name(*options.dtype);
+          entry.dtype = detail::numpy_dtype_name(*options.dtype);
         }
         entry.shape = file.entry(key).shape;
         index[key] = entry;

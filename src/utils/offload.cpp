@@ -2,6 +2,7 @@
 
 #include "accelerate/utils/device_map.h"
 #include "detail/files.h"
+#include "detail/offload_dtypes.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -41,20 +42,6 @@ constexpr DtypeName kDtypes[] = {
     {c10::kComplexFloat, "complex64"},
     {c10::kComplexDouble, "complex128"},
 };
-
-std::string numpy_name(c10::ScalarType type) {
-  for (const auto& d : kDtypes) {
-    if (d.type == type) return d.name;
-  }
-  TORCH_CHECK_VALUE(false, "[offload] dtype ", type, " cannot be offloaded");
-}
-
-c10::ScalarType numpy_type(const std::string& name, const std::string& where) {
-  for (const auto& d : kDtypes) {
-    if (name == d.name) return d.type;
-  }
-  TORCH_CHECK_VALUE(false, "[offload] ", where, ": unknown dtype '", name, "'");
-}
 
 void check_weight_name(const std::string& name, const std::string& where) {
   TORCH_CHECK_VALUE(!name.empty() && name.find('/') == std::string::npos && name != "." && name != "..", "[offload] ",
@@ -100,7 +87,7 @@ OffloadIndex parse_index(const std::string& text, const std::string& path) {
     if (entry.safetensors_file.empty()) {
       TORCH_CHECK_VALUE(!entry.dtype.empty() && value.contains("shape"), "[offload] ", path, ": the entry of '", name,
                         "' needs \"dtype\" and \"shape\"");
-      numpy_type(entry.dtype, path);
+      detail::numpy_dtype(entry.dtype, path);
       for (auto d : entry.shape) TORCH_CHECK_VALUE(d >= 0, "[offload] ", path, ": negative size in '", name, "'");
     }
     index.emplace(name, std::move(entry));
@@ -110,12 +97,30 @@ OffloadIndex parse_index(const std::string& text, const std::string& path) {
 
 }  // namespace
 
+namespace detail {
+
+std::string numpy_dtype_name(c10::ScalarType type) {
+  for (const auto& d : kDtypes) {
+    if (d.type == type) return d.name;
+  }
+  TORCH_CHECK_VALUE(false, "[offload] dtype ", type, " cannot be offloaded");
+}
+
+c10::ScalarType numpy_dtype(const std::string& name, const std::string& where) {
+  for (const auto& d : kDtypes) {
+    if (name == d.name) return d.type;
+  }
+  TORCH_CHECK_VALUE(false, "[offload] ", where, ": unknown dtype '", name, "'");
+}
+
+}  // namespace detail
+
 void offload_weight(const at::Tensor& weight, const std::string& weight_name, const std::string& offload_folder,
                     OffloadIndex* index) {
   check_weight_name(weight_name, offload_folder);
   TORCH_CHECK_VALUE(!weight.is_meta(), "[offload_weight] ", weight_name, " is on the meta device and has no data");
   const auto data = weight.detach().to(c10::kCPU).contiguous();
-  const std::string dtype = numpy_name(data.scalar_type());
+  const std::string dtype = detail::numpy_dtype_name(data.scalar_type());
   const auto path = (fs::path(offload_folder) / (weight_name + ".dat")).string();
   detail::write_file_atomically(
       path, [&](int fd) { detail::write_all(fd, static_cast<const char*>(data.data_ptr()), data.nbytes(), path); },
@@ -124,7 +129,7 @@ void offload_weight(const at::Tensor& weight, const std::string& weight_name, co
 }
 
 at::Tensor load_offloaded_weight(const std::string& weight_file, const OffloadIndexEntry& entry) {
-  const auto dtype = numpy_type(entry.dtype, weight_file);
+  const auto dtype = detail::numpy_dtype(entry.dtype, weight_file);
   int64_t numel = 1;
   for (auto d : entry.shape) numel *= d;
   const auto expected = static_cast<off_t>(numel * static_cast<int64_t>(c10::elementSize(dtype)));
@@ -205,7 +210,7 @@ at::Tensor OffloadedWeightsLoader::get(const std::string& key) const {
   if (!entry.safetensors_file.empty()) {
     SafetensorsFile file(entry.safetensors_file);
     tensor = file.get_tensor(entry.weight_name.empty() ? key : entry.weight_name);
-    if (!entry.dtype.empty()) tensor = tensor.to(numpy_type(entry.dtype, entry.safetensors_file));
+    if (!entry.dtype.empty()) tensor = tensor.to(detail::numpy_dtype(entry.dtype, entry.safetensors_file));
   } else {
     TORCH_CHECK_VALUE(!save_folder_.empty(), "[offload] '", key,
                       "' has no safetensors file and no folder to read from");

@@ -1,0 +1,16 @@
+// The dtype names of offload `index.json` files (NumPy's: "float32", "bfloat16", …), shared by the
+// offload folder code and checkpoint loading into a device map.
+#pragma once
+
+#include <c10/core/ScalarType.h>
+
+#include <string>
+
+namespace accelerate::detail {
+
+/// NumPy's name of `type`; a ValueError for dtypes an offload folder cannot hold.
+std::string numpy_dtype_name(c10::ScalarType type);
+/// The dtype NumPy calls `name`; a ValueError naming `where` for an unknown name.
+c10::ScalarType numpy_dtype(const std::string& name, const std::string& where);
+
+}  // namespace accelerate::detail
