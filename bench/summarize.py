@@ -68,9 +68,10 @@ def summarise(samples):
             losses = [s["loss"] for s in row["samples"][side] if s.get("loss") is not None]
             if losses:
                 entry["loss"] = losses[-1]
-            details = [s["detail"] for s in row["samples"][side] if s.get("detail") is not None]
-            if details:
-                entry["detail"] = details[len(details) // 2]
+            # The detail (e.g. per-phase times) of the repetition whose value is the median.
+            with_detail = sorted((s for s in row["samples"][side] if s.get("detail") is not None), key=lambda s: s["value"])
+            if with_detail:
+                entry["detail"] = with_detail[len(with_detail) // 2]["detail"]
             if side == "limit":
                 entry["name"] = row["samples"][side][0].get("limit", "limit")
             sides[side] = entry
