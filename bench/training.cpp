@@ -1,13 +1,21 @@
 // Training-step throughput: steady-state optimizer steps per second of a loop written with the
 // Accelerator (`prepare`, `backward`, `AcceleratedOptimizer`), gradients synchronised by the
-// prepared model's Reducer over Gloo. Two workloads: "mlp" (512→1024→1024→10 with ReLU, batch 64
-// per process, cross-entropy: compute and a 6 MiB gradient allreduce) and "tiny" (Linear(32, 32),
-// batch 8 per process, MSE: per-step overhead and small-message latency). SGD with lr 0.01, one
-// fixed random batch per process. Each step is timed by phase (zero_grad, forward with the loss,
-// backward with the allreduce, optimizer step) on process 0.
-// Run through the launcher: `accelerate launch -n 2 bench_training [--quick] [--workloads mlp,tiny]
-// [--warmup_steps 20] [--mlp_steps 200] [--tiny_steps 2000]`; process 0 prints one JSON object per
-// workload, as bench/training_twin.py does for PyTorch DDP, and bench/run_training compares them.
+// prepared model's Reducer over Gloo. Workloads: "mlp" (W1: 512→1024→1024→10 with ReLU, batch 64
+// per process, cross-entropy: compute and a 6 MiB gradient allreduce), "mlp_accum4" (the same
+// with `accumulate` and gradient_accumulation_steps 4: three of four backward passes skip the
+// allreduce), "transformer" (W2: a 2-layer transformer-encoder classifier, d_model 256, 4 heads,
+// feed-forward 2048, no dropout, sequences of 64, batch 16 per process, mean-pooled into
+// Linear(256, 10)), "tiny" (W3: Linear(32, 32), batch 8 per process, MSE: per-step overhead and
+// small-message latency) and "startup" (W5: one step of "mlp", then the wall-clock time, so a
+// runner can measure launch to end of the first optimizer step). SGD with lr 0.01, one fixed random
+// batch per process. Each step is timed by phase (forward with the loss, backward with the
+// allreduce, optimizer step, zero_grad) on process 0. bf16 autocast comes from the launcher's
+// `--mixed_precision bf16`, which the prepared model applies to its forward pass.
+// Run through the launcher: `accelerate launch -n 2 bench_training [--quick]
+// [--workloads mlp,mlp_accum4,tiny,transformer] [--warmup_steps 20] [--mlp_steps 200]
+// [--tiny_steps 2000] [--transformer_warmup_steps 3] [--transformer_steps 40]`; process 0 prints
+// one JSON object per workload, as bench/training_twin.py does for PyTorch DDP, and
+// bench/run_training compares them.
 #include <accelerate/accelerate.h>
 
 #include <ATen/ATen.h>
@@ -19,6 +27,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -45,11 +54,49 @@ struct TinyImpl : torch::nn::Module {
 };
 TORCH_MODULE(Tiny);
 
+// W2. Parameters are set by `init_transformer`, so both sides start from the same numbers.
+struct EncoderClassifierImpl : torch::nn::Module {
+  EncoderClassifierImpl()
+      : encoder(register_module(
+            "encoder", torch::nn::TransformerEncoder(torch::nn::TransformerEncoderOptions(
+                           torch::nn::TransformerEncoderLayerOptions(256, 4).dim_feedforward(2048).dropout(0.0), 2)))),
+        head(register_module("head", torch::nn::Linear(256, 10))) {}
+  // x: [sequence, batch, 256] -> logits [batch, 10].
+  at::Tensor forward(const at::Tensor& x) { return head(encoder(x).mean(0)); }
+  torch::nn::TransformerEncoder encoder;
+  torch::nn::Linear head;
+};
+TORCH_MODULE(EncoderClassifier);
+
+// Deterministic parameters independent of each framework's initialisation order: in name order,
+// matrices N(0, 0.02²) from one generator, layer-norm weights 1, biases 0 (bench/training_twin.py
+// does the same).
+void init_transformer(torch::nn::Module& net) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(7);
+  auto named = net.named_parameters();
+  std::vector<std::string> names;
+  for (const auto& item : named) names.push_back(item.key());
+  std::sort(names.begin(), names.end());
+  at::NoGradGuard no_grad;
+  for (const auto& name : names) {
+    auto& p = named[name];
+    if (p.dim() >= 2) {
+      p.copy_(at::randn(p.sizes(), gen) * 0.02);
+    } else if (name.find("norm") != std::string::npos && name.size() > 6 && name.substr(name.size() - 6) == "weight") {
+      p.fill_(1.0);
+    } else {
+      p.zero_();
+    }
+  }
+}
+
 struct Flags {
-  std::vector<std::string> workloads{"mlp", "tiny"};
+  std::vector<std::string> workloads{"mlp", "mlp_accum4", "tiny", "transformer"};
   int warmup_steps = 20;
   int mlp_steps = 200;
   int tiny_steps = 2000;
+  int transformer_warmup_steps = 3;
+  int transformer_steps = 40;
 };
 
 Flags parse_flags(int argc, char** argv) {
@@ -76,6 +123,10 @@ Flags parse_flags(int argc, char** argv) {
       f.mlp_steps = std::stoi(value());
     } else if (a == "--tiny_steps") {
       f.tiny_steps = std::stoi(value());
+    } else if (a == "--transformer_warmup_steps") {
+      f.transformer_warmup_steps = std::stoi(value());
+    } else if (a == "--transformer_steps") {
+      f.transformer_steps = std::stoi(value());
     } else {
       TORCH_CHECK_VALUE(false, "[bench_training] unknown flag ", a);
     }
@@ -83,6 +134,7 @@ Flags parse_flags(int argc, char** argv) {
   if (quick) {
     f.mlp_steps = std::max(1, f.mlp_steps / 4);
     f.tiny_steps = std::max(1, f.tiny_steps / 4);
+    f.transformer_steps = std::max(1, f.transformer_steps / 4);
   }
   return f;
 }
@@ -96,20 +148,24 @@ std::pair<double, double> median_mean(std::vector<double>& v) {
 double us(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double, std::micro>(b - a).count(); }
 
 // Trains `net` on one fixed batch (`x`, `y`) for warm-up then timed steps; process 0 prints the
-// throughput, the per-step and per-phase times and the last loss.
+// throughput, the per-step and per-phase times and the last loss. With `accumulation` > 1 each
+// step runs inside `accumulate`, so the optimizer steps (and gradients synchronise) every
+// `accumulation`-th step.
 template <typename Net, typename LossFn>
 void run(const acc::Accelerator& accelerator, const char* workload, Net net, const at::Tensor& x, const at::Tensor& y,
-         LossFn loss_fn, int warmup_steps, int steps) {
+         LossFn loss_fn, int warmup_steps, int steps, int accumulation = 1) {
   auto sgd = std::make_shared<torch::optim::SGD>(net->parameters(), torch::optim::SGDOptions(0.01));
   auto [model, opt] = accelerator.prepare(net, sgd);
+  accelerator.set_gradient_accumulation_steps(accumulation);
   at::Tensor loss;
-  auto train_step = [&] {
-    opt.zero_grad();
+  for (int i = 0; i < warmup_steps; ++i) {
+    std::unique_ptr<acc::SyncGuard> sync;  // the guard can neither move nor copy: built in place
+    if (accumulation > 1) sync.reset(new acc::SyncGuard(accelerator.accumulate(model)));
     loss = loss_fn(model(x), y);
     accelerator.backward(loss);
     opt.step();
-  };
-  for (int i = 0; i < warmup_steps; ++i) train_step();
+    opt.zero_grad();
+  }
 
   constexpr int kPhases = 4;
   std::vector<std::vector<double>> phase(kPhases, std::vector<double>(static_cast<size_t>(steps)));
@@ -118,13 +174,15 @@ void run(const acc::Accelerator& accelerator, const char* workload, Net net, con
   const auto start = Clock::now();
   for (int i = 0; i < steps; ++i) {
     const auto t0 = Clock::now();
-    opt.zero_grad();
-    const auto t1 = Clock::now();
+    std::unique_ptr<acc::SyncGuard> sync;  // the guard can neither move nor copy: built in place
+    if (accumulation > 1) sync.reset(new acc::SyncGuard(accelerator.accumulate(model)));
     loss = loss_fn(model(x), y);
-    const auto t2 = Clock::now();
+    const auto t1 = Clock::now();
     accelerator.backward(loss);
-    const auto t3 = Clock::now();
+    const auto t2 = Clock::now();
     opt.step();
+    const auto t3 = Clock::now();
+    opt.zero_grad();
     const auto t4 = Clock::now();
     const auto s = static_cast<size_t>(i);
     phase[0][s] = us(t0, t1);
@@ -135,25 +193,47 @@ void run(const acc::Accelerator& accelerator, const char* workload, Net net, con
   }
   accelerator.wait_for_everyone();
   const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  // The next workload steps without `accumulate`: every step synchronises again.
+  accelerator.set_gradient_accumulation_steps(1);
+  accelerator.gradient_state().set_sync_gradients(true);
   if (!accelerator.is_main_process()) return;
 
   const double steps_per_s = steps / seconds;
   const auto [step_median, step_mean] = median_mean(step_us);
   std::string phases;
-  const char* names[kPhases] = {"zero_grad", "forward", "backward", "step"};
+  const char* names[kPhases] = {"forward", "backward", "step", "zero_grad"};
   for (int p = 0; p < kPhases; ++p) {
     const auto [median, mean] = median_mean(phase[static_cast<size_t>(p)]);
     char buf[128];
     std::snprintf(buf, sizeof(buf), "%s\"%s\": [%.1f, %.1f]", p ? ", " : "", names[p], median, mean);
     phases += buf;
   }
-  std::printf("{\"side\": \"cpp\", \"workload\": \"%s\", \"processes\": %d, \"threads\": %d, \"batch_size\": %lld, "
-              "\"warmup_steps\": %d, \"steps\": %d, \"steps_per_s\": %.3f, \"samples_per_s\": %.1f, "
-              "\"step_median_us\": %.1f, \"step_mean_us\": %.1f, \"phase_median_mean_us\": {%s}, "
+  const int64_t batch = x.dim() == 3 ? x.size(1) : x.size(0);  // the transformer's input is [sequence, batch, d]
+  std::printf("{\"side\": \"cpp\", \"workload\": \"%s\", \"processes\": %d, \"threads\": %d, "
+              "\"mixed_precision\": \"%s\", \"batch_size\": %lld, \"warmup_steps\": %d, \"steps\": %d, "
+              "\"steps_per_s\": %.3f, \"samples_per_s\": %.1f, \"step_median_us\": %.1f, \"step_mean_us\": %.1f, "
+              "\"phase_median_mean_us\": {%s}, \"last_loss\": %.6f}\n",
+              workload, accelerator.num_processes(), at::get_num_threads(), accelerator.mixed_precision().c_str(),
+              static_cast<long long>(batch), warmup_steps, steps, steps_per_s,
+              steps_per_s * static_cast<double>(batch * accelerator.num_processes()), step_median, step_mean,
+              phases.c_str(), loss.item<double>());
+  std::fflush(stdout);
+}
+
+// W5: one optimizer step of "mlp", then process 0 prints the wall-clock time (Unix seconds); the
+// runner subtracts the time it started the launcher.
+void first_step(const acc::Accelerator& accelerator, const at::Tensor& x, const at::Tensor& y) {
+  Mlp net;
+  auto sgd = std::make_shared<torch::optim::SGD>(net->parameters(), torch::optim::SGDOptions(0.01));
+  auto [model, opt] = accelerator.prepare(net, sgd);
+  auto loss = torch::cross_entropy_loss(model(x), y);
+  accelerator.backward(loss);
+  opt.step();
+  const double now = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  if (!accelerator.is_main_process()) return;
+  std::printf("{\"side\": \"cpp\", \"workload\": \"startup\", \"processes\": %d, \"first_step_end_unix\": %.6f, "
               "\"last_loss\": %.6f}\n",
-              workload, accelerator.num_processes(), at::get_num_threads(), static_cast<long long>(x.size(0)),
-              warmup_steps, steps, steps_per_s, steps_per_s * static_cast<double>(x.size(0) * accelerator.num_processes()),
-              step_median, step_mean, phases.c_str(), loss.item<double>());
+              accelerator.num_processes(), now, loss.item<double>());
   std::fflush(stdout);
 }
 
@@ -168,20 +248,32 @@ int main(int argc, char** argv) {
     // of its own per process; the twin draws the same numbers from the same seeds.
     torch::manual_seed(0);
     auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 + rank);
-    if (workload == "mlp") {
-      Mlp net;
+    auto cross_entropy = [](const at::Tensor& out, const at::Tensor& t) { return torch::cross_entropy_loss(out, t); };
+    if (workload == "mlp" || workload == "mlp_accum4" || workload == "startup") {
       const auto x = at::randn({64, 512}, gen);
       const auto y = at::randint(0, 10, {64}, gen, at::kLong);
-      auto cross_entropy = [](const at::Tensor& out, const at::Tensor& t) { return torch::cross_entropy_loss(out, t); };
-      run(accelerator, "mlp", net, x, y, cross_entropy, flags.warmup_steps, flags.mlp_steps);
+      if (workload == "startup") {
+        first_step(accelerator, x, y);
+      } else {
+        Mlp net;
+        run(accelerator, workload.c_str(), net, x, y, cross_entropy, flags.warmup_steps, flags.mlp_steps,
+            workload == "mlp" ? 1 : 4);
+      }
     } else if (workload == "tiny") {
       Tiny net;
       const auto x = at::randn({8, 32}, gen);
       const auto y = at::randn({8, 32}, gen);
       auto mse = [](const at::Tensor& out, const at::Tensor& t) { return torch::mse_loss(out, t); };
       run(accelerator, "tiny", net, x, y, mse, flags.warmup_steps, flags.tiny_steps);
+    } else if (workload == "transformer") {
+      EncoderClassifier net;
+      init_transformer(*net);
+      const auto x = at::randn({64, 16, 256}, gen);
+      const auto y = at::randint(0, 10, {16}, gen, at::kLong);
+      run(accelerator, "transformer", net, x, y, cross_entropy, flags.transformer_warmup_steps, flags.transformer_steps);
     } else {
-      TORCH_CHECK_VALUE(false, "[bench_training] unknown workload ", workload, " (expected mlp or tiny)");
+      TORCH_CHECK_VALUE(false, "[bench_training] unknown workload ", workload,
+                        " (expected mlp, mlp_accum4, tiny, transformer or startup)");
     }
     accelerator.free_memory();
   }

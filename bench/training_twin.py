@@ -1,11 +1,16 @@
 """Twin of bench/training.cpp: the same models, batches, seeds, SGD settings and step counts,
 trained with torch.nn.parallel.DistributedDataParallel over Gloo (default bucket settings) on
-2 processes, or the bare model on 1. Starts its own processes with the launcher's environment
-contract, since Debian's torchrun does not run on its Python.
+2 processes, or the bare model on 1; gradient accumulation with DDP's no_sync, bf16 with
+torch.autocast around the forward pass (outputs back to float32, as upstream Accelerate's
+prepared model does). Starts its own processes with the launcher's environment contract, since
+Debian's torchrun does not run on its Python; the parent imports torch as torchrun would.
 Usage: /usr/bin/python3 bench/training_twin.py [--quick] [--nproc 2] [--threads 1]
-       [--workloads mlp,tiny] [--warmup_steps 20] [--mlp_steps 200] [--tiny_steps 2000]
+       [--mixed_precision no|bf16] [--workloads mlp,mlp_accum4,tiny,transformer|startup]
+       [--warmup_steps 20] [--mlp_steps 200] [--tiny_steps 2000] [--transformer_warmup_steps 3]
+       [--transformer_steps 40]
 """
 import argparse
+import contextlib
 import json
 import os
 import time
@@ -38,21 +43,65 @@ class Tiny(nn.Module):
         return self.fc(x)
 
 
+class EncoderClassifier(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(256, 4, dim_feedforward=2048, dropout=0.0), 2,
+                                             enable_nested_tensor=False)
+        self.head = nn.Linear(256, 10)
+
+    def forward(self, x):  # x: [sequence, batch, 256]
+        return self.head(self.encoder(x).mean(0))
+
+
+def init_transformer(net):
+    """The C++ side's deterministic parameters: in name order, matrices N(0, 0.02^2) from one
+    generator, layer-norm weights 1, biases 0."""
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in sorted(net.named_parameters()):
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+            elif "norm" in name and name.endswith("weight"):
+                p.fill_(1.0)
+            else:
+                p.zero_()
+
+
 def median_mean(v):
     v = sorted(v)
     return v[len(v) // 2], sum(v) / len(v)
 
 
-def run(workload, net, x, y, loss_fn, warmup_steps, steps):
+def run(workload, net, x, y, loss_fn, warmup_steps, steps, accumulation=1, bf16=False):
     distributed = dist.is_initialized()
     model = DistributedDataParallel(net) if distributed else net
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
     barrier = dist.barrier if distributed else (lambda: None)
+    counter = 0
+
+    def forward():
+        if bf16:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(x)
+            return loss_fn(out.float(), y)
+        return loss_fn(model(x), y)
+
+    def sync_context():
+        # Every `accumulation`-th step synchronises, counted from the first warm-up step.
+        nonlocal counter
+        counter += 1
+        sync = counter % accumulation == 0
+        return sync, (model.no_sync() if distributed and not sync else contextlib.nullcontext())
+
     for _ in range(warmup_steps):
-        opt.zero_grad(set_to_none=True)  # the default of the C++ side (and of PyTorch 2)
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
+        sync, context = sync_context()
+        with context:
+            loss = forward()
+            (loss / accumulation).backward()
+        if sync:
+            opt.step()
+            opt.zero_grad(set_to_none=True)  # the default of the C++ side (and of PyTorch 2)
 
     phases = [[0.0] * steps for _ in range(4)]
     step_us = [0.0] * steps
@@ -61,13 +110,17 @@ def run(workload, net, x, y, loss_fn, warmup_steps, steps):
     start = clock()
     for i in range(steps):
         t0 = clock()
-        opt.zero_grad(set_to_none=True)
-        t1 = clock()
-        loss = loss_fn(model(x), y)
+        sync, context = sync_context()
+        with context:
+            loss = forward()
+            t1 = clock()
+            (loss / accumulation).backward()
         t2 = clock()
-        loss.backward()
+        if sync:
+            opt.step()
         t3 = clock()
-        opt.step()
+        if sync:
+            opt.zero_grad(set_to_none=True)
         t4 = clock()
         phases[0][i], phases[1][i], phases[2][i], phases[3][i] = (t1 - t0) * 1e6, (t2 - t1) * 1e6, (t3 - t2) * 1e6, (t4 - t3) * 1e6
         step_us[i] = (t4 - t0) * 1e6
@@ -77,15 +130,31 @@ def run(workload, net, x, y, loss_fn, warmup_steps, steps):
     if rank != 0:
         return
     n = dist.get_world_size() if distributed else 1
+    batch = x.size(1) if x.dim() == 3 else x.size(0)  # the transformer's input is [sequence, batch, d]
     step_median, step_mean = median_mean(step_us)
-    names = ["zero_grad", "forward", "backward", "step"]
+    names = ["forward", "backward", "step", "zero_grad"]
     print(json.dumps({
         "side": "python", "workload": workload, "processes": n, "threads": torch.get_num_threads(),
-        "batch_size": x.size(0), "warmup_steps": warmup_steps, "steps": steps,
-        "steps_per_s": round(steps / seconds, 3), "samples_per_s": round(steps / seconds * x.size(0) * n, 1),
+        "mixed_precision": "bf16" if bf16 else "no", "batch_size": batch, "warmup_steps": warmup_steps,
+        "steps": steps, "steps_per_s": round(steps / seconds, 3), "samples_per_s": round(steps / seconds * batch * n, 1),
         "step_median_us": round(step_median, 1), "step_mean_us": round(step_mean, 1),
         "phase_median_mean_us": {name: [round(m, 1) for m in median_mean(p)] for name, p in zip(names, phases)},
         "last_loss": round(loss.item(), 6)}), flush=True)
+
+
+def first_step(x, y):
+    """W5: one optimizer step of the MLP, then the wall-clock time on process 0."""
+    distributed = dist.is_initialized()
+    net = Mlp()
+    model = DistributedDataParallel(net) if distributed else net
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    now = time.time()
+    if (dist.get_rank() if distributed else 0) == 0:
+        print(json.dumps({"side": "python", "workload": "startup", "processes": dist.get_world_size() if distributed else 1,
+                          "first_step_end_unix": now, "last_loss": round(loss.item(), 6)}), flush=True)
 
 
 def worker(args):
@@ -93,21 +162,32 @@ def worker(args):
     if int(os.environ["WORLD_SIZE"]) > 1:
         dist.init_process_group("gloo")
     rank = int(os.environ["RANK"])
+    bf16 = args.mixed_precision == "bf16"
     for workload in args.workloads.split(","):
         torch.manual_seed(0)
         gen = torch.Generator().manual_seed(1000 + rank)
-        if workload == "mlp":
-            net = Mlp()
+        if workload in ("mlp", "mlp_accum4", "startup"):
             x = torch.randn(64, 512, generator=gen)
             y = torch.randint(0, 10, (64,), generator=gen)
-            run("mlp", net, x, y, F.cross_entropy, args.warmup_steps, args.mlp_steps)
+            if workload == "startup":
+                first_step(x, y)
+            else:
+                run(workload, Mlp(), x, y, F.cross_entropy, args.warmup_steps, args.mlp_steps,
+                    1 if workload == "mlp" else 4, bf16)
         elif workload == "tiny":
             net = Tiny()
             x = torch.randn(8, 32, generator=gen)
             y = torch.randn(8, 32, generator=gen)
-            run("tiny", net, x, y, F.mse_loss, args.warmup_steps, args.tiny_steps)
+            run("tiny", net, x, y, F.mse_loss, args.warmup_steps, args.tiny_steps, 1, bf16)
+        elif workload == "transformer":
+            net = EncoderClassifier()
+            init_transformer(net)
+            x = torch.randn(64, 16, 256, generator=gen)
+            y = torch.randint(0, 10, (16,), generator=gen)
+            run("transformer", net, x, y, F.cross_entropy, args.transformer_warmup_steps, args.transformer_steps, 1, bf16)
         else:
-            raise ValueError(f"[training_twin] unknown workload {workload} (expected mlp or tiny)")
+            raise ValueError(f"[training_twin] unknown workload {workload} "
+                             "(expected mlp, mlp_accum4, tiny, transformer or startup)")
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -117,14 +197,18 @@ def main():
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--workloads", default="mlp,tiny")
+    parser.add_argument("--mixed_precision", default="no", choices=["no", "bf16"])
+    parser.add_argument("--workloads", default="mlp,mlp_accum4,tiny,transformer")
     parser.add_argument("--warmup_steps", type=int, default=20)
     parser.add_argument("--mlp_steps", type=int, default=200)
     parser.add_argument("--tiny_steps", type=int, default=2000)
+    parser.add_argument("--transformer_warmup_steps", type=int, default=3)
+    parser.add_argument("--transformer_steps", type=int, default=40)
     args = parser.parse_args()
     if args.quick:
         args.mlp_steps = max(1, args.mlp_steps // 4)
         args.tiny_steps = max(1, args.tiny_steps // 4)
+        args.transformer_steps = max(1, args.transformer_steps // 4)
     run_as_workers(lambda: worker(args), nproc=args.nproc, threads=args.threads)
 
 

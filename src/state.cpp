@@ -2,6 +2,7 @@
 #include "accelerate/state.h"
 
 #include "accelerate/utils/environment.h"
+#include "detail/blas.h"
 #include "detail/errors.h"
 #include "detail/process_group.h"
 #include "detail/state_impl.h"
@@ -77,6 +78,7 @@ std::chrono::milliseconds seconds_from_env(const char* key, std::chrono::millise
 
 std::shared_ptr<detail::PartialStateImpl> build_partial_state(const PartialStateOptions& options) {
   install_error_file_handler();
+  detail::warn_once_if_reference_blas();  // Note [Reference BLAS warning]
   auto impl = std::make_shared<detail::PartialStateImpl>();
   detail::Topology topo = detail::detect_topology(detail::process_env());
   if (options.num_processes) {

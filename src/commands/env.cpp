@@ -3,6 +3,7 @@
 
 #include "accelerate/commands/config.h"
 #include "accelerate/utils/environment.h"
+#include "detail/blas.h"
 #include "detail/cli.h"
 #include "detail/files.h"
 
@@ -11,10 +12,7 @@
 #include <c10/util/Exception.h>
 #include <torch/cuda.h>
 
-#include <algorithm>
-#include <cctype>
 #include <cstdio>
-#include <dlfcn.h>
 #include <filesystem>
 #include <fstream>
 #include <gnu/libc-version.h>
@@ -29,23 +27,6 @@ namespace accelerate::commands {
 namespace {
 
 namespace fs = std::filesystem;
-
-std::string lower(std::string text) {
-  std::transform(text.begin(), text.end(), text.begin(), [](unsigned char c) { return std::tolower(c); });
-  return text;
-}
-
-// The BLAS family a shared object's path names, or "" when it is not a BLAS library.
-std::string blas_family(const std::string& path) {
-  const std::string name = lower(path);
-  if (name.find("mkl") != std::string::npos) return "Intel MKL";
-  if (name.find("openblas") != std::string::npos) return "OpenBLAS";
-  if (name.find("blis") != std::string::npos) return "BLIS";
-  if (name.find("atlas") != std::string::npos) return "ATLAS";
-  if (name.find("flexiblas") != std::string::npos) return "FlexiBLAS";
-  if (name.find("libblas") != std::string::npos) return "reference BLAS (Netlib)";
-  return "";
-}
 
 std::string compiler() {
 #if defined(__clang__)
@@ -116,52 +97,7 @@ std::string self_executable() {
 
 }  // namespace
 
-BlasInfo detect_blas() {
-  {
-    // Make sure the BLAS library is loaded and bound, as it is in a training step.
-    const at::Tensor a = at::ones({64, 64}, at::kFloat);
-    (void)at::mm(a, a).sum().item<float>();
-  }
-  BlasInfo info;
-  std::ifstream maps("/proc/self/maps");
-  for (std::string line; std::getline(maps, line);) {
-    const auto slash = line.find('/');
-    if (slash == std::string::npos) continue;
-    const std::string path = line.substr(slash);
-    const std::string file = lower(fs::path(path).filename().string());
-    const bool blas_like = !blas_family(file).empty() || file.find("lapack") != std::string::npos;
-    if (blas_like && file.find(".so") != std::string::npos &&
-        std::find(info.loaded.begin(), info.loaded.end(), path) == info.loaded.end()) {
-      info.loaded.push_back(path);
-    }
-  }
-  // The object whose sgemm_ the dynamic linker binds LibTorch's calls to.
-  if (void* symbol = ::dlsym(RTLD_DEFAULT, "sgemm_")) {
-    Dl_info where{};
-    if (::dladdr(symbol, &where) != 0 && where.dli_fname != nullptr) {
-      std::error_code error;
-      const auto resolved = fs::canonical(where.dli_fname, error);
-      info.library = error ? std::string(where.dli_fname) : resolved.string();
-    }
-  }
-  if (info.library.empty() || blas_family(info.library).empty()) {
-    for (const char* family : {"Intel MKL", "OpenBLAS", "BLIS", "ATLAS", "FlexiBLAS", "reference BLAS (Netlib)"}) {
-      const auto found = std::find_if(info.loaded.begin(), info.loaded.end(),
-                                      [&](const std::string& path) { return blas_family(path) == family; });
-      if (found != info.loaded.end()) {
-        info.library = *found;
-        break;
-      }
-    }
-  }
-  info.name = info.library.empty() ? "not found" : blas_family(info.library);
-  if (info.name.empty()) info.name = "unknown";
-  using ConfigFunction = const char* (*)();
-  if (auto get_config = reinterpret_cast<ConfigFunction>(::dlsym(RTLD_DEFAULT, "openblas_get_config"))) {
-    info.config = get_config();
-  }
-  return info;
-}
+BlasInfo detect_blas() { return detail::detect_blas(); }
 
 std::vector<std::pair<std::string, std::string>> environment_info() {
   const bool cuda = is_cuda_available();

@@ -2,6 +2,7 @@
 #include "accelerate/commands/env.h"
 
 #include "accelerate/utils/environment.h"
+#include "detail/blas.h"
 #include "support/process.h"
 #include "support/commands.h"
 #include "support/test_support.h"
@@ -119,6 +120,64 @@ TEST(DetectBlas, NamesTheLibraryTheSystemSelectedForLibTorch) {
   } else {
     EXPECT_NE(blas.name, "not found");
   }
+}
+
+TEST(BlasFamily, NamesTheFamilyFromALibraryPathAndNothingForOtherLibraries) {
+  EXPECT_EQ(detail::blas_family("/usr/lib/x86_64-linux-gnu/blas/libblas.so.3.11.0"), "reference BLAS (Netlib)");
+  EXPECT_EQ(detail::blas_family("/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"), "OpenBLAS");
+  EXPECT_EQ(detail::blas_family("/usr/lib/x86_64-linux-gnu/libopenblasp-r0.3.21.so"), "OpenBLAS");
+  EXPECT_EQ(detail::blas_family("/opt/intel/oneapi/mkl/lib/libMKL_rt.so.2"), "Intel MKL");
+  EXPECT_EQ(detail::blas_family("/usr/lib/x86_64-linux-gnu/blis-openmp/libblis.so.4"), "BLIS");
+  EXPECT_EQ(detail::blas_family("/usr/lib/x86_64-linux-gnu/libflexiblas.so.3"), "FlexiBLAS");
+  EXPECT_EQ(detail::blas_family("/usr/lib/x86_64-linux-gnu/libtorch_cpu.so.1.13"), "");
+  EXPECT_TRUE(detail::is_reference_blas(detail::blas_family("libblas.so.3")));
+  EXPECT_FALSE(detail::is_reference_blas(detail::blas_family("libopenblas.so.0")));
+}
+
+TEST(ReferenceBlasWarning, NamesTheLibraryOnlyForTheReferenceBlas) {
+  commands::BlasInfo reference;
+  reference.name = "reference BLAS (Netlib)";
+  reference.library = "/x/blas/libblas.so.3.11.0";
+  EXPECT_THAT(detail::reference_blas_warning(reference), HasSubstr("reference BLAS (/x/blas/libblas.so.3.11.0)"));
+  EXPECT_THAT(detail::reference_blas_warning(reference), HasSubstr("OpenBLAS"));
+  commands::BlasInfo openblas;
+  openblas.name = "OpenBLAS";
+  openblas.library = "/x/libopenblasp-r0.3.21.so";
+  EXPECT_EQ(detail::reference_blas_warning(openblas), "");
+  commands::BlasInfo none;
+  none.name = "not found";
+  EXPECT_EQ(detail::reference_blas_warning(none), "");
+}
+
+// How often the start-up warning appears in a program's stderr.
+size_t reference_blas_warnings(const std::string& err) {
+  size_t count = 0;
+  for (size_t at = err.find("unoptimised reference BLAS"); at != std::string::npos;
+       at = err.find("unoptimised reference BLAS", at + 1)) {
+    ++count;
+  }
+  return count;
+}
+
+TEST(ReferenceBlasWarning, AProgramOnTheReferenceBlasIsWarnedExactlyOnceHoweverManyStatesItBuilds) {
+  // Debian installs Netlib's libblas.so.3 here (package libblas3); putting its folder first on the
+  // library path makes LibTorch bind to it whatever the system selected.
+  const std::string reference_dir = "/usr/lib/x86_64-linux-gnu/blas";
+  if (!std::filesystem::exists(reference_dir + "/libblas.so.3")) GTEST_SKIP() << "no reference BLAS in " << reference_dir;
+  auto r = run({worker_bin(), "states"}, 120, {{"LD_LIBRARY_PATH", reference_dir}});
+  ASSERT_EQ(r->exit_code(), 0) << r->err;
+  EXPECT_THAT(r->out, HasSubstr("built 3 states"));
+  EXPECT_EQ(reference_blas_warnings(r->err), 1u) << r->err;
+  EXPECT_THAT(r->err, HasSubstr("reference BLAS (" + std::filesystem::canonical(reference_dir + "/libblas.so.3").string()));
+}
+
+TEST(ReferenceBlasWarning, AProgramOnOpenBlasIsNotWarned) {
+  const std::string openblas_dir = "/usr/lib/x86_64-linux-gnu/openblas-pthread";
+  if (!std::filesystem::exists(openblas_dir + "/libblas.so.3")) GTEST_SKIP() << "no OpenBLAS in " << openblas_dir;
+  auto r = run({worker_bin(), "states"}, 120, {{"LD_LIBRARY_PATH", openblas_dir}});
+  ASSERT_EQ(r->exit_code(), 0) << r->err;
+  EXPECT_THAT(r->out, HasSubstr("built 3 states"));
+  EXPECT_EQ(reference_blas_warnings(r->err), 0u) << r->err;
 }
 
 }  // namespace

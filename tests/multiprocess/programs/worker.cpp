@@ -3,6 +3,8 @@
 //
 //   worker env VAR...              print VAR=value for each variable
 //   worker state                   rendezvous, then print what PartialState reports
+//   worker states                  build the process-wide state, a standalone one, then the
+//                                  process-wide one again after a reset; print "built 3 states"
 //   worker exit CODE RANK          RANK prints an error and exits with CODE; others sleep
 //   worker sigkill RANK            RANK kills itself with SIGKILL; others sleep
 //   worker ignore_term RANK CODE   every other rank ignores SIGTERM; RANK exits with CODE
@@ -57,6 +59,14 @@ int main(int argc, char** argv) {
               << " backend " << state.backend() << std::endl;
     if (state.process_index() == state.num_processes() - 1) state.set_trigger();
     std::cout << "trigger " << (state.check_trigger() ? "seen" : "missed") << std::endl;
+    return 0;
+  }
+  if (mode == "states") {
+    accelerate::PartialState first;
+    (void)accelerate::PartialState::standalone({});
+    accelerate::PartialState::reset();
+    accelerate::PartialState again;
+    std::cout << "built 3 states" << std::endl;
     return 0;
   }
   if (mode == "exit") {
