@@ -1,6 +1,6 @@
 """Turns the JSON lines the benchmark programs and their twins print into rows of the schema
 documented in bench/summarize.py (one sample per repetition and side), with each workload's
-targets and physical limit. Usage: rows.py training|collectives|checkpoint|data_loader raw.jsonl
+targets and physical limit. Usage: rows.py training|collectives|checkpoint|data_loader|offload raw.jsonl
 (prints rows on stdout; the bench/run_* scripts append them to their rows file)."""
 import json
 import sys
@@ -117,11 +117,25 @@ def data_loader(raw):
                 "higher", r["side"], r["batches_per_s"]) for r in raw]
 
 
+def offload(raw):
+    """bench/offload.cpp and bench/offload_twin.py: forward in memory and with every weight on the
+    disk; the C++ in-memory forward is the limit of the offloaded one. The checksum of the output
+    (the same weights and input on both sides) stands in for a loss."""
+    out = []
+    for r in raw:
+        case = "forward, disk-offloaded" if r["variant"] == "disk_offload" else "forward, in memory"
+        out.append(row("W8", case, "samples/s", "higher", r["side"], r["samples_per_s"], loss=r["checksum"]))
+        if r["variant"] == "in_memory" and r["side"] == "cpp":
+            out.append(row("W8", "forward, disk-offloaded", "samples/s", "higher", "limit", r["samples_per_s"],
+                           limit="C++ forward in memory"))
+    return out
+
+
 def main():
     kind, path = sys.argv[1], sys.argv[2]
     raw = [json.loads(line) for line in open(path) if line.startswith("{")]
     for r in {"training": training, "collectives": collectives, "checkpoint": checkpoint,
-              "data_loader": data_loader}[kind](raw):
+              "data_loader": data_loader, "offload": offload}[kind](raw):
         print(json.dumps(r))
 
 
