@@ -77,8 +77,11 @@ std::pair<torch::nn::Module*, std::string> owner_of(torch::nn::Module& module, c
 }
 
 at::Tensor find_direct_tensor(const torch::nn::Module& module, const std::string& leaf) {
-  if (const auto* p = module.named_parameters(false).find(leaf)) return *p;
-  if (const auto* b = module.named_buffers(false).find(leaf)) return *b;
+  // The dictionaries are copies: keep them alive while reading from them.
+  const auto parameters = module.named_parameters(false);
+  if (const auto* p = parameters.find(leaf)) return *p;
+  const auto buffers = module.named_buffers(false);
+  if (const auto* b = buffers.find(leaf)) return *b;
   return {};
 }
 
