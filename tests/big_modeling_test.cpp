@@ -461,6 +461,13 @@ TEST(BigModeling, LoadCheckpointAndDispatchOnCpuAndDisk) {
   auto out = acc::forward(half, x.to(torch::kBFloat16));
   EXPECT_TRUE(torch::allclose(out.to(torch::kFloat), expected, 0.05, 0.05));
 
+  // Without a device map an empty model is materialised on the CPU.
+  auto whole = acc::init_empty_weights(make_mlp);
+  whole->eval();
+  acc::load_checkpoint_and_dispatch(*whole, ckpt.str());
+  for (const auto& [name, t] : acc::named_module_tensors(*whole, true, true)) EXPECT_FALSE(t.is_meta()) << name;
+  EXPECT_TRUE(torch::allclose(whole->forward(x), expected, 1e-5, 1e-6));
+
   auto bad = acc::init_empty_weights(make_mlp);
   EXPECT_THROWS_WITH(acc::load_checkpoint_and_dispatch(*bad, ckpt.str(), {.device_map = std::string("fastest")}),
                      "please choose 'auto', 'balanced', 'balanced_low_0' or 'sequential'");

@@ -237,7 +237,7 @@ LoadCheckpointResult load_state_dict_into_module(torch::nn::Module& module, cons
     TORCH_CHECK_VALUE(it->second.sizes() == value.sizes(), "[load_state_dict] size mismatch for ", name,
                       ": the checkpoint has shape ", shape_string(value.sizes()), ", the module has ",
                       shape_string(it->second.sizes()));
-    if (it->second.numel() > 0) loaded_storages.insert(it->second.storage().data());
+    if (it->second.numel() > 0 && !it->second.is_meta()) loaded_storages.insert(it->second.storage().data());
   }
   std::vector<std::string> names;
   for (const auto& [name, tensor] : targets) names.push_back(name);
@@ -245,7 +245,7 @@ LoadCheckpointResult load_state_dict_into_module(torch::nn::Module& module, cons
   for (const auto& name : names) {
     if (tensors.count(name)) continue;
     const auto& t = targets.at(name);
-    if (t.numel() > 0 && loaded_storages.count(t.storage().data())) continue;  // a tied twin was loaded
+    if (t.numel() > 0 && !t.is_meta() && loaded_storages.count(t.storage().data())) continue;  // a tied twin was loaded
     result.missing_keys.push_back(name);
   }
   TORCH_CHECK_VALUE(!options.strict || (result.missing_keys.empty() && result.unexpected_keys.empty()),
@@ -257,7 +257,12 @@ LoadCheckpointResult load_state_dict_into_module(torch::nn::Module& module, cons
     auto it = targets.find(name);
     if (it == targets.end()) continue;
     auto& target = it->second;
-    if (options.dtype && value.is_floating_point() && target.scalar_type() != *options.dtype) {
+    if (target.is_meta()) {
+      // A model built with `init_empty_weights`: the weight is materialised on the CPU (copying
+      // into a meta tensor would silently do nothing).
+      set_module_tensor_to_device(module, name, c10::kCPU, value.to(c10::kCPU, value.scalar_type(), false, true),
+                                  options.dtype);
+    } else if (options.dtype && value.is_floating_point() && target.scalar_type() != *options.dtype) {
       target.set_data(value.to(target.device(), *options.dtype, /*non_blocking=*/false, /*copy=*/true));
     } else {
       target.copy_(options.dtype && value.is_floating_point() ? value.to(*options.dtype) : value);
