@@ -489,3 +489,27 @@ TEST(BigModeling, LoadStateDictWithDeviceMap) {
   EXPECT_TRUE(torch::equal(loaded.at("2.weight"), model[2]->as<torch::nn::Linear>()->weight));
   EXPECT_EQ(loaded.at("2.weight").device(), torch::Device(torch::kCPU));
 }
+
+TEST(BigModeling, MisusesAreRefusedByName) {
+  // A tie shared by an offloaded and a resident module.
+  ModelForTest tied;
+  Retie::tie(*tied->linear1, "weight", tied->linear2->weight);
+  TempDir offload;
+  EXPECT_THROWS_WITH(acc::dispatch_model(*tied, map({{"linear1", "cpu"}, {"batchnorm", "cpu"}, {"linear2", "disk"}}),
+                                         {.offload_dir = offload.str()}),
+                     "are split between offloaded and resident modules");
+  // A checkpoint whose shapes differ from the model's, loaded into a device map.
+  TempDir ckpt;
+  acc::save_state_dict_sharded(acc::get_state_dict(*torch::nn::Sequential(torch::nn::Linear(3, 3))), ckpt.str());
+  auto model = acc::init_empty_weights([] { return torch::nn::Sequential(torch::nn::Linear(2, 3)); });
+  EXPECT_THROWS_WITH(acc::load_checkpoint_in_model(*model, ckpt.str(), map({{"", "cpu"}})),
+                     "size mismatch for 0.weight");
+  // Hooks: a null member of a sequence, and an offload map without a weight the module has.
+  EXPECT_THROWS_WITH(acc::SequentialHook({nullptr}), "a hook is null");
+  torch::nn::Linear lin(2, 2);
+  acc::AlignDevicesOptions options;
+  options.offload = true;
+  options.weights_map = std::make_shared<acc::OffloadedWeightsLoader>(acc::TensorMap{{"weight", torch::ones({2, 2})}});
+  EXPECT_THROWS_WITH(acc::add_hook_to_module(*lin, std::make_shared<acc::AlignDevicesHook>(options)),
+                     "the weights map has no 'bias'");
+}
