@@ -48,9 +48,9 @@ int iterations_for(int64_t bytes, bool quick) {
 void report(const acc::PartialState& state, const char* op, int64_t bytes, const Stats& s, double bus_factor) {
   if (!state.is_main_process()) return;
   const double gbps = static_cast<double>(bytes) * bus_factor / (s.median_us * 1e3);
-  std::printf("{\"side\": \"cpp\", \"op\": \"%s\", \"bytes\": %lld, \"median_us\": %.2f, \"mean_us\": %.2f, "
+  std::printf("{\"side\": \"%s\", \"op\": \"%s\", \"bytes\": %lld, \"median_us\": %.2f, \"mean_us\": %.2f, "
               "\"busbw_gbps\": %.4f}\n",
-              op, static_cast<long long>(bytes), s.median_us, s.mean_us, gbps);
+              state.backend() == "mpi" ? "cpp-mpi" : "cpp", op, static_cast<long long>(bytes), s.median_us, s.mean_us, gbps);
   std::fflush(stdout);
 }
 

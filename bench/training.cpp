@@ -37,6 +37,11 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
+// The benchmark side this run stands for: C++ on the default back-end, or on MPI.
+const char* side(const acc::Accelerator& accelerator) {
+  return accelerator.state().partial_state().backend() == "mpi" ? "cpp-mpi" : "cpp";
+}
+
 struct MlpImpl : torch::nn::Module {
   MlpImpl()
       : fc1(register_module("fc1", torch::nn::Linear(512, 1024))),
@@ -209,11 +214,12 @@ void run(const acc::Accelerator& accelerator, const char* workload, Net net, con
     phases += buf;
   }
   const int64_t batch = x.dim() == 3 ? x.size(1) : x.size(0);  // the transformer's input is [sequence, batch, d]
-  std::printf("{\"side\": \"cpp\", \"workload\": \"%s\", \"processes\": %d, \"threads\": %d, "
+  std::printf("{\"side\": \"%s\", \"workload\": \"%s\", \"processes\": %d, \"threads\": %d, "
               "\"mixed_precision\": \"%s\", \"batch_size\": %lld, \"warmup_steps\": %d, \"steps\": %d, "
               "\"steps_per_s\": %.3f, \"samples_per_s\": %.1f, \"step_median_us\": %.1f, \"step_mean_us\": %.1f, "
               "\"phase_median_mean_us\": {%s}, \"last_loss\": %.6f}\n",
-              workload, accelerator.num_processes(), at::get_num_threads(), accelerator.mixed_precision().c_str(),
+              side(accelerator), workload, accelerator.num_processes(), at::get_num_threads(),
+              accelerator.mixed_precision().c_str(),
               static_cast<long long>(batch), warmup_steps, steps, steps_per_s,
               steps_per_s * static_cast<double>(batch * accelerator.num_processes()), step_median, step_mean,
               phases.c_str(), loss.item<double>());
@@ -231,9 +237,9 @@ void first_step(const acc::Accelerator& accelerator, const at::Tensor& x, const 
   opt.step();
   const double now = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
   if (!accelerator.is_main_process()) return;
-  std::printf("{\"side\": \"cpp\", \"workload\": \"startup\", \"processes\": %d, \"first_step_end_unix\": %.6f, "
+  std::printf("{\"side\": \"%s\", \"workload\": \"startup\", \"processes\": %d, \"first_step_end_unix\": %.6f, "
               "\"last_loss\": %.6f}\n",
-              accelerator.num_processes(), now, loss.item<double>());
+              side(accelerator), accelerator.num_processes(), now, loss.item<double>());
   std::fflush(stdout);
 }
 

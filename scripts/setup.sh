@@ -11,6 +11,7 @@ packages=(
   nlohmann-json3-dev libyaml-cpp-dev libcli11-dev
   libprotobuf-dev protobuf-compiler
   libnuma-dev
+  openmpi-bin libopenmpi-dev          # the MPI process-group back-end and mpirun
   libgtest-dev libgmock-dev googletest libbenchmark-dev
   python3 python3-protobuf            # python3-protobuf: the test suite's TensorBoard file reader
   clang libclang-rt-14-dev           # the libFuzzer target (scripts/fuzz.sh)

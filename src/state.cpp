@@ -5,6 +5,7 @@
 #include "detail/blas.h"
 #include "detail/errors.h"
 #include "detail/process_group.h"
+#include "detail/process_group_mpi.h"
 #include "detail/state_impl.h"
 
 #include <c10/util/Exception.h>
@@ -119,7 +120,11 @@ std::shared_ptr<detail::PartialStateImpl> build_partial_state(const PartialState
     impl->distributed_type = impl->device.is_cuda() ? DistributedType::kMultiGpu : DistributedType::kMultiCpu;
     impl->backend = options.init_kwargs.backend;
     if (impl->backend.empty()) impl->backend = get_env("ACCELERATE_BACKEND").value_or("");
-    if (impl->backend.empty()) impl->backend = impl->device.is_cuda() ? "nccl" : "gloo";
+    if (impl->backend.empty()) {
+      // A CPU job started by mpirun itself uses MPI when this build has it.
+      const bool mpi = topo.family == detail::LauncherFamily::kMpi && detail::started_by_mpirun() && is_mpi_available();
+      impl->backend = impl->device.is_cuda() ? "nccl" : mpi ? "mpi" : "gloo";
+    }
     TORCH_CHECK_VALUE(impl->backend != "mpi" || is_mpi_available(),
                       "[PartialState] the MPI backend is not available in this build of accelerate-cpp; use \"gloo\"");
     TORCH_CHECK_VALUE(impl->backend != "nccl" || impl->device.is_cuda(),

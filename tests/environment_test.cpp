@@ -7,6 +7,8 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+
+#include <fstream>
 #include <torch/version.h>
 
 #include <algorithm>
@@ -323,7 +325,14 @@ TEST(Availability, NcclAndPythonOnlyBackEndsAreNot) {
   EXPECT_FALSE(is_xpu_available());
   EXPECT_FALSE(is_torch_xla_available());
   EXPECT_FALSE(is_deepspeed_available());
-  EXPECT_FALSE(is_mpi_available());
+}
+
+TEST(Availability, MpiIsAvailableExactlyWhenTheBuildLinkedIt) {
+  std::ifstream maps("/proc/self/maps");
+  std::string line;
+  bool linked = false;
+  while (std::getline(maps, line)) linked = linked || line.find("/libmpi.so") != std::string::npos;
+  EXPECT_EQ(is_mpi_available(), linked);
 }
 
 TEST(Availability, Bf16IsAvailableOnTheCpu) {

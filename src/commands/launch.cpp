@@ -3,8 +3,10 @@
 #include "accelerate/commands/launch.h"
 
 #include "accelerate/utils/environment.h"
+#include "build_config.h"
 #include "detail/env.h"
 #include "detail/errors.h"
+#include "detail/files.h"
 #include "detail/launcher.h"
 #include "detail/process_group.h"
 #include "detail/subprocess.h"
@@ -16,6 +18,7 @@
 #include <filesystem>
 #include <iostream>
 #include <thread>
+#include <sys/stat.h>
 #include <unistd.h>
 
 namespace accelerate::commands {
@@ -61,7 +64,10 @@ struct LaunchCli {
                  "CPU threads per process (OMP_NUM_THREADS); default: cores / local processes");
     add_optional(app, args.gradient_accumulation_steps, "gradient_accumulation_steps",
                  "Gradient accumulation steps passed to Accelerator");
-    add_optional(app, args.backend, "backend", "Process-group back-end: gloo or nccl");
+    add_optional(app, args.backend, "backend",
+                 "Process-group back-end: gloo, nccl or mpi (mpi starts the workers through mpirun)");
+    add_optional(app, args.mpirun_hostfile, "mpirun_hostfile",
+                 "Host file of the machines mpirun starts the workers on (implies --backend mpi)");
     app.add_flag(spellings("debug"), args.debug, "Check every collective's shapes across processes");
     app.add_flag(spellings("enable_cpu_affinity"), args.enable_cpu_affinity, "Bind each process to a NUMA node");
     app.add_option(spellings("max_restarts"), args.max_restarts, "Restart the group this many times on failure");
@@ -82,6 +88,80 @@ bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
+
+// Checks what the MPI back-end needs and finds mpirun.
+void resolve_mpirun(LaunchPlan& plan) {
+  TORCH_CHECK_VALUE(is_mpi_available(), "[launch] --backend mpi: the MPI back-end is not available in this build of "
+                    "accelerate-cpp (it was built without MPI; install libopenmpi-dev and rebuild)");
+  TORCH_CHECK_VALUE(!plan.multi_gpu, "[launch] --backend mpi handles CPU tensors only; use --cpu, or nccl for GPUs");
+  if (plan.num_machines > 1) {
+    TORCH_CHECK_VALUE(plan.mpirun_hostfile.has_value(), "[launch] --backend mpi on ", plan.num_machines,
+                      " machines needs --mpirun_hostfile, the machines mpirun starts the workers on");
+    TORCH_CHECK_VALUE(plan.machine_rank == 0, "[launch] with --backend mpi, mpirun starts the workers of every "
+                      "machine: run accelerate launch once, on the machine of rank 0 (--machine_rank 0)");
+  }
+  if (plan.mpirun_hostfile) {
+    TORCH_CHECK_VALUE(fs::is_regular_file(*plan.mpirun_hostfile), "[launch] --mpirun_hostfile ",
+                      *plan.mpirun_hostfile, " is not a readable file");
+  }
+  try {
+    plan.mpirun = detail::resolve_program("mpirun");
+  } catch (const std::exception&) {
+    TORCH_CHECK_VALUE(std::string(ACCELERATE_MPIEXEC).size() > 0 && fs::exists(ACCELERATE_MPIEXEC),
+                      "[launch] --backend mpi needs mpirun, which is not on PATH (Debian: openmpi-bin)");
+    plan.mpirun = ACCELERATE_MPIEXEC;
+  }
+}
+
+// Note [Workers under mpirun]
+// With the MPI back-end, mpirun starts the workers, so they are not the launcher's children.
+// mpirun runs a small wrapper script per rank, which sets the same RANK/LOCAL_RANK/... variables
+// as for other workers (from mpirun's own) and keeps the launcher's guarantees:
+//  * the worker's stdout and stderr go to named pipes of its rank, which the launcher relays
+//    with the usual "[rankN]: " prefix (mpirun's own output gets "[mpirun]: ");
+//  * it reports "start <rank> <pid>" and "exit <rank> <code>" on a status pipe, so the launcher
+//    knows the first failure (the root cause) and can signal workers directly;
+//  * the worker runs in its own process group (job control on), with default signal handling,
+//    and dies with its wrapper (PR_SET_PDEATHSIG through setpriv); a watcher kills it when the
+//    launcher itself is gone, so that no worker outlives a launcher killed with SIGKILL.
+// On other machines (a host file) the pipes do not exist: the wrapper runs the program
+// directly and mpirun relays its output and exit status.
+constexpr const char* kMpiWrapper = R"(#!/bin/bash
+dir=$1; launcher=$2; shift 2
+rank=${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-0}}
+size=${OMPI_COMM_WORLD_SIZE:-${PMI_SIZE:-1}}
+local_size=${OMPI_COMM_WORLD_LOCAL_SIZE:-$size}
+export RANK=$rank WORLD_SIZE=$size LOCAL_RANK=${OMPI_COMM_WORLD_LOCAL_RANK:-$rank} LOCAL_WORLD_SIZE=$local_size
+export ROLE_RANK=$rank ROLE_WORLD_SIZE=$size GROUP_RANK=$((rank / local_size))
+if [ ! -p "$dir/status" ]; then exec "$@"; fi
+export ACCELERATE_ERROR_FILE="$dir/error.$rank"
+set -m
+setpriv --pdeathsig KILL -- "$@" </dev/null >"$dir/out.$rank" 2>"$dir/err.$rank" &
+child=$!
+echo "start $rank $child" >"$dir/status"
+for sig in TERM INT HUP; do trap "kill -s $sig $child 2>/dev/null" $sig; done
+( while kill -0 "$launcher" 2>/dev/null; do sleep 1; done; kill -s KILL "$child" ) </dev/null >/dev/null 2>&1 &
+watcher=$!
+while :; do
+  wait "$child"; code=$?
+  kill -0 "$child" 2>/dev/null || break
+done
+kill "$watcher" 2>/dev/null
+echo "exit $rank $code" >"$dir/status"
+exit "$code"
+)";
+
+// The torchrun-style variables of one rank; under mpirun the ranks come from mpirun instead.
+constexpr const char* kPerRankVariables[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                             "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE"};
+
+// The variables every rank of an MPI job gets.
+std::map<std::string, std::string> mpi_job_environment(const LaunchPlan& plan, int master_port, int restart_count) {
+  auto env = worker_environment(plan, 0, master_port, restart_count);
+  for (const char* key : kPerRankVariables) env.erase(key);
+  env["ACCELERATE_BACKEND"] = "mpi";
+  return env;
+}
 
 }  // namespace
 
@@ -144,7 +224,8 @@ LaunchPlan resolve_launch(const LaunchArgs& args) {
   plan.rdzv_timeout = args.rdzv_timeout;
   plan.grace_period = args.grace_period;
   plan.log_dir = args.log_dir;
-  plan.backend = args.backend.value_or("");
+  // ACCELERATE_BACKEND, which the workers read too, is the default of --backend.
+  plan.backend = args.backend.value_or(get_env("ACCELERATE_BACKEND").value_or(""));
   plan.quiet = args.quiet;
 
   TORCH_CHECK_VALUE(plan.num_processes >= 1, "[launch] --num_processes must be at least 1, got ", plan.num_processes);
@@ -176,8 +257,12 @@ LaunchPlan resolve_launch(const LaunchArgs& args) {
                     plan.gradient_accumulation_steps.value_or(0));
   TORCH_CHECK_VALUE(plan.backend.empty() || plan.backend == "gloo" || plan.backend == "nccl" || plan.backend == "mpi",
                     "[launch] --backend must be gloo, nccl or mpi, got '", plan.backend, "'");
-  TORCH_CHECK_VALUE(plan.backend != "mpi" || is_mpi_available(),
-                    "[launch] --backend mpi: the MPI back-end is not available in this build of accelerate-cpp");
+  plan.mpirun_hostfile = args.mpirun_hostfile ? args.mpirun_hostfile : (config ? config->mpirun_hostfile : std::nullopt);
+  if (plan.mpirun_hostfile && plan.backend.empty()) plan.backend = "mpi";
+  if (plan.backend == "mpi") resolve_mpirun(plan);
+  TORCH_CHECK_VALUE(!plan.mpirun_hostfile || plan.backend == "mpi", "[launch] --mpirun_hostfile (or mpirun_config in "
+                    "the config file) starts the workers through mpirun, which needs --backend mpi, not ",
+                    plan.backend);
   if (args.tee) {
     const std::string& t = *args.tee;
     TORCH_CHECK_VALUE(t.size() == 1 && t[0] >= '0' && t[0] <= '3', "[launch] --tee must be 0, 1, 2 or 3, got '", t,
@@ -244,6 +329,72 @@ std::map<std::string, std::string> worker_environment(const LaunchPlan& plan, in
   return env;
 }
 
+namespace {
+
+detail::SuperviseOptions supervise_options(const LaunchPlan& plan, int attempt) {
+  detail::SuperviseOptions options;
+  options.monitor_interval = plan.monitor_interval;
+  options.grace_period = plan.grace_period;
+  options.log_dir = plan.log_dir;
+  options.tee = plan.tee;
+  options.attempt = attempt;
+  options.quiet = plan.quiet;
+  return options;
+}
+
+// One attempt of an MPI job; see Note [Workers under mpirun]. Returns the exit code when the
+// launcher is done, or minus the exit code when the job is to be restarted.
+int run_mpi_attempt(const LaunchPlan& plan, detail::Supervisor& supervisor,
+                    const std::map<std::string, std::string>& base, const fs::path& scratch, int port, int attempt) {
+  const fs::path dir = scratch / ("attempt_" + std::to_string(attempt));
+  fs::create_directories(dir);
+  const fs::path wrapper = scratch / "worker.sh";
+  if (!fs::exists(wrapper)) detail::write_file(wrapper.string(), kMpiWrapper, /*durable=*/false);
+  auto make_fifo = [](const fs::path& path) {
+    TORCH_CHECK(::mkfifo(path.c_str(), 0600) == 0, "[launch] cannot create the pipe ", path.string(), ": ",
+                std::strerror(errno));
+  };
+  detail::CarrierSpec carrier;
+  carrier.status_pipe = (dir / "status").string();
+  make_fifo(carrier.status_pipe);
+  std::vector<detail::WorkerSpec> specs(plan.num_processes);
+  for (int rank = 0; rank < plan.num_processes; ++rank) {
+    auto& spec = specs[rank];
+    spec.rank = rank;
+    spec.local_rank = rank % plan.local_num_processes;
+    spec.argv = plan.command;
+    spec.error_file = (dir / ("error." + std::to_string(rank))).string();
+    spec.stdout_pipe = (dir / ("out." + std::to_string(rank))).string();
+    spec.stderr_pipe = (dir / ("err." + std::to_string(rank))).string();
+    make_fifo(spec.stdout_pipe);
+    make_fifo(spec.stderr_pipe);
+  }
+  auto env = base;
+  const auto job = mpi_job_environment(plan, port, attempt);
+  for (const auto& [k, v] : job) env[k] = v;
+  for (const char* key : kPerRankVariables) env.erase(key);
+  if (::geteuid() == 0) {  // Open MPI refuses root unless told twice
+    env["OMPI_ALLOW_RUN_AS_ROOT"] = "1";
+    env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1";
+  }
+  for (const auto& [k, v] : env) carrier.env.push_back(k + "=" + v);
+  carrier.argv = {plan.mpirun, "-np", std::to_string(plan.num_processes), "--bind-to", "none"};
+  if (plan.mpirun_hostfile) {
+    carrier.argv.insert(carrier.argv.end(), {"--hostfile", *plan.mpirun_hostfile});
+    for (const auto& [k, v] : job) carrier.argv.insert(carrier.argv.end(), {"-x", k});
+  } else {
+    carrier.argv.push_back("--oversubscribe");  // more processes than cores is the user's choice
+  }
+  carrier.argv.insert(carrier.argv.end(), {"bash", wrapper.string(), dir.string(), std::to_string(::getpid())});
+  carrier.argv.insert(carrier.argv.end(), plan.command.begin(), plan.command.end());
+
+  auto result = supervisor.run(specs, supervise_options(plan, attempt), &carrier);
+  if (result.exit_code == 0 || result.interrupted || attempt >= plan.max_restarts) return result.exit_code;
+  return -result.exit_code;
+}
+
+}  // namespace
+
 int launch_command(const LaunchPlan& plan) {
   // Signals are blocked before the store starts its threads; see Supervisor.
   detail::Supervisor supervisor;
@@ -267,6 +418,14 @@ int launch_command(const LaunchPlan& plan) {
 
   int exit_code = 0;
   for (int attempt = 0;; ++attempt) {
+    if (plan.backend == "mpi") {
+      exit_code = run_mpi_attempt(plan, supervisor, base, scratch, port, attempt);
+      if (exit_code >= 0) break;
+      exit_code = -exit_code;
+      if (!plan.quiet) std::cerr << "accelerate launch: restarting all " << plan.num_processes << " worker(s) (restart "
+                << attempt + 1 << " of " << plan.max_restarts << ")" << std::endl;
+      continue;
+    }
     std::vector<detail::WorkerSpec> specs(plan.local_num_processes);
     for (int local = 0; local < plan.local_num_processes; ++local) {
       auto& spec = specs[local];
@@ -279,14 +438,7 @@ int launch_command(const LaunchPlan& plan) {
       env["ACCELERATE_ERROR_FILE"] = spec.error_file;
       for (auto& [k, v] : env) spec.env.push_back(k + "=" + v);
     }
-    detail::SuperviseOptions options;
-    options.monitor_interval = plan.monitor_interval;
-    options.grace_period = plan.grace_period;
-    options.log_dir = plan.log_dir;
-    options.tee = plan.tee;
-    options.attempt = attempt;
-    options.quiet = plan.quiet;
-    auto result = supervisor.run(specs, options);
+    auto result = supervisor.run(specs, supervise_options(plan, attempt));
     exit_code = result.exit_code;
     if (exit_code == 0 || result.interrupted || attempt >= plan.max_restarts) break;
     if (!plan.quiet) std::cerr << "accelerate launch: restarting all " << plan.local_num_processes << " worker(s) (restart "

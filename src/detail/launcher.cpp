@@ -105,7 +105,31 @@ struct Worker {
   int status = 0;
   Stream out;
   Stream err;
+  // A carried worker's pipes are also held open for writing by us, so that reading them never
+  // ends before the worker has started; closed once it has exited.
+  int keep_out = -1;
+  int keep_err = -1;
+
+  void release_pipes() {
+    for (int* fd : {&keep_out, &keep_err}) {
+      if (*fd >= 0) ::close(*fd);
+      *fd = -1;
+    }
+  }
 };
+
+// The wait status a worker's exit code stands for, as its wrapper shell reports it (128 + N for
+// a death by signal N).
+int status_of_code(int code) {
+  if (code > 128 && code < 128 + 65) return code - 128;
+  return (code & 0xff) << 8;
+}
+
+int open_pipe(const std::string& path, int flags) {
+  int fd = ::open(path.c_str(), flags | O_NONBLOCK | O_CLOEXEC);
+  TORCH_CHECK(fd >= 0, "[launch] cannot open the pipe ", path, ": ", std::strerror(errno));
+  return fd;
+}
 
 std::string describe_status(int status) {
   if (WIFSIGNALED(status)) {
@@ -161,7 +185,8 @@ Supervisor::~Supervisor() {
   if (signal_fd_ >= 0) ::close(signal_fd_);
 }
 
-AttemptResult Supervisor::run(const std::vector<WorkerSpec>& specs, const SuperviseOptions& options) {
+AttemptResult Supervisor::run(const std::vector<WorkerSpec>& specs, const SuperviseOptions& options,
+                              const CarrierSpec* carrier) {
   AttemptResult result;
   std::vector<Worker> workers(specs.size());
   const bool logs = options.log_dir.has_value();
@@ -174,10 +199,22 @@ AttemptResult Supervisor::run(const std::vector<WorkerSpec>& specs, const Superv
   bool killed_hard = false;
   const Worker* root = nullptr;
 
+  Worker carrier_proc;
+  WorkerSpec carrier_spec;
+  int status_fd = -1;
+  int status_keep = -1;
+  std::string status_partial;
+
+  auto signal_worker = [](const Worker& w, int sig) {
+    if (!w.alive || w.pid <= 0) return;
+    if (::kill(-w.pid, sig) != 0) ::kill(w.pid, sig);
+  };
   auto signal_all = [&](int sig) {
-    for (auto& w : workers) {
-      if (w.alive) ::kill(-w.pid, sig);
-    }
+    for (auto& w : workers) signal_worker(w, sig);
+    // The carrier is left to end by itself once its workers have, unless it must die now or its
+    // workers are not known yet.
+    const bool known = std::any_of(workers.begin(), workers.end(), [](const Worker& w) { return w.pid > 0; });
+    if (carrier != nullptr && (sig == SIGKILL || !known)) signal_worker(carrier_proc, sig);
   };
   auto begin_teardown = [&](int sig) {
     if (tearing_down) return;
@@ -187,46 +224,136 @@ AttemptResult Supervisor::run(const std::vector<WorkerSpec>& specs, const Superv
                                        std::chrono::duration<double>(options.grace_period));
   };
 
-  // Start every worker; a worker that cannot start fails the attempt like a crash would.
-  std::string start_error;
-  for (size_t i = 0; i < specs.size() && interrupt_signal == 0; ++i) {
-    Worker& w = workers[i];
-    w.spec = &specs[i];
-    const std::string tag = "[rank" + std::to_string(specs[i].rank) + "]: ";
+  auto setup_streams = [&](Worker& w, const WorkerSpec& spec, const std::string& tag) {
+    w.spec = &spec;
     w.out.prefix = w.err.prefix = tag;
     w.out.console_fd = STDOUT_FILENO;
     w.err.console_fd = STDERR_FILENO;
     w.err.keep_tail = true;
-    if (logs) {
-      const fs::path dir = attempt_dir / ("rank_" + std::to_string(specs[i].rank));
+    if (logs && spec.rank >= 0) {
+      const fs::path dir = attempt_dir / ("rank_" + std::to_string(spec.rank));
       w.out.log_fd = open_log(dir / "stdout.log");
       w.err.log_fd = open_log(dir / "stderr.log");
       w.out.to_console = (options.tee & 1) != 0;
       w.err.to_console = (options.tee & 2) != 0;
     }
-    try {
-      ChildProcess child = spawn_child(specs[i].argv, specs[i].env);
-      w.pid = child.pid;
-      w.alive = true;
-      w.out.fd = child.stdout_fd;
-      w.err.fd = child.stderr_fd;
-    } catch (const c10::Error& e) {
-      start_error = e.what_without_backtrace();
-      result.exit_code = 127;
-      result.root_cause = "rank " + std::to_string(specs[i].rank) + " could not start: " + start_error;
-      w.out.close();
-      w.err.close();
-      begin_teardown(SIGTERM);
-      break;
+  };
+
+  // Start every worker (or the carrier that starts them); one that cannot start fails the
+  // attempt like a crash would.
+  std::string start_error;
+  if (carrier != nullptr) {
+    for (size_t i = 0; i < specs.size(); ++i) {
+      Worker& w = workers[i];
+      setup_streams(w, specs[i], "[rank" + std::to_string(specs[i].rank) + "]: ");
+      w.out.fd = open_pipe(specs[i].stdout_pipe, O_RDONLY);
+      w.keep_out = open_pipe(specs[i].stdout_pipe, O_WRONLY);
+      w.err.fd = open_pipe(specs[i].stderr_pipe, O_RDONLY);
+      w.keep_err = open_pipe(specs[i].stderr_pipe, O_WRONLY);
+    }
+    status_fd = open_pipe(carrier->status_pipe, O_RDONLY);
+    status_keep = open_pipe(carrier->status_pipe, O_WRONLY);
+    carrier_spec.rank = -1;
+    carrier_spec.argv = carrier->argv;
+    setup_streams(carrier_proc, carrier_spec, "[" + carrier->name + "]: ");
+    if (interrupt_signal == 0) {
+      try {
+        ChildProcess child = spawn_child(carrier->argv, carrier->env);
+        carrier_proc.pid = child.pid;
+        carrier_proc.alive = true;
+        carrier_proc.out.fd = child.stdout_fd;
+        carrier_proc.err.fd = child.stderr_fd;
+        for (auto& w : workers) w.alive = true;
+      } catch (const c10::Error& e) {
+        start_error = e.what_without_backtrace();
+        result.exit_code = 127;
+        result.root_cause = carrier->name + " could not start: " + start_error;
+      }
+    }
+    for (auto& w : workers) {
+      if (!w.alive) w.release_pipes();
+    }
+  } else {
+    for (size_t i = 0; i < specs.size() && interrupt_signal == 0; ++i) {
+      Worker& w = workers[i];
+      setup_streams(w, specs[i], "[rank" + std::to_string(specs[i].rank) + "]: ");
+      try {
+        ChildProcess child = spawn_child(specs[i].argv, specs[i].env);
+        w.pid = child.pid;
+        w.alive = true;
+        w.out.fd = child.stdout_fd;
+        w.err.fd = child.stderr_fd;
+      } catch (const c10::Error& e) {
+        start_error = e.what_without_backtrace();
+        result.exit_code = 127;
+        result.root_cause = "rank " + std::to_string(specs[i].rank) + " could not start: " + start_error;
+        w.out.close();
+        w.err.close();
+        begin_teardown(SIGTERM);
+        break;
+      }
     }
   }
   if (!start_error.empty()) say(result.root_cause);
+
+  // A worker's end as its wrapper reported it: the first failure is the root cause.
+  auto worker_ended = [&](Worker& w, int status) {
+    if (!w.alive) return;
+    w.alive = false;
+    w.status = status;
+    w.release_pipes();
+    if (status != 0 && !tearing_down) {
+      root = &w;
+      begin_teardown(SIGTERM);
+    }
+  };
+  auto read_status = [&] {
+    if (status_fd < 0) return;
+    char buf[4096];
+    ssize_t n;
+    while ((n = ::read(status_fd, buf, sizeof(buf))) > 0) status_partial.append(buf, static_cast<size_t>(n));
+    size_t start = 0;
+    for (size_t nl; (nl = status_partial.find('\n', start)) != std::string::npos; start = nl + 1) {
+      std::istringstream line(status_partial.substr(start, nl - start));
+      std::string what;
+      long rank = -1, value = 0;
+      if (!(line >> what >> rank >> value)) continue;
+      for (auto& w : workers) {
+        if (w.spec->rank != rank) continue;
+        if (what == "start") {
+          w.pid = static_cast<pid_t>(value);
+          if (tearing_down) signal_worker(w, killed_hard ? SIGKILL : SIGTERM);
+        } else if (what == "exit") {
+          worker_ended(w, status_of_code(static_cast<int>(value)));
+        }
+      }
+    }
+    status_partial.erase(0, start);
+  };
 
   auto reap = [&] {
     while (true) {
       int status = 0;
       pid_t pid = ::waitpid(-1, &status, WNOHANG);
       if (pid <= 0) return;
+      if (carrier != nullptr && pid == carrier_proc.pid && carrier_proc.alive) {
+        carrier_proc.alive = false;
+        carrier_proc.status = status;
+        // Every report its workers' wrappers wrote is in the pipe by now; a worker without one
+        // never ran or was killed with its wrapper.
+        read_status();
+        for (auto& w : workers) {
+          if (!w.alive) continue;
+          w.alive = false;
+          w.status = status == 0 ? 0 : SIGKILL;
+          w.release_pipes();
+        }
+        if (status != 0 && root == nullptr && !tearing_down) {
+          root = &carrier_proc;
+          begin_teardown(SIGTERM);
+        }
+        continue;
+      }
       for (auto& w : workers) {
         if (w.pid != pid || !w.alive) continue;
         w.alive = false;
@@ -239,16 +366,21 @@ AttemptResult Supervisor::run(const std::vector<WorkerSpec>& specs, const Superv
     }
   };
 
+  std::vector<Worker*> everyone;
+  for (auto& w : workers) everyone.push_back(&w);
+  if (carrier != nullptr) everyone.push_back(&carrier_proc);
   while (true) {
-    const bool any_alive = std::any_of(workers.begin(), workers.end(), [](const Worker& w) { return w.alive; });
-    const bool any_open = std::any_of(workers.begin(), workers.end(),
-                                      [](const Worker& w) { return w.out.fd >= 0 || w.err.fd >= 0; });
+    const bool any_alive = std::any_of(everyone.begin(), everyone.end(), [](const Worker* w) { return w->alive; });
+    const bool any_open = std::any_of(everyone.begin(), everyone.end(),
+                                      [](const Worker* w) { return w->out.fd >= 0 || w->err.fd >= 0; });
     if (!any_alive && !any_open) break;
 
     std::vector<struct pollfd> fds;
     std::vector<Stream*> streams;
     fds.push_back({signal_fd_, POLLIN, 0});
-    for (auto& w : workers) {
+    fds.push_back({status_fd, POLLIN, 0});  // ignored by poll while -1
+    for (Worker* wp : everyone) {
+      Worker& w = *wp;
       for (Stream* s : {&w.out, &w.err}) {
         if (s->fd >= 0) {
           fds.push_back({s->fd, POLLIN, 0});
@@ -283,9 +415,10 @@ AttemptResult Supervisor::run(const std::vector<WorkerSpec>& specs, const Superv
         begin_teardown(sig);
       }
     }
-    for (size_t i = 1; i < fds.size(); ++i) {
+    if ((fds[1].revents & POLLIN) != 0) read_status();
+    for (size_t i = 2; i < fds.size(); ++i) {
       if ((fds[i].revents & (POLLIN | POLLHUP | POLLERR)) == 0) continue;
-      Stream* s = streams[i - 1];
+      Stream* s = streams[i - 2];
       if (!s->pump()) {
         ::close(s->fd);
         s->fd = -1;
@@ -298,14 +431,14 @@ AttemptResult Supervisor::run(const std::vector<WorkerSpec>& specs, const Superv
       if (alive > 0) {
         say(std::to_string(alive) + " worker(s) still running " + std::to_string(options.grace_period) +
             "s after SIGTERM; sending SIGKILL");
-        signal_all(SIGKILL);
       }
+      if (alive > 0 || carrier_proc.alive) signal_all(SIGKILL);
       killed_hard = true;
     }
     // Streams held open by a process outside our groups must not keep us waiting forever.
     if (!any_alive) {
-      for (auto& w : workers) {
-        for (Stream* s : {&w.out, &w.err}) {
+      for (Worker* w : everyone) {
+        for (Stream* s : {&w->out, &w->err}) {
           if (s->fd >= 0 && !(ready > 0)) {
             s->flush();
             ::close(s->fd);
@@ -315,20 +448,28 @@ AttemptResult Supervisor::run(const std::vector<WorkerSpec>& specs, const Superv
       }
     }
   }
-  for (auto& w : workers) {
-    w.out.close();
-    w.err.close();
+  for (Worker* w : everyone) {
+    w->out.close();
+    w->err.close();
+    w->release_pipes();
+  }
+  for (int fd : {status_fd, status_keep}) {
+    if (fd >= 0) ::close(fd);
   }
 
   if (root != nullptr) {
     std::ostringstream msg;
-    msg << "rank " << root->spec->rank << " (local rank " << root->spec->local_rank << ", pid " << root->pid << ") "
-        << describe_status(root->status);
+    if (root == &carrier_proc) {
+      msg << carrier->name << " (pid " << root->pid << ") " << describe_status(root->status);
+    } else {
+      msg << "rank " << root->spec->rank << " (local rank " << root->spec->local_rank << ", pid " << root->pid << ") "
+          << describe_status(root->status);
+    }
     const std::string error = last_error(*root);
     if (!error.empty()) msg << "\n  error: " << error;
     result.root_cause = msg.str();
     result.exit_code = exit_code_of(root->status);
-    say("worker " + result.root_cause);
+    say((root == &carrier_proc ? "" : "worker ") + result.root_cause);
     const auto others = std::count_if(workers.begin(), workers.end(),
                                       [&](const Worker& w) { return &w != root && w.pid > 0 && w.status != 0; });
     if (others > 0) say("stopped the other " + std::to_string(others) + " worker(s) of the group");

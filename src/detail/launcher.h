@@ -16,6 +16,19 @@ struct WorkerSpec {
   std::vector<std::string> argv;  ///< argv[0] resolved to a path
   std::vector<std::string> env;   ///< complete environment, "KEY=VALUE"
   std::string error_file;         ///< where the worker writes its fatal error (may stay absent)
+  /// Named pipes its output arrives through, when a carrier starts it (else it is our child).
+  std::string stdout_pipe;
+  std::string stderr_pipe;
+};
+
+/// A process that starts the workers itself (`mpirun`). Each worker's wrapper reports
+/// "start <rank> <pid>" and "exit <rank> <code>" lines on `status_pipe`; the carrier's own output
+/// is relayed with its name as prefix.
+struct CarrierSpec {
+  std::string name = "mpirun";
+  std::vector<std::string> argv;
+  std::vector<std::string> env;
+  std::string status_pipe;
 };
 
 struct SuperviseOptions {
@@ -44,7 +57,8 @@ class Supervisor {
   Supervisor& operator=(const Supervisor&) = delete;
 
   /// Runs the workers until all have exited; never returns with one still alive.
-  AttemptResult run(const std::vector<WorkerSpec>& workers, const SuperviseOptions& options);
+  AttemptResult run(const std::vector<WorkerSpec>& workers, const SuperviseOptions& options,
+                    const CarrierSpec* carrier = nullptr);
 
  private:
   int signal_fd_ = -1;

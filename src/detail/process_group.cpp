@@ -1,7 +1,9 @@
 // Rendezvous and process groups; see process_group.h.
 #include "detail/process_group.h"
 
+#include "build_config.h"
 #include "detail/errors.h"
+#include "detail/process_group_mpi.h"
 
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -168,12 +170,31 @@ Rendezvous rendezvous(const RendezvousConfig& config) {
     C10_THROW_ERROR(Error, c10::str("[PartialState] backend \"nccl\" needs a LibTorch built with CUDA and NCCL; this one has none "
                        "(use \"gloo\")"));
 #endif
+  } else if (config.backend == "mpi") {
+    out.process_group = make_mpi_process_group(topo, config.collective_timeout);
   } else {
     C10_THROW_ERROR(ValueError, c10::str("[PartialState] unknown process-group backend \"", config.backend,
-                      "\"; expected \"gloo\" or \"nccl\""));
+                      "\"; expected \"gloo\", \"nccl\" or \"mpi\""));
   }
   wait_until_every_group_is_built(store, config);
   return out;
 }
+
+bool started_by_mpirun() {
+  // The MPI launcher's process-management server, which MPI_Init contacts: PMIx (Open MPI) or
+  // PMI (MPICH's Hydra). Rank variables alone can be set by hand and prove nothing.
+  for (const char* name : {"PMIX_NAMESPACE", "PMI_FD", "PMI_PORT"}) {
+    const char* value = std::getenv(name);
+    if (value != nullptr && *value != '\0') return true;
+  }
+  return false;
+}
+
+#if !ACCELERATE_HAVE_MPI
+c10::intrusive_ptr<c10d::ProcessGroup> make_mpi_process_group(const Topology&, std::chrono::milliseconds) {
+  C10_THROW_ERROR(ValueError, "[PartialState] the MPI back-end is not available in this build of accelerate-cpp "
+                              "(it was built without MPI); use \"gloo\"");
+}
+#endif
 
 }  // namespace accelerate::detail

@@ -181,7 +181,7 @@ bool is_nccl_available() {
 #endif
 }
 
-bool is_mpi_available() { return false; }
+bool is_mpi_available() { return ACCELERATE_HAVE_MPI != 0; }
 
 bool is_numa_available() {
 #if ACCELERATE_HAVE_NUMA

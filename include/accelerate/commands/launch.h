@@ -38,6 +38,7 @@ struct LaunchArgs {
   std::optional<std::string> log_dir;
   std::optional<std::string> tee;  ///< streams also shown on the console with --log_dir: 0-3
   std::optional<std::string> backend;
+  std::optional<std::string> mpirun_hostfile;  ///< machines for `--backend mpi` (mpirun's --hostfile)
   bool no_python = false;
   bool module = false;
   bool quiet = false;            ///< silence the launcher's informational lines (errors still show)
@@ -76,6 +77,10 @@ struct LaunchPlan {
   std::optional<std::string> log_dir;
   int tee = 3;
   std::string backend;
+  /// With backend "mpi": the workers are started by this mpirun, on the machines of the host
+  /// file when there is one.
+  std::string mpirun;
+  std::optional<std::string> mpirun_hostfile;
   bool quiet = false;
   std::vector<std::string> command;  ///< the program and its arguments
 };

@@ -41,7 +41,8 @@ void sleep_seconds(double s) { std::this_thread::sleep_for(std::chrono::duration
 
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
-  const int rank = env_int("RANK", 0);
+  // Under mpirun the rank comes from Open MPI's variable.
+  const int rank = env_int("RANK", env_int("OMPI_COMM_WORLD_RANK", 0));
   auto arg = [&](int i) { return i < argc ? std::string(argv[i]) : std::string(); };
 
   if (mode == "env") {

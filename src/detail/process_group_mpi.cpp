@@ -1,0 +1,801 @@
+// The MPI process group; see process_group_mpi.h and Note [One MPI thread].
+#include "detail/process_group_mpi.h"
+
+#include <ATen/core/ivalue.h>
+#include <ATen/core/jit_type.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+
+// MPI's C interface only; the deprecated C++ bindings do not compile cleanly with our warnings.
+#define OMPI_SKIP_MPICXX 1
+#define MPICH_SKIP_MPICXX 1
+#include <mpi.h>
+
+#include <climits>
+#include <condition_variable>
+#include <cstdlib>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <future>
+#include <mutex>
+#include <sched.h>
+#include <thread>
+
+namespace accelerate::detail {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::string mpi_error_text(int code) {
+  char text[MPI_MAX_ERROR_STRING];
+  int length = 0;
+  if (MPI_Error_string(code, text, &length) != MPI_SUCCESS) return "MPI error " + std::to_string(code);
+  return std::string(text, static_cast<size_t>(length));
+}
+
+// Throws an error naming the operation when an MPI call did not succeed.
+void check_mpi(int code, const char* op, const char* call) {
+  if (code == MPI_SUCCESS) return;
+  C10_THROW_ERROR(Error, c10::str("[mpi] ", op, ": ", call, " failed: ", mpi_error_text(code)));
+}
+
+std::string seconds_text(std::chrono::milliseconds ms) {
+  return c10::str(static_cast<double>(ms.count()) / 1000.0, "s");
+}
+
+// ---- Work -----------------------------------------------------------------------------------
+
+class MpiWork : public c10d::Work {
+ public:
+  MpiWork(int rank, c10d::OpType type, const char* name, std::vector<at::Tensor> outputs)
+      : c10d::Work(rank, type), name_(name), outputs_(std::move(outputs)),
+        future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
+
+  bool wait(std::chrono::milliseconds timeout) override {
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (timeout == kNoTimeout) {
+      cv_.wait(lock, [&] { return completed_; });
+    } else if (!cv_.wait_for(lock, timeout, [&] { return completed_; })) {
+      C10_THROW_ERROR(Error, c10::str("[mpi] ", name_, " did not complete within ", seconds_text(timeout),
+                                      " (a process skipped it, or is stuck or dead)"));
+    }
+    if (exception_) std::rethrow_exception(exception_);
+    return true;
+  }
+
+  std::vector<at::Tensor> result() override { return outputs_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+
+  void complete(std::exception_ptr error) {
+    finish(error);
+    if (error) {
+      future_->setError(error);
+    } else {
+      future_->markCompleted(c10::IValue(outputs_));
+    }
+  }
+
+  const char* name() const { return name_; }
+
+ private:
+  const char* name_;
+  std::vector<at::Tensor> outputs_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+// One queued collective: `start` issues its non-blocking MPI calls, `done` copies results back.
+struct Op {
+  const char* name = "";
+  std::function<void(MPI_Comm, std::vector<MPI_Request>&)> start;
+  std::function<void()> done;
+  c10::intrusive_ptr<MpiWork> work;
+  std::chrono::milliseconds timeout{0};
+  MPI_Comm* comm = nullptr;
+  std::vector<at::Tensor> keep_alive;  // buffers MPI may still touch after a timeout
+};
+
+// ---- The runtime: MPI's one thread ----------------------------------------------------------
+
+class MpiRuntime {
+ public:
+  // MPI starts once per process; the runtime lives until exit, where MPI_Finalize runs (see
+  // shutdown) before static destructors.
+  static std::shared_ptr<MpiRuntime> get() {
+    static std::mutex mutex;
+    static std::shared_ptr<MpiRuntime> instance;
+    std::lock_guard<std::mutex> lock(mutex);
+    if (instance) return instance;
+    instance = std::shared_ptr<MpiRuntime>(new MpiRuntime());
+    std::atexit([] { instance->shutdown(); });
+    return instance;
+  }
+
+  ~MpiRuntime() { shutdown(); }
+
+  int world_rank() const { return world_rank_; }
+  int world_size() const { return world_size_; }
+
+  void enqueue(std::unique_ptr<Op> op) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!stopping_) {
+        queue_.push_back(std::move(op));
+        cv_.notify_one();
+        return;
+      }
+    }
+    op->work->complete(std::make_exception_ptr(
+        c10::Error(c10::str("[mpi] ", op->name, ": MPI has already been shut down in this process"), "")));
+  }
+
+  // Stops the thread after the queued operations, then finalises MPI (unless a collective was
+  // abandoned: MPI_Finalize would wait for it forever).
+  void shutdown() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (stopping_) return;
+      stopping_ = true;
+      cv_.notify_one();
+    }
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  MpiRuntime() {
+    std::promise<std::string> started;
+    auto result = started.get_future();
+    thread_ = std::thread([this, &started] { run(started); });
+    const std::string error = result.get();
+    if (!error.empty()) {
+      thread_.join();
+      C10_THROW_ERROR(Error, error);
+    }
+  }
+
+  void run(std::promise<std::string>& started) {
+    int provided = 0;
+    int code = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided);
+    if (code != MPI_SUCCESS) {
+      started.set_value("[mpi] MPI_Init_thread failed: " + mpi_error_text(code));
+      return;
+    }
+    MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+    MPI_Comm_rank(MPI_COMM_WORLD, &world_rank_);
+    MPI_Comm_size(MPI_COMM_WORLD, &world_size_);
+    started.set_value("");
+
+    bool abandoned = false;
+    while (true) {
+      std::unique_ptr<Op> op;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+        if (queue_.empty()) break;
+        op = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      if (!broken_.empty()) {
+        op->work->complete(std::make_exception_ptr(c10::Error(
+            c10::str("[mpi] ", op->name, ": the process group is unusable since an earlier failure: ", broken_), "")));
+        continue;
+      }
+      if (!execute(*op)) {
+        abandoned = true;
+        abandoned_.push_back(std::move(op));  // MPI may still write into its buffers
+      }
+    }
+    if (!abandoned) MPI_Finalize();
+  }
+
+  // Runs one operation to completion; false when it was abandoned at its timeout.
+  bool execute(Op& op) {
+    std::vector<MPI_Request> requests;
+    try {
+      op.start(*op.comm, requests);
+    } catch (...) {
+      for (auto& request : requests) MPI_Wait(&request, MPI_STATUS_IGNORE);
+      op.work->complete(std::current_exception());
+      return true;
+    }
+    const auto begin = Clock::now();
+    const auto deadline = op.timeout.count() > 0 ? begin + op.timeout : Clock::time_point::max();
+    auto sleep_for = std::chrono::microseconds(10);
+    while (!requests.empty()) {
+      int flag = 0;
+      const int code = MPI_Testall(static_cast<int>(requests.size()), requests.data(), &flag, MPI_STATUSES_IGNORE);
+      if (code != MPI_SUCCESS) {
+        broken_ = c10::str(op.name, " failed: ", mpi_error_text(code));
+        op.work->complete(std::make_exception_ptr(c10::Error(c10::str("[mpi] ", broken_), "")));
+        return false;
+      }
+      if (flag) break;
+      const auto now = Clock::now();
+      if (now >= deadline) {
+        broken_ = c10::str(op.name, " timed out after ", seconds_text(op.timeout));
+        op.work->complete(std::make_exception_ptr(c10::Error(
+            c10::str("[mpi] ", op.name, " did not complete within the process group's timeout of ",
+                     seconds_text(op.timeout), " (a process skipped it, or is stuck or dead)"),
+            "")));
+        return false;
+      }
+      // Spin briefly for small messages, then yield, then sleep ever longer (capped).
+      const auto waited = now - begin;
+      if (waited < std::chrono::microseconds(50)) continue;
+      if (waited < std::chrono::microseconds(250)) {
+        sched_yield();
+        continue;
+      }
+      std::this_thread::sleep_for(sleep_for);
+      sleep_for = std::min<std::chrono::microseconds>(sleep_for * 2, std::chrono::microseconds(500));
+    }
+    try {
+      if (op.done) op.done();
+      op.work->complete(nullptr);
+    } catch (...) {
+      op.work->complete(std::current_exception());
+    }
+    return true;
+  }
+
+  int world_rank_ = 0;
+  int world_size_ = 1;
+  std::thread thread_;
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<std::unique_ptr<Op>> queue_;
+  bool stopping_ = false;
+  std::string broken_;  // only touched by the MPI thread
+  std::vector<std::unique_ptr<Op>> abandoned_;
+};
+
+// ---- Types and buffers ----------------------------------------------------------------------
+
+// The MPI type that moves elements of `t` without arithmetic, and how many per element.
+std::pair<MPI_Datatype, int> raw_type(const at::Tensor& t) {
+  switch (t.element_size()) {
+    case 1: return {MPI_UINT8_T, 1};
+    case 2: return {MPI_UINT16_T, 1};
+    case 4: return {MPI_UINT32_T, 1};
+    case 8: return {MPI_UINT64_T, 1};
+    case 16: return {MPI_UINT64_T, 2};
+    default: C10_THROW_ERROR(TypeError, c10::str("[mpi] unsupported element size for ", t.scalar_type()));
+  }
+}
+
+// The MPI type for reductions over `type` (bf16/fp16 are reduced as float).
+MPI_Datatype reduce_type(at::ScalarType type, const char* op) {
+  switch (type) {
+    case at::kFloat: return MPI_FLOAT;
+    case at::kDouble: return MPI_DOUBLE;
+    case at::kChar: return MPI_INT8_T;
+    case at::kByte: return MPI_UINT8_T;
+    case at::kShort: return MPI_INT16_T;
+    case at::kInt: return MPI_INT32_T;
+    case at::kLong: return MPI_INT64_T;
+    case at::kBool: return MPI_C_BOOL;
+    default:
+      C10_THROW_ERROR(TypeError, c10::str("[mpi] ", op, ": cannot reduce tensors of type ", type,
+                                          " (supported: floating point, integer and bool)"));
+  }
+}
+
+bool reduced_as_float(at::ScalarType type) { return type == at::kHalf || type == at::kBFloat16; }
+
+MPI_Op mpi_op(c10d::ReduceOp::RedOpType op, at::ScalarType type, const char* name) {
+  const bool boolean = type == at::kBool;
+  switch (op) {
+    case c10d::ReduceOp::SUM:
+    case c10d::ReduceOp::AVG: return boolean ? MPI_LOR : MPI_SUM;
+    case c10d::ReduceOp::PRODUCT: return boolean ? MPI_LAND : MPI_PROD;
+    case c10d::ReduceOp::MIN: return boolean ? MPI_LAND : MPI_MIN;
+    case c10d::ReduceOp::MAX: return boolean ? MPI_LOR : MPI_MAX;
+    case c10d::ReduceOp::BAND:
+    case c10d::ReduceOp::BOR:
+    case c10d::ReduceOp::BXOR:
+      TORCH_CHECK_VALUE(!at::isFloatingType(type), "[mpi] ", name, ": bitwise reductions need integer tensors, got ",
+                        type);
+      return op == c10d::ReduceOp::BAND ? MPI_BAND : op == c10d::ReduceOp::BOR ? MPI_BOR : MPI_BXOR;
+    default: C10_THROW_ERROR(ValueError, c10::str("[mpi] ", name, ": reduce operation ", static_cast<int>(op), " is not supported"));
+  }
+}
+
+int count_of(int64_t elements, const char* op) {
+  TORCH_CHECK_VALUE(elements <= INT_MAX, "[mpi] ", op, ": ", elements,
+                    " elements exceed MPI's per-call limit of 2^31-1; split the tensor");
+  return static_cast<int>(elements);
+}
+
+// A contiguous buffer MPI can use for `t`: `t` itself when possible, else a copy (converted to
+// float for 16-bit reductions). `write_back` puts the buffer's contents into `t`.
+struct Staged {
+  at::Tensor user;
+  at::Tensor buffer;
+  void write_back() const {
+    if (!buffer.is_same(user)) user.copy_(buffer);
+  }
+};
+
+Staged stage(const at::Tensor& t, bool for_reduction) {
+  Staged s{t, t};
+  if (for_reduction && reduced_as_float(t.scalar_type())) {
+    s.buffer = t.to(at::kFloat).contiguous();
+  } else if (!t.is_contiguous()) {
+    s.buffer = t.contiguous();
+  }
+  return s;
+}
+
+void check_cpu(const at::Tensor& t, const char* op) {
+  TORCH_CHECK_VALUE(t.device().is_cpu(), "[mpi] ", op, ": the MPI back-end handles CPU tensors only, got a tensor on ",
+                    t.device(), " (use \"nccl\" for GPU tensors)");
+}
+
+const at::Tensor& single(const std::vector<at::Tensor>& tensors, const char* op) {
+  TORCH_CHECK_VALUE(tensors.size() == 1, "[mpi] ", op, ": expected exactly one tensor per process, got ",
+                    tensors.size());
+  check_cpu(tensors[0], op);
+  return tensors[0];
+}
+
+void check_like(const at::Tensor& t, const at::Tensor& reference, const char* op, const char* what) {
+  check_cpu(t, op);
+  TORCH_CHECK_VALUE(t.scalar_type() == reference.scalar_type() && t.numel() == reference.numel(), "[mpi] ", op, ": ",
+                    what, " must match the input's type and size (", reference.scalar_type(), ", ", reference.numel(),
+                    " elements), got ", t.scalar_type(), " with ", t.numel(), " elements");
+}
+
+void check_root(int64_t root, int size, const char* op) {
+  TORCH_CHECK_VALUE(root >= 0 && root < size, "[mpi] ", op, ": root rank ", root, " is outside [0, ", size, ")");
+}
+
+// Divides in place after an AVG reduction (integer types divide with truncation, like PyTorch).
+void finish_average(const at::Tensor& t, c10d::ReduceOp::RedOpType op, int size) {
+  if (op != c10d::ReduceOp::AVG) return;
+  if (at::isFloatingType(t.scalar_type())) {
+    t.div_(size);
+  } else {
+    t.div_(size, "trunc");
+  }
+}
+
+// ---- The process group ----------------------------------------------------------------------
+
+class ProcessGroupMPI final : public c10d::ProcessGroup {
+ public:
+  ProcessGroupMPI(std::shared_ptr<MpiRuntime> runtime, int rank, int size, std::chrono::milliseconds timeout)
+      : c10d::ProcessGroup(rank, size), runtime_(std::move(runtime)), timeout_(timeout) {
+    // The group's own communicator, so that its collectives never mix with another group's.
+    auto comm = std::make_shared<MPI_Comm>(MPI_COMM_NULL);
+    comm_ = comm;
+    auto work = submit(c10d::OpType::UNKNOWN, "process-group creation", {}, [comm](MPI_Comm, std::vector<MPI_Request>& r) {
+      r.emplace_back();
+      check_mpi(MPI_Comm_idup(MPI_COMM_WORLD, comm.get(), &r.back()), "process-group creation", "MPI_Comm_idup");
+    }, nullptr, /*world=*/true);
+    work->wait(kNoTimeout);
+    MPI_Comm_set_errhandler(*comm_, MPI_ERRORS_RETURN);
+  }
+
+  ~ProcessGroupMPI() override {
+    // Freeing is local in practice; done on the MPI thread, which skips it if MPI already ended.
+    auto comm = comm_;
+    auto op = std::make_unique<Op>();
+    op->name = "process-group destruction";
+    op->work = c10::make_intrusive<MpiWork>(rank_, c10d::OpType::UNKNOWN, op->name, std::vector<at::Tensor>{});
+    op->comm = comm_.get();
+    op->start = [comm](MPI_Comm, std::vector<MPI_Request>&) {
+      if (*comm != MPI_COMM_NULL) MPI_Comm_free(comm.get());
+    };
+    runtime_->enqueue(std::move(op));
+  }
+
+  const std::string getBackendName() const override { return "mpi"; }
+
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override {
+    const char* name = "broadcast";
+    const at::Tensor& t = single(tensors, name);
+    check_root(opts.rootRank, size_, name);
+    auto s = std::make_shared<Staged>(stage(t, false));
+    const int root = static_cast<int>(opts.rootRank);
+    return submit(c10d::OpType::BROADCAST, name, tensors, [s, root, name](MPI_Comm comm, std::vector<MPI_Request>& r) {
+      auto [type, per] = raw_type(s->buffer);
+      r.emplace_back();
+      check_mpi(MPI_Ibcast(s->buffer.data_ptr(), count_of(s->buffer.numel() * per, name), type, root, comm, &r.back()),
+                name, "MPI_Ibcast");
+    }, [s] { s->write_back(); }, false, {s->buffer});
+  }
+
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override {
+    const char* name = "allreduce";
+    const at::Tensor& t = single(tensors, name);
+    return reduce_into(c10d::OpType::ALLREDUCE, name, t, opts.reduceOp.op_, -1, tensors);
+  }
+
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                                     const c10d::AllreduceCoalescedOptions& opts) override {
+    const char* name = "allreduce_coalesced";
+    TORCH_CHECK_VALUE(!tensors.empty(), "[mpi] ", name, ": expected at least one tensor");
+    for (const auto& t : tensors) {
+      check_cpu(t, name);
+      TORCH_CHECK_VALUE(t.scalar_type() == tensors[0].scalar_type(), "[mpi] ", name,
+                        ": every tensor must have the same type, got ", tensors[0].scalar_type(), " and ",
+                        t.scalar_type());
+    }
+    std::vector<at::Tensor> flat_parts;
+    for (const auto& t : tensors) flat_parts.push_back(t.reshape({-1}));
+    at::Tensor flat = at::cat(flat_parts);
+    auto work = reduce_into(c10d::OpType::ALLREDUCE_COALESCED, name, flat, opts.reduceOp.op_, -1, tensors,
+                            [flat, tensors]() {
+                              int64_t offset = 0;
+                              for (const auto& t : tensors) {
+                                t.copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
+                                offset += t.numel();
+                              }
+                            });
+    return work;
+  }
+
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) override {
+    const char* name = "reduce";
+    const at::Tensor& t = single(tensors, name);
+    check_root(opts.rootRank, size_, name);
+    return reduce_into(c10d::OpType::REDUCE, name, t, opts.reduceOp.op_, static_cast<int>(opts.rootRank), tensors);
+  }
+
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions&) override {
+    const char* name = "allgather";
+    const at::Tensor& in = single(inputs, name);
+    TORCH_CHECK_VALUE(outputs.size() == 1 && outputs[0].size() == static_cast<size_t>(size_), "[mpi] ", name,
+                      ": expected one list of ", size_, " output tensors (one per process)");
+    for (const auto& o : outputs[0]) check_like(o, in, name, "every output tensor");
+    auto flat = at::empty({size_ * in.numel()}, in.options());
+    auto input = in.contiguous();
+    auto outs = outputs[0];
+    return submit(c10d::OpType::ALLGATHER, name, outs, [flat, input, name](MPI_Comm comm, std::vector<MPI_Request>& r) {
+      auto [type, per] = raw_type(input);
+      const int count = count_of(input.numel() * per, name);
+      r.emplace_back();
+      check_mpi(MPI_Iallgather(input.data_ptr(), count, type, flat.data_ptr(), count, type, comm, &r.back()), name,
+                "MPI_Iallgather");
+    }, [flat, outs, n = in.numel()] {
+      for (size_t i = 0; i < outs.size(); ++i) outs[i].copy_(flat.narrow(0, static_cast<int64_t>(i) * n, n).view(outs[i].sizes()));
+    }, false, {flat, input});
+  }
+
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions&) override {
+    const char* name = "allgather";
+    check_cpu(input, name);
+    check_cpu(output, name);
+    TORCH_CHECK_VALUE(output.scalar_type() == input.scalar_type() && output.numel() == size_ * input.numel(), "[mpi] ",
+                      name, ": the output must hold ", size_, " times the input's elements of type ",
+                      input.scalar_type());
+    auto in = input.contiguous();
+    auto s = std::make_shared<Staged>(stage(output, false));
+    return submit(c10d::OpType::_ALLGATHER_BASE, name, {output}, [in, s, name](MPI_Comm comm, std::vector<MPI_Request>& r) {
+      auto [type, per] = raw_type(in);
+      const int count = count_of(in.numel() * per, name);
+      r.emplace_back();
+      check_mpi(MPI_Iallgather(in.data_ptr(), count, type, s->buffer.data_ptr(), count, type, comm, &r.back()), name,
+                "MPI_Iallgather");
+    }, [s] { s->write_back(); }, false, {in, s->buffer});
+  }
+
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                        std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) override {
+    const char* name = "gather";
+    const at::Tensor& in = single(inputs, name);
+    check_root(opts.rootRank, size_, name);
+    const int root = static_cast<int>(opts.rootRank);
+    const bool is_root = rank_ == root;
+    if (is_root) {
+      TORCH_CHECK_VALUE(outputs.size() == 1 && outputs[0].size() == static_cast<size_t>(size_), "[mpi] ", name,
+                        ": the root expects one list of ", size_, " output tensors");
+      for (const auto& o : outputs[0]) check_like(o, in, name, "every output tensor");
+    } else {
+      TORCH_CHECK_VALUE(outputs.empty() || (outputs.size() == 1 && outputs[0].empty()), "[mpi] ", name,
+                        ": only the root rank ", root, " takes output tensors");
+    }
+    auto input = in.contiguous();
+    auto flat = is_root ? at::empty({size_ * in.numel()}, in.options()) : at::Tensor();
+    std::vector<at::Tensor> outs = is_root ? outputs[0] : std::vector<at::Tensor>{};
+    return submit(c10d::OpType::GATHER, name, outs, [flat, input, root, name](MPI_Comm comm, std::vector<MPI_Request>& r) {
+      auto [type, per] = raw_type(input);
+      const int count = count_of(input.numel() * per, name);
+      r.emplace_back();
+      check_mpi(MPI_Igather(input.data_ptr(), count, type, flat.defined() ? flat.data_ptr() : nullptr, count, type, root,
+                            comm, &r.back()),
+                name, "MPI_Igather");
+    }, [flat, outs, n = in.numel()] {
+      for (size_t i = 0; i < outs.size(); ++i) outs[i].copy_(flat.narrow(0, static_cast<int64_t>(i) * n, n).view(outs[i].sizes()));
+    }, false, {flat, input});
+  }
+
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
+                                         std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override {
+    const char* name = "scatter";
+    const at::Tensor& out = single(outputs, name);
+    check_root(opts.rootRank, size_, name);
+    const int root = static_cast<int>(opts.rootRank);
+    const bool is_root = rank_ == root;
+    at::Tensor flat;
+    if (is_root) {
+      TORCH_CHECK_VALUE(inputs.size() == 1 && inputs[0].size() == static_cast<size_t>(size_), "[mpi] ", name,
+                        ": the root expects one list of ", size_, " input tensors");
+      for (const auto& i : inputs[0]) check_like(i, out, name, "every input tensor");
+      std::vector<at::Tensor> parts;
+      for (const auto& i : inputs[0]) parts.push_back(i.reshape({-1}));
+      flat = at::cat(parts);
+    } else {
+      TORCH_CHECK_VALUE(inputs.empty() || (inputs.size() == 1 && inputs[0].empty()), "[mpi] ", name,
+                        ": only the root rank ", root, " takes input tensors");
+    }
+    auto s = std::make_shared<Staged>(stage(out, false));
+    return submit(c10d::OpType::SCATTER, name, outputs, [flat, s, root, name](MPI_Comm comm, std::vector<MPI_Request>& r) {
+      auto [type, per] = raw_type(s->buffer);
+      const int count = count_of(s->buffer.numel() * per, name);
+      r.emplace_back();
+      check_mpi(MPI_Iscatter(flat.defined() ? flat.data_ptr() : nullptr, count, type, s->buffer.data_ptr(), count, type,
+                             root, comm, &r.back()),
+                name, "MPI_Iscatter");
+    }, [s] { s->write_back(); }, false, {flat, s->buffer});
+  }
+
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override {
+    const char* name = "reduce_scatter";
+    const at::Tensor& out = single(outputs, name);
+    TORCH_CHECK_VALUE(inputs.size() == 1 && inputs[0].size() == static_cast<size_t>(size_), "[mpi] ", name,
+                      ": expected one list of ", size_, " input tensors (one per process)");
+    for (const auto& i : inputs[0]) check_like(i, out, name, "every input tensor");
+    std::vector<at::Tensor> parts;
+    for (const auto& i : inputs[0]) parts.push_back(i.reshape({-1}));
+    at::Tensor flat = at::cat(parts);
+    return reduce_scatter_flat(c10d::OpType::REDUCE_SCATTER, name, out, flat, opts.reduceOp.op_, outputs);
+  }
+
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                      const c10d::ReduceScatterOptions& opts) override {
+    const char* name = "reduce_scatter";
+    check_cpu(input, name);
+    check_cpu(output, name);
+    TORCH_CHECK_VALUE(input.scalar_type() == output.scalar_type() && input.numel() == size_ * output.numel(), "[mpi] ",
+                      name, ": the input must hold ", size_, " times the output's elements of type ",
+                      output.scalar_type());
+    return reduce_scatter_flat(c10d::OpType::_REDUCE_SCATTER_BASE, name, output, input.reshape({-1}), opts.reduceOp.op_,
+                               {output});
+  }
+
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& output_splits,
+                                               std::vector<int64_t>& input_splits,
+                                               const c10d::AllToAllOptions&) override {
+    const char* name = "alltoall";
+    check_cpu(input, name);
+    check_cpu(output, name);
+    TORCH_CHECK_VALUE(input.scalar_type() == output.scalar_type(), "[mpi] ", name,
+                      ": input and output types differ (", input.scalar_type(), ", ", output.scalar_type(), ")");
+    const int64_t in_row = input.dim() == 0 ? 1 : input.numel() / std::max<int64_t>(input.size(0), 1);
+    const int64_t out_row = output.dim() == 0 ? 1 : output.numel() / std::max<int64_t>(output.size(0), 1);
+    auto split_counts = [&](const std::vector<int64_t>& splits, const at::Tensor& t, int64_t row, const char* what) {
+      std::vector<int64_t> counts(static_cast<size_t>(size_));
+      if (splits.empty()) {
+        TORCH_CHECK_VALUE(t.dim() > 0 && t.size(0) % size_ == 0, "[mpi] ", name, ": the ", what,
+                          "'s first dimension must divide evenly among ", size_, " processes");
+        for (auto& c : counts) c = t.numel() / size_;
+      } else {
+        TORCH_CHECK_VALUE(splits.size() == static_cast<size_t>(size_), "[mpi] ", name, ": expected ", size_, " ", what,
+                          " split sizes, got ", splits.size());
+        int64_t total = 0;
+        for (size_t i = 0; i < splits.size(); ++i) {
+          counts[i] = splits[i] * row;
+          total += splits[i];
+        }
+        TORCH_CHECK_VALUE(total == (t.dim() == 0 ? 1 : t.size(0)), "[mpi] ", name, ": the ", what,
+                          " split sizes add up to ", total, ", but its first dimension is ",
+                          t.dim() == 0 ? 1 : t.size(0));
+      }
+      return counts;
+    };
+    auto send = split_counts(input_splits, input, in_row, "input");
+    auto recv = split_counts(output_splits, output, out_row, "output");
+    auto in = input.contiguous();
+    auto s = std::make_shared<Staged>(stage(output, false));
+    return alltoallv(c10d::OpType::ALLTOALL_BASE, name, in, s, send, recv, {output});
+  }
+
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions&) override {
+    const char* name = "alltoall";
+    TORCH_CHECK_VALUE(outputs.size() == static_cast<size_t>(size_) && inputs.size() == static_cast<size_t>(size_),
+                      "[mpi] ", name, ": expected ", size_, " input and ", size_, " output tensors, got ",
+                      inputs.size(), " and ", outputs.size());
+    std::vector<int64_t> send, recv;
+    std::vector<at::Tensor> in_parts, out_parts;
+    for (int i = 0; i < size_; ++i) {
+      check_cpu(inputs[i], name);
+      check_cpu(outputs[i], name);
+      TORCH_CHECK_VALUE(inputs[i].scalar_type() == inputs[0].scalar_type() &&
+                            outputs[i].scalar_type() == inputs[0].scalar_type(),
+                        "[mpi] ", name, ": every tensor must have the same type");
+      send.push_back(inputs[i].numel());
+      recv.push_back(outputs[i].numel());
+      in_parts.push_back(inputs[i].reshape({-1}));
+    }
+    auto in = at::cat(in_parts);
+    int64_t total = 0;
+    for (auto c : recv) total += c;
+    auto flat_out = at::empty({total}, inputs[0].options());
+    auto s = std::make_shared<Staged>(Staged{flat_out, flat_out});
+    auto work = alltoallv(c10d::OpType::ALLTOALL, name, in, s, send, recv, outputs, [flat_out, outputs]() {
+      int64_t offset = 0;
+      for (const auto& o : outputs) {
+        o.copy_(flat_out.narrow(0, offset, o.numel()).view(o.sizes()));
+        offset += o.numel();
+      }
+    });
+    return work;
+  }
+
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override {
+    const char* name = "send";
+    const at::Tensor& t = single(tensors, name);
+    check_root(dst, size_, name);
+    auto buffer = t.contiguous();
+    return submit(c10d::OpType::SEND, name, tensors, [buffer, dst, tag, name](MPI_Comm comm, std::vector<MPI_Request>& r) {
+      auto [type, per] = raw_type(buffer);
+      r.emplace_back();
+      check_mpi(MPI_Isend(buffer.data_ptr(), count_of(buffer.numel() * per, name), type, dst, tag, comm, &r.back()),
+                name, "MPI_Isend");
+    }, nullptr, false, {buffer});
+  }
+
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override {
+    const char* name = "recv";
+    const at::Tensor& t = single(tensors, name);
+    check_root(src, size_, name);
+    auto s = std::make_shared<Staged>(stage(t, false));
+    return submit(c10d::OpType::RECV, name, tensors, [s, src, tag, name](MPI_Comm comm, std::vector<MPI_Request>& r) {
+      auto [type, per] = raw_type(s->buffer);
+      r.emplace_back();
+      check_mpi(MPI_Irecv(s->buffer.data_ptr(), count_of(s->buffer.numel() * per, name), type, src, tag, comm, &r.back()),
+                name, "MPI_Irecv");
+    }, [s] { s->write_back(); }, false, {s->buffer});
+  }
+
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions&) override {
+    const char* name = "barrier";
+    return submit(c10d::OpType::BARRIER, name, {}, [name](MPI_Comm comm, std::vector<MPI_Request>& r) {
+      r.emplace_back();
+      check_mpi(MPI_Ibarrier(comm, &r.back()), name, "MPI_Ibarrier");
+    }, nullptr);
+  }
+
+ private:
+  c10::intrusive_ptr<MpiWork> submit(c10d::OpType type, const char* name, std::vector<at::Tensor> outputs,
+                                     std::function<void(MPI_Comm, std::vector<MPI_Request>&)> start,
+                                     std::function<void()> done, bool world = false,
+                                     std::vector<at::Tensor> keep_alive = {}) {
+    auto op = std::make_unique<Op>();
+    op->name = name;
+    op->start = std::move(start);
+    op->done = std::move(done);
+    op->timeout = timeout_;
+    op->keep_alive = std::move(keep_alive);
+    static MPI_Comm world_comm = MPI_COMM_WORLD;
+    op->comm = world ? &world_comm : comm_.get();
+    op->work = c10::make_intrusive<MpiWork>(rank_, type, name, std::move(outputs));
+    auto work = op->work;
+    runtime_->enqueue(std::move(op));
+    return work;
+  }
+
+  // Reduces `t` across processes into every rank (root < 0) or into `root`.
+  c10::intrusive_ptr<c10d::Work> reduce_into(c10d::OpType type, const char* name, const at::Tensor& t,
+                                             c10d::ReduceOp::RedOpType reduce_op, int root, std::vector<at::Tensor> outputs,
+                                             std::function<void()> after = nullptr) {
+    check_cpu(t, name);
+    const MPI_Datatype datatype = reduce_type(reduced_as_float(t.scalar_type()) ? at::kFloat : t.scalar_type(), name);
+    const MPI_Op op = mpi_op(reduce_op, t.scalar_type(), name);
+    auto s = std::make_shared<Staged>(stage(t, true));
+    const int size = size_;
+    const bool receives = root < 0 || root == rank_;
+    return submit(type, name, std::move(outputs), [s, datatype, op, root, name](MPI_Comm comm, std::vector<MPI_Request>& r) {
+      const int count = count_of(s->buffer.numel(), name);
+      r.emplace_back();
+      if (root < 0) {
+        check_mpi(MPI_Iallreduce(MPI_IN_PLACE, s->buffer.data_ptr(), count, datatype, op, comm, &r.back()), name,
+                  "MPI_Iallreduce");
+      } else {
+        int rank = 0;
+        MPI_Comm_rank(comm, &rank);
+        void* send = rank == root ? MPI_IN_PLACE : s->buffer.data_ptr();
+        check_mpi(MPI_Ireduce(send, s->buffer.data_ptr(), count, datatype, op, root, comm, &r.back()), name,
+                  "MPI_Ireduce");
+      }
+    }, [s, reduce_op, size, receives, after] {
+      if (!receives) return;
+      finish_average(s->buffer, reduce_op, size);
+      s->write_back();
+      if (after) after();
+    }, false, {s->buffer});
+  }
+
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_flat(c10d::OpType type, const char* name, const at::Tensor& out,
+                                                     const at::Tensor& flat_input, c10d::ReduceOp::RedOpType reduce_op,
+                                                     std::vector<at::Tensor> outputs) {
+    const bool as_float = reduced_as_float(out.scalar_type());
+    const MPI_Datatype datatype = reduce_type(as_float ? at::kFloat : out.scalar_type(), name);
+    const MPI_Op op = mpi_op(reduce_op, out.scalar_type(), name);
+    auto in = as_float ? flat_input.to(at::kFloat).contiguous() : flat_input.contiguous();
+    auto s = std::make_shared<Staged>(stage(out, true));
+    const int size = size_;
+    return submit(type, name, std::move(outputs), [in, s, datatype, op, name](MPI_Comm comm, std::vector<MPI_Request>& r) {
+      r.emplace_back();
+      check_mpi(MPI_Ireduce_scatter_block(in.data_ptr(), s->buffer.data_ptr(), count_of(s->buffer.numel(), name),
+                                          datatype, op, comm, &r.back()),
+                name, "MPI_Ireduce_scatter_block");
+    }, [s, reduce_op, size] {
+      finish_average(s->buffer, reduce_op, size);
+      s->write_back();
+    }, false, {in, s->buffer});
+  }
+
+  // Element counts per peer for input and output; both flattened.
+  c10::intrusive_ptr<c10d::Work> alltoallv(c10d::OpType type, const char* name, const at::Tensor& in,
+                                           std::shared_ptr<Staged> s, const std::vector<int64_t>& send_counts,
+                                           const std::vector<int64_t>& recv_counts, std::vector<at::Tensor> outputs,
+                                           std::function<void()> after = nullptr) {
+    auto [datatype, per] = raw_type(in);
+    auto to_int = [&, per = per](const std::vector<int64_t>& counts, std::vector<int>& c, std::vector<int>& d) {
+      int64_t offset = 0;
+      for (auto n : counts) {
+        c.push_back(count_of(n * per, name));
+        d.push_back(count_of(offset * per, name));
+        offset += n;
+      }
+    };
+    auto sc = std::make_shared<std::vector<int>>(), sd = std::make_shared<std::vector<int>>();
+    auto rc = std::make_shared<std::vector<int>>(), rd = std::make_shared<std::vector<int>>();
+    to_int(send_counts, *sc, *sd);
+    to_int(recv_counts, *rc, *rd);
+    return submit(type, name, std::move(outputs), [in, s, sc, sd, rc, rd, datatype = datatype, name](
+                                                      MPI_Comm comm, std::vector<MPI_Request>& r) {
+      r.emplace_back();
+      check_mpi(MPI_Ialltoallv(in.data_ptr(), sc->data(), sd->data(), datatype, s->buffer.data_ptr(), rc->data(),
+                               rd->data(), datatype, comm, &r.back()),
+                name, "MPI_Ialltoallv");
+    }, [s, after] {
+      s->write_back();
+      if (after) after();
+    }, false, {in, s->buffer});
+  }
+
+  std::shared_ptr<MpiRuntime> runtime_;
+  std::chrono::milliseconds timeout_;
+  std::shared_ptr<MPI_Comm> comm_;
+};
+
+}  // namespace
+
+c10::intrusive_ptr<c10d::ProcessGroup> make_mpi_process_group(const Topology& topology,
+                                                              std::chrono::milliseconds timeout) {
+  // Starting MPI outside an MPI launcher would make this process a job of its own (or hang
+  // looking for one), so that case is refused before MPI is touched.
+  TORCH_CHECK_VALUE(started_by_mpirun(), "[PartialState] backend \"mpi\" needs the processes to be started by mpirun: "
+                    "use `accelerate launch --backend mpi ...` or `mpirun -np N <program>`");
+  auto runtime = MpiRuntime::get();
+  TORCH_CHECK_VALUE(runtime->world_size() == topology.world_size && runtime->world_rank() == topology.rank,
+                    "[PartialState] MPI started this process as rank ", runtime->world_rank(), " of ",
+                    runtime->world_size(), ", but accelerate expects rank ", topology.rank, " of ",
+                    topology.world_size, "; leave RANK/WORLD_SIZE unset under mpirun");
+  return c10::make_intrusive<ProcessGroupMPI>(std::move(runtime), topology.rank, topology.world_size, timeout);
+}
+
+}  // namespace accelerate::detail
