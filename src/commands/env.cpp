@@ -119,7 +119,9 @@ std::vector<std::pair<std::string, std::string>> environment_info() {
       {"Gloo available", yes_no(is_gloo_available())},
       {"NCCL available", yes_no(is_nccl_available())},
       {"MPI available", yes_no(is_mpi_available())},
-      {"Default CPU back-end", std::string("gloo (mpi with `accelerate launch --backend mpi`, or under mpirun)")},
+      {"Default CPU back-end", is_mpi_available() ? "mpi for `accelerate launch` on one machine and under mpirun, "
+                                                    "gloo otherwise"
+                                                  : "gloo"},
       {"BLAS", blas.name + (blas.library.empty() ? "" : " (" + blas.library + ")")},
   };
   if (!blas.config.empty()) info.emplace_back("BLAS build", blas.config);

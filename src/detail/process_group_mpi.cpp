@@ -88,6 +88,8 @@ class MpiWork : public c10d::Work {
 struct Op {
   const char* name = "";
   std::function<void(MPI_Comm, std::vector<MPI_Request>&)> start;
+  // Large payloads run the blocking form instead, once every rank has arrived (see execute).
+  std::function<void(MPI_Comm)> blocking;
   std::function<void()> done;
   c10::intrusive_ptr<MpiWork> work;
   std::chrono::milliseconds timeout{0};
@@ -189,15 +191,42 @@ class MpiRuntime {
   }
 
   // Runs one operation to completion; false when it was abandoned at its timeout.
+  //
+  // Note [Large collectives block]
+  // Open MPI's non-blocking collectives use generic algorithms that are 1.6-1.8x slower here
+  // for large payloads than its tuned blocking ones (6 MiB allreduce: 2.1 ms against 1.1 ms on
+  // two processes). A blocking call cannot be timed out, though, so a large operation first
+  // waits, polled and bounded by the timeout like any other, in a non-blocking barrier: once
+  // every rank has arrived, the blocking call can only stall if a peer dies, and then mpirun
+  // ends the job.
   bool execute(Op& op) {
     std::vector<MPI_Request> requests;
     try {
-      op.start(*op.comm, requests);
+      if (op.blocking) {
+        requests.emplace_back();
+        check_mpi(MPI_Ibarrier(*op.comm, &requests.back()), op.name, "MPI_Ibarrier");
+      } else {
+        op.start(*op.comm, requests);
+      }
     } catch (...) {
       for (auto& request : requests) MPI_Wait(&request, MPI_STATUS_IGNORE);
       op.work->complete(std::current_exception());
       return true;
     }
+    if (!wait_all(op, requests)) return false;
+    try {
+      if (op.blocking) op.blocking(*op.comm);
+      if (op.done) op.done();
+      op.work->complete(nullptr);
+    } catch (...) {
+      op.work->complete(std::current_exception());
+    }
+    return true;
+  }
+
+  // Polls `requests` to completion; false (the operation failed and the group is broken) on an
+  // MPI error or at the operation's timeout.
+  bool wait_all(Op& op, std::vector<MPI_Request>& requests) {
     const auto begin = Clock::now();
     const auto deadline = op.timeout.count() > 0 ? begin + op.timeout : Clock::time_point::max();
     auto sleep_for = std::chrono::microseconds(10);
@@ -209,7 +238,7 @@ class MpiRuntime {
         op.work->complete(std::make_exception_ptr(c10::Error(c10::str("[mpi] ", broken_), "")));
         return false;
       }
-      if (flag) break;
+      if (flag) return true;
       const auto now = Clock::now();
       if (now >= deadline) {
         broken_ = c10::str(op.name, " timed out after ", seconds_text(op.timeout));
@@ -228,12 +257,6 @@ class MpiRuntime {
       }
       std::this_thread::sleep_for(sleep_for);
       sleep_for = std::min<std::chrono::microseconds>(sleep_for * 2, std::chrono::microseconds(500));
-    }
-    try {
-      if (op.done) op.done();
-      op.work->complete(nullptr);
-    } catch (...) {
-      op.work->complete(std::current_exception());
     }
     return true;
   }
@@ -361,6 +384,9 @@ void finish_average(const at::Tensor& t, c10d::ReduceOp::RedOpType op, int size)
 
 // ---- The process group ----------------------------------------------------------------------
 
+// Payloads from this size on use Open MPI's blocking algorithms; see Note [Large collectives block].
+constexpr int64_t kBlockingBytes = 256 * 1024;
+
 class ProcessGroupMPI final : public c10d::ProcessGroup {
  public:
   ProcessGroupMPI(std::shared_ptr<MpiRuntime> runtime, int rank, int size, std::chrono::milliseconds timeout)
@@ -403,7 +429,11 @@ class ProcessGroupMPI final : public c10d::ProcessGroup {
       r.emplace_back();
       check_mpi(MPI_Ibcast(s->buffer.data_ptr(), count_of(s->buffer.numel() * per, name), type, root, comm, &r.back()),
                 name, "MPI_Ibcast");
-    }, [s] { s->write_back(); }, false, {s->buffer});
+    }, [s] { s->write_back(); }, false, {s->buffer}, [s, root, name](MPI_Comm comm) {
+      auto [type, per] = raw_type(s->buffer);
+      check_mpi(MPI_Bcast(s->buffer.data_ptr(), count_of(s->buffer.numel() * per, name), type, root, comm), name,
+                "MPI_Bcast");
+    }, s->buffer.nbytes());
   }
 
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
@@ -463,7 +493,11 @@ class ProcessGroupMPI final : public c10d::ProcessGroup {
                 "MPI_Iallgather");
     }, [flat, outs, n = in.numel()] {
       for (size_t i = 0; i < outs.size(); ++i) outs[i].copy_(flat.narrow(0, static_cast<int64_t>(i) * n, n).view(outs[i].sizes()));
-    }, false, {flat, input});
+    }, false, {flat, input}, [flat, input, name](MPI_Comm comm) {
+      auto [type, per] = raw_type(input);
+      const int count = count_of(input.numel() * per, name);
+      check_mpi(MPI_Allgather(input.data_ptr(), count, type, flat.data_ptr(), count, type, comm), name, "MPI_Allgather");
+    }, flat.nbytes());
   }
 
   c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
@@ -482,7 +516,12 @@ class ProcessGroupMPI final : public c10d::ProcessGroup {
       r.emplace_back();
       check_mpi(MPI_Iallgather(in.data_ptr(), count, type, s->buffer.data_ptr(), count, type, comm, &r.back()), name,
                 "MPI_Iallgather");
-    }, [s] { s->write_back(); }, false, {in, s->buffer});
+    }, [s] { s->write_back(); }, false, {in, s->buffer}, [in, s, name](MPI_Comm comm) {
+      auto [type, per] = raw_type(in);
+      const int count = count_of(in.numel() * per, name);
+      check_mpi(MPI_Allgather(in.data_ptr(), count, type, s->buffer.data_ptr(), count, type, comm), name,
+                "MPI_Allgather");
+    }, s->buffer.nbytes());
   }
 
   c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
@@ -681,10 +720,12 @@ class ProcessGroupMPI final : public c10d::ProcessGroup {
   c10::intrusive_ptr<MpiWork> submit(c10d::OpType type, const char* name, std::vector<at::Tensor> outputs,
                                      std::function<void(MPI_Comm, std::vector<MPI_Request>&)> start,
                                      std::function<void()> done, bool world = false,
-                                     std::vector<at::Tensor> keep_alive = {}) {
+                                     std::vector<at::Tensor> keep_alive = {},
+                                     std::function<void(MPI_Comm)> blocking = nullptr, int64_t bytes = 0) {
     auto op = std::make_unique<Op>();
     op->name = name;
     op->start = std::move(start);
+    if (bytes >= kBlockingBytes) op->blocking = std::move(blocking);  // Note [Large collectives block]
     op->done = std::move(done);
     op->timeout = timeout_;
     op->keep_alive = std::move(keep_alive);
@@ -706,6 +747,12 @@ class ProcessGroupMPI final : public c10d::ProcessGroup {
     auto s = std::make_shared<Staged>(stage(t, true));
     const int size = size_;
     const bool receives = root < 0 || root == rank_;
+    auto blocking = [s, datatype, op, root, name](MPI_Comm comm) {
+      if (root >= 0) return;  // reductions to one root stay non-blocking
+      check_mpi(MPI_Allreduce(MPI_IN_PLACE, s->buffer.data_ptr(), count_of(s->buffer.numel(), name), datatype, op,
+                              comm),
+                name, "MPI_Allreduce");
+    };
     return submit(type, name, std::move(outputs), [s, datatype, op, root, name](MPI_Comm comm, std::vector<MPI_Request>& r) {
       const int count = count_of(s->buffer.numel(), name);
       r.emplace_back();
@@ -724,7 +771,7 @@ class ProcessGroupMPI final : public c10d::ProcessGroup {
       finish_average(s->buffer, reduce_op, size);
       s->write_back();
       if (after) after();
-    }, false, {s->buffer});
+    }, false, {s->buffer}, blocking, root < 0 ? s->buffer.nbytes() : 0);
   }
 
   c10::intrusive_ptr<c10d::Work> reduce_scatter_flat(c10d::OpType type, const char* name, const at::Tensor& out,
