@@ -23,13 +23,18 @@ bench_build() {
 }
 
 # launch N [launcher flags...] PROGRAM [args...]: runs PROGRAM through our launcher on N
-# processes, one OpenMP/OpenBLAS thread each, with process 0's lines unprefixed.
+# processes, one OpenMP/OpenBLAS thread each, with process 0's lines unprefixed. Callers name the
+# back-end (--backend gloo|mpi): the launcher's own default is MPI when the build has it.
 launch() {
   local n=$1
   shift
   "$build/bin/accelerate" launch -n "$n" --num_cpu_threads_per_process 1 --main_process_port 0 "$@" \
     | sed 's/^\[rank0\]: //'
 }
+
+# Whether this build has the MPI back-end: its runs are the "cpp-mpi" side, while the "cpp" side
+# runs on Gloo like the PyTorch twins.
+has_mpi() { "$build/bin/accelerate" env | grep -q "MPI available: yes"; }
 
 standalone=0
 if [ -z "${BENCH_ROWS:-}" ]; then standalone=1; fi

@@ -54,11 +54,12 @@ def summarise(samples):
     for s in samples:
         key = (s["workload"], s["case"], s["metric"])
         row = rows.setdefault(key, {"workload": s["workload"], "case": s["case"], "metric": s["metric"],
-                                    "better": s.get("better", "higher"), "values": {}, "samples": {}, "targets": None})
+                                    "better": s.get("better", "higher"), "values": {}, "samples": {}, "targets": []})
         row["values"].setdefault(s["side"], []).append(s["value"])
         row["samples"].setdefault(s["side"], []).append(s)
-        if row["targets"] is None and s.get("targets"):
-            row["targets"] = s["targets"]
+        for t in s.get("targets") or []:  # each side's samples may carry their own targets
+            if t not in row["targets"]:
+                row["targets"].append(t)
     out = []
     # Workloads in id order; within one, rows in the order the runner wrote them.
     for row in sorted(rows.values(), key=lambda r: r["workload"]):
@@ -83,7 +84,7 @@ def summarise(samples):
                 if ref in sides and sides[ref]["median"]:
                     ratios[f"{side}/{ref}"] = sides[side]["median"] / sides[ref]["median"]
         targets = []
-        for t in row["targets"] or []:
+        for t in row["targets"]:
             measured = ratios.get(f"{t['side']}/{t['vs']}")
             met = None if measured is None else (measured >= t["ratio"] if t["op"] == ">=" else measured <= t["ratio"])
             targets.append(dict(t, measured=measured, met=met))

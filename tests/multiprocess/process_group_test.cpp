@@ -45,7 +45,7 @@ TEST_P(MpiCollectives, EveryCollectiveGivesTheExpectedValues) {
   for (int rank = 0; rank < n; ++rank) {
     const std::string p = "[rank" + std::to_string(rank) + "]: ";
     EXPECT_THAT(r->out, HasSubstr(p + "backend " + (n > 1 ? "mpi" : "none") + " processes " + std::to_string(n)));
-    for (const char* name : {"allreduce sum BFloat16", "allreduce product", "allreduce avg", "allreduce non-contiguous",
+    for (const char* name : {"allreduce sum BFloat16", "allreduce large", "broadcast large", "allgather large", "allreduce product", "allreduce avg", "allreduce non-contiguous",
                              "allreduce_coalesced", "broadcast Long", "reduce", "allgather", "gather", "scatter",
                              "reduce_scatter", "alltoall uneven", "alltoall of tensor lists", "allreduce future",
                              "barrier", "operations gather", "gather_object", "trigger", "wait_for_everyone"}) {
@@ -57,8 +57,11 @@ TEST_P(MpiCollectives, EveryCollectiveGivesTheExpectedValues) {
 INSTANTIATE_TEST_SUITE_P(Processes, MpiCollectives, ::testing::Values(1, 2, 4),
                          [](const auto& info) { return std::to_string(info.param) + "Processes"; });
 
-TEST(MpiBackend, ACollectiveOneProcessSkipsFailsAtTheGroupTimeoutNamingIt) {
-  auto r = run(launch_mpi(2, {"skip", "1"}), 60);
+class MpiSkippedCollective : public ::testing::TestWithParam<std::string> {};
+
+// Small payloads are polled directly; large ones wait in an arrival barrier first.
+TEST_P(MpiSkippedCollective, FailsAtTheGroupTimeoutNamingIt) {
+  auto r = run(launch_mpi(2, {"skip", "1", GetParam()}), 60);
   if (refused_without_mpi(*r)) return;
   EXPECT_EQ(r->exit_code(), 3) << r->out << r->err;
   EXPECT_THAT(r->out, HasSubstr("[rank0]: error: [mpi] allreduce did not complete within the process group's "
@@ -66,6 +69,9 @@ TEST(MpiBackend, ACollectiveOneProcessSkipsFailsAtTheGroupTimeoutNamingIt) {
   EXPECT_THAT(r->err, HasSubstr("worker rank 0 (local rank 0"));
   EXPECT_LT(r->elapsed, 40);
 }
+
+INSTANTIATE_TEST_SUITE_P(Payloads, MpiSkippedCollective, ::testing::Values("small", "large"),
+                         [](const auto& info) { return info.param; });
 
 TEST(MpiBackend, AWorkerKilledInTheMiddleOfACollectiveTearsTheJobDownWithTheRootCause) {
   auto r = run(launch_mpi(2, {"die", "1"}), 60);

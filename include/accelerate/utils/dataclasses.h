@@ -39,7 +39,9 @@ PrecisionType parse_precision_type(std::string_view text);
 ///   accelerate::PartialState state({.init_kwargs = {.backend = "gloo",
 ///                                                  .timeout = std::chrono::seconds(60)}});
 struct InitProcessGroupKwargs {
-  /// "gloo", "nccl", or empty to pick the natural one for the device (NCCL on CUDA, else Gloo).
+  /// "gloo", "nccl", "mpi" (CPU processes started by `mpirun`, or by `accelerate launch`, which
+  /// uses it by default for CPU jobs on one machine when the build has MPI), or empty for
+  /// ACCELERATE_BACKEND, else the natural one: NCCL on CUDA, MPI under mpirun, else Gloo.
   std::string backend;
   /// How long a collective may wait for its peers before it fails (default: 30 minutes).
   std::optional<std::chrono::milliseconds> timeout;

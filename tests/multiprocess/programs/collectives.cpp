@@ -3,8 +3,8 @@
 // top of it. Prints "ok <name>" per check and exits 1 at the first wrong value.
 //
 //   collectives all              every check below
-//   collectives skip RANK        RANK skips an allreduce (group timeout 2 s); the others print
-//                                the error they get and exit 3
+//   collectives skip RANK [large] RANK skips an allreduce (of 400 KB with "large"; group timeout
+//                                2 s); the others print the error they get and exit 3
 //   collectives die RANK         RANK kills itself with SIGKILL while the others wait in an
 //                                allreduce
 #include "accelerate/state.h"
@@ -223,6 +223,26 @@ void run_all(const accelerate::PartialState& state) {
     for (int d = 0; d < n; ++d) ok = ok && same(outs[d], at::full({2}, d * 10 + rank, at::kLong));
     check(ok, "alltoall of tensor lists");
   }
+  // Payloads from 256 KiB on take the blocking path (after an arrival barrier).
+  {
+    const int64_t big = 100000;  // 400 KB of floats
+    auto t = at::full({big}, static_cast<float>(rank + 1));
+    std::vector<at::Tensor> v{t};
+    pg->allreduce(v)->wait();
+    check(same(t, at::full({big}, n * (n + 1) / 2.0f)), "allreduce large");
+    auto b = at::full({big}, static_cast<float>(rank));
+    std::vector<at::Tensor> bv{b};
+    c10d::BroadcastOptions o;
+    o.rootRank = n - 1;
+    pg->broadcast(bv, o)->wait();
+    check(same(b, at::full({big}, static_cast<float>(n - 1))), "broadcast large");
+    auto in = at::full({big}, static_cast<float>(rank));
+    auto flat = at::zeros({n * big});
+    pg->_allgather_base(flat, in)->wait();
+    bool ok = true;
+    for (int r = 0; r < n; ++r) ok = ok && same(flat.narrow(0, r * big, big), at::full({big}, static_cast<float>(r)));
+    check(ok, "allgather large");
+  }
   // The future a Reducer chains on carries the result.
   {
     auto t = of_rank(rank, len);
@@ -265,7 +285,9 @@ int main(int argc, char** argv) {
       return failures == 0 ? 0 : 1;
     }
     auto pg = state.impl()->process_group;
-    std::vector<at::Tensor> v{at::ones({4})};
+    // "large" uses a payload past the blocking threshold, whose wait is an arrival barrier.
+    const bool large = argc > 3 && std::string(argv[3]) == "large";
+    std::vector<at::Tensor> v{at::ones({large ? 100000 : 4})};
     if (mode == "skip") {
       if (rank == target) {
         std::this_thread::sleep_for(std::chrono::seconds(20));  // outlives the others' timeout
