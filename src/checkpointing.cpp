@@ -2,6 +2,7 @@
 #include "accelerate/checkpointing.h"
 
 #include "detail/files.h"
+#include "detail/torch_compat.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
@@ -186,7 +187,7 @@ std::unique_ptr<torch::optim::OptimizerOptions> options_from_json(Kind kind, con
   return nullptr;
 }
 
-std::string param_key(const at::Tensor& p) { return c10::guts::to_string(p.unsafeGetTensorImpl()); }
+auto param_key(const at::Tensor& p) { return detail::compat::optimizer_state_key(p); }
 
 // Adam and AdamW keep the same per-parameter state in two unrelated LibTorch types.
 template <typename State, typename Put>
@@ -415,7 +416,8 @@ void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, const StateDi
   TORCH_CHECK_VALUE(scalars.is_object(), where, " \"state\" should be an object, got ", scalars.dump());
   // Everything is built first, then swapped in.
   std::vector<std::unique_ptr<torch::optim::OptimizerOptions>> new_options;
-  std::vector<std::pair<std::string, std::unique_ptr<torch::optim::OptimizerParamState>>> new_states;
+  std::vector<std::pair<decltype(param_key(at::Tensor())), std::unique_ptr<torch::optim::OptimizerParamState>>>
+      new_states;
   std::vector<at::Tensor> params_by_index;
   for (size_t g = 0; g < live_groups.size(); ++g) {
     const Reader group{groups[g], c10::str(where, " param group ", g)};

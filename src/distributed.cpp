@@ -4,6 +4,7 @@
 #include "detail/collectives.h"
 #include "detail/errors.h"
 #include "detail/state_impl.h"
+#include "detail/torch_compat.h"
 
 #include <c10/util/Exception.h>
 #include <torch/autograd.h>
@@ -79,7 +80,7 @@ class Bf16CompressHook final : public c10d::CommHookInterface {
     auto future = state_->allreduce(tensors)->getFuture();
     auto destination = bucket.getBufferRef();
     return future->then(
-        [destination](c10::ivalue::Future& done) mutable {
+        [destination](c10::ivalue::Future& done) {
           destination.copy_(done.value().toTensorVector()[0]);
           return c10::IValue(destination);
         },
@@ -296,10 +297,10 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   for (const auto& item : impl_->module->named_parameters(/*recurse=*/true)) {
     if (item.value().requires_grad()) names.emplace(index++, item.key());
   }
-  impl_->reducer = std::make_unique<c10d::Reducer>(params, std::move(bucket_indices), std::move(per_bucket_limits),
-                                                   group, sparse, static_cast<int64_t>(cap),
-                                                   kwargs.find_unused_parameters, kwargs.gradient_as_bucket_view,
-                                                   std::move(names), static_cast<int64_t>(kFirstBucketBytes));
+  impl_->reducer = detail::compat::make_reducer(params, std::move(bucket_indices), std::move(per_bucket_limits), group,
+                                                sparse, static_cast<int64_t>(cap), kwargs.find_unused_parameters,
+                                                kwargs.gradient_as_bucket_view, std::move(names),
+                                                static_cast<int64_t>(kFirstBucketBytes));
   if (kwargs.static_graph) impl_->reducer->set_static_graph();
   switch (kwargs.comm_hook) {
     case DDPCommunicationHookType::kNo: break;

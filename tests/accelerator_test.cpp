@@ -1,6 +1,7 @@
 // The Accelerator's process control and collectives, with ranks as threads.
 #include "accelerate/accelerator.h"
 #include "accelerate/utils/environment.h"
+#include "detail/torch_compat.h"
 #include "support/accelerators.h"
 #include "support/test_support.h"
 
@@ -141,11 +142,7 @@ TEST_F(ProcessWideAccelerator, MixedPrecisionComesFromTheEnvironmentWhenNotGiven
 TEST_F(ProcessWideAccelerator, Fp16WithoutCudaWarnsAndRunsInFullPrecision) {
   if (Accelerator({.cpu = false}).device().is_cuda()) GTEST_SKIP() << "this machine has CUDA: fp16 is supported";
   reset();
-  struct Collect : c10::WarningHandler {
-    void process(const c10::SourceLocation&, const std::string& msg, const bool) override { messages.push_back(msg); }
-    std::vector<std::string> messages;
-  } collect;
-  c10::Warning::WarningHandlerGuard guard(&collect);
+  accelerate::detail::compat::WarningCapture collect;
   Accelerator accelerator({.mixed_precision = "fp16"});
   EXPECT_EQ(accelerator.mixed_precision(), "no");
   EXPECT_FALSE(accelerator.scaler().has_value());

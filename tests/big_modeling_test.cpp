@@ -2,6 +2,7 @@
 // offload folder format, hooks, empty initialisation and dispatch on CPU + disk.
 #include "accelerate/big_modeling.h"
 
+#include "detail/torch_compat.h"
 #include "support/test_support.h"
 
 #include <gmock/gmock.h>
@@ -131,15 +132,11 @@ TEST(DeviceMap, InferAutoDeviceMapUpstreamOracles) {
 }
 
 // Collects the TORCH_WARN messages raised while alive.
-struct WarningCapture : c10::WarningHandler {
-  WarningCapture() : guard(this) {}
-  void process(const c10::SourceLocation&, const std::string& msg, const bool) override { messages.push_back(msg); }
+struct WarningCapture : acc::detail::compat::WarningCapture {
   bool saw(const std::string& text) const {
     return std::any_of(messages.begin(), messages.end(),
                        [&](const std::string& m) { return m.find(text) != std::string::npos; });
   }
-  std::vector<std::string> messages;
-  c10::Warning::WarningHandlerGuard guard;
 };
 
 TEST(DeviceMap, FallbackAllocationFindsASmallerModule) {

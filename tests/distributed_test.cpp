@@ -3,6 +3,7 @@
 // joining uneven inputs.
 #include "accelerate/accelerator.h"
 #include "accelerate/distributed.h"
+#include "detail/torch_compat.h"
 #include "support/accelerators.h"
 #include "support/test_support.h"
 
@@ -362,7 +363,7 @@ TEST(MixedPrecision, Bf16ForwardRunsUnderAutocastAndReturnsFp32) {
                        .to(torch::kFloat);
     EXPECT_TRUE(torch::equal(out, in_bf16));
     EXPECT_FALSE(torch::equal(out, linear(x)));
-    EXPECT_FALSE(at::autocast::is_cpu_enabled());  // the region ended with the call
+    EXPECT_FALSE(detail::compat::is_autocast_enabled(c10::kCPU));  // the region ended with the call
   }, options);
 }
 
@@ -372,15 +373,15 @@ TEST(MixedPrecision, AutocastGuardRestoresThePreviousState) {
   run_accelerators(1, [](const Accelerator& acc, int) {
     {
       auto guard = acc.autocast();
-      EXPECT_TRUE(at::autocast::is_cpu_enabled());
-      EXPECT_EQ(at::autocast::get_autocast_cpu_dtype(), at::kBFloat16);
+      EXPECT_TRUE(detail::compat::is_autocast_enabled(c10::kCPU));
+      EXPECT_EQ(detail::compat::get_autocast_dtype(c10::kCPU), at::kBFloat16);
       {
         auto off = acc.autocast(AutocastKwargs{.enabled = false});
-        EXPECT_FALSE(at::autocast::is_cpu_enabled());
+        EXPECT_FALSE(detail::compat::is_autocast_enabled(c10::kCPU));
       }
-      EXPECT_TRUE(at::autocast::is_cpu_enabled());
+      EXPECT_TRUE(detail::compat::is_autocast_enabled(c10::kCPU));
     }
-    EXPECT_FALSE(at::autocast::is_cpu_enabled());
+    EXPECT_FALSE(detail::compat::is_autocast_enabled(c10::kCPU));
   }, options);
   EXPECT_THROWS_WITH(AutocastGuard(c10::kCPU, PrecisionType::kFp16), "fp16 autocast needs a CUDA device");
   EXPECT_THROWS_WITH(AutocastGuard(c10::kMeta, PrecisionType::kBf16), "autocast needs a CPU or CUDA device, got META");

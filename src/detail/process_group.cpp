@@ -4,6 +4,7 @@
 #include "build_config.h"
 #include "detail/errors.h"
 #include "detail/process_group_mpi.h"
+#include "detail/torch_compat.h"
 
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -157,7 +158,9 @@ Rendezvous rendezvous(const RendezvousConfig& config) {
 #ifdef USE_C10D_GLOO
     auto options = c10d::ProcessGroupGloo::Options::create(config.collective_timeout);
     options->devices.push_back(gloo_device(topo));
-    out.process_group = c10::make_intrusive<c10d::ProcessGroupGloo>(pg_store, topo.rank, topo.world_size, options);
+    out.process_group = compat::as_process_group(
+        c10::make_intrusive<c10d::ProcessGroupGloo>(pg_store, topo.rank, topo.world_size, options), pg_store, "gloo",
+        c10::kCPU);
 #else
     C10_THROW_ERROR(Error, c10::str("[PartialState] this LibTorch was built without Gloo; use backend \"nccl\" or \"mpi\""));
 #endif
@@ -165,13 +168,15 @@ Rendezvous rendezvous(const RendezvousConfig& config) {
 #ifdef USE_C10D_NCCL
     auto options = c10d::ProcessGroupNCCL::Options::create();
     options->timeout = config.collective_timeout;
-    out.process_group = c10::make_intrusive<c10d::ProcessGroupNCCL>(pg_store, topo.rank, topo.world_size, options);
+    out.process_group = compat::as_process_group(
+        c10::make_intrusive<c10d::ProcessGroupNCCL>(pg_store, topo.rank, topo.world_size, options), pg_store, "nccl",
+        c10::kCUDA);
 #else
     C10_THROW_ERROR(Error, c10::str("[PartialState] backend \"nccl\" needs a LibTorch built with CUDA and NCCL; this one has none "
                        "(use \"gloo\")"));
 #endif
   } else if (config.backend == "mpi") {
-    out.process_group = make_mpi_process_group(topo, config.collective_timeout);
+    out.process_group = make_mpi_process_group(topo, config.collective_timeout, pg_store);
   } else {
     C10_THROW_ERROR(ValueError, c10::str("[PartialState] unknown process-group backend \"", config.backend,
                       "\"; expected \"gloo\", \"nccl\" or \"mpi\""));
@@ -191,7 +196,8 @@ bool started_by_mpirun() {
 }
 
 #if !ACCELERATE_HAVE_MPI
-c10::intrusive_ptr<c10d::ProcessGroup> make_mpi_process_group(const Topology&, std::chrono::milliseconds) {
+c10::intrusive_ptr<c10d::ProcessGroup> make_mpi_process_group(const Topology&, std::chrono::milliseconds,
+                                                              const c10::intrusive_ptr<c10d::Store>&) {
   C10_THROW_ERROR(ValueError, "[PartialState] the MPI back-end is not available in this build of accelerate-cpp "
                               "(it was built without MPI); use \"gloo\"");
 }

@@ -1,9 +1,12 @@
 // The MPI process group; see process_group_mpi.h and Note [One MPI thread].
 #include "detail/process_group_mpi.h"
 
+#include "detail/torch_compat.h"
+
 #include <ATen/core/ivalue.h>
 #include <ATen/core/jit_type.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
 // MPI's C interface only; the deprecated C++ bindings do not compile cleanly with our warnings.
@@ -128,7 +131,7 @@ class MpiRuntime {
       }
     }
     op->work->complete(std::make_exception_ptr(
-        c10::Error(c10::str("[mpi] ", op->name, ": MPI has already been shut down in this process"), "")));
+        compat::make_error(c10::str("[mpi] ", op->name, ": MPI has already been shut down in this process"))));
   }
 
   // Stops the thread after the queued operations, then finalises MPI (unless a collective was
@@ -178,8 +181,8 @@ class MpiRuntime {
         queue_.pop_front();
       }
       if (!broken_.empty()) {
-        op->work->complete(std::make_exception_ptr(c10::Error(
-            c10::str("[mpi] ", op->name, ": the process group is unusable since an earlier failure: ", broken_), "")));
+        op->work->complete(std::make_exception_ptr(compat::make_error(
+            c10::str("[mpi] ", op->name, ": the process group is unusable since an earlier failure: ", broken_))));
         continue;
       }
       if (!execute(*op)) {
@@ -235,17 +238,16 @@ class MpiRuntime {
       const int code = MPI_Testall(static_cast<int>(requests.size()), requests.data(), &flag, MPI_STATUSES_IGNORE);
       if (code != MPI_SUCCESS) {
         broken_ = c10::str(op.name, " failed: ", mpi_error_text(code));
-        op.work->complete(std::make_exception_ptr(c10::Error(c10::str("[mpi] ", broken_), "")));
+        op.work->complete(std::make_exception_ptr(compat::make_error(c10::str("[mpi] ", broken_))));
         return false;
       }
       if (flag) return true;
       const auto now = Clock::now();
       if (now >= deadline) {
         broken_ = c10::str(op.name, " timed out after ", seconds_text(op.timeout));
-        op.work->complete(std::make_exception_ptr(c10::Error(
+        op.work->complete(std::make_exception_ptr(compat::make_error(
             c10::str("[mpi] ", op.name, " did not complete within the process group's timeout of ",
-                     seconds_text(op.timeout), " (a process skipped it, or is stuck or dead)"),
-            "")));
+                     seconds_text(op.timeout), " (a process skipped it, or is stuck or dead)"))));
         return false;
       }
       // Spin briefly for small messages, then yield, then sleep ever longer (capped).
@@ -387,10 +389,10 @@ void finish_average(const at::Tensor& t, c10d::ReduceOp::RedOpType op, int size)
 // Payloads from this size on use Open MPI's blocking algorithms; see Note [Large collectives block].
 constexpr int64_t kBlockingBytes = 256 * 1024;
 
-class ProcessGroupMPI final : public c10d::ProcessGroup {
+class ProcessGroupMPI final : public compat::BackendBase {
  public:
   ProcessGroupMPI(std::shared_ptr<MpiRuntime> runtime, int rank, int size, std::chrono::milliseconds timeout)
-      : c10d::ProcessGroup(rank, size), runtime_(std::move(runtime)), timeout_(timeout) {
+      : compat::BackendBase(rank, size), runtime_(std::move(runtime)), timeout_(timeout) {
     // The group's own communicator, so that its collectives never mix with another group's.
     auto comm = std::make_shared<MPI_Comm>(MPI_COMM_NULL);
     comm_ = comm;
@@ -832,7 +834,8 @@ class ProcessGroupMPI final : public c10d::ProcessGroup {
 }  // namespace
 
 c10::intrusive_ptr<c10d::ProcessGroup> make_mpi_process_group(const Topology& topology,
-                                                              std::chrono::milliseconds timeout) {
+                                                              std::chrono::milliseconds timeout,
+                                                              const c10::intrusive_ptr<c10d::Store>& store) {
   // Starting MPI outside an MPI launcher would make this process a job of its own (or hang
   // looking for one), so that case is refused before MPI is touched.
   TORCH_CHECK_VALUE(started_by_mpirun(), "[PartialState] backend \"mpi\" needs the processes to be started by mpirun: "
@@ -842,7 +845,9 @@ c10::intrusive_ptr<c10d::ProcessGroup> make_mpi_process_group(const Topology& to
                     "[PartialState] MPI started this process as rank ", runtime->world_rank(), " of ",
                     runtime->world_size(), ", but accelerate expects rank ", topology.rank, " of ",
                     topology.world_size, "; leave RANK/WORLD_SIZE unset under mpirun");
-  return c10::make_intrusive<ProcessGroupMPI>(std::move(runtime), topology.rank, topology.world_size, timeout);
+  return compat::as_process_group(
+      c10::make_intrusive<ProcessGroupMPI>(std::move(runtime), topology.rank, topology.world_size, timeout),
+      store ? store : c10::intrusive_ptr<c10d::Store>(c10::make_intrusive<c10d::HashStore>()), "mpi", c10::kCPU);
 }
 
 }  // namespace accelerate::detail

@@ -17,6 +17,7 @@
 #include "detail/env.h"
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <chrono>
 #include <string>
@@ -30,7 +31,9 @@ bool started_by_mpirun();
 /// The process group over MPI_COMM_WORLD (duplicated). Fails with a clear error when this build
 /// has no MPI, when the process was not started by `mpirun`, or when MPI's world does not
 /// match `topology`.
+/// `store` is the job's store, which LibTorch 2.x process groups keep (a private one if null).
 c10::intrusive_ptr<c10d::ProcessGroup> make_mpi_process_group(const Topology& topology,
-                                                              std::chrono::milliseconds timeout);
+                                                              std::chrono::milliseconds timeout,
+                                                              const c10::intrusive_ptr<c10d::Store>& store = {});
 
 }  // namespace accelerate::detail

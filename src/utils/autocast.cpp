@@ -1,26 +1,19 @@
 // Autocast regions; see include/accelerate/utils/autocast.h.
 #include "accelerate/utils/autocast.h"
 
+#include "detail/torch_compat.h"
+
 #include <ATen/autocast_mode.h>
 #include <c10/util/Exception.h>
 
 namespace accelerate {
 namespace {
 
-bool autocast_enabled(c10::DeviceType device) {
-  return device == c10::kCUDA ? at::autocast::is_enabled() : at::autocast::is_cpu_enabled();
-}
-c10::ScalarType autocast_dtype_of(c10::DeviceType device) {
-  return device == c10::kCUDA ? at::autocast::get_autocast_gpu_dtype() : at::autocast::get_autocast_cpu_dtype();
-}
+bool autocast_enabled(c10::DeviceType device) { return detail::compat::is_autocast_enabled(device); }
+c10::ScalarType autocast_dtype_of(c10::DeviceType device) { return detail::compat::get_autocast_dtype(device); }
 void set_autocast(c10::DeviceType device, bool enabled, c10::ScalarType dtype) {
-  if (device == c10::kCUDA) {
-    at::autocast::set_enabled(enabled);
-    at::autocast::set_autocast_gpu_dtype(dtype);
-  } else {
-    at::autocast::set_cpu_enabled(enabled);
-    at::autocast::set_autocast_cpu_dtype(dtype);
-  }
+  detail::compat::set_autocast_enabled(device, enabled);
+  detail::compat::set_autocast_dtype(device, dtype);
 }
 
 }  // namespace

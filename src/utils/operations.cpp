@@ -14,14 +14,14 @@ c10::IValue map_ivalue(const c10::IValue& ivalue, const TreeVisitor& visitor) {
   if (ivalue.isTensor()) return visitor.tensor(ivalue.toTensor());
   if (ivalue.isTensorList()) {
     c10::List<at::Tensor> out;
-    for (const at::Tensor& t : ivalue.toTensorList()) out.push_back(visitor.tensor(t));
+    for (auto&& t : ivalue.toTensorList()) out.push_back(visitor.tensor(t));
     return out;
   }
   if (ivalue.isList()) {
     auto list = ivalue.toList();
     c10::impl::GenericList out(list.elementType());
     out.reserve(list.size());
-    for (const c10::IValue& e : list) out.push_back(map_ivalue(e, visitor));
+    for (auto&& e : list) out.push_back(map_ivalue(e, visitor));
     return out;
   }
   if (ivalue.isTuple()) {
@@ -176,7 +176,7 @@ c10::IValue listify(const c10::IValue& data) {
   if (data.isTensor()) return listify(data.toTensor());
   if (data.isTensorList() || data.isList()) {
     c10::impl::GenericList out(c10::AnyType::get());
-    for (const c10::IValue& e : data.toList()) out.push_back(listify(e));
+    for (auto&& e : data.toList()) out.push_back(listify(e));
     return out;
   }
   if (data.isTuple()) {

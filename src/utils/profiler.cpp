@@ -2,6 +2,7 @@
 #include "accelerate/utils/profiler.h"
 
 #include "accelerate/utils/environment.h"
+#include "detail/torch_compat.h"
 
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
@@ -52,7 +53,7 @@ std::string join(c10::ArrayRef<std::string> parts, const char* separator) {
 
 // One profiler event in the Chrome trace format, with the argument names Kineto's export uses.
 nlohmann::json trace_event(const prof::KinetoEvent& event, int64_t pid) {
-  nlohmann::json out = {{"name", event.name()}, {"pid", pid}, {"tid", event.startThreadId()}, {"ts", event.startUs()}};
+  nlohmann::json out = {{"name", event.name()}, {"pid", pid}, {"tid", event.startThreadId()}, {"ts", detail::compat::event_start_us(event)}};
   nlohmann::json args = nlohmann::json::object();
   if (event.name() == "[memory]") {
     out["ph"] = "i";
@@ -63,7 +64,7 @@ nlohmann::json trace_event(const prof::KinetoEvent& event, int64_t pid) {
     args["Bytes"] = event.nBytes();
   } else {
     out["ph"] = "X";
-    out["dur"] = event.durationUs();
+    out["dur"] = detail::compat::event_duration_us(event);
     out["cat"] = event.deviceType() == c10::kCPU ? "cpu_op" : "kernel";
     args["External id"] = event.correlationId();
     if (event.sequenceNr() >= 0) args["Sequence number"] = event.sequenceNr();

@@ -1,0 +1,109 @@
+// Note [LibTorch releases]
+// The one place where the LibTorch releases accelerate-cpp builds against differ: 1.13 (Debian
+// 12), 2.6 (Debian 13) and the newest (Debian sid, official downloads). Everything here is keyed
+// on LibTorch's own version macros; no other file of the library tests a LibTorch version. Each
+// function has the same meaning on every release, so no behaviour a user can see depends on it.
+//
+// What differs:
+// - custom process groups: a `c10d::ProcessGroup` subclass in 1.x; from 2.0 a `c10d::Backend`
+//   that a `c10d::ProcessGroup` dispatches to by device type;
+// - `c10d::Reducer`'s constructor (2.14 drops the per-bucket limits, adds three arguments);
+// - optimizer state keys (a string of the parameter's address in 1.x, the address in 2.x);
+// - `c10::Error`'s constructor (the backtrace became a lazily computed value);
+// - autocast (per-device functions in 2.x; the 1.x ones are deprecated there);
+// - profiler event times (microseconds in 1.x, nanoseconds in 2.x);
+// - warning handlers (`process` takes a `c10::Warning` in 2.x; the guard moved namespaces).
+#pragma once
+
+#include <ATen/Tensor.h>
+#include <c10/core/DeviceType.h>
+#include <c10/core/ScalarType.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/version.h>
+
+#if TORCH_VERSION_MAJOR >= 2
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#endif
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace c10d {
+class Reducer;
+}
+namespace torch::autograd::profiler {
+struct KinetoEvent;
+}
+
+namespace accelerate::detail::compat {
+
+/// The base class of the process groups this library implements itself (the MPI group).
+#if TORCH_VERSION_MAJOR >= 2
+using BackendBase = c10d::Backend;
+#else
+using BackendBase = c10d::ProcessGroup;
+#endif
+
+/// The process group that c10d's users (the Reducer, collectives) hold, over `backend`, which
+/// serves tensors on `device`. `name` is c10d's name of the back-end ("gloo", "nccl", "mpi").
+c10::intrusive_ptr<c10d::ProcessGroup> as_process_group(c10::intrusive_ptr<BackendBase> backend,
+                                                        const c10::intrusive_ptr<c10d::Store>& store,
+                                                        const std::string& name, c10::DeviceType device);
+
+/// c10d's Reducer over `params`, with the initial buckets `bucket_indices` (whose byte limits are
+/// `per_bucket_limits`), later rebuilt with a first bucket of `first_bucket_bytes` and the rest
+/// of `bucket_bytes`.
+std::unique_ptr<c10d::Reducer> make_reducer(std::vector<at::Tensor> params,
+                                            std::vector<std::vector<size_t>> bucket_indices,
+                                            std::vector<size_t> per_bucket_limits,
+                                            c10::intrusive_ptr<c10d::ProcessGroup> group,
+                                            std::vector<bool> expect_sparse_gradients, int64_t bucket_bytes,
+                                            bool find_unused_parameters, bool gradient_as_bucket_view,
+                                            std::unordered_map<size_t, std::string> param_names,
+                                            int64_t first_bucket_bytes);
+
+/// An error carrying `message` and no backtrace, for a `Work` or `Future` to fail with.
+c10::Error make_error(std::string message);
+
+/// The key of `param`'s entry in `torch::optim::Optimizer::state()`.
+#if TORCH_VERSION_MAJOR >= 2
+inline void* optimizer_state_key(const at::Tensor& param) { return param.unsafeGetTensorImpl(); }
+#else
+std::string optimizer_state_key(const at::Tensor& param);
+#endif
+
+/// Autocast state of one device type (CPU or CUDA).
+bool is_autocast_enabled(c10::DeviceType device);
+c10::ScalarType get_autocast_dtype(c10::DeviceType device);
+void set_autocast_enabled(c10::DeviceType device, bool enabled);
+void set_autocast_dtype(c10::DeviceType device, c10::ScalarType dtype);
+
+/// Collects the messages of LibTorch warnings (`TORCH_WARN`) raised on this thread while alive,
+/// in place of the previous handler, which it puts back when destroyed.
+class WarningCapture : public c10::WarningHandler {
+ public:
+  WarningCapture();
+  ~WarningCapture() override;
+  WarningCapture(const WarningCapture&) = delete;
+  WarningCapture& operator=(const WarningCapture&) = delete;
+#if TORCH_VERSION_MAJOR >= 2
+  void process(const c10::Warning& warning) override;
+#else
+  void process(const c10::SourceLocation& location, const std::string& msg, bool verbatim) override;
+#endif
+  std::vector<std::string> messages;
+
+ private:
+  c10::WarningHandler* previous_;
+};
+
+/// A profiler event's start and duration in whole microseconds (the Chrome trace's unit).
+int64_t event_start_us(const torch::autograd::profiler::KinetoEvent& event);
+int64_t event_duration_us(const torch::autograd::profiler::KinetoEvent& event);
+
+}  // namespace accelerate::detail::compat
