@@ -1,12 +1,21 @@
 #!/usr/bin/env bash
 # Installs every build, test and benchmark dependency from Debian packages.
-# Safe to run repeatedly; needs root (or sudo) on Debian 12. `--bench` adds what the
-# benchmarks' PyTorch twins need.
+# Safe to run repeatedly; needs root (or sudo) on Debian 12 (bookworm), 13 (trixie) or sid: the
+# package names below exist under the same names in each. `--bench` adds what the benchmarks'
+# PyTorch twins need. ACCELERATE_TORCH_PACKAGE=libtorch-cuda-dev picks the CUDA build of LibTorch
+# (Debian 13 and later, in the contrib component; it brings the CUDA toolkit, from non-free).
 set -euo pipefail
+
+torch_package=${ACCELERATE_TORCH_PACKAGE:-libtorch-dev}
+case "$torch_package" in
+  libtorch-dev) gloo_package=libgloo-dev ;;
+  libtorch-cuda-dev) gloo_package=libgloo-cuda-dev ;;
+  *) echo "setup.sh: ACCELERATE_TORCH_PACKAGE must be libtorch-dev or libtorch-cuda-dev, got '$torch_package'" >&2; exit 2 ;;
+esac
 
 packages=(
   build-essential cmake ninja-build ccache git pkg-config
-  libtorch-dev libgloo-dev            # tensor engine and its c10d/Gloo headers
+  "$torch_package" "$gloo_package"    # tensor engine and its c10d/Gloo headers
   libopenblas0-pthread                # fast BLAS for LibTorch's fp32 matrix products
   nlohmann-json3-dev libyaml-cpp-dev libcli11-dev
   libprotobuf-dev protobuf-compiler
@@ -14,7 +23,7 @@ packages=(
   openmpi-bin libopenmpi-dev          # the MPI process-group back-end and mpirun
   libgtest-dev libgmock-dev googletest libbenchmark-dev
   python3 python3-protobuf            # python3-protobuf: the test suite's TensorBoard file reader
-  clang libclang-rt-14-dev           # the libFuzzer target (scripts/fuzz.sh)
+  clang libclang-rt-dev               # the libFuzzer target (scripts/fuzz.sh)
 )
 
 # The benchmarks compare against PyTorch twins, which need Debian's PyTorch (the same LibTorch).

@@ -1,5 +1,6 @@
 // AcceleratedOptimizer: steps and gradient clearing follow gradient synchronisation.
 #include "accelerate/optimizer.h"
+#include "detail/torch_compat.h"
 #include "support/test_support.h"
 
 #include <gmock/gmock.h>
@@ -67,7 +68,8 @@ TEST(AcceleratedOptimizer, MovesKnownOptimizerStateAndRefusesUnknownState) {
   EXPECT_TRUE(state.exp_avg_sq().is_meta());
 
   struct OddState : torch::optim::OptimizerCloneableParamState<OddState> {};
-  adam->state()["odd"] = std::make_unique<OddState>();
+  const auto stranger = torch::zeros({1});
+  adam->state()[detail::compat::optimizer_state_key(stranger)] = std::make_unique<OddState>();
   EXPECT_THROWS_WITH(move_optimizer_state(*adam, c10::Device(c10::kMeta)), "cannot move the state of an optimizer");
 }
 
