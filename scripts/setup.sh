@@ -9,7 +9,7 @@ set -euo pipefail
 torch_package=${ACCELERATE_TORCH_PACKAGE:-libtorch-dev}
 case "$torch_package" in
   libtorch-dev) gloo_package=libgloo-dev ;;
-  libtorch-cuda-dev) gloo_package=libgloo-cuda-dev ;;
+  libtorch-cuda-dev) gloo_package=libgloo-cuda-dev ;;  # LibTorch's CMake package also wants nvcc (below)
   *) echo "setup.sh: ACCELERATE_TORCH_PACKAGE must be libtorch-dev or libtorch-cuda-dev, got '$torch_package'" >&2; exit 2 ;;
 esac
 
@@ -25,6 +25,11 @@ packages=(
   python3 python3-protobuf            # python3-protobuf: the test suite's TensorBoard file reader
   clang libclang-rt-dev               # the libFuzzer target (scripts/fuzz.sh)
 )
+
+# LibTorch's CMake package finds CUDA through nvcc.
+if [ "$torch_package" = libtorch-cuda-dev ]; then
+  packages+=(nvidia-cuda-toolkit)
+fi
 
 # The benchmarks compare against PyTorch twins, which need Debian's PyTorch (the same LibTorch).
 if [ "${1:-}" = "--bench" ]; then

@@ -60,7 +60,33 @@ std::unique_ptr<R> construct_reducer(std::vector<at::Tensor> params, std::vector
   }
 }
 
+template <typename Group>
+c10::intrusive_ptr<c10d::Work> gather_flat(Group& group, at::Tensor& output, at::Tensor& input) {
+  if constexpr (requires { group.all_gather_single(output, input); }) {
+    return group.all_gather_single(output, input);
+  } else {
+    return group._allgather_base(output, input);
+  }
+}
+
+template <typename Group>
+c10::intrusive_ptr<c10d::Work> scatter_flat(Group& group, at::Tensor& output, at::Tensor& input) {
+  if constexpr (requires { group.reduce_scatter_single(output, input); }) {
+    return group.reduce_scatter_single(output, input);
+  } else {
+    return group._reduce_scatter_base(output, input);
+  }
+}
+
 }  // namespace
+
+c10::intrusive_ptr<c10d::Work> all_gather_single(c10d::ProcessGroup& group, at::Tensor& output, at::Tensor& input) {
+  return gather_flat(group, output, input);
+}
+c10::intrusive_ptr<c10d::Work> reduce_scatter_single(c10d::ProcessGroup& group, at::Tensor& output,
+                                                     at::Tensor& input) {
+  return scatter_flat(group, output, input);
+}
 
 std::unique_ptr<c10d::Reducer> make_reducer(std::vector<at::Tensor> params,
                                             std::vector<std::vector<size_t>> bucket_indices,

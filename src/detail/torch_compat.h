@@ -8,6 +8,7 @@
 // - custom process groups: a `c10d::ProcessGroup` subclass in 1.x; from 2.0 a `c10d::Backend`
 //   that a `c10d::ProcessGroup` dispatches to by device type;
 // - `c10d::Reducer`'s constructor (2.14 drops the per-bucket limits, adds three arguments);
+// - the flat all-gather and reduce-scatter (`_allgather_base` is `all_gather_single` in 2.14);
 // - optimizer state keys (a string of the parameter's address in 1.x, the address in 2.x);
 // - `c10::Error`'s constructor (the backtrace became a lazily computed value);
 // - autocast (per-device functions in 2.x; the 1.x ones are deprecated there);
@@ -54,6 +55,11 @@ using BackendBase = c10d::ProcessGroup;
 c10::intrusive_ptr<c10d::ProcessGroup> as_process_group(c10::intrusive_ptr<BackendBase> backend,
                                                         const c10::intrusive_ptr<c10d::Store>& store,
                                                         const std::string& name, c10::DeviceType device);
+
+/// Gathers every rank's `input` into the flat `output` (c10d's `_allgather_base`, renamed
+/// `all_gather_single` by 2.14) and reduce-scatters the flat `input` into `output` (sum).
+c10::intrusive_ptr<c10d::Work> all_gather_single(c10d::ProcessGroup& group, at::Tensor& output, at::Tensor& input);
+c10::intrusive_ptr<c10d::Work> reduce_scatter_single(c10d::ProcessGroup& group, at::Tensor& output, at::Tensor& input);
 
 /// c10d's Reducer over `params`, with the initial buckets `bucket_indices` (whose byte limits are
 /// `per_bucket_limits`), later rebuilt with a first bucket of `first_bucket_bytes` and the rest

@@ -16,6 +16,13 @@ void set_autocast(c10::DeviceType device, bool enabled, c10::ScalarType dtype) {
   detail::compat::set_autocast_dtype(device, dtype);
 }
 
+// Checked before the previous state is read: LibTorch 2.x refuses to read it for other devices.
+c10::DeviceType checked_device(c10::DeviceType device_type) {
+  TORCH_CHECK_VALUE(device_type == c10::kCPU || device_type == c10::kCUDA,
+                    "[autocast] autocast needs a CPU or CUDA device, got ", c10::DeviceTypeName(device_type));
+  return device_type;
+}
+
 }  // namespace
 
 std::optional<c10::ScalarType> autocast_dtype(PrecisionType precision) {
@@ -28,12 +35,10 @@ std::optional<c10::ScalarType> autocast_dtype(PrecisionType precision) {
 }
 
 AutocastGuard::AutocastGuard(c10::DeviceType device_type, PrecisionType precision, const AutocastKwargs& kwargs)
-    : device_type_(device_type),
+    : device_type_(checked_device(device_type)),
       previous_enabled_(autocast_enabled(device_type)),
       previous_dtype_(autocast_dtype_of(device_type)),
       previous_cache_enabled_(at::autocast::is_autocast_cache_enabled()) {
-  TORCH_CHECK_VALUE(device_type == c10::kCPU || device_type == c10::kCUDA,
-                    "[autocast] autocast needs a CPU or CUDA device, got ", c10::DeviceTypeName(device_type));
   const auto dtype = autocast_dtype(precision);
   const bool enabled = kwargs.enabled && dtype.has_value();
   TORCH_CHECK_VALUE(!(enabled && device_type == c10::kCPU && *dtype == c10::kHalf),

@@ -10,8 +10,10 @@
 
 #include <unistd.h>
 
+#include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 #include <set>
 
 namespace accelerate {
@@ -103,6 +105,16 @@ void write_trace(const prof::ProfilerResult& result, const std::string& folder, 
 
 namespace detail {
 
+// Note [One profile per process]
+// LibTorch's profiler keeps one state per process; from 2.x (Kineto) two threads profiling at
+// once crash inside it. Threads of one process (ranks as threads) therefore take turns, with a
+// bounded wait so that a profiled call blocked on another thread fails instead of hanging.
+std::timed_mutex& profile_turn() {
+  static std::timed_mutex turn;
+  return turn;
+}
+constexpr auto kProfileTurnWait = std::chrono::seconds(60);
+
 ProfileRun::ProfileRun(const ProfileKwargs& kwargs, int process_index) : kwargs_(kwargs), process_index_(process_index) {
   TORCH_CHECK_VALUE(process_index >= 0, "[", kApi, "] process_index must not be negative, got ", process_index);
   TORCH_CHECK_VALUE(kwargs.schedule_option.empty(), "[", kApi, "] schedule_option is not supported: the profiler "
@@ -113,8 +125,15 @@ ProfileRun::ProfileRun(const ProfileKwargs& kwargs, int process_index) : kwargs_
   const torch::profiler::impl::ProfilerConfig config(torch::profiler::impl::ProfilerState::KINETO, kwargs.record_shapes,
                                                      kwargs.profile_memory, kwargs.with_stack, kwargs.with_flops,
                                                      kwargs.with_modules);
-  prof::prepareProfiler(config, activities);
-  prof::enableProfiler(config, activities);
+  TORCH_CHECK(profile_turn().try_lock_for(kProfileTurnWait), "[", kApi, "] another thread of this process has been profiling for ",
+              kProfileTurnWait.count(), " s; LibTorch's profiler is process-wide, so threads profile one at a time");
+  try {
+    prof::prepareProfiler(config, activities);
+    prof::enableProfiler(config, activities);
+  } catch (...) {
+    profile_turn().unlock();
+    throw;
+  }
   running_ = true;
 }
 
@@ -124,11 +143,14 @@ ProfileRun::~ProfileRun() noexcept {
     (void)prof::disableProfiler();
   } catch (...) {  // NOLINT(bugprone-empty-catch): already unwinding from the profiled code's error
   }
+  profile_turn().unlock();
 }
 
 void ProfileRun::finish() {
   running_ = false;
+  std::unique_lock<std::timed_mutex> turn(profile_turn(), std::adopt_lock);  // released on every path
   const auto result = prof::disableProfiler();
+  turn.unlock();
   if (!kwargs_.output_trace_dir.empty()) write_trace(*result, kwargs_.output_trace_dir, process_index_);
 }
 

@@ -11,6 +11,7 @@
 #include "accelerate/utils/operations.h"
 #include "detail/process_group_mpi.h"
 #include "detail/state_impl.h"
+#include "detail/torch_compat.h"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -151,7 +152,7 @@ void run_all(const accelerate::PartialState& state) {
     check(ok, "allgather");
 
     auto flat = at::zeros({n * len}, at::kInt);
-    pg->_allgather_base(flat, in)->wait();
+    accelerate::detail::compat::all_gather_single(*pg, flat, in)->wait();
     ok = true;
     for (int r = 0; r < n; ++r) ok = ok && same(flat.narrow(0, r * len, len), of_rank(r, len, at::kInt));
     check(ok, "allgather into one tensor");
@@ -190,7 +191,7 @@ void run_all(const accelerate::PartialState& state) {
     check(same(out[0], expected_sum.to(at::kFloat) + n * rank * 100.0f), "reduce_scatter", str(out[0]));
     auto flat_in = at::cat(inputs[0]);
     auto flat_out = at::zeros({len});
-    pg->_reduce_scatter_base(flat_out, flat_in)->wait();
+    accelerate::detail::compat::reduce_scatter_single(*pg, flat_out, flat_in)->wait();
     check(same(flat_out, out[0]), "reduce_scatter from one tensor", str(flat_out));
   }
   // alltoall: rank r sends [r*10 + d] to rank d, in equal and in uneven splits.
@@ -238,7 +239,7 @@ void run_all(const accelerate::PartialState& state) {
     check(same(b, at::full({big}, static_cast<float>(n - 1))), "broadcast large");
     auto in = at::full({big}, static_cast<float>(rank));
     auto flat = at::zeros({n * big});
-    pg->_allgather_base(flat, in)->wait();
+    accelerate::detail::compat::all_gather_single(*pg, flat, in)->wait();
     bool ok = true;
     for (int r = 0; r < n; ++r) ok = ok && same(flat.narrow(0, r * big, big), at::full({big}, static_cast<float>(r)));
     check(ok, "allgather large");
