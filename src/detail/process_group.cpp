@@ -39,6 +39,7 @@ c10::intrusive_ptr<c10d::Store> connect_tcp_store(const RendezvousConfig& config
   opts.isServer = false;
   opts.waitWorkers = false;
   opts.timeout = config.rdzv_timeout;
+  compat::use_classic_tcp_store(opts);
   try {
     return c10::make_intrusive<c10d::TCPStore>(topo.master_addr, opts);
   } catch (const std::exception& e) {
@@ -124,6 +125,7 @@ c10::intrusive_ptr<c10d::Store> serve_tcp_store(const std::string& host, int por
   opts.isServer = true;
   opts.waitWorkers = false;
   opts.timeout = timeout;
+  compat::use_classic_tcp_store(opts);
   try {
     return c10::make_intrusive<c10d::TCPStore>(host, opts);
   } catch (const std::exception& e) {

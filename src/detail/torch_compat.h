@@ -22,6 +22,7 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/version.h>
 
 #if TORCH_VERSION_MAJOR >= 2
@@ -60,6 +61,10 @@ c10::intrusive_ptr<c10d::ProcessGroup> as_process_group(c10::intrusive_ptr<Backe
 /// `all_gather_single` by 2.14) and reduce-scatters the flat `input` into `output` (sum).
 c10::intrusive_ptr<c10d::Work> all_gather_single(c10d::ProcessGroup& group, at::Tensor& output, at::Tensor& input);
 c10::intrusive_ptr<c10d::Work> reduce_scatter_single(c10d::ProcessGroup& group, at::Tensor& output, at::Tensor& input);
+
+/// Asks for the TCP store's classic (non-libuv) server and client: 2.x defaults to libuv, which
+/// builds without libuv (Debian's) refuse. Both speak the same protocol.
+void use_classic_tcp_store(c10d::TCPStoreOptions& options);
 
 /// c10d's Reducer over `params`, with the initial buckets `bucket_indices` (whose byte limits are
 /// `per_bucket_limits`), later rebuilt with a first bucket of `first_bucket_bytes` and the rest
