@@ -15,7 +15,9 @@
 // [--workloads mlp,mlp_accum4,tiny,transformer] [--warmup_steps 20] [--mlp_steps 200]
 // [--tiny_steps 2000] [--transformer_warmup_steps 3] [--transformer_steps 40]`; process 0 prints
 // one JSON object per workload, as bench/training_twin.py does for PyTorch DDP, and
-// bench/run_training compares them.
+// bench/run_training compares them. On a CUDA machine the model and the batch live on the GPU
+// (the accelerator's device) and the clock is read after the GPU finished (scripts/gpu_check.sh
+// compares with `training_twin.py --device cuda`); the per-phase times then measure the launches.
 #include <accelerate/accelerate.h>
 
 #include <ATen/ATen.h>
@@ -152,6 +154,11 @@ std::pair<double, double> median_mean(std::vector<double>& v) {
 
 double us(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double, std::micro>(b - a).count(); }
 
+// GPU work runs asynchronously: waits for this process's GPU before the clock is read.
+void synchronize_device(const acc::Accelerator& accelerator) {
+  if (accelerator.device().is_cuda()) torch::cuda::synchronize(accelerator.device().index());
+}
+
 // Trains `net` on one fixed batch (`x`, `y`) for warm-up then timed steps; process 0 prints the
 // throughput, the per-step and per-phase times and the last loss. With `accumulation` > 1 each
 // step runs inside `accumulate`, so the optimizer steps (and gradients synchronise) every
@@ -175,6 +182,7 @@ void run(const acc::Accelerator& accelerator, const char* workload, Net net, con
   constexpr int kPhases = 4;
   std::vector<std::vector<double>> phase(kPhases, std::vector<double>(static_cast<size_t>(steps)));
   std::vector<double> step_us(static_cast<size_t>(steps));
+  synchronize_device(accelerator);
   accelerator.wait_for_everyone();
   const auto start = Clock::now();
   for (int i = 0; i < steps; ++i) {
@@ -196,6 +204,7 @@ void run(const acc::Accelerator& accelerator, const char* workload, Net net, con
     phase[3][s] = us(t3, t4);
     step_us[s] = us(t0, t4);
   }
+  synchronize_device(accelerator);
   accelerator.wait_for_everyone();
   const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
   // The next workload steps without `accumulate`: every step synchronises again.
@@ -214,11 +223,12 @@ void run(const acc::Accelerator& accelerator, const char* workload, Net net, con
     phases += buf;
   }
   const int64_t batch = x.dim() == 3 ? x.size(1) : x.size(0);  // the transformer's input is [sequence, batch, d]
-  std::printf("{\"side\": \"%s\", \"workload\": \"%s\", \"processes\": %d, \"threads\": %d, "
+  std::printf("{\"side\": \"%s\", \"workload\": \"%s\", \"device\": \"%s\", \"processes\": %d, \"threads\": %d, "
               "\"mixed_precision\": \"%s\", \"batch_size\": %lld, \"warmup_steps\": %d, \"steps\": %d, "
               "\"steps_per_s\": %.3f, \"samples_per_s\": %.1f, \"step_median_us\": %.1f, \"step_mean_us\": %.1f, "
               "\"phase_median_mean_us\": {%s}, \"last_loss\": %.6f}\n",
-              side(accelerator), workload, accelerator.num_processes(), at::get_num_threads(),
+              side(accelerator), workload, accelerator.device().str().c_str(), accelerator.num_processes(),
+              at::get_num_threads(),
               accelerator.mixed_precision().c_str(),
               static_cast<long long>(batch), warmup_steps, steps, steps_per_s,
               steps_per_s * static_cast<double>(batch * accelerator.num_processes()), step_median, step_mean,
@@ -249,6 +259,7 @@ int main(int argc, char** argv) {
   const Flags flags = parse_flags(argc, argv);
   acc::Accelerator accelerator;
   const int64_t rank = accelerator.process_index();
+  const c10::Device device = accelerator.device();  // the prepared models' device: batches go there too
   for (const auto& workload : flags.workloads) {
     // The same parameters on every process (prepare broadcasts process 0's anyway), and a batch
     // of its own per process; the twin draws the same numbers from the same seeds.
@@ -256,8 +267,8 @@ int main(int argc, char** argv) {
     auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 + rank);
     auto cross_entropy = [](const at::Tensor& out, const at::Tensor& t) { return torch::cross_entropy_loss(out, t); };
     if (workload == "mlp" || workload == "mlp_accum4" || workload == "startup") {
-      const auto x = at::randn({64, 512}, gen);
-      const auto y = at::randint(0, 10, {64}, gen, at::kLong);
+      const auto x = at::randn({64, 512}, gen).to(device);
+      const auto y = at::randint(0, 10, {64}, gen, at::kLong).to(device);
       if (workload == "startup") {
         first_step(accelerator, x, y);
       } else {
@@ -267,15 +278,15 @@ int main(int argc, char** argv) {
       }
     } else if (workload == "tiny") {
       Tiny net;
-      const auto x = at::randn({8, 32}, gen);
-      const auto y = at::randn({8, 32}, gen);
+      const auto x = at::randn({8, 32}, gen).to(device);
+      const auto y = at::randn({8, 32}, gen).to(device);
       auto mse = [](const at::Tensor& out, const at::Tensor& t) { return torch::mse_loss(out, t); };
       run(accelerator, "tiny", net, x, y, mse, flags.warmup_steps, flags.tiny_steps);
     } else if (workload == "transformer") {
       EncoderClassifier net;
       init_transformer(*net);
-      const auto x = at::randn({64, 16, 256}, gen);
-      const auto y = at::randint(0, 10, {16}, gen, at::kLong);
+      const auto x = at::randn({64, 16, 256}, gen).to(device);
+      const auto y = at::randint(0, 10, {16}, gen, at::kLong).to(device);
       run(accelerator, "transformer", net, x, y, cross_entropy, flags.transformer_warmup_steps, flags.transformer_steps);
     } else {
       TORCH_CHECK_VALUE(false, "[bench_training] unknown workload ", workload,

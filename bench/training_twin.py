@@ -4,7 +4,10 @@ trained with torch.nn.parallel.DistributedDataParallel over Gloo (default bucket
 torch.autocast around the forward pass (outputs back to float32, as upstream Accelerate's
 prepared model does). Starts its own processes with the launcher's environment contract, since
 Debian's torchrun does not run on its Python; the parent imports torch as torchrun would.
-Usage: /usr/bin/python3 bench/training_twin.py [--quick] [--nproc 2] [--threads 1]
+With --device cuda the model and the batches live on the GPU (process i on GPU i, NCCL between
+processes) and the clock is read after the GPU finished, as bench/training.cpp does on a CUDA
+machine (scripts/gpu_check.sh).
+Usage: /usr/bin/python3 bench/training_twin.py [--quick] [--nproc 2] [--threads 1] [--device cpu|cuda]
        [--mixed_precision no|bf16] [--workloads mlp,mlp_accum4,tiny,transformer|startup]
        [--warmup_steps 20] [--mlp_steps 200] [--tiny_steps 2000] [--transformer_warmup_steps 3]
        [--transformer_steps 40]
@@ -21,6 +24,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+
+# Where models and batches live: the CPU, or this process's GPU with --device cuda (set by worker).
+DEVICE = torch.device("cpu")
 
 
 class Mlp(nn.Module):
@@ -73,16 +79,28 @@ def median_mean(v):
     return v[len(v) // 2], sum(v) / len(v)
 
 
+def synchronize():
+    """GPU work runs asynchronously: waits for this process's GPU before the clock is read."""
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
+
+
+def data_parallel(net):
+    return DistributedDataParallel(net, device_ids=[DEVICE.index] if DEVICE.type == "cuda" else None)
+
+
 def run(workload, net, x, y, loss_fn, warmup_steps, steps, accumulation=1, bf16=False):
     distributed = dist.is_initialized()
-    model = DistributedDataParallel(net) if distributed else net
+    net.to(DEVICE)
+    x, y = x.to(DEVICE), y.to(DEVICE)
+    model = data_parallel(net) if distributed else net
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
     barrier = dist.barrier if distributed else (lambda: None)
     counter = 0
 
     def forward():
         if bf16:
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
                 out = model(x)
             return loss_fn(out.float(), y)
         return loss_fn(model(x), y)
@@ -106,6 +124,7 @@ def run(workload, net, x, y, loss_fn, warmup_steps, steps, accumulation=1, bf16=
     phases = [[0.0] * steps for _ in range(4)]
     step_us = [0.0] * steps
     clock = time.perf_counter
+    synchronize()
     barrier()
     start = clock()
     for i in range(steps):
@@ -124,6 +143,7 @@ def run(workload, net, x, y, loss_fn, warmup_steps, steps, accumulation=1, bf16=
         t4 = clock()
         phases[0][i], phases[1][i], phases[2][i], phases[3][i] = (t1 - t0) * 1e6, (t2 - t1) * 1e6, (t3 - t2) * 1e6, (t4 - t3) * 1e6
         step_us[i] = (t4 - t0) * 1e6
+    synchronize()
     barrier()
     seconds = clock() - start
     rank = dist.get_rank() if distributed else 0
@@ -134,7 +154,7 @@ def run(workload, net, x, y, loss_fn, warmup_steps, steps, accumulation=1, bf16=
     step_median, step_mean = median_mean(step_us)
     names = ["forward", "backward", "step", "zero_grad"]
     print(json.dumps({
-        "side": "python", "workload": workload, "processes": n, "threads": torch.get_num_threads(),
+        "side": "python", "workload": workload, "device": str(DEVICE), "processes": n, "threads": torch.get_num_threads(),
         "mixed_precision": "bf16" if bf16 else "no", "batch_size": batch, "warmup_steps": warmup_steps,
         "steps": steps, "steps_per_s": round(steps / seconds, 3), "samples_per_s": round(steps / seconds * batch * n, 1),
         "step_median_us": round(step_median, 1), "step_mean_us": round(step_mean, 1),
@@ -145,8 +165,9 @@ def run(workload, net, x, y, loss_fn, warmup_steps, steps, accumulation=1, bf16=
 def first_step(x, y):
     """W5: one optimizer step of the MLP, then the wall-clock time on process 0."""
     distributed = dist.is_initialized()
-    net = Mlp()
-    model = DistributedDataParallel(net) if distributed else net
+    net = Mlp().to(DEVICE)
+    x, y = x.to(DEVICE), y.to(DEVICE)
+    model = data_parallel(net) if distributed else net
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
     loss = F.cross_entropy(model(x), y)
     loss.backward()
@@ -158,9 +179,13 @@ def first_step(x, y):
 
 
 def worker(args):
+    global DEVICE
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if args.device == "cuda":
+        DEVICE = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(DEVICE)
     if int(os.environ["WORLD_SIZE"]) > 1:
-        dist.init_process_group("gloo")
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     rank = int(os.environ["RANK"])
     bf16 = args.mixed_precision == "bf16"
     for workload in args.workloads.split(","):
@@ -198,6 +223,7 @@ def main():
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--mixed_precision", default="no", choices=["no", "bf16"])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--workloads", default="mlp,mlp_accum4,tiny,transformer")
     parser.add_argument("--warmup_steps", type=int, default=20)
     parser.add_argument("--mlp_steps", type=int, default=200)

@@ -224,14 +224,16 @@ torch::Tensor loss_per_sample(const torch::Tensor& logits, const torch::Tensor& 
 std::string sample(GPT& model, const Corpus& corpus, const std::string& prompt, int64_t length, uint64_t seed) {
   torch::NoGradGuard no_grad;
   model->eval();
+  // The model may live on a GPU; the characters are drawn on the CPU, from one seeded generator.
+  const auto device = model->parameters().front().device();
   auto generator = at::make_generator<at::CPUGeneratorImpl>(seed);
   std::vector<int64_t> ids;
   for (char c : prompt) ids.push_back(static_cast<int64_t>(corpus.alphabet.find(c)));
   std::string text = prompt;
   for (int64_t i = 0; i < length; ++i) {
     const int64_t start = std::max<int64_t>(0, static_cast<int64_t>(ids.size()) - model->block_size);
-    auto context = torch::tensor(std::vector<int64_t>(ids.begin() + start, ids.end())).unsqueeze(0);
-    auto probs = model->forward(context).select(1, -1).to(torch::kFloat).div(0.8).softmax(-1);
+    auto context = torch::tensor(std::vector<int64_t>(ids.begin() + start, ids.end())).unsqueeze(0).to(device);
+    auto probs = model->forward(context).select(1, -1).to(torch::kCPU, torch::kFloat).div(0.8).softmax(-1);
     const int64_t next = at::multinomial(probs, 1, /*replacement=*/false, generator).item<int64_t>();
     ids.push_back(next);
     text += corpus.alphabet[next];

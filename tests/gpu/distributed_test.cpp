@@ -1,0 +1,94 @@
+// NCCL, the back-end of GPU processes: a one-process NCCL group on one GPU runs a collective, and
+// two GPU ranks (threads of this process, one GPU each, c10d's own pattern) pick NCCL by
+// themselves and exchange tensors, Python-style objects and trigger flags. Tests of two GPUs skip
+// on machines with fewer; tests/gpu/launch_test.cpp runs real processes.
+#include "accelerate/state.h"
+#include "accelerate/utils/operations.h"
+#include "detail/process_group.h"
+#include "support/gpu.h"
+#include "support/test_support.h"
+
+#include <gtest/gtest.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/cuda.h>
+#include <torch/torch.h>
+
+namespace accelerate::testing {
+namespace {
+
+torch::Device gpu(int index) { return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index)); }
+
+TEST(Nccl, AOneProcessGroupOnOneGpuGathersACudaTensor) {
+  SKIP_WITHOUT_GPUS(1);
+  detail::RendezvousConfig config;
+  config.topology.rank = 0;
+  config.topology.world_size = 1;
+  config.backend = "nccl";
+  config.store = c10::make_intrusive<c10d::HashStore>();
+  config.rdzv_timeout = std::chrono::seconds(30);
+  config.collective_timeout = std::chrono::seconds(60);
+  auto rendezvous = detail::rendezvous(config);
+  ASSERT_TRUE(rendezvous.process_group);
+
+  auto input = torch::arange(1, 7, torch::TensorOptions().dtype(torch::kFloat).device(gpu(0)));
+  std::vector<at::Tensor> inputs{input};
+  // The output starts as zeros: only a collective that really ran fills it.
+  std::vector<std::vector<at::Tensor>> outputs{{torch::zeros_like(input)}};
+  rendezvous.process_group->allgather(outputs, inputs)->wait(std::chrono::seconds(60));
+  torch::cuda::synchronize();
+  EXPECT_TRUE(torch::equal(outputs[0][0].cpu(), input.cpu())) << outputs[0][0];
+
+  std::vector<at::Tensor> sums{input.clone()};
+  rendezvous.process_group->allreduce(sums)->wait(std::chrono::seconds(60));
+  torch::cuda::synchronize();
+  EXPECT_TRUE(torch::equal(sums[0].cpu(), input.cpu()));
+}
+
+TEST(Nccl, TwoGpuRanksPickNcclAndGatherReduceAndBroadcastCudaTensors) {
+  SKIP_WITHOUT_GPUS(2);
+  std::vector<at::Tensor> gathered(2), reduced(2), broadcast_from_1(2);
+  run_ranks(2, [&](const PartialState& state) {
+    const int rank = state.process_index();
+    EXPECT_EQ(state.distributed_type(), DistributedType::kMultiGpu);
+    EXPECT_EQ(state.backend(), "nccl");
+    ASSERT_EQ(state.device(), gpu(rank));
+    const auto mine = torch::full({3}, static_cast<float>(rank + 1), state.device());
+    const auto all = gather(state, mine);
+    EXPECT_EQ(all.device(), state.device());
+    gathered[rank] = all.cpu();
+    reduced[rank] = reduce(state, mine, "sum").cpu();
+    broadcast_from_1[rank] = broadcast(state, mine, /*from_process=*/1).cpu();
+    state.wait_for_everyone();
+  });
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_TRUE(torch::equal(gathered[rank], torch::tensor({1.f, 1.f, 1.f, 2.f, 2.f, 2.f}))) << gathered[rank];
+    EXPECT_TRUE(torch::equal(reduced[rank], torch::full({3}, 3.f))) << reduced[rank];
+    EXPECT_TRUE(torch::equal(broadcast_from_1[rank], torch::full({3}, 2.f))) << broadcast_from_1[rank];
+  }
+}
+
+TEST(Nccl, TwoGpuRanksExchangeObjectsAndTriggerFlags) {
+  SKIP_WITHOUT_GPUS(2);
+  // Objects travel as bytes and flags as integers: the NCCL group must carry them too (PyTorch
+  // stages them through the GPU for NCCL), as every job of several GPUs needs them to prepare a
+  // model, shuffle its data loader in step and commit a checkpoint.
+  std::vector<std::vector<int64_t>> objects(2);
+  std::vector<std::vector<std::string>> broadcasts(2);
+  std::vector<int> triggers(2, -1);
+  run_ranks(2, [&](const PartialState& state) {
+    const int rank = state.process_index();
+    objects[rank] = gather_object(state, std::vector<int64_t>{10 * (rank + 1)});
+    std::vector<std::string> words = {rank == 0 ? "from process 0" : "unchanged"};
+    broadcasts[rank] = broadcast_object_list(state, words, /*from_process=*/0);
+    if (rank == 1) state.set_trigger();
+    triggers[rank] = state.check_trigger() ? 1 : 0;
+  });
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_EQ(objects[rank], (std::vector<int64_t>{10, 20})) << "process " << rank;
+    EXPECT_EQ(broadcasts[rank], (std::vector<std::string>{"from process 0"})) << "process " << rank;
+    EXPECT_EQ(triggers[rank], 1) << "process " << rank << " missed process 1's trigger";
+  }
+}
+
+}  // namespace
+}  // namespace accelerate::testing
