@@ -9,8 +9,10 @@
 #   --dev   only the dev tier (unit, cli and multiprocess tests), without the sanitizer and fuzzer
 #           stages of scripts/test.sh
 #
-# The root lives in .cache/debian/SUITE[-cuda] (git-ignored) and is made once; later runs reuse it
-# and its compiler cache. Each run copies the checkout (tracked files and untracked files git does
+# The root lives in .cache/debian/SUITE[-cuda] (git-ignored) and is made once; later runs reuse it.
+# Its compiler cache lives outside the checkout, like the native build's ccache, in
+# $ACCELERATE_DEBIAN_CCACHE (default ~/.cache/accelerate-cpp/ccache-SUITE[-cuda]), so that fresh
+# clones on the same machine (CI) reuse it too. Each run copies the checkout (tracked files and untracked files git does
 # not ignore) into a fresh folder of the root and runs the project's own scripts/setup.sh there, so
 # the release's own package names are what gets installed. Needs root and debootstrap.
 set -euo pipefail
@@ -42,7 +44,7 @@ components=main; [ $cuda -eq 1 ] && components=main,contrib,non-free
 
 if [ ! -e "$root/.ready" ]; then
   echo "test_debian.sh: making a Debian $suite root in $root"
-  rm -rf "$root"; mkdir -p "$root"
+  rm -rf --one-file-system "$root"; mkdir -p "$root"
   debootstrap --variant=minbase --components="$components" "$suite" "$root" "$mirror"
   # debootstrap writes only the first component into sources.list.
   echo "deb $mirror $suite ${components//,/ }" > "$root/etc/apt/sources.list"
@@ -68,13 +70,15 @@ mount_in /dev --rbind /dev
 mount --make-rslave "$root/dev"
 mount_in /dev/shm -t tmpfs -o mode=1777 shm
 mount_in /tmp -t tmpfs -o mode=1777 tmp
+ccache_dir=${ACCELERATE_DEBIAN_CCACHE:-$HOME/.cache/accelerate-cpp/ccache-$name}
+mkdir -p "$ccache_dir"
+mount_in /var/cache/ccache --bind "$ccache_dir"
 
-# A clean copy of the checkout; the compiler cache lives in the root and outlives it.
+# A clean copy of the checkout.
 work=$root/work/accelerate
 rm -rf "$work"; mkdir -p "$work"
 git ls-files -z --cached --others --exclude-standard | xargs -0 -I{} sh -c 'test -e "{}" && printf "%s\0" "{}"' |
   tar --null -T - -cf - | tar -xf - -C "$work"
-mkdir -p "$root/var/cache/ccache"
 
 torch_pkg=libtorch-dev; [ $cuda -eq 1 ] && torch_pkg=libtorch-cuda-dev
 
