@@ -2,10 +2,13 @@
 
 find_program(ACCELERATE_CCACHE ccache)
 if(ACCELERATE_CCACHE AND NOT CMAKE_CXX_COMPILER_LAUNCHER)
-  # Precompiled headers need these relaxations for ccache to hit.
+  # Precompiled headers need these relaxations for ccache to hit. Paths under the source and
+  # build trees are hashed relative to the source tree (and the working directory is left out),
+  # so a fresh clone in another folder, as CI makes, reuses the objects of an earlier one.
   set(CMAKE_CXX_COMPILER_LAUNCHER
       ${CMAKE_COMMAND} -E env
       CCACHE_SLOPPINESS=pch_defines,time_macros,include_file_mtime,include_file_ctime
+      CCACHE_BASEDIR=${PROJECT_SOURCE_DIR} CCACHE_NOHASHDIR=1
       ${ACCELERATE_CCACHE})
 endif()
 
