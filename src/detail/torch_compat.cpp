@@ -78,7 +78,23 @@ c10::intrusive_ptr<c10d::Work> scatter_flat(Group& group, at::Tensor& output, at
   }
 }
 
+template <typename Group>
+c10::intrusive_ptr<c10d::Work> exchange_flat(Group& group, at::Tensor& output, at::Tensor& input,
+                                             std::vector<int64_t>& output_splits, std::vector<int64_t>& input_splits) {
+  if constexpr (requires { group.all_to_all_single(output, input, output_splits, input_splits); }) {
+    return group.all_to_all_single(output, input, output_splits, input_splits);
+  } else {
+    return group.alltoall_base(output, input, output_splits, input_splits);
+  }
+}
+
 }  // namespace
+
+c10::intrusive_ptr<c10d::Work> all_to_all_single(c10d::ProcessGroup& group, at::Tensor& output, at::Tensor& input,
+                                                 std::vector<int64_t>& output_splits,
+                                                 std::vector<int64_t>& input_splits) {
+  return exchange_flat(group, output, input, output_splits, input_splits);
+}
 
 c10::intrusive_ptr<c10d::Work> all_gather_single(c10d::ProcessGroup& group, at::Tensor& output, at::Tensor& input) {
   return gather_flat(group, output, input);

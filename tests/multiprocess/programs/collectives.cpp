@@ -199,7 +199,7 @@ void run_all(const accelerate::PartialState& state) {
     auto in = at::arange(n, at::kLong) + rank * 10;
     auto out = at::zeros({n}, at::kLong);
     std::vector<int64_t> none;
-    pg->alltoall_base(out, in, none, none)->wait();
+    accelerate::detail::compat::all_to_all_single(*pg, out, in, none, none)->wait();
     check(same(out, at::arange(n, at::kLong) * 10 + rank), "alltoall", str(out));
     // Uneven: rank r sends d+1 copies of (r*10 + d) to rank d, so rank d receives r... each d+1 times.
     std::vector<int64_t> send_splits, recv_splits;
@@ -212,7 +212,7 @@ void run_all(const accelerate::PartialState& state) {
     }
     auto uneven_in = at::cat(parts);
     auto uneven_out = at::zeros({n * (rank + 1)}, at::kLong);
-    pg->alltoall_base(uneven_out, uneven_in, recv_splits, send_splits)->wait();
+    accelerate::detail::compat::all_to_all_single(*pg, uneven_out, uneven_in, recv_splits, send_splits)->wait();
     check(same(uneven_out, at::cat(expected)), "alltoall uneven", str(uneven_out));
     std::vector<at::Tensor> outs, ins;
     for (int d = 0; d < n; ++d) {
