@@ -26,9 +26,9 @@ packages=(
   clang libclang-rt-dev               # the libFuzzer target (scripts/fuzz.sh)
 )
 
-# LibTorch's CMake package finds CUDA through nvcc.
+# LibTorch's CMake package finds CUDA through nvcc; c10d's NCCL headers include <nccl.h>.
 if [ "$torch_package" = libtorch-cuda-dev ]; then
-  packages+=(nvidia-cuda-toolkit)
+  packages+=(nvidia-cuda-toolkit libnccl-dev)
 fi
 
 # The benchmarks compare against PyTorch twins, which need Debian's PyTorch (the same LibTorch).
