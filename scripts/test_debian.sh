@@ -2,23 +2,26 @@
 # Runs the project's test command inside a Debian root made with debootstrap, so that the tree is
 # checked against that release's LibTorch, compiler and Open MPI without leaving this machine.
 #
-# Usage: scripts/test_debian.sh SUITE [--cuda] [--dev] [-- CTEST_ARGS...]
-#   SUITE   bookworm (LibTorch 1.13), trixie (2.6) or sid (newest)
-#   --cuda  use the release's CUDA build of LibTorch (libtorch-cuda-dev, in contrib); CUDA code is
-#           compiled and its tests run, those that need a GPU skipping with a reason
-#   --dev   only the dev tier (unit, cli and multiprocess tests), without the sanitizer and fuzzer
-#           stages of scripts/test.sh
+# Usage: scripts/test_debian.sh SUITE [--cuda] [--dev | --main-job] [-- ARGS...]
+#   SUITE       bookworm (LibTorch 1.13), trixie (2.6) or sid (newest)
+#   --cuda      use the release's CUDA build of LibTorch (libtorch-cuda-dev, in contrib); CUDA code
+#               is compiled and its tests run, those that need a GPU skipping with a reason
+#   --dev       only the dev tier (unit, cli, multiprocess and gpu tests), without the sanitizer
+#               and fuzzer stages of scripts/test.sh
+#   --main-job  the README's other command instead, scripts/run_main_job.sh (ARGS go to the example)
+#   ARGS        passed to ctest (or to the main job)
 #
 # The root lives in .cache/debian/SUITE[-cuda] (git-ignored) and is made once; later runs reuse it.
 # Its compiler cache lives outside the checkout, like the native build's ccache, in
 # $ACCELERATE_DEBIAN_CCACHE (default ~/.cache/accelerate-cpp/ccache-SUITE[-cuda]), so that fresh
-# clones on the same machine (CI) reuse it too. Each run copies the checkout (tracked files and untracked files git does
-# not ignore) into a fresh folder of the root and runs the project's own scripts/setup.sh there, so
-# the release's own package names are what gets installed. Needs root and debootstrap.
+# clones on the same machine (CI) reuse it too. Each run copies the checkout (tracked files and
+# untracked files git does not ignore) into a fresh folder of the root and runs the project's own
+# scripts/setup.sh there, so the release's own package names are what gets installed. Needs root
+# and debootstrap.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '5,10p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '5,12p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 [ $# -ge 1 ] || usage
 suite=$1; shift
 case "$suite" in bookworm|trixie|sid|forky) ;; *) echo "test_debian.sh: unknown suite '$suite'" >&2; usage ;; esac
@@ -27,6 +30,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --cuda) cuda=1 ;;
     --dev) tier=dev ;;
+    --main-job) tier=main-job ;;
     --) shift; ctest_args=("$@"); break ;;
     *) echo "test_debian.sh: unknown option '$1'" >&2; usage ;;
   esac
@@ -110,6 +114,8 @@ if [ $cuda -eq 1 ]; then
 fi
 if [ $tier = dev ]; then
   inner='scripts/setup.sh && scripts/build.sh dev && ctest --preset dev "$@"'
+elif [ $tier = main-job ]; then
+  inner='scripts/run_main_job.sh "$@"'
 else
   inner='scripts/test.sh "$@"'
 fi
