@@ -2,9 +2,9 @@
 
 find_program(ACCELERATE_CCACHE ccache)
 if(ACCELERATE_CCACHE AND NOT CMAKE_CXX_COMPILER_LAUNCHER)
-  # Precompiled headers need these relaxations for ccache to hit. Paths under the source and
-  # build trees are hashed relative to the source tree (and the working directory is left out),
-  # so a fresh clone in another folder, as CI makes, reuses the objects of an earlier one.
+  # Precompiled headers need these relaxations for ccache to hit. Paths under the source tree
+  # are hashed relative to it. (A clone in another folder still misses: the precompiled header
+  # it builds differs from byte to byte, and every object's hash includes it.)
   set(CMAKE_CXX_COMPILER_LAUNCHER
       ${CMAKE_COMMAND} -E env
       CCACHE_SLOPPINESS=pch_defines,time_macros,include_file_mtime,include_file_ctime
