@@ -61,27 +61,34 @@ namespace {
 constexpr size_t kBroadcastBucketBytes = 250u * 1024 * 1024;
 constexpr size_t kFirstBucketBytes = 1024 * 1024;
 
-// bf16 compression hook. Gloo in LibTorch 1.13 cannot reduce bfloat16 tensors, so on Gloo the
-// bucket is rounded to bf16 (the precision the hook promises) and reduced in fp32; NCCL reduces
-// the bf16 tensor itself.
+// Note [Compression hooks]
+// The fp16 and bf16 hooks round each bucket to 16 bits, divide by the world size, sum across
+// processes and write the result, rounded to 16 bits, back into the bucket. NCCL and the
+// project's MPI group reduce 16-bit tensors themselves; Gloo's support depends on how LibTorch
+// was built (1.13's cannot reduce bf16, Debian sid's neither fp16 nor bf16), so on Gloo the
+// rounded values are summed in fp32 and the sum rounded back. With two processes that is
+// exactly the 16-bit sum (two 16-bit values add without error in fp32); with more it can only
+// be closer to the true mean. One hook serves both types, so every back-end and LibTorch
+// release gives the same bits.
 // (It derives from the plain interface: LibTorch does not export the result parser of the
 // C++ hook template.)
-class Bf16CompressHook final : public c10d::CommHookInterface {
+class CompressHook final : public c10d::CommHookInterface {
  public:
-  explicit Bf16CompressHook(c10::intrusive_ptr<c10d::ProcessGroup> group) : state_(std::move(group)) {}
+  CompressHook(c10::intrusive_ptr<c10d::ProcessGroup> group, at::ScalarType type)
+      : state_(std::move(group)), type_(type), sum_in_fp32_(state_->getBackendName() == "gloo") {}
 
   at::Tensor parseHookResult(const c10::IValue& result) override { return result.toTensor(); }
 
   c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
-    auto compressed = bucket.getBufferRef().to(at::kBFloat16);
+    auto compressed = bucket.getBufferRef().to(type_);
     compressed.div_(state_->getSize());
-    if (state_->getBackendName() == "gloo") compressed = compressed.to(at::kFloat);
+    if (sum_in_fp32_) compressed = compressed.to(at::kFloat);
     std::vector<at::Tensor> tensors{compressed};
     auto future = state_->allreduce(tensors)->getFuture();
     auto destination = bucket.getBufferRef();
     return future->then(
-        [destination](c10::ivalue::Future& done) {
-          destination.copy_(done.value().toTensorVector()[0]);
+        [destination, type = type_](c10::ivalue::Future& done) {
+          destination.copy_(done.value().toTensorVector()[0].to(type));
           return c10::IValue(destination);
         },
         future->elementType());
@@ -89,6 +96,8 @@ class Bf16CompressHook final : public c10d::CommHookInterface {
 
  private:
   c10::intrusive_ptr<c10d::ProcessGroup> state_;
+  at::ScalarType type_;
+  bool sum_in_fp32_;
 };
 
 // Note [Static graph first iteration]
@@ -305,10 +314,10 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   switch (kwargs.comm_hook) {
     case DDPCommunicationHookType::kNo: break;
     case DDPCommunicationHookType::kFp16:
-      impl_->reducer->register_builtin_comm_hook(c10d::BuiltinCommHookType::FP16_COMPRESS);
+      impl_->reducer->register_comm_hook(std::make_unique<CompressHook>(group, at::kHalf));
       break;
     case DDPCommunicationHookType::kBf16:
-      impl_->reducer->register_comm_hook(std::make_unique<Bf16CompressHook>(group));
+      impl_->reducer->register_comm_hook(std::make_unique<CompressHook>(group, at::kBFloat16));
       break;
   }
 }
