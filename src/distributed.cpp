@@ -444,8 +444,19 @@ std::vector<at::Tensor> DistributedDataParallel::after_forward(const std::vector
     }
     TORCH_CHECK_VALUE(!differentiable.empty(), "[DistributedDataParallel] static_graph needs the first forward pass to "
                                                "return at least one tensor that requires a gradient");
-    auto routed = StaticGraphSink::apply(at::TensorList(outputs), impl_);
-    return routed;
+    // Note [GCC 14 vector<bool> warning]
+    // With -O3, GCC 14 inlines the `reserve` of an empty std::vector<bool> inside LibTorch's
+    // Function::apply and reports a memmove out of bounds that cannot happen (the copy is of
+    // zero words); the false positives are silenced for this one call only.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Warray-bounds"
+#pragma GCC diagnostic ignored "-Wstringop-overflow"
+#endif
+    return StaticGraphSink::apply(at::TensorList(outputs), impl_);
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
   }
   return {};
 }
