@@ -5,6 +5,7 @@
 #include "accelerate/utils/environment.h"
 #include "detail/accelerator_impl.h"
 #include "detail/tracking.h"
+#include "detail/warn.h"
 
 #include <c10/util/Exception.h>
 #include <torch/nn/utils/clip_grad.h>
@@ -294,8 +295,10 @@ void Accelerator::join_uneven_inputs_erased(std::vector<DistributedDataParallel>
                                             const std::function<void()>& fn, std::optional<bool> even_batches) const {
   if (!use_distributed()) {
     if (distributed_type() != DistributedType::kNo) {
-      TORCH_WARN("[Accelerator.join_uneven_inputs] joining uneven inputs needs several processes: with one it has "
-                 "no effect");
+      detail::warn("accelerate.accelerator",
+                   "[Accelerator.join_uneven_inputs] joining uneven inputs needs several processes: with one it "
+                   "has no effect",
+                   {.once = true, .state = state().partial_state()});
     }
     fn();
     return;
@@ -339,8 +342,10 @@ void Accelerator::join_uneven_inputs_erased(std::vector<DistributedDataParallel>
       shard->set_even_batches(*even_batches);
     }
     if (kept) {
-      TORCH_WARN("[Accelerator.join_uneven_inputs] even_batches can only be overridden for map-style data loaders "
-                 "that are not dispatched; some prepared loaders keep their own setting");
+      detail::warn("accelerate.accelerator",
+                   "[Accelerator.join_uneven_inputs] even_batches can only be overridden for map-style data loaders "
+                   "that are not dispatched; some prepared loaders keep their own setting",
+                   {.once = true, .state = state().partial_state()});
     }
   }
 

@@ -5,6 +5,7 @@
 #include "detail/accelerator_impl.h"
 #include "detail/checkpoint_commit.h"
 #include "detail/files.h"
+#include "detail/warn.h"
 
 #include <c10/util/Exception.h>
 
@@ -277,8 +278,11 @@ void Accelerator::load_state(const std::string& input_dir) const {
       TORCH_CHECK_VALUE(random->values.contains("step") && random->values.at("step").is_number_integer(),
                         random_file.string(), " has no integer \"step\"");
     } else {
-      TORCH_WARN("[Accelerator::load_state] ", random_file.string(), " is missing (was the checkpoint saved with "
-                 "fewer processes?); the random generators keep their states");
+      detail::warn("accelerate.checkpointing",
+                   c10::str("[Accelerator::load_state] ", random_file.string(),
+                            " is missing (was the checkpoint saved with fewer processes?); the random generators "
+                            "keep their states"),
+                   {.every_process = true, .state = state().partial_state()});
     }
 
     for (size_t i = 0; i < models.size(); ++i) {

@@ -2,6 +2,7 @@
 
 #include "detail/checkpoint_index.h"
 #include "detail/offload_dtypes.h"
+#include "detail/warn.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
@@ -181,8 +182,10 @@ void dispatch_model(torch::nn::Module& model, const DeviceMap& device_map, const
   if (!cpu_modules.empty() && cpu_offloaded) places.emplace_back("cpu");
   if (!disk_modules.empty()) places.emplace_back("disk");
   if (!places.empty()) {
-    TORCH_WARN("Some parameters are on the meta device because they were offloaded to the ", c10::Join(" and ", places),
-               ".");
+    detail::warn("accelerate.big_modeling",
+                 c10::str("Some parameters are on the meta device because they were offloaded to the ",
+                          c10::Join(" and ", places), "."),
+                 {.once = true});
   }
 }
 
@@ -285,8 +288,9 @@ OffloadIndex load_checkpoint_in_model(torch::nn::Module& model, const std::strin
     save_offload_index(index, *options.offload_folder);
   }
   if (!options.strict && (!missing.empty() || !unexpected.empty())) {
-    TORCH_WARN("[load_checkpoint_in_model] ", checkpoint, ": missing keys [", c10::Join(", ", missing),
-               "], unexpected keys [", c10::Join(", ", unexpected), "]");
+    detail::warn("accelerate.big_modeling",
+                 c10::str("[load_checkpoint_in_model] ", checkpoint, ": missing keys [", c10::Join(", ", missing),
+                          "], unexpected keys [", c10::Join(", ", unexpected), "]"));
   }
   return index;
 }

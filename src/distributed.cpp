@@ -5,6 +5,7 @@
 #include "detail/errors.h"
 #include "detail/state_impl.h"
 #include "detail/torch_compat.h"
+#include "detail/warn.h"
 
 #include <c10/util/Exception.h>
 #include <torch/autograd.h>
@@ -40,6 +41,7 @@ struct DistributedDataParallelImpl {
   bool join_enabled = false;
   c10::intrusive_ptr<c10d::Work> running_notice;  // this process's last "still running" allreduce
   int unrecorded_graph_process = -1;              // see Note [Static graph and join]
+  std::optional<PartialState> state;              // the processes (for warnings)
 
   ~DistributedDataParallelImpl() {
     // The reducer's destructor may throw (c10d declares it noexcept(false)) when a backward pass
@@ -269,6 +271,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   impl_->kwargs = kwargs;
   impl_->forward = forward;
   impl_->device_type = state.device().type();
+  impl_->state = state;
   if (!state.use_distributed()) return;
 
   auto group = detail::process_group(state, "DistributedDataParallel");
@@ -371,8 +374,11 @@ void DistributedDataParallel::join_until_all_finished() const {
     if (f[0] == 0) break;
     last_to_finish = false;
     if (round == kSkewWarning) {
-      TORCH_WARN("[DistributedDataParallel.join] process ", impl.process_group->getRank(), " has run out of inputs ",
-                 kSkewWarning, " iterations before others: such a skew slows training down");
+      detail::warn("accelerate.distributed",
+                   c10::str("[DistributedDataParallel.join] process ", impl.process_group->getRank(),
+                            " has run out of inputs ", kSkewWarning,
+                            " iterations before others: such a skew slows training down"),
+                   {.every_process = true, .state = impl.state});
     }
     shadow_iteration(impl, f[1] > 0, f[2] > 0, shadowed_syncs);
   }

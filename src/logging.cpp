@@ -2,6 +2,7 @@
 #include "accelerate/logging.h"
 
 #include "accelerate/utils/environment.h"
+#include "detail/warn.h"
 
 #include <c10/util/Exception.h>
 
@@ -59,6 +60,13 @@ std::string timestamp() {
 
 // `accelerate launch` puts "[rankN]: " before every line of its workers itself.
 bool launcher_prefixes_lines() { return parse_flag_from_env("ACCELERATE_LAUNCH_PREFIXES_OUTPUT"); }
+
+// `<time> <LEVEL> <name>: [rank N] <message>`, the rank only for a message of every process.
+std::string format_line(LogLevel level, const std::string& name, const std::string& message, std::optional<int> rank) {
+  std::string line = timestamp() + " " + to_string(level) + " " + name + ": ";
+  if (rank && !launcher_prefixes_lines()) line += "[rank " + std::to_string(*rank) + "] ";
+  return line + message;
+}
 
 }  // namespace
 
@@ -121,11 +129,8 @@ void Logger::log(LogLevel level, const std::string& message, LogOptions options)
   const bool enabled = is_enabled_for(level);
   auto write = [&] {
     if (!enabled) return;
-    std::string line = timestamp() + " " + to_string(level) + " " + data_->name + ": ";
-    if (!options.main_process_only && state.num_processes() > 1 && !launcher_prefixes_lines()) {
-      line += "[rank " + std::to_string(state.process_index()) + "] ";
-    }
-    emit(level, line + message);
+    const bool ranked = !options.main_process_only && state.num_processes() > 1;
+    emit(level, format_line(level, data_->name, message, ranked ? std::optional<int>(state.process_index()) : std::nullopt));
   };
   if (options.main_process_only) {
     if (state.is_main_process()) write();
@@ -166,5 +171,26 @@ Logger get_logger(const std::string& name, std::optional<std::string> log_level)
   if (level) data->level.store(static_cast<int>(*level));
   return Logger(std::move(data));
 }
+
+namespace detail {
+
+void warn(const std::string& name, const std::string& message, const WarnOptions& options) {
+  Logger logger = get_logger(name);
+  if (!logger.is_enabled_for(LogLevel::kWarning)) return;
+  if (options.once) {
+    static std::mutex mutex;
+    static std::set<std::pair<std::string, std::string>> warned;
+    std::lock_guard<std::mutex> lock(mutex);
+    if (!warned.emplace(name, message).second) return;
+  }
+  if (options.state.has_value() || PartialState::initialized()) {
+    if (options.state.has_value()) logger = logger.with_state(*options.state);
+    logger.warning(message, {.main_process_only = !options.every_process});
+    return;
+  }
+  emit(LogLevel::kWarning, format_line(LogLevel::kWarning, name, message, std::nullopt));
+}
+
+}  // namespace detail
 
 }  // namespace accelerate

@@ -7,6 +7,7 @@
 #include "detail/process_group.h"
 #include "detail/process_group_mpi.h"
 #include "detail/state_impl.h"
+#include "detail/warn.h"
 
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
@@ -330,8 +331,10 @@ PrecisionType resolve_precision(const std::string& option) {
 // fp16 training needs CUDA (autocast and loss scaling); on the CPU it runs in full precision.
 PrecisionType supported_precision(PrecisionType precision, const PartialState& partial) {
   if (precision == PrecisionType::kFp16 && !partial.device().is_cuda()) {
-    TORCH_WARN("[AcceleratorState] fp16 mixed precision needs a CUDA device, but this process runs on ",
-               partial.device(), "; mixed precision is disabled (use bf16 on the CPU)");
+    detail::warn("accelerate.state",
+                 c10::str("[AcceleratorState] fp16 mixed precision needs a CUDA device, but this process runs on ",
+                          partial.device(), "; mixed precision is disabled (use bf16 on the CPU)"),
+                 {.state = partial});
     return PrecisionType::kNo;
   }
   return precision;

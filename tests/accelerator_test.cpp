@@ -142,12 +142,14 @@ TEST_F(ProcessWideAccelerator, MixedPrecisionComesFromTheEnvironmentWhenNotGiven
 TEST_F(ProcessWideAccelerator, Fp16WithoutCudaWarnsAndRunsInFullPrecision) {
   if (Accelerator({.cpu = false}).device().is_cuda()) GTEST_SKIP() << "this machine has CUDA: fp16 is supported";
   reset();
-  accelerate::detail::compat::WarningCapture collect;
+  CapturedLines collect;
   Accelerator accelerator({.mixed_precision = "fp16"});
   EXPECT_EQ(accelerator.mixed_precision(), "no");
   EXPECT_FALSE(accelerator.scaler().has_value());
-  ASSERT_EQ(collect.messages.size(), 1u);
-  EXPECT_THAT(collect.messages[0], HasSubstr("fp16 mixed precision needs a CUDA device"));
+  // Through the library's logger, as its other messages: no glog line.
+  ASSERT_EQ(collect.lines().size(), 1u);
+  EXPECT_THAT(collect.lines()[0], HasSubstr(" WARNING accelerate.state: [AcceleratorState] fp16 mixed precision needs a "
+                                            "CUDA device"));
 }
 
 TEST_F(ProcessWideAccelerator, UseCpuFromTheEnvironment) {

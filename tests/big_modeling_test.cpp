@@ -131,14 +131,6 @@ TEST(DeviceMap, InferAutoDeviceMapUpstreamOracles) {
             map({{"linear1", "cpu"}, {"batchnorm", "disk"}, {"linear2", "disk"}}));
 }
 
-// Collects the TORCH_WARN messages raised while alive.
-struct WarningCapture : acc::detail::compat::WarningCapture {
-  bool saw(const std::string& text) const {
-    return std::any_of(messages.begin(), messages.end(),
-                       [&](const std::string& m) { return m.find(text) != std::string::npos; });
-  }
-};
-
 TEST(DeviceMap, FallbackAllocationFindsASmallerModule) {
   torch::nn::Sequential inner;
   inner->push_back("linear1", torch::nn::Linear(10, 4));
@@ -158,12 +150,12 @@ TEST(DeviceMap, BuffersOfOffloadedLayersThatFitNoGpuAreWarnedAbout) {
   model->batchnorm->register_buffer("test_buffer2", torch::zeros({10, 3}));
   model->linear2->register_buffer("test_buffer3", torch::zeros({10, 3}));
   {
-    WarningCapture warnings;
+    acc::testing::CapturedLines warnings;
     EXPECT_EQ(acc::infer_auto_device_map(*model, {.max_memory = acc::MaxMemory{{0, 400}, {"cpu", "1GB"}}}),
               map({{"linear1", 0}, {"batchnorm", "cpu"}, {"linear2", "cpu"}}));
     EXPECT_TRUE(warnings.saw("bytes of buffer for offloaded layers"));
   }
-  WarningCapture warnings;
+  acc::testing::CapturedLines warnings;
   EXPECT_EQ(acc::infer_auto_device_map(
                 *model, {.max_memory = acc::MaxMemory{{0, 400}, {"cpu", "1GB"}}, .offload_buffers = true}),
             map({{"linear1", 0}, {"batchnorm", "cpu"}, {"linear2", "cpu"}}));

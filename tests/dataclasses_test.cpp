@@ -91,5 +91,66 @@ TEST(StrToBool, AnythingElseIsRefusedNamingTheText) {
   EXPECT_THROW(str_to_bool("maybe"), c10::ValueError);
 }
 
+// ---- LoggerType, ComputeEnvironment --------------------------------------------------------------
+
+TEST(LoggerTypeEnum, SpellsUpstreamsValuesAndRefusesOthers) {
+  const std::vector<std::pair<LoggerType, std::string>> expected = {
+      {LoggerType::kAll, "all"},         {LoggerType::kAim, "aim"},         {LoggerType::kTensorboard, "tensorboard"},
+      {LoggerType::kWandb, "wandb"},     {LoggerType::kTrackio, "trackio"}, {LoggerType::kCometMl, "comet_ml"},
+      {LoggerType::kMlflow, "mlflow"},   {LoggerType::kClearml, "clearml"}, {LoggerType::kDvclive, "dvclive"},
+      {LoggerType::kSwanlab, "swanlab"}};
+  for (const auto& [type, text] : expected) {
+    EXPECT_EQ(to_string(type), text);
+    EXPECT_EQ(parse_logger_type(text), type);
+  }
+  EXPECT_THROWS_WITH(parse_logger_type("TensorBoard"), "'TensorBoard' is not a valid LoggerType");
+  EXPECT_THROWS_WITH(parse_logger_type("jsonl"), "'jsonl' is not a valid LoggerType");
+}
+
+TEST(ComputeEnvironmentEnum, SpellsUpstreamsValuesAndRefusesOthers) {
+  EXPECT_EQ(to_string(ComputeEnvironment::kLocalMachine), "LOCAL_MACHINE");
+  EXPECT_EQ(to_string(ComputeEnvironment::kAmazonSagemaker), "AMAZON_SAGEMAKER");
+  EXPECT_EQ(parse_compute_environment("LOCAL_MACHINE"), ComputeEnvironment::kLocalMachine);
+  EXPECT_EQ(parse_compute_environment("AMAZON_SAGEMAKER"), ComputeEnvironment::kAmazonSagemaker);
+  EXPECT_THROWS_WITH(parse_compute_environment("local_machine"), "'local_machine' is not a valid ComputeEnvironment");
+}
+
+// ---- KwargsHandler::to_kwargs ---------------------------------------------------------------------
+
+static_assert(KwargsHandler<GradScalerKwargs> && KwargsHandler<DistributedDataParallelKwargs> &&
+              KwargsHandler<InitProcessGroupKwargs> && KwargsHandler<AutocastKwargs> &&
+              KwargsHandler<GradientAccumulationPlugin>);
+static_assert(!KwargsHandler<ProjectConfiguration>);
+
+TEST(KwargsHandlerToKwargs, DefaultsGiveNothing) {
+  EXPECT_EQ(GradScalerKwargs{}.to_kwargs(), nlohmann::ordered_json::object());
+  EXPECT_EQ(DistributedDataParallelKwargs{}.to_kwargs(), nlohmann::ordered_json::object());
+  EXPECT_EQ(InitProcessGroupKwargs{}.to_kwargs(), nlohmann::ordered_json::object());
+  EXPECT_EQ(AutocastKwargs{}.to_kwargs(), nlohmann::ordered_json::object());
+  EXPECT_EQ(GradientAccumulationPlugin{}.to_kwargs(), nlohmann::ordered_json::object());
+}
+
+TEST(KwargsHandlerToKwargs, OnlyTheChangedFieldsInDeclarationOrder) {
+  const auto scaler = GradScalerKwargs{.init_scale = 1024, .growth_interval = 10}.to_kwargs();
+  EXPECT_EQ(scaler.dump(), R"({"init_scale":1024.0,"growth_interval":10})");
+  // A value set to its default is no change.
+  const auto unchanged = GradScalerKwargs{.growth_factor = 2.0, .enabled = false}.to_kwargs();
+  EXPECT_EQ(unchanged.dump(), R"({"enabled":false})");
+  const auto ddp = DistributedDataParallelKwargs{.bucket_cap_mb = 15, .find_unused_parameters = true}.to_kwargs();
+  EXPECT_EQ(ddp.dump(), R"({"bucket_cap_mb":15,"find_unused_parameters":true})");
+  const auto group = InitProcessGroupKwargs{.backend = "gloo", .timeout = std::chrono::seconds(90)}.to_kwargs();
+  EXPECT_EQ(group.dump(), R"({"backend":"gloo","timeout":90.0})");
+  EXPECT_EQ(AutocastKwargs{.cache_enabled = false}.to_kwargs().dump(), R"({"cache_enabled":false})");
+  EXPECT_EQ(GradientAccumulationPlugin{.num_steps = 4}.to_kwargs().dump(), R"({"num_steps":4})");
+}
+
+TEST(KwargsHandlerToKwargs, TheCommunicationHookIsNotAnArgumentOfDdp) {
+  // As upstream: the hook is registered separately, not passed to DDP's constructor.
+  EXPECT_EQ(DistributedDataParallelKwargs{.comm_hook = DDPCommunicationHookType::kBf16}.to_kwargs(),
+            nlohmann::ordered_json::object());
+  EXPECT_FALSE(DistributedDataParallelKwargs{}.to_dict().contains("comm_hook"));
+  EXPECT_EQ(DistributedDataParallelKwargs{}.to_dict().size(), 5u);
+}
+
 }  // namespace
 }  // namespace accelerate::testing

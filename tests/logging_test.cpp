@@ -1,12 +1,14 @@
 // Tests of include/accelerate/logging.h: levels, main-process-only and ordered messages, the rank
 // prefix, and the errors of a logger used too early or given an unknown level.
 #include "accelerate/logging.h"
+#include "detail/warn.h"
 
 #include "support/test_support.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <mutex>
 #include <string>
@@ -18,26 +20,7 @@ namespace {
 using ::testing::HasSubstr;
 using testing::run_ranks;
 
-// Collects the lines of every logger while it lives.
-class CapturedLines {
- public:
-  CapturedLines() {
-    previous_ = set_log_sink([this](LogLevel, const std::string& line) {
-      std::lock_guard<std::mutex> lock(mutex_);
-      lines_.push_back(line);
-    });
-  }
-  ~CapturedLines() { set_log_sink(previous_); }
-  std::vector<std::string> lines() const {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return lines_;
-  }
-
- private:
-  mutable std::mutex mutex_;
-  std::vector<std::string> lines_;
-  LogSink previous_;
-};
+using testing::CapturedLines;
 
 // Sets an environment variable for one test.
 class ScopedEnv {
@@ -188,6 +171,49 @@ TEST(Logger, WarningOnceWritesAMessageOnlyTheFirstTime) {
   ASSERT_EQ(lines.size(), 2u);
   EXPECT_THAT(lines[0], HasSubstr("deprecated"));
   EXPECT_THAT(lines[1], HasSubstr("another"));
+}
+
+// ---- the library's own warnings ----------------------------------------------------------------
+
+TEST(LibraryWarnings, GoThroughTheLoggerOfTheirModuleEvenWithoutAProcessState) {
+  ScopedEnv level("ACCELERATE_LOG_LEVEL", nullptr);
+  CapturedLines captured;
+  // No process state is needed: the warning still takes the logger's format.
+  detail::warn("logging_test.library", "a library warning");
+  const auto lines = captured.lines();
+  ASSERT_EQ(lines.size(), 1u);
+  EXPECT_THAT(lines[0], ::testing::MatchesRegex("[0-9-]+ [0-9:]+ WARNING logging_test.library: a library warning"));
+}
+
+TEST(LibraryWarnings, FollowTheLoggersLevel) {
+  ScopedEnv level("ACCELERATE_LOG_LEVEL", nullptr);
+  CapturedLines captured;
+  get_logger("logging_test.silenced", "ERROR");
+  detail::warn("logging_test.silenced", "dropped");
+  EXPECT_TRUE(captured.lines().empty());
+}
+
+TEST(LibraryWarnings, OnceOnlyWhenAsked) {
+  ScopedEnv level("ACCELERATE_LOG_LEVEL", nullptr);
+  CapturedLines captured;
+  for (int i = 0; i < 3; ++i) detail::warn("logging_test.once_library", "once", {.once = true});
+  for (int i = 0; i < 2; ++i) detail::warn("logging_test.once_library", "every time");
+  EXPECT_EQ(captured.lines().size(), 3u);
+}
+
+TEST(LibraryWarnings, OnTheMainProcessOrOnEveryProcessWithItsRank) {
+  ScopedEnv level("ACCELERATE_LOG_LEVEL", nullptr);
+  ScopedEnv prefixed("ACCELERATE_LAUNCH_PREFIXES_OUTPUT", nullptr);
+  CapturedLines captured;
+  run_ranks(2, [](const PartialState& state) {
+    detail::warn("logging_test.ranks", "main only", {.state = state});
+    state.wait_for_everyone();
+    detail::warn("logging_test.ranks", "mine", {.every_process = true, .state = state});
+  });
+  const auto lines = captured.lines();
+  ASSERT_EQ(lines.size(), 3u);
+  EXPECT_THAT(lines[0], HasSubstr("logging_test.ranks: main only"));
+  EXPECT_TRUE(std::any_of(lines.begin(), lines.end(), [](const std::string& l) { return l.find("[rank 1] mine") != std::string::npos; }));
 }
 
 }  // namespace

@@ -153,5 +153,11 @@ TEST(Profile, EachRankAsAThreadWritesItsOwnTrace) {
   }
 }
 
+TEST(ProfileKwargsToKwargs, GivesTheFieldsThatDifferFromTheDefaults) {
+  EXPECT_EQ(ProfileKwargs{}.to_kwargs(), nlohmann::ordered_json::object());
+  const auto kwargs = ProfileKwargs{.activities = {"cpu"}, .with_flops = true, .output_trace_dir = "traces"}.to_kwargs();
+  EXPECT_EQ(kwargs.dump(), R"({"activities":["cpu"],"with_flops":true,"output_trace_dir":"traces"})");
+}
+
 }  // namespace
 }  // namespace accelerate::testing

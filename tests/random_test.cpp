@@ -132,12 +132,48 @@ TEST(SynchronizeRngStates, SeveralNamesAreSynchronisedInOrder) {
 TEST(SynchronizeRngStates, UnknownNamesAreRefusedOnEveryRankBeforeAnyExchange) {
   run_ranks(2, [](const PartialState& state) {
     auto generator = at::make_generator<at::CPUGeneratorImpl>(1);
+    EXPECT_THROWS_WITH(synchronize_rng_states(state, {"torch", "TORCH"}, generator),
+                       "[synchronize_rng_states] 'TORCH' is not a valid RNGType");
+    // Upstream's names of Python-only devices are known, and refused as such.
     EXPECT_THROWS_WITH(synchronize_rng_states(state, {"torch", "xla"}, generator),
-                       "[synchronize_rng_states] unknown generator type \"xla\"; expected one of \"torch\", \"cuda\", "
-                       "\"generator\"");
+                       "[synchronize_rng_states] cannot synchronise \"xla\" generators");
     // The ranks are still in step: a later exchange works.
     synchronize_rng_states(state, {"generator"}, generator);
   });
+}
+
+TEST(SynchronizeRngState, OneGeneratorTakesTheMainProcesssState) {
+  std::vector<std::vector<float>> after(2);
+  run_ranks(2, [&](const PartialState& state) {
+    auto generator = at::make_generator<at::CPUGeneratorImpl>(40 + state.process_index());
+    synchronize_rng_state(state, RNGType::kGenerator, generator);
+    after[state.process_index()] = draw(generator);
+  });
+  EXPECT_EQ(after[0], after[1]);
+  EXPECT_EQ(after[0], draw(at::make_generator<at::CPUGeneratorImpl>(40)));
+}
+
+TEST(SynchronizeRngState, TypesWithoutLibTorchSupportAreRefusedBeforeAnyExchange) {
+  run_ranks(2, [](const PartialState& state) {
+    for (RNGType type : {RNGType::kXla, RNGType::kNpu, RNGType::kMlu, RNGType::kXpu, RNGType::kHpu}) {
+      EXPECT_THROWS_WITH(synchronize_rng_state(state, type),
+                         "[synchronize_rng_state] cannot synchronise \"" + to_string(type) + "\" generators");
+    }
+    EXPECT_THROWS_WITH(synchronize_rng_state(state, RNGType::kGenerator), "needs a generator to synchronise");
+    synchronize_rng_state(state, RNGType::kTorch);  // still in step
+  });
+}
+
+TEST(RngTypeEnum, SpellsUpstreamsValues) {
+  const std::vector<std::pair<RNGType, std::string>> expected = {
+      {RNGType::kTorch, "torch"}, {RNGType::kCuda, "cuda"}, {RNGType::kMlu, "mlu"},       {RNGType::kSdaa, "sdaa"},
+      {RNGType::kMusa, "musa"},   {RNGType::kNpu, "npu"},   {RNGType::kXla, "xla"},       {RNGType::kXpu, "xpu"},
+      {RNGType::kHpu, "hpu"},     {RNGType::kNeuron, "neuron"}, {RNGType::kGenerator, "generator"}};
+  for (const auto& [type, text] : expected) {
+    EXPECT_EQ(to_string(type), text);
+    EXPECT_EQ(parse_rng_type(text), type);
+  }
+  EXPECT_THROWS_WITH(parse_rng_type("Torch"), "'Torch' is not a valid RNGType");
 }
 
 TEST(SynchronizeRngStates, GeneratorNeedsAGenerator) {

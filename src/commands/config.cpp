@@ -135,9 +135,17 @@ ClusterConfig load_config_from_file(const std::string& path) {
   auto has = [&](const char* key) { return root[key] && !root[key].IsNull(); };
   if (has("compute_environment")) {
     config.compute_environment = r.text("compute_environment", root["compute_environment"]);
-    TORCH_CHECK_VALUE(config.compute_environment == "LOCAL_MACHINE", "[load_config_from_file] ", path,
-                      ": compute_environment '", config.compute_environment,
-                      "' is not supported by accelerate-cpp; only LOCAL_MACHINE is");
+    // Upstream's names are recognised (SageMaker's included) before anything else is refused.
+    std::optional<ComputeEnvironment> environment;
+    try {
+      environment = parse_compute_environment(config.compute_environment);
+    } catch (const c10::ValueError&) {
+    }
+    TORCH_CHECK_VALUE(environment == ComputeEnvironment::kLocalMachine, "[load_config_from_file] ", path,
+                      ": compute_environment '", config.compute_environment, "' is ",
+                      environment ? "not supported by accelerate-cpp (SageMaker jobs are Python's)"
+                                  : "not one of LOCAL_MACHINE, AMAZON_SAGEMAKER",
+                      "; only LOCAL_MACHINE is supported");
   }
   TORCH_CHECK_VALUE(has("distributed_type"), "[load_config_from_file] ", path,
                     ": a `distributed_type` must be specified (NO, MULTI_CPU or MULTI_GPU)");

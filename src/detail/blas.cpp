@@ -1,5 +1,6 @@
 // BLAS detection; see src/detail/blas.h.
 #include "detail/blas.h"
+#include "detail/warn.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -101,7 +102,7 @@ void warn_once_if_reference_blas() {
   static std::once_flag once;
   std::call_once(once, [] {
     const std::string warning = reference_blas_warning(detect_blas());
-    if (!warning.empty()) TORCH_WARN(warning);
+    if (!warning.empty()) warn("accelerate.blas", warning);
   });
 }
 

@@ -140,20 +140,6 @@ std::string optimizer_state_key(const at::Tensor& param) { return c10::guts::to_
 #endif
 
 #if TORCH_VERSION_MAJOR >= 2
-WarningCapture::WarningCapture() : previous_(c10::WarningUtils::get_warning_handler()) {
-  c10::WarningUtils::set_warning_handler(this);
-}
-WarningCapture::~WarningCapture() { c10::WarningUtils::set_warning_handler(previous_); }
-void WarningCapture::process(const c10::Warning& warning) { messages.push_back(warning.msg()); }
-#else
-WarningCapture::WarningCapture() : previous_(c10::Warning::get_warning_handler()) {
-  c10::Warning::set_warning_handler(this);
-}
-WarningCapture::~WarningCapture() { c10::Warning::set_warning_handler(previous_); }
-void WarningCapture::process(const c10::SourceLocation&, const std::string& msg, bool) { messages.push_back(msg); }
-#endif
-
-#if TORCH_VERSION_MAJOR >= 2
 bool is_autocast_enabled(c10::DeviceType device) { return at::autocast::is_autocast_enabled(device); }
 c10::ScalarType get_autocast_dtype(c10::DeviceType device) { return at::autocast::get_autocast_dtype(device); }
 void set_autocast_enabled(c10::DeviceType device, bool enabled) { at::autocast::set_autocast_enabled(device, enabled); }

@@ -13,8 +13,7 @@
 // - optimizer state keys (a string of the parameter's address in 1.x, the address in 2.x);
 // - `c10::Error`'s constructor (the backtrace became a lazily computed value);
 // - autocast (per-device functions in 2.x; the 1.x ones are deprecated there);
-// - profiler event times (microseconds in 1.x, nanoseconds in 2.x);
-// - warning handlers (`process` takes a `c10::Warning` in 2.x; the guard moved namespaces).
+// - profiler event times (microseconds in 1.x, nanoseconds in 2.x).
 #pragma once
 
 #include <ATen/Tensor.h>
@@ -100,25 +99,6 @@ bool is_autocast_enabled(c10::DeviceType device);
 c10::ScalarType get_autocast_dtype(c10::DeviceType device);
 void set_autocast_enabled(c10::DeviceType device, bool enabled);
 void set_autocast_dtype(c10::DeviceType device, c10::ScalarType dtype);
-
-/// Collects the messages of LibTorch warnings (`TORCH_WARN`) raised on this thread while alive,
-/// in place of the previous handler, which it puts back when destroyed.
-class WarningCapture : public c10::WarningHandler {
- public:
-  WarningCapture();
-  ~WarningCapture() override;
-  WarningCapture(const WarningCapture&) = delete;
-  WarningCapture& operator=(const WarningCapture&) = delete;
-#if TORCH_VERSION_MAJOR >= 2
-  void process(const c10::Warning& warning) override;
-#else
-  void process(const c10::SourceLocation& location, const std::string& msg, bool verbatim) override;
-#endif
-  std::vector<std::string> messages;
-
- private:
-  c10::WarningHandler* previous_;
-};
 
 /// A profiler event's start and duration in whole microseconds (the Chrome trace's unit).
 int64_t event_start_us(const torch::autograd::profiler::KinetoEvent& event);

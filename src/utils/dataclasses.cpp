@@ -2,9 +2,13 @@
 #include "accelerate/utils/dataclasses.h"
 
 #include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
 
 #include <algorithm>
+#include <array>
 #include <cctype>
+#include <utility>
+#include <vector>
 
 namespace accelerate {
 namespace {
@@ -15,7 +19,127 @@ std::string lower(std::string_view text) {
   return out;
 }
 
+// An enum's members with upstream's spellings, in upstream's order.
+template <typename E, size_t N>
+using Spellings = std::array<std::pair<E, const char*>, N>;
+
+constexpr Spellings<RNGType, 11> kRngTypes{{{RNGType::kTorch, "torch"},
+                                             {RNGType::kCuda, "cuda"},
+                                             {RNGType::kMlu, "mlu"},
+                                             {RNGType::kSdaa, "sdaa"},
+                                             {RNGType::kMusa, "musa"},
+                                             {RNGType::kNpu, "npu"},
+                                             {RNGType::kXla, "xla"},
+                                             {RNGType::kXpu, "xpu"},
+                                             {RNGType::kHpu, "hpu"},
+                                             {RNGType::kNeuron, "neuron"},
+                                             {RNGType::kGenerator, "generator"}}};
+constexpr Spellings<LoggerType, 10> kLoggerTypes{{{LoggerType::kAll, "all"},
+                                                   {LoggerType::kAim, "aim"},
+                                                   {LoggerType::kTensorboard, "tensorboard"},
+                                                   {LoggerType::kWandb, "wandb"},
+                                                   {LoggerType::kTrackio, "trackio"},
+                                                   {LoggerType::kCometMl, "comet_ml"},
+                                                   {LoggerType::kMlflow, "mlflow"},
+                                                   {LoggerType::kClearml, "clearml"},
+                                                   {LoggerType::kDvclive, "dvclive"},
+                                                   {LoggerType::kSwanlab, "swanlab"}}};
+constexpr Spellings<ComputeEnvironment, 2> kComputeEnvironments{
+    {{ComputeEnvironment::kLocalMachine, "LOCAL_MACHINE"}, {ComputeEnvironment::kAmazonSagemaker, "AMAZON_SAGEMAKER"}}};
+
+template <typename E, size_t N>
+std::string spelling_of(const Spellings<E, N>& spellings, E value, const char* type) {
+  for (const auto& [member, text] : spellings) {
+    if (member == value) return text;
+  }
+  TORCH_INTERNAL_ASSERT(false, "unknown ", type, " ", static_cast<int>(value));
+}
+
+template <typename E, size_t N>
+E member_of(const Spellings<E, N>& spellings, std::string_view text, const char* type) {
+  for (const auto& [member, spelling] : spellings) {
+    if (text == spelling) return member;
+  }
+  std::vector<std::string> valid;
+  for (const auto& item : spellings) valid.emplace_back(item.second);
+  C10_THROW_ERROR(ValueError, c10::str("'", text, "' is not a valid ", type, " (expected one of ", c10::Join(", ", valid), ")"));
+}
+
 }  // namespace
+
+std::string to_string(RNGType type) { return spelling_of(kRngTypes, type, "RNGType"); }
+RNGType parse_rng_type(std::string_view text) { return member_of(kRngTypes, text, "RNGType"); }
+std::string to_string(LoggerType type) { return spelling_of(kLoggerTypes, type, "LoggerType"); }
+LoggerType parse_logger_type(std::string_view text) { return member_of(kLoggerTypes, text, "LoggerType"); }
+std::string to_string(ComputeEnvironment environment) {
+  return spelling_of(kComputeEnvironments, environment, "ComputeEnvironment");
+}
+ComputeEnvironment parse_compute_environment(std::string_view text) {
+  return member_of(kComputeEnvironments, text, "ComputeEnvironment");
+}
+
+namespace detail {
+nlohmann::ordered_json changed_fields(const nlohmann::ordered_json& fields, const nlohmann::ordered_json& defaults) {
+  auto changed = nlohmann::ordered_json::object();
+  for (const auto& [name, value] : fields.items()) {
+    if (!defaults.contains(name) || defaults.at(name) != value) changed[name] = value;
+  }
+  return changed;
+}
+}  // namespace detail
+
+nlohmann::ordered_json InitProcessGroupKwargs::to_dict() const {
+  return {{"backend", backend},
+          {"timeout", timeout ? nlohmann::ordered_json(std::chrono::duration<double>(*timeout).count())
+                              : nlohmann::ordered_json(nullptr)}};
+}
+nlohmann::ordered_json InitProcessGroupKwargs::to_kwargs() const {
+  return detail::changed_fields(to_dict(), InitProcessGroupKwargs{}.to_dict());
+}
+
+nlohmann::ordered_json GradientAccumulationPlugin::to_dict() const {
+  return {{"num_steps", num_steps},
+          {"adjust_scheduler", adjust_scheduler},
+          {"sync_with_dataloader", sync_with_dataloader},
+          {"sync_each_batch", sync_each_batch}};
+}
+nlohmann::ordered_json GradientAccumulationPlugin::to_kwargs() const {
+  return detail::changed_fields(to_dict(), GradientAccumulationPlugin{}.to_dict());
+}
+
+nlohmann::ordered_json DistributedDataParallelKwargs::to_dict() const {
+  return {{"broadcast_buffers", broadcast_buffers},
+          {"bucket_cap_mb", bucket_cap_mb},
+          {"find_unused_parameters", find_unused_parameters},
+          {"gradient_as_bucket_view", gradient_as_bucket_view},
+          {"static_graph", static_graph}};
+}
+nlohmann::ordered_json DistributedDataParallelKwargs::to_kwargs() const {
+  return detail::changed_fields(to_dict(), DistributedDataParallelKwargs{}.to_dict());
+}
+
+nlohmann::ordered_json GradScalerKwargs::to_dict() const {
+  return {{"init_scale", init_scale},
+          {"growth_factor", growth_factor},
+          {"backoff_factor", backoff_factor},
+          {"growth_interval", growth_interval},
+          {"enabled", enabled}};
+}
+nlohmann::ordered_json GradScalerKwargs::to_kwargs() const {
+  return detail::changed_fields(to_dict(), GradScalerKwargs{}.to_dict());
+}
+
+nlohmann::ordered_json AutocastKwargs::to_dict() const {
+  return {{"enabled", enabled},
+          {"cache_enabled", cache_enabled ? nlohmann::ordered_json(*cache_enabled) : nlohmann::ordered_json(nullptr)}};
+}
+nlohmann::ordered_json AutocastKwargs::to_kwargs() const {
+  return detail::changed_fields(to_dict(), AutocastKwargs{}.to_dict());
+}
+
+static_assert(KwargsHandler<InitProcessGroupKwargs> && KwargsHandler<GradientAccumulationPlugin> &&
+              KwargsHandler<DistributedDataParallelKwargs> && KwargsHandler<GradScalerKwargs> &&
+              KwargsHandler<AutocastKwargs>);
 
 std::string to_string(DistributedType type) {
   switch (type) {

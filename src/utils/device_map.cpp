@@ -1,6 +1,7 @@
 #include "accelerate/utils/device_map.h"
 
 #include "accelerate/utils/modeling.h"
+#include "detail/warn.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -155,7 +156,10 @@ MaxMemory get_max_memory(const std::optional<MaxMemory>& max_memory) {
     for (const auto& [device, size] : *max_memory) {
       TORCH_CHECK_VALUE(size.bytes >= 0, "[get_max_memory] the budget of ", device.str(), " is negative");
       if (device.is_gpu() && device.index() >= gpus) {
-        TORCH_WARN("Device ", device.index(), " is not available, available devices are ", gpus, " CUDA device(s)");
+        detail::warn("accelerate.utils.modeling",
+                     c10::str("Device ", device.index(), " is not available, available devices are ", gpus,
+                              " CUDA device(s)"),
+                     {.once = true});
       }
     }
     return *max_memory;
@@ -594,9 +598,12 @@ DeviceMap infer_auto_device_map(const torch::nn::Module& model, const DeviceMapO
       if (max_memory.count(gpu) && max_memory.at(gpu).bytes >= non_gpu_buffers + used[gpu]) fits = true;
     }
     if (!fits) {
-      TORCH_WARN("Current model requires ", non_gpu_buffers,
-                 " bytes of buffer for offloaded layers, which seems does not fit any GPU's remaining memory. If you "
-                 "are experiencing a OOM later, please consider using offload_buffers=true.");
+      detail::warn("accelerate.utils.modeling",
+                   c10::str("Current model requires ", non_gpu_buffers,
+                            " bytes of buffer for offloaded layers, which seems does not fit any GPU's remaining "
+                            "memory. If you are experiencing a OOM later, please consider using "
+                            "offload_buffers=true."),
+                   {.once = true});
     }
   }
   return device_map;
@@ -640,7 +647,9 @@ void check_device_map(const torch::nn::Module& model, const DeviceMap& device_ma
     if (!key.empty() && !modules.count(key)) invalid.push_back(key);
   }
   if (!invalid.empty()) {
-    TORCH_WARN("The following device_map keys do not match any submodules in the model: ", c10::Join(", ", invalid));
+    detail::warn("accelerate.utils.modeling",
+                 c10::str("The following device_map keys do not match any submodules in the model: ",
+                          c10::Join(", ", invalid)));
   }
   if (device_map.count("")) return;
   std::vector<std::string> uncovered;

@@ -2,6 +2,7 @@
 
 #include "detail/checkpoint_index.h"
 #include "detail/files.h"
+#include "detail/warn.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -120,9 +121,10 @@ StateDictMap clean_state_dict_for_safetensors(const StateDictMap& state_dict) {
     out.insert(item.key(), t.contiguous());
   }
   if (!removed.empty()) {
-    TORCH_WARN("Removed shared tensor ", c10::Join(", ", removed),
-               " while saving. This should be OK, but check by verifying that you don't receive any warning while "
-               "reloading");
+    detail::warn("accelerate.utils.modeling",
+                 c10::str("Removed shared tensor ", c10::Join(", ", removed),
+                          " while saving. This should be OK, but check by verifying that you don't receive any "
+                          "warning while reloading"));
   }
   return out;
 }
@@ -327,8 +329,10 @@ LoadCheckpointResult load_checkpoint_in_model(torch::nn::Module& module, const s
     load_state_dict_into_module(module, tensors, {.dtype = options.dtype, .strict = false});
   }
   if (!options.strict && (!result.missing_keys.empty() || !result.unexpected_keys.empty())) {
-    TORCH_WARN("[load_checkpoint_in_model] ", checkpoint, ": missing keys [", c10::Join(", ", result.missing_keys),
-               "], unexpected keys [", c10::Join(", ", result.unexpected_keys), "]");
+    detail::warn("accelerate.utils.modeling",
+                 c10::str("[load_checkpoint_in_model] ", checkpoint, ": missing keys [",
+                          c10::Join(", ", result.missing_keys), "], unexpected keys [",
+                          c10::Join(", ", result.unexpected_keys), "]"));
   }
   return result;
 }

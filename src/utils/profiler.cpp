@@ -103,6 +103,17 @@ void write_trace(const prof::ProfilerResult& result, const std::string& folder, 
 
 }  // namespace
 
+nlohmann::ordered_json ProfileKwargs::to_dict() const {
+  return {{"activities", activities},       {"schedule_option", schedule_option},
+          {"record_shapes", record_shapes}, {"profile_memory", profile_memory},
+          {"with_stack", with_stack},       {"with_flops", with_flops},
+          {"with_modules", with_modules},   {"output_trace_dir", output_trace_dir}};
+}
+nlohmann::ordered_json ProfileKwargs::to_kwargs() const {
+  return detail::changed_fields(to_dict(), ProfileKwargs{}.to_dict());
+}
+static_assert(KwargsHandler<ProfileKwargs>);
+
 namespace detail {
 
 // Note [One profile per process]

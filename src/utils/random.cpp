@@ -15,28 +15,19 @@ namespace {
 
 constexpr const char* kSynchronize = "synchronize_rng_states";
 
-enum class RngType { kTorch, kCuda, kGenerator };
-
-RngType parse_rng_type(const std::string& name) {
-  if (name == "torch") return RngType::kTorch;
-  if (name == "cuda") return RngType::kCuda;
-  if (name == "generator") return RngType::kGenerator;
-  C10_THROW_ERROR(ValueError, c10::str("[", kSynchronize, "] unknown generator type \"", name,
-                                       "\"; expected one of \"torch\", \"cuda\", \"generator\""));
-}
-
 // The generator a name stands for on this process.
-at::Generator generator_for(RngType type, const PartialState& state, const std::optional<at::Generator>& generator) {
+at::Generator generator_for(RNGType type, const PartialState& state, const std::optional<at::Generator>& generator) {
   switch (type) {
-    case RngType::kTorch:
+    case RNGType::kTorch:
       return at::detail::getDefaultCPUGenerator();
-    case RngType::kCuda: {
+    case RNGType::kCuda: {
       // This process's device, else (a CPU state on a CUDA machine) the current CUDA device.
       const auto index = state.device().is_cuda() ? state.device().index() : c10::DeviceIndex(-1);
       return at::globalContext().defaultGenerator(c10::Device(c10::kCUDA, index));
     }
-    case RngType::kGenerator:
+    case RNGType::kGenerator:
       return *generator;
+    default: break;  // refused by check_synchronisable
   }
   TORCH_INTERNAL_ASSERT(false, "unhandled generator type");
 }
@@ -72,19 +63,51 @@ void set_seed(const PartialState& state, uint64_t seed, bool device_specific, bo
   seed_everything(seed, deterministic);
 }
 
+namespace {
+
+// Refuses, before anything is exchanged, a type this process cannot synchronise.
+void check_synchronisable(RNGType type, const std::optional<at::Generator>& generator, const char* caller) {
+  switch (type) {
+    case RNGType::kTorch: return;
+    case RNGType::kCuda:
+      TORCH_CHECK(is_cuda_available(), "[", caller, "] \"cuda\" needs CUDA, which this process does not have");
+      return;
+    case RNGType::kGenerator:
+      TORCH_CHECK_VALUE(generator.has_value(), "[", caller,
+                        "] \"generator\" needs a generator to synchronise, but none was given");
+      return;
+    default:
+      C10_THROW_ERROR(ValueError, c10::str("[", caller, "] cannot synchronise \"", to_string(type),
+                                           "\" generators: that device has no LibTorch support in accelerate-cpp "
+                                           "(supported: \"torch\", \"cuda\", \"generator\")"));
+  }
+}
+
+}  // namespace
+
+void synchronize_rng_state(const PartialState& state, RNGType rng_type, std::optional<at::Generator> generator) {
+  check_synchronisable(rng_type, generator, "synchronize_rng_state");
+  copy_state_from_main_process(state, generator_for(rng_type, state, generator));
+}
+
+void synchronize_rng_state(RNGType rng_type, std::optional<at::Generator> generator) {
+  synchronize_rng_state(PartialState(), rng_type, std::move(generator));
+}
+
 void synchronize_rng_states(const PartialState& state, const std::vector<std::string>& rng_types,
                             std::optional<at::Generator> generator) {
   // Every name is checked before the first exchange.
-  std::vector<RngType> types;
+  std::vector<RNGType> types;
   types.reserve(rng_types.size());
   for (const auto& name : rng_types) {
-    types.push_back(parse_rng_type(name));
-    TORCH_CHECK(types.back() != RngType::kCuda || is_cuda_available(), "[", kSynchronize,
-                "] \"cuda\" needs CUDA, which this process does not have");
-    TORCH_CHECK_VALUE(types.back() != RngType::kGenerator || generator.has_value(), "[", kSynchronize,
-                      "] \"generator\" needs a generator to synchronise, but none was given");
+    try {
+      types.push_back(parse_rng_type(name));
+    } catch (const c10::ValueError& e) {
+      C10_THROW_ERROR(ValueError, c10::str("[", kSynchronize, "] ", e.what_without_backtrace()));
+    }
+    check_synchronisable(types.back(), generator, kSynchronize);
   }
-  for (const RngType type : types) copy_state_from_main_process(state, generator_for(type, state, generator));
+  for (const RNGType type : types) copy_state_from_main_process(state, generator_for(type, state, generator));
 }
 
 void synchronize_rng_states(const std::vector<std::string>& rng_types, std::optional<at::Generator> generator) {

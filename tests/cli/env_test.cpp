@@ -169,6 +169,9 @@ TEST(ReferenceBlasWarning, AProgramOnTheReferenceBlasIsWarnedExactlyOnceHoweverM
   EXPECT_THAT(r->out, HasSubstr("built 3 states"));
   EXPECT_EQ(reference_blas_warnings(r->err), 1u) << r->err;
   EXPECT_THAT(r->err, HasSubstr("reference BLAS (" + std::filesystem::canonical(reference_dir + "/libblas.so.3").string()));
+  // A library warning reads like the library's other messages: its logger's line, not glog's.
+  EXPECT_THAT(r->err, HasSubstr(" WARNING accelerate.blas: "));
+  EXPECT_THAT(r->err, ::testing::Not(HasSubstr("InitGoogleLogging")));
 }
 
 TEST(ReferenceBlasWarning, AProgramOnOpenBlasIsNotWarned) {

@@ -2,12 +2,14 @@
 // store, and asserting an exception's message by substring.
 #pragma once
 
+#include "accelerate/logging.h"
 #include "accelerate/state.h"
 #include "detail/errors.h"
 
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <algorithm>
 #include <exception>
 #include <filesystem>
 #include <functional>
@@ -86,6 +88,34 @@ std::string error_of(Fn&& fn) {
   ADD_FAILURE() << "expected an exception, none was thrown";
   return {};
 }
+
+// Collects the lines of every logger (the library's warnings included) while it lives.
+class CapturedLines {
+ public:
+  CapturedLines() {
+    previous_ = set_log_sink([this](LogLevel, const std::string& line) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      lines_.push_back(line);
+    });
+  }
+  ~CapturedLines() { set_log_sink(previous_); }
+  CapturedLines(const CapturedLines&) = delete;
+  CapturedLines& operator=(const CapturedLines&) = delete;
+  std::vector<std::string> lines() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return lines_;
+  }
+  /// Whether some line contains `text`.
+  bool saw(const std::string& text) const {
+    const auto all = lines();
+    return std::any_of(all.begin(), all.end(), [&](const std::string& l) { return l.find(text) != std::string::npos; });
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  std::vector<std::string> lines_;
+  LogSink previous_;
+};
 
 }  // namespace accelerate::testing
 

@@ -5,7 +5,10 @@
 // deliberately absent.
 #pragma once
 
+#include <nlohmann/json.hpp>
+
 #include <chrono>
+#include <concepts>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -33,6 +36,51 @@ std::string to_string(PrecisionType precision);
 /// Parses "no", "fp16" or "bf16"; "fp8" is refused as unsupported; throws `c10::ValueError`.
 PrecisionType parse_precision_type(std::string_view text);
 
+/// Generators that `synchronize_rng_state` can copy from process 0 (upstream: `RNGType`), with
+/// upstream's spellings ("torch", "cuda", "mlu", "sdaa", "musa", "npu", "xla", "xpu", "hpu",
+/// "neuron", "generator"). accelerate-cpp synchronises kTorch, kCuda and kGenerator; the others
+/// name Python-only devices and are refused when synchronised.
+enum class RNGType { kTorch, kCuda, kMlu, kSdaa, kMusa, kNpu, kXla, kXpu, kHpu, kNeuron, kGenerator };
+/// Upstream's spelling of a generator type, e.g. "torch".
+std::string to_string(RNGType type);
+/// Parses upstream's spelling (lower case, exactly, as upstream's `RNGType(value)`); throws
+/// `c10::ValueError` "'X' is not a valid RNGType" otherwise.
+RNGType parse_rng_type(std::string_view text);
+
+/// Experiment trackers by upstream's names (upstream: `LoggerType`): "all", "aim", "tensorboard",
+/// "wandb", "trackio", "comet_ml", "mlflow", "clearml", "dvclive", "swanlab". accelerate-cpp writes
+/// "tensorboard" (and its own "jsonl", which is not one of upstream's names); `log_with` refuses the
+/// others, naming them.
+enum class LoggerType { kAll, kAim, kTensorboard, kWandb, kTrackio, kCometMl, kMlflow, kClearml, kDvclive, kSwanlab };
+/// Upstream's spelling of a tracker, e.g. "comet_ml".
+std::string to_string(LoggerType type);
+/// Parses upstream's spelling (lower case, exactly); throws `c10::ValueError` otherwise.
+LoggerType parse_logger_type(std::string_view text);
+
+/// Where a job runs (upstream: `ComputeEnvironment`, the `compute_environment` of a config file):
+/// "LOCAL_MACHINE" or "AMAZON_SAGEMAKER". accelerate-cpp runs on local machines only; config files
+/// naming SageMaker are refused.
+enum class ComputeEnvironment { kLocalMachine, kAmazonSagemaker };
+/// Upstream's spelling: "LOCAL_MACHINE" or "AMAZON_SAGEMAKER".
+std::string to_string(ComputeEnvironment environment);
+/// Parses upstream's spelling (exactly); throws `c10::ValueError` otherwise.
+ComputeEnvironment parse_compute_environment(std::string_view text);
+
+/// A kwargs handler (upstream: the `KwargsHandler` base class): an option struct that lists its
+/// fields with `to_dict()` (name to value, in declaration order) and reports with `to_kwargs()`
+/// the fields whose values differ from a default-constructed one's. (A concept rather than a
+/// base class: a base would keep users from writing `{.field = value}` without warnings.)
+template <typename T>
+concept KwargsHandler = requires(const T& handler) {
+  { handler.to_dict() } -> std::same_as<nlohmann::ordered_json>;
+  { handler.to_kwargs() } -> std::same_as<nlohmann::ordered_json>;
+};
+
+namespace detail {
+/// The entries of `fields` whose values differ from those of `defaults` (`to_kwargs`).
+nlohmann::ordered_json changed_fields(const nlohmann::ordered_json& fields, const nlohmann::ordered_json& defaults);
+}  // namespace detail
+
 /// Options of the process group (upstream: `InitProcessGroupKwargs`).
 ///
 /// Example:
@@ -45,6 +93,10 @@ struct InitProcessGroupKwargs {
   std::string backend;
   /// How long a collective may wait for its peers before it fails (default: 30 minutes).
   std::optional<std::chrono::milliseconds> timeout;
+  /// The fields by name: "backend" (text), "timeout" (seconds, or null for the default).
+  nlohmann::ordered_json to_dict() const;
+  /// The fields that differ from the defaults (see `KwargsHandler`).
+  nlohmann::ordered_json to_kwargs() const;
 };
 
 /// Parses an environment-style boolean ("1", "true", "yes", "on" / "0", "false", "no", "off",
@@ -65,6 +117,11 @@ struct GradientAccumulationPlugin {
   bool sync_with_dataloader = true;
   /// Whether gradients are synchronised on every batch (costlier, less memory).
   bool sync_each_batch = false;
+
+  /// The fields by name, in declaration order.
+  nlohmann::ordered_json to_dict() const;
+  /// The fields that differ from the defaults (see `KwargsHandler`).
+  nlohmann::ordered_json to_kwargs() const;
 };
 
 }  // namespace accelerate
@@ -104,6 +161,12 @@ struct DistributedDataParallelKwargs {
   bool static_graph = false;
   /// Compression of gradient buckets during communication.
   DDPCommunicationHookType comm_hook = DDPCommunicationHookType::kNo;
+
+  /// The fields by name, in declaration order, without `comm_hook` (as upstream, which keeps the
+  /// hook out of the arguments it passes to DDP).
+  nlohmann::ordered_json to_dict() const;
+  /// The fields that differ from the defaults (see `KwargsHandler`).
+  nlohmann::ordered_json to_kwargs() const;
 };
 
 /// Settings of the dynamic loss scaler of fp16 training (upstream: `GradScalerKwargs`).
@@ -118,6 +181,11 @@ struct GradScalerKwargs {
   int64_t growth_interval = 2000;
   /// With false, scaling is a no-op and every step runs.
   bool enabled = true;
+
+  /// The fields by name, in declaration order.
+  nlohmann::ordered_json to_dict() const;
+  /// The fields that differ from the defaults (see `KwargsHandler`).
+  nlohmann::ordered_json to_kwargs() const;
 };
 
 /// Settings of the autocast region of mixed-precision forward passes (upstream: `AutocastKwargs`).
@@ -126,6 +194,11 @@ struct AutocastKwargs {
   bool enabled = true;
   /// Whether casts of weights are cached inside one autocast region (default: LibTorch's setting).
   std::optional<bool> cache_enabled{};
+
+  /// The fields by name, in declaration order ("cache_enabled": null for LibTorch's setting).
+  nlohmann::ordered_json to_dict() const;
+  /// The fields that differ from the defaults (see `KwargsHandler`).
+  nlohmann::ordered_json to_kwargs() const;
 };
 
 /// Where a project keeps its outputs (upstream: `ProjectConfiguration`).

@@ -16,6 +16,7 @@
 #pragma once
 
 #include "accelerate/state.h"
+#include "accelerate/utils/dataclasses.h"
 
 #include <map>
 #include <string>
@@ -47,6 +48,11 @@ struct ProfileKwargs {
   bool with_modules = false;
   /// Folder for the Chrome trace (created if missing); empty writes no trace.
   std::string output_trace_dir{};
+
+  /// The fields by name, in declaration order.
+  nlohmann::ordered_json to_dict() const;
+  /// The fields that differ from the defaults (see `KwargsHandler`).
+  nlohmann::ordered_json to_kwargs() const;
 };
 
 namespace detail {

@@ -14,6 +14,7 @@
 #pragma once
 
 #include "accelerate/state.h"
+#include "accelerate/utils/dataclasses.h"
 
 #include <ATen/core/Generator.h>
 
@@ -34,11 +35,23 @@ void set_seed(uint64_t seed, bool device_specific = false, bool deterministic = 
 /// `set_seed` with the process index of `state` when `device_specific` (e.g. ranks as threads).
 void set_seed(const PartialState& state, uint64_t seed, bool device_specific = false, bool deterministic = false);
 
+/// Replaces, on every process, the state of the generator `rng_type` stands for with that of
+/// process 0 (upstream: `synchronize_rng_state`): kTorch (LibTorch's default CPU generator),
+/// kCuda (the default generator of this process's CUDA device; needs CUDA) or kGenerator
+/// (`generator`, which must then be given). The other `RNGType`s name Python-only devices and
+/// are refused, as is a missing generator or CUDA, before anything is exchanged. A collective:
+/// every process must call it with the same type.
+void synchronize_rng_state(const PartialState& state, RNGType rng_type,
+                           std::optional<at::Generator> generator = std::nullopt);
+/// `synchronize_rng_state` on the process-wide state.
+void synchronize_rng_state(RNGType rng_type, std::optional<at::Generator> generator = std::nullopt);
+
 /// Replaces, on every process, the state of each generator named in `rng_types` with that of
 /// process 0 (upstream: `synchronize_rng_states`). Names: "torch" (LibTorch's default CPU
 /// generator), "cuda" (the default generator of this process's CUDA device; needs CUDA) and
-/// "generator" (`generator`, which must then be given). A collective: every process must call it
-/// with the same names. Every name is checked before anything is exchanged.
+/// "generator" (`generator`, which must then be given): `RNGType`'s spellings, one
+/// `synchronize_rng_state` each. A collective: every process must call it with the same names.
+/// Every name is checked before anything is exchanged.
 void synchronize_rng_states(const PartialState& state, const std::vector<std::string>& rng_types,
                             std::optional<at::Generator> generator = std::nullopt);
 /// `synchronize_rng_states` on the process-wide state.
