@@ -1,6 +1,8 @@
 // The Accelerator; see include/accelerate/accelerator.h.
 #include "accelerate/accelerator.h"
 
+#include "accelerate/big_modeling.h"
+
 #include "accelerate/memory_utils.h"
 #include "accelerate/utils/environment.h"
 #include "detail/accelerator_impl.h"
@@ -93,7 +95,7 @@ Accelerator::Accelerator(const AcceleratorOptions& options)
   if (impl_->project.logging_dir.empty()) impl_->project.logging_dir = impl_->project.project_dir;
   impl_->log_with = detail::filter_trackers(options.log_with, impl_->project.logging_dir, "Accelerator");
   if (state_.mixed_precision() == PrecisionType::kFp16 && state_.device().is_cuda()) {
-    impl_->scaler = GradScaler(options.scaler_kwargs);
+    impl_->scaler = get_grad_scaler(distributed_type(), options.scaler_kwargs);
   }
 }
 
@@ -143,6 +145,18 @@ void check_state_current(const AcceleratorState& state, bool standalone, const c
 
 }  // namespace
 
+bool Accelerator::verify_device_map(const torch::nn::Module& model) const {
+  auto split = [](const torch::nn::Module& module) {
+    const auto map = hf_device_map(module);
+    return map.has_value() && map->size() > 1;
+  };
+  if (split(model)) return true;
+  for (const auto& item : model.named_modules("", /*include_self=*/false)) {
+    if (split(*item.value())) return true;
+  }
+  return false;
+}
+
 DistributedDataParallel Accelerator::prepare_module(const std::shared_ptr<torch::nn::Module>& module,
                                                     std::optional<bool> device_placement,
                                                     bool evaluation_mode) const {
@@ -154,7 +168,15 @@ DistributedDataParallel Accelerator::prepare_module(const std::shared_ptr<torch:
       if (prepared.module() == module) return prepared;
     }
   }
-  if (device_placement.value_or(impl_->options.device_placement)) module->to(state_.device());
+  // A model dispatched over several devices stays where its device map put it, and cannot be
+  // replicated by several processes (each would need every device of the map).
+  const bool split = verify_device_map(*module);
+  TORCH_CHECK_VALUE(!split || distributed_type() == DistributedType::kNo ||
+                        get_env("ACCELERATE_BYPASS_DEVICE_MAP").value_or("false") == "true",
+                    "[Accelerator.prepare_model] you can't train a model that has been dispatched over several devices "
+                    "(a device map such as device_map=\"auto\") in any distributed mode; run it with one process "
+                    "(--num_processes 1), or set ACCELERATE_BYPASS_DEVICE_MAP=true to prepare it anyway");
+  if (device_placement.value_or(impl_->options.device_placement) && !split) module->to(state_.device());
   ForwardOptions forward{state_.mixed_precision(), impl_->options.autocast_kwargs};
   // Evaluation-only models are not synchronised: a one-process engine does no communication.
   DistributedDataParallel ddp = evaluation_mode

@@ -2,6 +2,7 @@
 
 #include "detail/checkpoint_index.h"
 #include "detail/offload_dtypes.h"
+#include "detail/module_table.h"
 #include "detail/warn.h"
 
 #include <ATen/ATen.h>
@@ -47,6 +48,12 @@ void move_to_meta(torch::nn::Module& module) {
 }  // namespace detail
 
 namespace {
+
+// The device map each dispatched model was given (upstream: its `hf_device_map` attribute).
+detail::ModuleTable<DeviceMap>& device_maps() {
+  static detail::ModuleTable<DeviceMap> table;
+  return table;
+}
 
 TensorMap to_tensor_map(const StateDictMap& state_dict) {
   TensorMap out;
@@ -113,6 +120,7 @@ void dispatch_model(torch::nn::Module& model, const DeviceMap& device_map, const
   const bool has_disk = devices.count(MapDevice("disk")) > 0;
   if (devices.size() <= 1 && !has_disk && !options.force_hooks) {
     if (!devices.empty()) model.to(devices.begin()->device());
+    device_maps().set(model, device_map);
     return;
   }
   c10::Device main_device = c10::kCPU;
@@ -187,7 +195,10 @@ void dispatch_model(torch::nn::Module& model, const DeviceMap& device_map, const
                           c10::Join(" and ", places), "."),
                  {.once = true});
   }
+  device_maps().set(model, device_map);
 }
+
+std::optional<DeviceMap> hf_device_map(const torch::nn::Module& model) { return device_maps().get(model); }
 
 std::optional<DeviceMap> resolve_device_map(const torch::nn::Module& model, const BigModelLoadOptions& options) {
   if (std::holds_alternative<std::monostate>(options.device_map)) return std::nullopt;

@@ -325,6 +325,11 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   }
 }
 
+DistributedDataParallel DistributedDataParallel::without_synchronisation(bool keep_mixed_precision) const {
+  return local(impl_->module, c10::Device(impl_->device_type),
+               keep_mixed_precision ? impl_->forward : ForwardOptions{});
+}
+
 DistributedDataParallel DistributedDataParallel::local(std::shared_ptr<torch::nn::Module> module, c10::Device device,
                                                        const ForwardOptions& forward) {
   TORCH_CHECK_VALUE(module != nullptr, "[DistributedDataParallel] expected a module, got null");

@@ -217,4 +217,8 @@ void GradScaler::load_state_dict(const nlohmann::json& state) const {
   impl_->growth_tracker = static_cast<int64_t>(tracker);
 }
 
+GradScaler get_grad_scaler(std::optional<DistributedType> /*distributed_type*/, const GradScalerKwargs& kwargs) {
+  return GradScaler(kwargs);
+}
+
 }  // namespace accelerate

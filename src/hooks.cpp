@@ -1,43 +1,22 @@
 #include "accelerate/hooks.h"
 
 #include "accelerate/utils/device_map.h"
+#include "detail/module_table.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <torch/nn/modules/container/any.h>
 
 #include <algorithm>
-#include <mutex>
-#include <unordered_map>
 
 namespace accelerate {
 
 namespace {
 
-// Hooks live beside the modules, keyed by address; the weak pointer tells a module that died
-// (and whose address was reused) from the one the hook was attached to.
-struct Attached {
-  std::weak_ptr<torch::nn::Module> owner;
-  bool shared = false;  // whether `owner` was set (modules outside a shared_ptr have none)
-  std::shared_ptr<ModelHook> hook;
-};
-
-std::mutex& registry_mutex() {
-  static std::mutex mutex;
-  return mutex;
-}
-
-std::unordered_map<const torch::nn::Module*, Attached>& registry() {
-  static std::unordered_map<const torch::nn::Module*, Attached> hooks;
-  return hooks;
-}
-
-std::weak_ptr<torch::nn::Module> weak_of(torch::nn::Module& module) {
-  try {
-    return module.shared_from_this();
-  } catch (const std::bad_weak_ptr&) {
-    return {};
-  }
+// Hooks live beside the modules (Note in detail/module_table.h).
+detail::ModuleTable<std::shared_ptr<ModelHook>>& hooks() {
+  static detail::ModuleTable<std::shared_ptr<ModelHook>> table;
+  return table;
 }
 
 bool has_tensors(const torch::nn::Module& module, bool recurse) {
@@ -180,33 +159,15 @@ void add_hook_to_module(torch::nn::Module& module, std::shared_ptr<ModelHook> ho
     }
   }
   hook->init_hook(module);
-  std::lock_guard<std::mutex> lock(registry_mutex());
-  auto owner = weak_of(module);
-  const bool shared = !owner.expired();
-  registry()[&module] = Attached{std::move(owner), shared, std::move(hook)};
+  hooks().set(module, std::move(hook));
 }
 
-std::shared_ptr<ModelHook> get_hook(const torch::nn::Module& module) {
-  std::lock_guard<std::mutex> lock(registry_mutex());
-  auto& hooks = registry();
-  auto it = hooks.find(&module);
-  if (it == hooks.end()) return nullptr;
-  if (it->second.shared) {
-    auto owner = it->second.owner.lock();
-    if (owner == nullptr || owner.get() != &module) {
-      // The hooked module died and another one now lives at its address.
-      hooks.erase(it);
-      return nullptr;
-    }
-  }
-  return it->second.hook;
-}
+std::shared_ptr<ModelHook> get_hook(const torch::nn::Module& module) { return hooks().get(module).value_or(nullptr); }
 
 void remove_hook_from_module(torch::nn::Module& module, bool recurse) {
   if (auto hook = get_hook(module)) {
     hook->detach_hook(module);
-    std::lock_guard<std::mutex> lock(registry_mutex());
-    registry().erase(&module);
+    hooks().erase(module);
   }
   if (recurse) {
     for (auto& child : module.children()) remove_hook_from_module(*child, true);

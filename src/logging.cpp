@@ -174,21 +174,21 @@ Logger get_logger(const std::string& name, std::optional<std::string> log_level)
 
 namespace detail {
 
-void warn(const std::string& name, const std::string& message, const WarnOptions& options) {
+void log(LogLevel level, const std::string& name, const std::string& message, const WarnOptions& options) {
   Logger logger = get_logger(name);
-  if (!logger.is_enabled_for(LogLevel::kWarning)) return;
+  if (!logger.is_enabled_for(level)) return;
   if (options.once) {
     static std::mutex mutex;
-    static std::set<std::pair<std::string, std::string>> warned;
+    static std::set<std::pair<std::string, std::string>> written;
     std::lock_guard<std::mutex> lock(mutex);
-    if (!warned.emplace(name, message).second) return;
+    if (!written.emplace(name, message).second) return;
   }
   if (options.state.has_value() || PartialState::initialized()) {
     if (options.state.has_value()) logger = logger.with_state(*options.state);
-    logger.warning(message, {.main_process_only = !options.every_process});
+    logger.log(level, message, {.main_process_only = !options.every_process});
     return;
   }
-  emit(LogLevel::kWarning, format_line(LogLevel::kWarning, name, message, std::nullopt));
+  emit(level, format_line(level, name, message, std::nullopt));
 }
 
 }  // namespace detail

@@ -2,7 +2,9 @@
 // guards that control it (no_sync, accumulate, sync_each_batch, trigger_sync_in_backward), and
 // joining uneven inputs.
 #include "accelerate/accelerator.h"
+#include "accelerate/big_modeling.h"
 #include "accelerate/distributed.h"
+#include "accelerate/utils/environment.h"
 #include "detail/torch_compat.h"
 #include "support/accelerators.h"
 #include "support/test_support.h"
@@ -651,6 +653,77 @@ TEST(JoinUnevenInputs, OneProcessJustRunsTheBody) {
       return std::string("done");
     }, /*even_batches=*/false);
     EXPECT_EQ(answer, "done");
+  });
+}
+
+// ---- extract_model_from_parallel, verify_device_map ------------------------------------------
+
+TEST(ExtractModelFromParallel, RunsTheModuleWithoutSynchronisingAndKeepsOrDropsMixedPrecision) {
+  AcceleratorOptions options;
+  options.mixed_precision = "bf16";
+  run_accelerators(kRanks, [&](const Accelerator& acc, int rank) {
+    auto prepared = acc.prepare(make_net(rank));
+    auto x = rows_of(inputs(), rank);
+    auto kept = extract_model_from_parallel(prepared);
+    auto dropped = extract_model_from_parallel(prepared, /*keep_fp32_wrapper=*/false);
+    EXPECT_EQ(kept.module().ptr(), prepared.module().ptr());
+    EXPECT_FALSE(kept.ddp().is_distributed());
+    // With the wrapper: the bf16 forward of the prepared model, returned in fp32.
+    torch::Tensor through_prepared;
+    {
+      torch::NoGradGuard no_grad;
+      through_prepared = prepared(x);
+    }
+    const auto with_wrapper = kept(x);
+    EXPECT_EQ(with_wrapper.scalar_type(), torch::kFloat);
+    EXPECT_TRUE(torch::equal(with_wrapper, through_prepared));
+    // Without it: the module's own fp32 forward.
+    const auto without = dropped(x);
+    Net module = prepared.module();
+    EXPECT_TRUE(torch::equal(without, module->forward(x)));
+    EXPECT_FALSE(torch::equal(without, with_wrapper));
+    // No gradient synchronisation: each process keeps the gradients of its own rows.
+    module->zero_grad();
+    torch::mse_loss(dropped(x), targets(x)).backward();
+    EXPECT_FALSE(same_on_all_ranks(acc, flat(grads_of(*module))));
+  }, options);
+  // A module that was never prepared comes back as it is.
+  Net net = make_net(0);
+  EXPECT_EQ(extract_model_from_parallel(net).ptr(), net.ptr());
+}
+
+TEST(VerifyDeviceMap, TrueOnlyForAModelDispatchedOverSeveralEntries) {
+  run_accelerators(1, [&](const Accelerator& acc, int) {
+    Net plain = make_net(0);
+    EXPECT_FALSE(acc.verify_device_map(plain));
+    Net whole = make_net(0);
+    dispatch_model(*whole, {{"", MapDevice("cpu")}});
+    ASSERT_TRUE(hf_device_map(*whole).has_value());
+    EXPECT_FALSE(acc.verify_device_map(whole));  // one entry: not split
+    Net split = make_net(0);
+    dispatch_model(*split, {{"fc1", MapDevice("cpu")}, {"fc2", MapDevice("cpu")}});
+    EXPECT_TRUE(acc.verify_device_map(split));
+    // A dispatched submodule counts too.
+    torch::nn::Sequential outer(split);
+    EXPECT_TRUE(acc.verify_device_map(outer));
+  });
+}
+
+TEST(VerifyDeviceMap, ADispatchedModelIsRefusedByPrepareWithSeveralProcessesUnlessBypassed) {
+  std::vector<std::string> errors(kRanks);
+  run_accelerators(kRanks, [&](const Accelerator& acc, int rank) {
+    Net net = make_net(0);
+    dispatch_model(*net, {{"fc1", MapDevice("cpu")}, {"fc2", MapDevice("cpu")}});
+    errors[rank] = error_of([&] { (void)acc.prepare(net); });
+  });
+  for (const auto& e : errors) {
+    EXPECT_THAT(e, ::testing::HasSubstr("can't train a model that has been dispatched over several devices"));
+  }
+  auto env = patch_environment({{"ACCELERATE_BYPASS_DEVICE_MAP", "true"}});
+  run_accelerators(kRanks, [&](const Accelerator& acc, int) {
+    Net net = make_net(0);
+    dispatch_model(*net, {{"fc1", MapDevice("cpu")}, {"fc2", MapDevice("cpu")}});
+    EXPECT_TRUE(acc.prepare(net).ddp().is_distributed());
   });
 }
 

@@ -8,6 +8,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <sched.h>
+
 #include <fstream>
 #include <torch/version.h>
 
@@ -370,8 +372,31 @@ TEST(SetNumaAffinity, LocalProcessesWrapAroundTheNodes) {
   EXPECT_EQ(set_numa_affinity(0), 0);
 }
 
+TEST(SetNumaAffinity, OverrideBindsEveryTimeAndLogsTheCoresWhenVerbose) {
+  if (!is_numa_available()) GTEST_SKIP() << "built without libnuma, or the kernel has no NUMA support";
+  CapturedLines captured;
+  get_logger("accelerate.utils.environment", "INFO");
+  EXPECT_EQ(override_numa_affinity(0, /*verbose=*/true), 0);
+  ASSERT_EQ(captured.lines().size(), 1u);
+  cpu_set_t cpus;
+  ASSERT_EQ(sched_getaffinity(0, sizeof cpus, &cpus), 0);
+  EXPECT_THAT(captured.lines()[0], ::testing::HasSubstr("INFO accelerate.utils.environment: Assigning " +
+                                                          std::to_string(CPU_COUNT(&cpus)) + " cpu cores to process 0: {"));
+  EXPECT_EQ(override_numa_affinity(0, /*verbose=*/false), 0);
+  EXPECT_EQ(captured.lines().size(), 1u);
+  // The verbose default comes from ACCELERATE_DEBUG_MODE.
+  auto env = patch_environment({{"ACCELERATE_DEBUG_MODE", "1"}});
+  EXPECT_EQ(override_numa_affinity(0), 0);
+  EXPECT_EQ(captured.lines().size(), 2u);
+  // set_numa_affinity does the work once per arguments: the same call again logs nothing.
+  EXPECT_EQ(set_numa_affinity(0, true), 0);
+  EXPECT_EQ(set_numa_affinity(0, true), 0);
+  EXPECT_EQ(captured.lines().size(), 3u);
+}
+
 TEST(SetNumaAffinity, ANegativeLocalIndexIsRefused) {
   EXPECT_THROWS_WITH(set_numa_affinity(-1), "expected a local process index >= 0, got -1");
+  EXPECT_THROWS_WITH(override_numa_affinity(-1), "expected a local process index >= 0, got -1");
 }
 
 }  // namespace

@@ -167,5 +167,16 @@ TEST(GradScaler, AnOverflowSkipsTheOptimizerAndTheSchedulerStep) {
   EXPECT_EQ(lambda->last_epoch(), 2);
 }
 
+TEST(GetGradScaler, BuildsAScalerWithTheGivenSettingsAndTheRestAtTheirDefaults) {
+  // Upstream's test of GradScalerKwargs(init_scale=1024, growth_factor=2).
+  auto scaler = get_grad_scaler(DistributedType::kMultiCpu, {.init_scale = 1024, .growth_factor = 2});
+  EXPECT_EQ(scaler.get_scale(), 1024.0);
+  EXPECT_EQ(scaler.kwargs().growth_factor, 2.0);
+  EXPECT_EQ(scaler.kwargs().backoff_factor, 0.5);
+  EXPECT_EQ(scaler.kwargs().growth_interval, 2000);
+  EXPECT_TRUE(scaler.is_enabled());
+  EXPECT_EQ(get_grad_scaler().get_scale(), 65536.0);
+}
+
 }  // namespace
 }  // namespace accelerate::testing

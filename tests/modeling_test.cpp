@@ -243,5 +243,28 @@ TEST(LoadCheckpointInModel, NamesWhatIsWrongWithTheCheckpointPath) {
   EXPECT_THROWS_WITH(load_state_dict((pickled.path() / "pytorch_model.bin").string()), "never unpickled");
 }
 
+TEST(GetModuleChildrenBottomUp, ChildrenInOrderBeforeTheirParentAndTheModelLast) {
+  auto a = std::make_shared<torch::nn::Module>();
+  auto a1 = a->register_module("a1", torch::nn::Linear(2, 2));
+  auto a2 = a->register_module("a2", torch::nn::Linear(2, 2));
+  auto b = std::make_shared<torch::nn::Module>();
+  auto b1 = b->register_module("b1", torch::nn::Linear(2, 2));
+  auto root = std::make_shared<torch::nn::Module>();
+  root->register_module("A", a);
+  root->register_module("B", b);
+  root->register_module("shared", a1);  // a module under two parents appears under each
+  const auto named = get_named_module_children_bottom_up(root);
+  std::vector<std::string> names;
+  for (const auto& [name, module] : named) names.push_back(name);
+  EXPECT_EQ(names, (std::vector<std::string>{"A.a1", "A.a2", "A", "B.b1", "B", "shared", ""}));
+  const auto modules = get_module_children_bottom_up(root);
+  ASSERT_EQ(modules.size(), 7u);
+  EXPECT_EQ(modules[0].get(), static_cast<torch::nn::Module*>(a1.get()));
+  EXPECT_EQ(modules[2].get(), a.get());
+  EXPECT_EQ(modules[5].get(), static_cast<torch::nn::Module*>(a1.get()));
+  EXPECT_EQ(modules.back().get(), root.get());
+  EXPECT_THROWS_WITH(get_module_children_bottom_up(nullptr), "expected a module, got null");
+}
+
 }  // namespace
 }  // namespace accelerate::testing

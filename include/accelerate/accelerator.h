@@ -254,6 +254,18 @@ class Accelerator {
   /// batches to `device()` (unless `device_placement` is false).
   DataLoader prepare_data_loader(const DataLoader& loader, std::optional<bool> device_placement = std::nullopt) const;
 
+  /// Whether `model` or one of its submodules was dispatched over more than one device
+  /// (`dispatch_model` with a device map of several entries; see `hf_device_map`) (upstream:
+  /// `verify_device_map`). Such a model is not moved by `prepare`, and is refused by it when
+  /// several processes run (unless ACCELERATE_BYPASS_DEVICE_MAP is "true").
+  bool verify_device_map(const torch::nn::Module& model) const;
+  /// `verify_device_map` of a module holder or shared pointer.
+  template <typename M>
+    requires model_detail::is_model_v<M>
+  bool verify_device_map(const M& model) const {
+    return verify_device_map(*model_detail::module_of(model));
+  }
+
   /// The user's module inside a prepared model (upstream: `unwrap_model`).
   template <typename M>
   const M& unwrap_model(const PreparedModel<M>& model) const {

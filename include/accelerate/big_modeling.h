@@ -97,6 +97,9 @@ struct DispatchOptions {
 /// "disk" entries need `offload_dir` or `offload_index` (a ValueError naming them otherwise).
 /// With one device and no disk, the model is simply moved there.
 void dispatch_model(torch::nn::Module& model, const DeviceMap& device_map, const DispatchOptions& options = {});
+/// The device map `model` was dispatched with by `dispatch_model` (or
+/// `load_checkpoint_and_dispatch`), if it was (upstream: the model's `hf_device_map` attribute).
+std::optional<DeviceMap> hf_device_map(const torch::nn::Module& model);
 
 /// A device map, or how to compute one: "auto" / "balanced" / "balanced_low_0" (spread over the
 /// GPUs with `get_balanced_memory`) or "sequential" (fill devices in order).

@@ -150,6 +150,11 @@ class DistributedDataParallel {
     return tensors.empty() ? output : unflatten_tensors(output, tensors);
   }
 
+  /// An engine for the same module that never synchronises gradients, keeping the forward-pass
+  /// settings (autocast, fp32 outputs) when `keep_mixed_precision` and dropping them otherwise
+  /// (what `extract_model_from_parallel` wraps the module in).
+  DistributedDataParallel without_synchronisation(bool keep_mixed_precision) const;
+
   /// Implementation access for the library itself.
   const std::shared_ptr<detail::DistributedDataParallelImpl>& impl() const { return impl_; }
 
@@ -255,5 +260,23 @@ class PreparedModel {
 /// Whether `T` is a `PreparedModel`.
 template <typename T> struct is_prepared_model : std::false_type {};
 template <typename M> struct is_prepared_model<PreparedModel<M>> : std::true_type {};
+
+/// `model` without its gradient synchronisation (upstream: `extract_model_from_parallel`, which
+/// strips the DDP wrapper): calling the result runs the user's module with no DDP bookkeeping and
+/// no communication. With `keep_fp32_wrapper` (the default, as upstream) the forward pass keeps
+/// the mixed-precision region and the outputs come back in fp32; without it the module's own
+/// forward runs, as upstream's unwrapped model with its original `forward`. The module itself is
+/// `result.module()`. (Upstream's `keep_torch_compile` and `recursive` concern torch.compile and
+/// XLA wrappers, which LibTorch has not.)
+template <typename M>
+PreparedModel<M> extract_model_from_parallel(const PreparedModel<M>& model, bool keep_fp32_wrapper = true) {
+  return PreparedModel<M>(model.module(), model.ddp().without_synchronisation(keep_fp32_wrapper));
+}
+/// A model that was never prepared is returned as it is.
+template <typename M>
+  requires model_detail::is_model_v<M>
+const M& extract_model_from_parallel(const M& model, bool /*keep_fp32_wrapper*/ = true) {
+  return model;
+}
 
 }  // namespace accelerate

@@ -18,6 +18,7 @@
 #include <nlohmann/json_fwd.hpp>
 
 #include <memory>
+#include <optional>
 
 namespace torch::optim {
 class Optimizer;
@@ -72,5 +73,13 @@ class GradScaler {
  private:
   std::shared_ptr<detail::GradScalerImpl> impl_;
 };
+
+/// The loss scaler for fp16 training with `kwargs` (upstream: `get_grad_scaler`, which picks the
+/// scaler class of the device and, for FSDP, the sharded one). accelerate-cpp has one scaler
+/// class for every device and distributed type (`DistributedType` has no FSDP), so
+/// `distributed_type` does not change the result; it is taken for upstream's signature.
+/// `Accelerator` builds its scaler (fp16 on CUDA) with this function.
+GradScaler get_grad_scaler(std::optional<DistributedType> distributed_type = std::nullopt,
+                           const GradScalerKwargs& kwargs = {});
 
 }  // namespace accelerate

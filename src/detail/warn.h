@@ -3,6 +3,7 @@
 // those of `get_logger`. (LibTorch's TORCH_WARN would print through glog, in another format.)
 #pragma once
 
+#include "accelerate/logging.h"
 #include "accelerate/state.h"
 
 #include <optional>
@@ -21,7 +22,11 @@ struct WarnOptions {
   std::optional<PartialState> state = std::nullopt;
 };
 
-/// Writes `message` as a WARNING of the logger called `logger` (e.g. "accelerate.big_modeling").
-void warn(const std::string& logger, const std::string& message, const WarnOptions& options = {});
+/// Writes `message` at `level` through the logger called `logger` (e.g. "accelerate.big_modeling").
+void log(LogLevel level, const std::string& logger, const std::string& message, const WarnOptions& options = {});
+/// `log` at WARNING.
+inline void warn(const std::string& logger, const std::string& message, const WarnOptions& options = {}) {
+  log(LogLevel::kWarning, logger, message, options);
+}
 
 }  // namespace accelerate::detail

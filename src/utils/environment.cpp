@@ -4,8 +4,10 @@
 #include "accelerate/utils/dataclasses.h"
 #include "build_config.h"
 #include "detail/env.h"
+#include "detail/warn.h"
 
 #include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
 #include <torch/cuda.h>
 #include <torch/version.h>
 
@@ -13,9 +15,14 @@
 #include <cctype>
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <mutex>
+#include <utility>
+#include <vector>
 
 #if ACCELERATE_HAVE_NUMA
 #include <numa.h>
+#include <sched.h>
 #endif
 
 namespace accelerate {
@@ -191,7 +198,7 @@ bool is_numa_available() {
 #endif
 }
 
-int set_numa_affinity(int local_process_index) {
+int override_numa_affinity(int local_process_index, std::optional<bool> verbose) {
   TORCH_CHECK_VALUE(local_process_index >= 0, "[set_numa_affinity] expected a local process index >= 0, got ",
                     local_process_index);
 #if ACCELERATE_HAVE_NUMA
@@ -202,10 +209,36 @@ int set_numa_affinity(int local_process_index) {
   TORCH_CHECK(numa_run_on_node(node) == 0, "[set_numa_affinity] could not bind to NUMA node ", node, ": ",
               std::strerror(errno));
   numa_set_preferred(node);
+  if (verbose.value_or(parse_flag_from_env("ACCELERATE_DEBUG_MODE"))) {
+    cpu_set_t cpus;
+    CPU_ZERO(&cpus);
+    std::vector<int> assigned;
+    if (sched_getaffinity(0, sizeof cpus, &cpus) == 0) {
+      for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
+        if (CPU_ISSET(cpu, &cpus)) assigned.push_back(cpu);
+      }
+    }
+    detail::log(LogLevel::kInfo, "accelerate.utils.environment",
+                c10::str("Assigning ", assigned.size(), " cpu cores to process ", local_process_index, ": {",
+                         c10::Join(", ", assigned), "}"),
+                {.every_process = true});
+  }
   return node;
 #else
+  (void)verbose;
   C10_THROW_ERROR(Error, c10::str("[set_numa_affinity] accelerate-cpp was built without libnuma (install libnuma-dev and rebuild)"));
 #endif
+}
+
+int set_numa_affinity(int local_process_index, std::optional<bool> verbose) {
+  static std::mutex mutex;
+  static std::map<std::pair<int, std::optional<bool>>, int> bound;
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_pair(local_process_index, verbose);
+  if (auto it = bound.find(key); it != bound.end()) return it->second;
+  const int node = override_numa_affinity(local_process_index, verbose);
+  bound.emplace(key, node);
+  return node;
 }
 
 }  // namespace accelerate

@@ -337,4 +337,33 @@ LoadCheckpointResult load_checkpoint_in_model(torch::nn::Module& module, const s
   return result;
 }
 
+std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> get_named_module_children_bottom_up(
+    const std::shared_ptr<torch::nn::Module>& model) {
+  TORCH_CHECK_VALUE(model != nullptr, "[get_module_children_bottom_up] expected a module, got null");
+  // Depth first with a stack: a module is emitted when popped, its children pushed in order, so
+  // the reversed emission order has every child, in order, before its parent.
+  using Named = std::pair<std::string, std::shared_ptr<torch::nn::Module>>;
+  std::vector<Named> stack{{"", model}};
+  std::vector<Named> emitted;
+  while (!stack.empty()) {
+    Named current = std::move(stack.back());
+    stack.pop_back();
+    std::set<const torch::nn::Module*> seen;
+    for (const auto& child : current.second->named_children()) {
+      if (!seen.insert(child.value().get()).second) continue;
+      stack.emplace_back(current.first.empty() ? child.key() : current.first + "." + child.key(), child.value());
+    }
+    emitted.push_back(std::move(current));
+  }
+  std::reverse(emitted.begin(), emitted.end());
+  return emitted;
+}
+
+std::vector<std::shared_ptr<torch::nn::Module>> get_module_children_bottom_up(
+    const std::shared_ptr<torch::nn::Module>& model) {
+  std::vector<std::shared_ptr<torch::nn::Module>> modules;
+  for (auto& [name, module] : get_named_module_children_bottom_up(model)) modules.push_back(std::move(module));
+  return modules;
+}
+
 }  // namespace accelerate

@@ -122,7 +122,17 @@ inline bool is_deepspeed_available() { return false; }
 inline bool is_ipex_available() { return false; }
 
 /// Binds this process to the NUMA node matching `local_process_index` (round robin over the
-/// machine's nodes) and returns the node; throws when libnuma is not available.
-int set_numa_affinity(int local_process_index);
+/// machine's nodes: its CPUs, and its memory as the preferred node) and returns the node, every
+/// time it is called (upstream: `override_numa_affinity`). With `verbose` (default: the flag
+/// ACCELERATE_DEBUG_MODE) it logs "Assigning N cpu cores to process I: {…}" at INFO through the
+/// logger "accelerate.utils.environment". Throws when libnuma is not available. (Upstream binds to
+/// the CPUs NVML reports for the process's GPU, and does nothing without one; a GPU's CPUs are
+/// its NUMA node's, and a CPU job has its node by this round robin.)
+int override_numa_affinity(int local_process_index, std::optional<bool> verbose = std::nullopt);
+/// `override_numa_affinity` once per process and arguments: a later call with the same arguments
+/// returns the node of the first without binding again (upstream: `set_numa_affinity`, memoised;
+/// call `override_numa_affinity` to bind anew). `accelerate launch --enable_cpu_affinity` makes
+/// every process call it when its state is created.
+int set_numa_affinity(int local_process_index, std::optional<bool> verbose = std::nullopt);
 
 }  // namespace accelerate

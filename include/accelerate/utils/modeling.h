@@ -19,8 +19,10 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace accelerate {
@@ -112,5 +114,16 @@ LoadCheckpointResult load_checkpoint_in_model(torch::nn::Module& module, const s
 /// name is missing or unexpected.
 LoadCheckpointResult load_state_dict_into_module(torch::nn::Module& module, const TensorMap& tensors,
                                                  const LoadCheckpointOptions& options = {});
+
+/// Every module of `model`, each after all of its descendants and children in their order, with
+/// `model` itself last (upstream: `get_module_children_bottom_up`): for a model R with children
+/// A (a1, a2) and B, the order is a1, a2, A, B, R. A module registered twice under one parent
+/// appears once there; one shared by two parents appears under each. Throws on a null model.
+std::vector<std::shared_ptr<torch::nn::Module>> get_module_children_bottom_up(
+    const std::shared_ptr<torch::nn::Module>& model);
+/// `get_module_children_bottom_up` with each module's dotted name, "" for `model` (upstream: the
+/// same function with `return_fqns=True`).
+std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> get_named_module_children_bottom_up(
+    const std::shared_ptr<torch::nn::Module>& model);
 
 }  // namespace accelerate
