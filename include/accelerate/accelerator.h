@@ -12,7 +12,7 @@
 //   auto [model, optimizer, loader] = accelerator.prepare(net, sgd, data);
 //   for (auto& batch : loader) {
 //     auto step = accelerator.accumulate(model);
-//     auto loss = torch::mse_loss(model(batch.data()), batch.target());
+//     auto loss = torch::mse_loss(model(batch.data), batch.target);
 //     accelerator.backward(loss);
 //     optimizer.step();
 //     optimizer.zero_grad();

@@ -4,9 +4,9 @@
 // the hooks reach LibTorch modules).
 //
 // Example:
-//   auto model = accelerate::init_empty_weights([] { return GPT(config); });
+//   auto model = accelerate::init_empty_weights([&] { return GPT(config); });
 //   accelerate::load_checkpoint_and_dispatch(*model, "checkpoint/", {.device_map = "auto",
-//       .max_memory = MaxMemory{{"cpu", "2GiB"}}, .offload_folder = "offload"});
+//       .max_memory = accelerate::MaxMemory{{"cpu", "2GiB"}}, .offload_folder = "offload"});
 //   auto logits = accelerate::forward(model, tokens);
 #pragma once
 

@@ -7,8 +7,8 @@
 //
 // Example:
 //   auto train = accelerate::find_executable_batch_size(
-//       [&](int64_t batch_size, Model& model) { ... }, /*starting_batch_size=*/128);
-//   train(model);  // tries 128, then 115, 103, … until one fits
+//       [&](int64_t batch_size, Model& model) { return fit(model, batch_size); }, /*starting_batch_size=*/128);
+//   auto loss = train(model);  // tries 128, then 115, 103, … until one fits
 #pragma once
 
 #include <cstdint>

@@ -3,7 +3,8 @@
 // live on the meta device (see `init_empty_weights` in big_modeling.h).
 //
 // Example:
-//   auto device_map = accelerate::infer_auto_device_map(*model, {.max_memory = {{0, "10GiB"}, {"cpu", "30GiB"}}});
+//   auto device_map = accelerate::infer_auto_device_map(
+//       *model, {.max_memory = accelerate::MaxMemory{{0, "10GiB"}, {"cpu", "30GiB"}}});
 //   // {"embed": 0, "blocks.0": 0, …, "blocks.7": "cpu", "head": "disk"}
 #pragma once
 

@@ -5,7 +5,7 @@
 // Files written here load in Python with `transformers`' or Accelerate's loaders, and theirs here.
 //
 // Example:
-//   accelerate::save_model(*net, "out", "200MB");             // shards of at most 200 MB
+//   accelerate::save_state_dict_sharded(accelerate::get_state_dict(*net), "out", "200MB");  // shards ≤ 200 MB
 //   auto result = accelerate::load_checkpoint_in_model(*net, "out", {.strict = true});
 #pragma once
 

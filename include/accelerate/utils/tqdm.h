@@ -6,8 +6,8 @@
 //
 // Example:
 //   accelerate::ProgressBar bar({.total = max_steps, .desc = "train"});
-//   for (...) {
-//     ...;
+//   for (int64_t step = 0; step < max_steps; ++step) {
+//     const double loss = train_step(step);
 //     bar.update();
 //     bar.set_postfix("loss=" + std::to_string(loss));
 //   }
