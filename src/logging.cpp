@@ -183,7 +183,7 @@ void log(LogLevel level, const std::string& name, const std::string& message, co
     std::lock_guard<std::mutex> lock(mutex);
     if (!written.emplace(name, message).second) return;
   }
-  if (options.state.has_value() || PartialState::initialized()) {
+  if (options.state.has_value() || (options.use_process_state && PartialState::initialized())) {
     if (options.state.has_value()) logger = logger.with_state(*options.state);
     logger.log(level, message, {.main_process_only = !options.every_process});
     return;

@@ -196,6 +196,25 @@ LaunchArgs parse_launch_args(const std::vector<std::string>& argv) {
     C10_THROW_ERROR(ValueError, c10::str("[launch] ", e.what(), " (see `accelerate launch --help`)"));
   }
   auto rest = cli.app.remaining();
+  // Upstream's flags of Python-only integrations are named as such (docs/porting.md says what to
+  // use instead), rather than as unknown.
+  if (!rest.empty()) {
+    static const std::vector<std::pair<std::string, std::string>> python_only = {
+        {"--use_deepspeed", "DeepSpeed"},   {"--deepspeed_", "DeepSpeed"},     {"--zero_stage", "DeepSpeed"},
+        {"--use_fsdp", "FSDP"},             {"--fsdp_", "FSDP"},               {"--use_megatron_lm", "Megatron-LM"},
+        {"--megatron_lm_", "Megatron-LM"},  {"--dynamo_", "TorchDynamo"},      {"--tpu", "XLA/TPU"},
+        {"--use_xpu", "XPU"},               {"--ipex", "IPEX"},                {"--fp8_", "FP8 recipes"},
+        {"--use_parallelism_config", "parallelism_config"},                    {"--parallelism_config_", "parallelism_config"}};
+    const std::string given = rest.front().substr(0, rest.front().find('='));
+    std::string flag = given;  // upstream takes --use-deepspeed for --use_deepspeed
+    if (flag.rfind("--", 0) == 0) std::replace(flag.begin() + 2, flag.end(), '-', '_');
+    for (const auto& [prefix, feature] : python_only) {
+      const bool matches = prefix.back() == '_' ? flag.rfind(prefix, 0) == 0 : flag == prefix || flag.rfind(prefix + "_", 0) == 0;
+      TORCH_CHECK_VALUE(!matches, "[launch] '", given, "' configures ", feature,
+                        ", a Python-only integration that accelerate-cpp does not support (docs/porting.md says what "
+                        "to use instead)");
+    }
+  }
   // Everything from the program on is left unparsed, so a mistyped flag would otherwise be taken
   // for the program's name.
   TORCH_CHECK_VALUE(rest.empty() || rest.front().empty() || rest.front()[0] != '-', "[launch] unknown flag '",

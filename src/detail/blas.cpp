@@ -102,7 +102,8 @@ void warn_once_if_reference_blas() {
   static std::once_flag once;
   std::call_once(once, [] {
     const std::string warning = reference_blas_warning(detect_blas());
-    if (!warning.empty()) warn("accelerate.blas", warning);
+    // Raised while the first PartialState is built: every process writes it, as a lone one.
+    if (!warning.empty()) warn("accelerate.blas", warning, {.use_process_state = false});
   });
 }
 

@@ -20,6 +20,9 @@ struct WarnOptions {
   /// The processes the warning belongs to; without it the process-wide state, and without that
   /// the warning is written as by a lone process.
   std::optional<PartialState> state = std::nullopt;
+  /// Without `state`: false writes as a lone process without asking for the process-wide state
+  /// (for warnings raised while that state is being built).
+  bool use_process_state = true;
 };
 
 /// Writes `message` at `level` through the logger called `logger` (e.g. "accelerate.big_modeling").

@@ -82,6 +82,16 @@ TEST_F(ParseLaunchArgs, UnsetFlagsStayUnset) {
 
 TEST_F(ParseLaunchArgs, AnUnknownFlagIsRefusedNamingIt) {
   EXPECT_THROWS_WITH(parse_launch_args({"--num_proceses", "2", "/bin/true"}), "--num_proceses");
+  // Upstream's flags of Python-only integrations are named as such.
+  EXPECT_THROWS_WITH(parse_launch_args({"--use_deepspeed", "/bin/true"}),
+                     "'--use_deepspeed' configures DeepSpeed, a Python-only integration");
+  EXPECT_THROWS_WITH(parse_launch_args({"--use-fsdp", "/bin/true"}), "'--use-fsdp' configures FSDP");
+  EXPECT_THROWS_WITH(parse_launch_args({"--fsdp_sharding_strategy=FULL_SHARD", "/bin/true"}),
+                     "'--fsdp_sharding_strategy' configures FSDP");
+  EXPECT_THROWS_WITH(parse_launch_args({"--dynamo_backend", "inductor", "/bin/true"}), "configures TorchDynamo");
+  EXPECT_THROWS_WITH(parse_launch_args({"--use_megatron_lm", "/bin/true"}), "configures Megatron-LM");
+  EXPECT_THROWS_WITH(parse_launch_args({"--tpu", "/bin/true"}), "configures XLA/TPU");
+  EXPECT_THROWS_WITH(parse_launch_args({"--tpuu", "/bin/true"}), "unknown flag '--tpuu'");
 }
 
 TEST_F(ParseLaunchArgs, ANonIntegerProcessCountIsRefusedNamingTheFlag) {

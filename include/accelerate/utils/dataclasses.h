@@ -49,8 +49,8 @@ RNGType parse_rng_type(std::string_view text);
 
 /// Experiment trackers by upstream's names (upstream: `LoggerType`): "all", "aim", "tensorboard",
 /// "wandb", "trackio", "comet_ml", "mlflow", "clearml", "dvclive", "swanlab". accelerate-cpp writes
-/// "tensorboard" (and its own "jsonl", which is not one of upstream's names); `log_with` refuses the
-/// others, naming them.
+/// "tensorboard" and "dvclive" (and its own "jsonl" and "csv", which are not upstream's names);
+/// `log_with` refuses the online services, naming them.
 enum class LoggerType { kAll, kAim, kTensorboard, kWandb, kTrackio, kCometMl, kMlflow, kClearml, kDvclive, kSwanlab };
 /// Upstream's spelling of a tracker, e.g. "comet_ml".
 std::string to_string(LoggerType type);
