@@ -8,6 +8,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <dlfcn.h>
 #include <sched.h>
 
 #include <fstream>
@@ -321,8 +322,10 @@ TEST(IsTorchVersion, AnUnknownOperationIsRefused) {
 
 TEST(Availability, GlooIsBuiltIntoThisLibTorch) { EXPECT_TRUE(is_gloo_available()); }
 
-TEST(Availability, NcclAndPythonOnlyBackEndsAreNot) {
-  EXPECT_FALSE(is_nccl_available());
+TEST(Availability, NcclExactlyWhenLibTorchLinksItAndPythonOnlyBackEndsNever) {
+  // LibTorch's CUDA build links libnccl into the process; the CPU build does not.
+  const bool nccl_linked = ::dlsym(RTLD_DEFAULT, "ncclGetVersion") != nullptr;
+  EXPECT_EQ(is_nccl_available(), nccl_linked);
   EXPECT_FALSE(is_mps_available());
   EXPECT_FALSE(is_xpu_available());
   EXPECT_FALSE(is_torch_xla_available());

@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
@@ -17,6 +18,7 @@
 #include <fstream>
 #include <poll.h>
 #include <sstream>
+#include <pthread.h>
 #include <sys/signalfd.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -169,19 +171,40 @@ int open_log(const fs::path& path) {
   return fd;
 }
 
+// Note [Signals of other threads]
+// The supervisor blocks the signals it forwards in its own thread and reads them from a signalfd.
+// A thread that a library started before that (LibTorch's CUDA build starts some while it loads)
+// does not block them, and a signal sent to the process may be delivered there, where its
+// default action would kill the launcher and leave the workers running. A handler, which every
+// thread shares, passes such a signal on to the supervisor's thread, where it stays pending until
+// the signalfd reads it.
+std::atomic<pthread_t> g_supervisor_thread{};
+
+void pass_to_supervisor(int sig) { ::pthread_kill(g_supervisor_thread.load(), sig); }
+
+constexpr int kForwardedSignals[] = {SIGINT, SIGTERM, SIGHUP};
+
 }  // namespace
 
 Supervisor::Supervisor() {
   sigset_t set;
   sigemptyset(&set);
-  for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGCHLD}) sigaddset(&set, sig);
+  for (int sig : kForwardedSignals) sigaddset(&set, sig);
+  sigaddset(&set, SIGCHLD);
   TORCH_CHECK(::pthread_sigmask(SIG_BLOCK, &set, nullptr) == 0, "[launch] cannot block signals");
   signal_fd_ = ::signalfd(-1, &set, SFD_CLOEXEC | SFD_NONBLOCK);
   TORCH_CHECK(signal_fd_ >= 0, "[launch] signalfd failed: ", std::strerror(errno));
+  g_supervisor_thread.store(::pthread_self());
+  struct sigaction redirect {};
+  redirect.sa_handler = pass_to_supervisor;
+  sigemptyset(&redirect.sa_mask);
+  redirect.sa_flags = SA_RESTART;
+  for (int sig : kForwardedSignals) ::sigaction(sig, &redirect, nullptr);
   ::signal(SIGPIPE, SIG_IGN);  // a closed console must not kill the supervisor
 }
 
 Supervisor::~Supervisor() {
+  for (int sig : kForwardedSignals) ::signal(sig, SIG_DFL);
   if (signal_fd_ >= 0) ::close(signal_fd_);
 }
 
