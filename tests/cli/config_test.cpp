@@ -227,6 +227,10 @@ TEST(LoadConfigFromFile, AnotherComputeEnvironmentIsRefused) {
   const std::string text = "compute_environment: AMAZON_SAGEMAKER\ndistributed_type: 'NO'\n";
   EXPECT_THROWS_WITH(load_config_from_file(write_file(dir, "c.yaml", text)),
                      "compute_environment 'AMAZON_SAGEMAKER' is not supported");
+  // A value that is none of upstream's is named as such.
+  const std::string misspelt = "compute_environment: LOCAL\ndistributed_type: 'NO'\n";
+  EXPECT_THROWS_WITH(load_config_from_file(write_file(dir, "d.yaml", misspelt)),
+                     "compute_environment 'LOCAL' is not one of LOCAL_MACHINE, AMAZON_SAGEMAKER");
 }
 
 // ---- save_config_file -----------------------------------------------------------------------
