@@ -1,7 +1,8 @@
 // Checkpoint throughput: saving (with fsync) and loading a ~200 MB state dict as safetensors, and
 // `save_state` / `load_state` of a small transformer trained one step with AdamW. One process.
 // Loading the state dict copies every tensor into preallocated tensors of the same shapes (what
-// loading weights into a model does). Prints one JSON object per workload with the median over
+// loading weights into a model does, through `SafetensorsFile::read_into` as
+// `load_checkpoint_in_model` does). Prints one JSON object per workload with the median over
 // the repetitions (after one warm-up), as bench/checkpoint_twin.py does for torch.save/torch.load;
 // bench/run_checkpoint compares them next to dd's rates for the same size on the same disk.
 // Usage: bench_checkpoint DIR [--quick]
@@ -62,11 +63,7 @@ void state_dict_200mb(const fs::path& dir, int reps) {
   std::vector<double> save, load;
   for (int r = 0; r <= reps; ++r) {
     const double s = seconds_of([&] { acc::save_file(tensors, path, {{"format", "pt"}}, /*fsync=*/true); });
-    const double l = seconds_of([&] {
-      acc::SafetensorsFile file(path);
-      at::NoGradGuard no_grad;
-      for (auto& [name, target] : targets) target.copy_(file.get_tensor(name));
-    });
+    const double l = seconds_of([&] { acc::SafetensorsFile(path).read_into(targets); });
     if (r > 0) save.push_back(s), load.push_back(l);
   }
   TORCH_CHECK(at::equal(targets.begin()->second, tensors.begin()->second), "bench_checkpoint: load mismatch");

@@ -40,6 +40,8 @@ def training(raw):
         mp = r.get("mixed_precision", "no")
         detail = {"phases_us": r["phase_median_mean_us"], "step_median_us": r["step_median_us"],
                   "step_mean_us": r["step_mean_us"], "steps": r["steps"], "threads": r["threads"]}
+        if "step_without_communication_median_us" in r:  # the same step inside no_sync, measured apart
+            detail["step_without_communication_median_us"] = r["step_without_communication_median_us"]
         if w == "tiny":
             targets = [{"side": "cpp", "vs": "python", "op": "<=", "ratio": 0.5 if n == 1 else 0.6}]
             if side == "cpp-mpi":  # the MPI issue's target: 0.2 of the Python Gloo twin
@@ -51,8 +53,9 @@ def training(raw):
                           "transformer": ("W2", "transformer")}[w]
         case = f"{name}{', bf16' if mp == 'bf16' else ''}, {procs}"
         targets = THROUGHPUT_2P if n == 2 else None
-        if side == "cpp-mpi" and w == "mlp" and mp == "no":  # 0.9 of two processes without communication
-            targets = [{"side": "cpp-mpi", "vs": "limit", "op": ">=", "ratio": 0.9}]
+        if side == "cpp-mpi" and mp == "no" and w in ("mlp", "mlp_accum4"):
+            # Of two processes without communication: 0.85 stepping every batch, 0.9 with accumulation.
+            targets = [{"side": "cpp-mpi", "vs": "limit", "op": ">=", "ratio": 0.85 if w == "mlp" else 0.9}]
         out.append(row(workload, case, "samples/s", "higher", side, r["samples_per_s"], loss=r["last_loss"],
                        targets=targets, detail=detail))
         # The scaling limit of 2 processes: twice one process of the same side, no communication.
@@ -130,7 +133,11 @@ def offload(raw):
     out = []
     for r in raw:
         case = "forward, disk-offloaded" if r["variant"] == "disk_offload" else "forward, in memory"
-        out.append(row("W8", case, "samples/s", "higher", r["side"], r["samples_per_s"], loss=r["checksum"]))
+        targets = None
+        if r["variant"] == "disk_offload" and r["side"] == "cpp":  # reading ahead hides the disk
+            targets = [{"side": "cpp", "vs": "limit", "op": ">=", "ratio": 0.8}]
+        out.append(row("W8", case, "samples/s", "higher", r["side"], r["samples_per_s"], loss=r["checksum"],
+                       targets=targets))
         if r["variant"] == "in_memory" and r["side"] == "cpp":
             out.append(row("W8", "forward, disk-offloaded", "samples/s", "higher", "limit", r["samples_per_s"],
                            limit="C++ forward in memory"))

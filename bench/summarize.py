@@ -142,6 +142,10 @@ def print_table(rows, title=None):
                 if "detail" not in e or "phases_us" not in e["detail"]:
                     continue
                 cells = "  ".join(f"{name} {m:.0f}/{a:.0f}" for name, (m, a) in e["detail"]["phases_us"].items())
+                local = e["detail"].get("step_without_communication_median_us")
+                if local is not None:  # what synchronising adds: the step against the same step in no_sync
+                    step = e["detail"]["step_median_us"]
+                    cells += f"  | step {step:.0f} = without communication {local:.0f} + synchronising {step - local:.0f}"
                 print(f"  {row['workload']:<3} {row['case'][:40]:<40} {side:<7} {cells}")
 
 

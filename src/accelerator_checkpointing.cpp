@@ -5,6 +5,7 @@
 #include "detail/accelerator_impl.h"
 #include "detail/checkpoint_commit.h"
 #include "detail/files.h"
+#include "detail/optimizer_state.h"
 #include "detail/warn.h"
 
 #include <c10/util/Exception.h>
@@ -248,8 +249,10 @@ void Accelerator::load_state(const std::string& input_dir) const {
     std::vector<std::string> model_files;
     for (size_t i = 0; i < models.size(); ++i) model_files.push_back(require(numbered("model", i, ".safetensors")));
     std::vector<StateDict> optimizer_states, scheduler_states, loader_states, custom_states;
+    std::vector<SafetensorsFile> optimizer_files;  // read into the optimizers once everything is checked
     for (size_t i = 0; i < optimizers.size(); ++i) {
-      optimizer_states.push_back(load_state_dict_file(require(numbered("optimizer", i, ".safetensors"))));
+      optimizer_files.emplace_back(require(numbered("optimizer", i, ".safetensors")));
+      optimizer_states.push_back(detail::state_dict_views(optimizer_files.back()));
     }
     for (size_t i = 0; i < schedulers.size(); ++i) {
       scheduler_states.push_back(load_state_dict_file(require(numbered("scheduler", i, ".json"))));
@@ -289,7 +292,7 @@ void Accelerator::load_state(const std::string& input_dir) const {
       load_checkpoint_in_model(*models[i].module(), model_files[i], {.strict = true});
     }
     for (size_t i = 0; i < optimizers.size(); ++i) {
-      load_optimizer_state_dict(*optimizers[i].optimizer(), optimizer_states[i]);
+      detail::load_optimizer_state_from_file(*optimizers[i].optimizer(), optimizer_states[i], optimizer_files[i]);
     }
     for (size_t i = 0; i < schedulers.size(); ++i) schedulers[i].scheduler()->load_state_dict(scheduler_states[i].values);
     for (size_t i = 0; i < loaders.size(); ++i) loaders[i].load_state_dict(loader_positions[i]);

@@ -9,6 +9,7 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <set>
 
@@ -97,7 +98,8 @@ void cpu_offload(torch::nn::Module& model, std::optional<c10::Device> execution_
   root.io_same_device = true;
   add_hook_to_module(model, std::make_shared<AlignDevicesHook>(root), /*append=*/true);
   auto weights = std::make_shared<OffloadedWeightsLoader>(std::move(*state_dict), std::nullopt, OffloadIndex{});
-  attach_align_device_hook(model, device, true, weights, offload_buffers, "", preload_module_classes);
+  attach_align_device_hook(model, device, true, weights, offload_buffers, "", preload_module_classes,
+                           std::make_shared<OffloadPrefetcher>());
 }
 
 void disk_offload(torch::nn::Module& model, const std::string& offload_dir, std::optional<c10::Device> execution_device,
@@ -110,7 +112,8 @@ void disk_offload(torch::nn::Module& model, const std::string& offload_dir, std:
   AlignDevicesOptions root;
   root.io_same_device = true;
   add_hook_to_module(model, std::make_shared<AlignDevicesHook>(root), /*append=*/true);
-  attach_align_device_hook(model, device, true, weights, offload_buffers, "", preload_module_classes);
+  attach_align_device_hook(model, device, true, weights, offload_buffers, "", preload_module_classes,
+                           std::make_shared<OffloadPrefetcher>());
 }
 
 void dispatch_model(torch::nn::Module& model, const DeviceMap& device_map, const DispatchOptions& options) {
@@ -184,8 +187,10 @@ void dispatch_model(torch::nn::Module& model, const DeviceMap& device_map, const
     weights_map = std::make_shared<OffloadedWeightsLoader>(state_dict.value_or(TensorMap{}), folder,
                                                            options.offload_index, device);
   }
+  const bool offloading = std::any_of(offload.begin(), offload.end(), [](const auto& o) { return o.second; });
   attach_align_device_hook_on_blocks(model, execution_device, offload, weights_map, options.offload_buffers, "",
-                                     options.preload_module_classes);
+                                     options.preload_module_classes,
+                                     offloading ? std::make_shared<OffloadPrefetcher>() : nullptr);
   std::vector<std::string> places;
   if (!cpu_modules.empty() && cpu_offloaded) places.emplace_back("cpu");
   if (!disk_modules.empty()) places.emplace_back("disk");

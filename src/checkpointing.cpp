@@ -2,6 +2,7 @@
 #include "accelerate/checkpointing.h"
 
 #include "detail/files.h"
+#include "detail/optimizer_state.h"
 #include "detail/torch_compat.h"
 
 #include <ATen/ATen.h>
@@ -189,6 +190,13 @@ std::unique_ptr<torch::optim::OptimizerOptions> options_from_json(Kind kind, con
 
 auto param_key(const at::Tensor& p) { return detail::compat::optimizer_state_key(p); }
 
+// Where load_optimizer_state takes the values of the state tensors from.
+struct TensorSource {
+  bool take = false;                      // the StateDict's tensors, uncopied (the caller gives them up)
+  const SafetensorsFile* file = nullptr;  // the file, read in bulk after every check passed; the
+                                          // StateDict's tensors are then only views for the checks
+};
+
 // Adam and AdamW keep the same per-parameter state in two unrelated LibTorch types.
 template <typename State, typename Put>
 void save_moments(const State& s, nlohmann::json& scalars, const Put& put) {
@@ -266,7 +274,9 @@ void save_param_state(Kind kind, const torch::optim::OptimizerParamState& state,
 // tensor that mirrors the parameter must have its shape.
 std::unique_ptr<torch::optim::OptimizerParamState> load_param_state(Kind kind, const Reader& scalars,
                                                                     const TensorMap& tensors, const std::string& prefix,
-                                                                    const at::Tensor& param, const std::string& where) {
+                                                                    const at::Tensor& param, const std::string& where,
+                                                                    const TensorSource& source, const TensorMap& existing,
+                                                                    TensorMap& pending) {
   using namespace torch::optim;
   const auto get = [&](const char* name, bool required, bool like_param) -> at::Tensor {
     auto it = tensors.find(prefix + name);
@@ -277,7 +287,25 @@ std::unique_ptr<torch::optim::OptimizerParamState> load_param_state(Kind kind, c
     TORCH_CHECK_VALUE(!like_param || it->second.sizes() == param.sizes(), where, ": tensor ", prefix, name,
                       " has shape ", it->second.sizes(), " but its parameter has shape ", param.sizes(),
                       " (was the checkpoint saved from another model?)");
-    // An owned copy: the optimizer updates its state in place.
+    if (source.file != nullptr) {
+      // Filled from the file once every check has passed: into the optimizer's own tensor of
+      // that name when it matches, else into a new one.
+      const auto& view = it->second;
+      auto current = existing.find(prefix + name);
+      at::Tensor destination;
+      if (current != existing.end() && current->second.sizes() == view.sizes() &&
+          current->second.scalar_type() == view.scalar_type() && current->second.device() == param.device() &&
+          current->second.is_contiguous()) {
+        destination = current->second;
+      } else {
+        destination = at::empty(view.sizes(), view.options().device(param.device()));
+      }
+      pending.insert_or_assign(prefix + name, destination);
+      return destination;
+    }
+    // An owned copy: the optimizer updates its state in place (unless the caller hands its
+    // tensors over).
+    if (source.take && it->second.device() == param.device()) return it->second;
     return it->second.to(param.device(), /*non_blocking=*/false, /*copy=*/true);
   };
   const auto list = [&](const char* name) {
@@ -357,6 +385,17 @@ StateDict load_state_dict_file(const std::string& path) {
     return state;
   }
   SafetensorsFile file(path);
+  state = detail::state_dict_views(file);
+  // Owned copies: the caller may update them in place.
+  state.tensors = file.read_tensors();
+  return state;
+}
+
+namespace detail {
+
+StateDict state_dict_views(const SafetensorsFile& file) {
+  StateDict state;
+  const auto& path = file.path();
   const auto& metadata = file.metadata();
   auto it = metadata.find(kJsonKey);
   TORCH_CHECK_VALUE(it != metadata.end(), "[load_state_dict_file] ", path, " has no \"", kJsonKey,
@@ -367,10 +406,11 @@ StateDict load_state_dict_file(const std::string& path) {
     C10_THROW_ERROR(ValueError, c10::str("[load_state_dict_file] the \"", kJsonKey, "\" metadata of ", path,
                                          " is not valid JSON: ", e.what()));
   }
-  // Owned copies: the caller may update them in place.
-  for (const auto& key : file.keys()) state.tensors.emplace(key, file.get_tensor(key).clone());
+  for (const auto& key : file.keys()) state.tensors.emplace(key, file.get_tensor(key));
   return state;
 }
+
+}  // namespace detail
 
 // ---- optimizers ----------------------------------------------------------------------------
 
@@ -400,7 +440,9 @@ StateDict optimizer_state_dict(const torch::optim::Optimizer& optimizer) {
   return out;
 }
 
-void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, const StateDict& state) {
+namespace {
+
+void load_optimizer_state(torch::optim::Optimizer& optimizer, const StateDict& state, const TensorSource& source) {
   const Kind kind = kind_of(optimizer, "load_optimizer_state_dict");
   const std::string where = "[load_optimizer_state_dict]";
   const Reader top{state.values, where};
@@ -435,6 +477,16 @@ void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, const StateDi
       params_by_index.push_back(params[i]);
     }
   }
+  // The optimizer's current state tensors, by checkpoint name (destinations for a file source).
+  TensorMap existing, pending;
+  if (source.file != nullptr) {
+    for (size_t i = 0; i < params_by_index.size(); ++i) {
+      auto it = optimizer.state().find(param_key(params_by_index[i]));
+      if (it == optimizer.state().end() || !it->second) continue;
+      nlohmann::json ignored;
+      save_param_state(kind, *it->second, "state." + std::to_string(i) + ".", ignored, existing);
+    }
+  }
   for (const auto& [key, value] : scalars.items()) {
     size_t used = 0;
     int64_t index = -1;
@@ -449,12 +501,29 @@ void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, const StateDi
     new_states.emplace_back(param_key(param),
                             load_param_state(kind, Reader{value, c10::str(where, " state of parameter ", index)},
                                              state.tensors, "state." + key + ".", param,
-                                             c10::str(where, " state of parameter ", index)));
+                                             c10::str(where, " state of parameter ", index), source, existing,
+                                             pending));
   }
+  if (source.file != nullptr) source.file->read_into(pending);
   for (size_t g = 0; g < live_groups.size(); ++g) live_groups[g].set_options(std::move(new_options[g]));
   optimizer.state().clear();
   for (auto& [key, s] : new_states) optimizer.state()[key] = std::move(s);
 }
+
+}  // namespace
+
+void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, const StateDict& state) {
+  load_optimizer_state(optimizer, state, {});
+}
+
+namespace detail {
+
+void load_optimizer_state_from_file(torch::optim::Optimizer& optimizer, const StateDict& views,
+                                    const SafetensorsFile& file) {
+  load_optimizer_state(optimizer, views, {.file = &file});
+}
+
+}  // namespace detail
 
 // ---- random generators ---------------------------------------------------------------------
 

@@ -10,7 +10,11 @@
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
+#include <atomic>
 #include <filesystem>
+#include <mutex>
+#include <stdexcept>
+#include <thread>
 #include <fstream>
 
 namespace acc = accelerate;
@@ -355,6 +359,108 @@ TEST(Hooks, CpuAndDiskOffloadGiveThePlainOutputs) {
   EXPECT_FALSE(disk[4]->as<torch::nn::Linear>()->weight.is_meta());
   EXPECT_TRUE(torch::allclose(disk->forward(x), expected));
   EXPECT_EQ(acc::get_hook(*disk[0]), nullptr);
+}
+
+// The prefetcher of an offloaded model: its hook's options hold it.
+std::shared_ptr<acc::OffloadPrefetcher> prefetcher_of(torch::nn::Module& module) {
+  auto hook = std::dynamic_pointer_cast<acc::AlignDevicesHook>(acc::get_hook(module));
+  return hook ? hook->options().prefetcher : nullptr;
+}
+
+TEST(Hooks, OffloadedModulesGetTheirWeightsReadAheadAndTheSameOutputs) {
+  auto plain = make_mlp();
+  plain->eval();
+  auto x = torch::randn({5, 8});
+  auto expected = plain->forward(x);
+  TempDir dir;
+  auto disk = make_mlp();
+  disk->eval();
+  acc::disk_offload(*disk, dir.str());
+  const auto prefetcher = prefetcher_of(*disk[0]);
+  ASSERT_NE(prefetcher, nullptr);
+  EXPECT_EQ(prefetcher_of(*disk[2]), prefetcher) << "the offloaded modules of one model share one prefetcher";
+  for (int pass = 0; pass < 4; ++pass) {
+    EXPECT_TRUE(torch::allclose(acc::forward(disk, x), expected)) << "pass " << pass;
+    EXPECT_TRUE(disk[4]->as<torch::nn::Linear>()->weight.is_meta());
+  }
+  // Four offloaded modules (three Linear, one BatchNorm): the first pass learns their order, the
+  // second reads ahead from its second module on, the later ones for every module (the first
+  // one's read starts while the last module of the pass before computes).
+  EXPECT_EQ(prefetcher->hits(), 3 + 4 + 4);
+
+  // cpu_offload and dispatch_model read ahead too.
+  auto cpu = make_mlp();
+  cpu->eval();
+  acc::cpu_offload(*cpu);
+  for (int pass = 0; pass < 3; ++pass) EXPECT_TRUE(torch::allclose(acc::forward(cpu, x), expected));
+  ASSERT_NE(prefetcher_of(*cpu[0]), nullptr);
+  EXPECT_GT(prefetcher_of(*cpu[0])->hits(), 0);
+}
+
+TEST(OffloadPrefetcher, LearnsTheOrderThenReadsTheNextModuleOnAnotherThread) {
+  int keys[3];
+  std::mutex mutex;
+  std::vector<std::pair<int, std::thread::id>> reads;  // (module, thread) of every read
+  acc::OffloadPrefetcher prefetcher;  // after what its reads use: it stops first
+  const auto loader = [&](int module) {
+    return [&, module] {
+      std::lock_guard<std::mutex> lock(mutex);
+      reads.emplace_back(module, std::this_thread::get_id());
+      return std::vector<at::Tensor>{at::full({2}, module)};
+    };
+  };
+  const auto pass = [&] {
+    std::vector<bool> ahead;
+    for (int m = 0; m < 3; ++m) {
+      auto got = prefetcher.arrive(&keys[m], loader(m));
+      ahead.push_back(got.has_value());
+      if (got) {
+        EXPECT_TRUE(at::equal(got->at(0), at::full({2}, m))) << "module " << m << " got another's weights";
+      }
+    }
+    return ahead;
+  };
+  EXPECT_EQ(pass(), (std::vector<bool>{false, false, false}));  // learning
+  EXPECT_EQ(pass(), (std::vector<bool>{false, true, true}));    // the order is known once module 0 comes back
+  EXPECT_EQ(pass(), (std::vector<bool>{true, true, true}));     // module 0 was read during module 2
+  EXPECT_EQ(prefetcher.hits(), 5);
+  std::lock_guard<std::mutex> lock(mutex);
+  // Five used, plus module 0's for a next pass when it started before the prefetcher stopped:
+  // never more than one module ahead.
+  EXPECT_GE(reads.size(), 5u);
+  EXPECT_LE(reads.size(), 6u);
+  for (const auto& [module, thread] : reads) EXPECT_NE(thread, std::this_thread::get_id()) << module;
+}
+
+TEST(OffloadPrefetcher, AModuleOutOfOrderOrAFailedReadFallsBackToItsOwnRead) {
+  int keys[4];
+  std::atomic<bool> fail{false};
+  acc::OffloadPrefetcher prefetcher;  // after what its reads use: it stops first
+  const auto loader = [&](int module) {
+    return [&, module] {
+      if (fail) throw std::runtime_error("disk gone");
+      return std::vector<at::Tensor>{at::full({1}, module)};
+    };
+  };
+  for (int round = 0; round < 2; ++round) {
+    for (int m = 0; m < 3; ++m) (void)prefetcher.arrive(&keys[m], loader(m));
+  }
+  // Module 2 runs where module 1 was expected: it gets nothing read ahead (never module 1's weights).
+  (void)prefetcher.arrive(&keys[0], loader(0));
+  EXPECT_FALSE(prefetcher.arrive(&keys[2], loader(2)).has_value());
+  // A module never seen restarts the learning; the known order no longer applies.
+  EXPECT_FALSE(prefetcher.arrive(&keys[3], loader(3)).has_value());
+  EXPECT_FALSE(prefetcher.arrive(&keys[0], loader(0)).has_value());
+  EXPECT_FALSE(prefetcher.arrive(&keys[1], loader(1)).has_value());
+  EXPECT_FALSE(prefetcher.arrive(&keys[3], loader(3)).has_value());
+  (void)prefetcher.arrive(&keys[0], loader(0));  // learned: 3 -> 0 -> 1
+  auto one = prefetcher.arrive(&keys[1], loader(1));
+  ASSERT_TRUE(one.has_value());
+  EXPECT_TRUE(at::equal(one->at(0), at::full({1}, 1)));
+  // A read that fails in the background is not handed out: the hook reads (and raises) itself.
+  fail = true;
+  (void)prefetcher.arrive(&keys[3], loader(3));
+  EXPECT_FALSE(prefetcher.arrive(&keys[0], loader(0)).has_value());
 }
 
 TEST(Hooks, CustomModulesReachChildHooksThroughForward) {

@@ -4,6 +4,7 @@
 // objects, and the refusals (all checked before anything changes).
 #include "accelerate/accelerator.h"
 #include "accelerate/checkpointing.h"
+#include "accelerate/utils/safetensors.h"
 #include "detail/files.h"
 #include "support/accelerators.h"
 #include "support/process.h"
@@ -356,6 +357,55 @@ TEST(LoadState, ChecksEveryFileBeforeChangingAnything) {
     EXPECT_THROWS_WITH(acc.load_state(dir.str() + "/ckpt"), "the checkpoint has no optimizer.safetensors");
     EXPECT_THROWS_WITH(acc.load_state(dir.str() + "/missing"), "but folder does not exist");
     EXPECT_THROWS_WITH(acc.load_state(), "no input_dir provided and automatic checkpoint naming is disabled");
+  });
+}
+
+TEST(LoadState, RestoresOptimizerStateIntoTheOptimizersOwnTensors) {
+  TempDir dir;
+  run_accelerators(1, [&](const Accelerator& acc, int) {
+    Training t;
+    auto [model, opt, loader] = acc.prepare(t.net, t.adam, t.loader);
+    train_one_pass(acc, model, opt, loader);
+    acc.save_state(dir.str() + "/ckpt");
+    std::map<std::string, at::Tensor> saved;
+    for (const auto& [name, tensor] : optimizer_state_dict(*t.adam).tensors) saved[name] = tensor.clone();
+    train_one_pass(acc, model, opt, loader);
+    std::map<std::string, const void*> storage;
+    for (const auto& [name, tensor] : optimizer_state_dict(*t.adam).tensors) storage[name] = tensor.data_ptr();
+
+    acc.load_state(dir.str() + "/ckpt");
+    const auto loaded = optimizer_state_dict(*t.adam).tensors;
+    ASSERT_EQ(loaded.size(), saved.size());
+    for (const auto& [name, tensor] : loaded) {
+      EXPECT_TRUE(torch::equal(tensor, saved.at(name))) << name;
+      EXPECT_EQ(tensor.data_ptr(), storage.at(name)) << name << " was reallocated instead of read into";
+    }
+
+    // A checkpoint whose optimizer state fails a check leaves the optimizer's tensors as they were,
+    // although they would have been read into.
+    train_one_pass(acc, model, opt, loader);
+    std::map<std::string, at::Tensor> current;
+    for (const auto& [name, tensor] : optimizer_state_dict(*t.adam).tensors) current[name] = tensor.clone();
+    fs::copy(dir.path() / "ckpt", dir.path() / "broken", fs::copy_options::recursive);
+    const auto file = dir.str() + "/broken/optimizer.safetensors";
+    auto broken = load_state_dict_file(file);
+    broken.values["param_groups"][0].erase("eps");
+    save_state_dict_file(broken, file);
+    EXPECT_THROWS_WITH(acc.load_state(dir.str() + "/broken"), "param group 0: missing \"eps\"");
+    for (const auto& [name, tensor] : optimizer_state_dict(*t.adam).tensors) {
+      EXPECT_TRUE(torch::equal(tensor, current.at(name))) << name << " changed by a refused load";
+    }
+  });
+  // An optimizer with no state yet gets state tensors of its own, equal to the saved ones.
+  run_accelerators(1, [&](const Accelerator& acc, int) {
+    Training fresh;
+    EXPECT_TRUE(fresh.adam->state().empty());
+    auto [model, opt, loader] = acc.prepare(fresh.net, fresh.adam, fresh.loader);
+    acc.load_state(dir.str() + "/ckpt");
+    const auto loaded = optimizer_state_dict(*fresh.adam).tensors;
+    const auto file = load_file(dir.str() + "/ckpt/optimizer.safetensors");
+    ASSERT_EQ(loaded.size(), file.size());
+    for (const auto& [name, tensor] : loaded) EXPECT_TRUE(torch::equal(tensor, file.at(name))) << name;
   });
 }
 

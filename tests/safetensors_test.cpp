@@ -482,6 +482,124 @@ TEST(SafetensorsFile, BoolBytesOtherThanZeroOrOneAreRejectedOnRead) {
   EXPECT_THROWS_WITH(file.get_tensor("t"), "BOOL tensor 't' holds a byte other than 0 and 1");
 }
 
+// ---- bulk reads (read_tensors, read_into) -------------------------------------------------
+
+// A file holding a tensor of `floats` values whose data starts `shift` bytes past an 8-byte
+// boundary of the file (the header is padded by hand), so that bulk reads meet misaligned sources.
+std::string shifted_file(int64_t floats, size_t shift, at::Tensor& values) {
+  values = at::randn({floats});
+  std::string header = "{\"t\":{\"dtype\":\"F32\",\"shape\":[" + std::to_string(floats) + "],\"data_offsets\":[0," +
+                       std::to_string(floats * 4) + "]}}";
+  while ((8 + header.size()) % 8 != shift) header += ' ';
+  return file_of(header, std::string(static_cast<const char*>(values.data_ptr()), values.nbytes()));
+}
+
+TEST(SafetensorsBulkRead, ReadTensorsGivesOwnedCopiesOfEveryDtype) {
+  TempDir dir;
+  const auto path = (dir.path() / "owned.safetensors").string();
+  const auto tensors = every_dtype();
+  save_file(tensors, path);
+  SafetensorsFile file(path);
+  const auto copies = file.read_tensors();
+  ASSERT_EQ(copies.size(), tensors.size());
+  for (const auto& [name, tensor] : tensors) {
+    const auto& copy = copies.at(name);
+    EXPECT_EQ(copy.scalar_type(), tensor.scalar_type()) << name;
+    EXPECT_TRUE(at::equal(copy, tensor)) << name;
+    EXPECT_FALSE(inside_mapping_of(copy.data_ptr(), path)) << name << " is a view of the file";
+  }
+  copies.at("f32").add_(1);  // the copy is the caller's: the file and its views are untouched
+  EXPECT_TRUE(at::equal(file.get_tensor("f32"), tensors.at("f32")));
+  const auto some = file.read_tensors({"f64", "i8"});
+  EXPECT_EQ(some.size(), 2u);
+  EXPECT_TRUE(at::equal(some.at("i8"), tensors.at("i8")));
+  EXPECT_THROWS_WITH(file.read_tensors({"f32", "nope"}), "[SafetensorsFile::read_tensors] no tensor named 'nope'");
+}
+
+TEST(SafetensorsBulkRead, LargeBatchesFromMisalignedOffsetsAreExact) {
+  // 24 MiB in one tensor (split over threads) starting 4 bytes past an 8-byte boundary.
+  for (size_t shift : {0u, 4u}) {
+    at::Tensor values;
+    TempDir dir;
+    const auto path = (dir.path() / "large.safetensors").string();
+    write_bytes(path, shifted_file(6 << 20, shift, values));
+    SafetensorsFile file(path);
+    EXPECT_TRUE(at::equal(file.read_tensors().at("t"), values)) << "shift " << shift;
+    auto target = at::zeros({6 << 20});
+    file.read_into({{"t", target}});
+    EXPECT_TRUE(at::equal(target, values)) << "shift " << shift;
+  }
+  // Many tensors of a few MiB each, saved by the writer, read into existing targets.
+  TensorMap tensors, targets;
+  for (int i = 0; i < 9; ++i) {
+    tensors["w" + std::to_string(i)] = at::randn({(i + 1) * 100000 + 3});
+    targets["w" + std::to_string(i)] = at::empty({(i + 1) * 100000 + 3});
+  }
+  TempDir dir;
+  const auto path = (dir.path() / "many.safetensors").string();
+  save_file(tensors, path);
+  SafetensorsFile(path).read_into(targets);
+  for (const auto& [name, tensor] : tensors) EXPECT_TRUE(at::equal(targets.at(name), tensor)) << name;
+}
+
+TEST(SafetensorsBulkRead, ReadIntoFillsTheTargetsInPlaceConvertingWhereNeeded) {
+  TempDir dir;
+  const auto path = (dir.path() / "into.safetensors").string();
+  const auto w = at::randn({4, 6});
+  const auto b = at::arange(5, at::kFloat);
+  const auto flags = at::tensor({1, 0, 1}, at::kByte).to(at::kBool);
+  save_file({{"w", w}, {"b", b}, {"flags", flags}, {"n", at::arange(3, at::kLong)}}, path);
+
+  auto same = at::zeros({4, 6});
+  const auto* address = same.data_ptr();
+  auto wider = at::zeros({5}, at::kDouble);          // converted
+  auto strided = at::zeros({6, 4}).t();              // non-contiguous
+  auto bools = at::zeros({3}, at::kBool);
+  const auto version = same._version();
+  SafetensorsFile file(path);
+  file.read_into({{"w", same}, {"b", wider}, {"flags", bools}});
+  file.read_into({{"w", strided}});
+  EXPECT_EQ(same.data_ptr(), address);
+  EXPECT_TRUE(at::equal(same, w));
+  EXPECT_GT(same._version(), version) << "autograd must see the in-place write";
+  EXPECT_TRUE(at::equal(wider, b.to(at::kDouble)));
+  EXPECT_TRUE(at::equal(strided, w));
+  EXPECT_TRUE(at::equal(bools, flags));
+}
+
+TEST(SafetensorsBulkRead, ReadIntoChecksEverythingBeforeWritingAnything) {
+  TempDir dir;
+  const auto path = (dir.path() / "checks.safetensors").string();
+  save_file({{"a", at::ones({3})}, {"b", at::ones({2, 2})}}, path);
+  SafetensorsFile file(path);
+  auto a = at::zeros({3});
+  EXPECT_THROWS_WITH(file.read_into({{"a", a}, {"b", at::zeros({4})}}),
+                     "[SafetensorsFile::read_into] size mismatch for 'b': " + path +
+                         " has shape [2, 2], the target has shape [4]");
+  EXPECT_THROWS_WITH(file.read_into({{"a", a}, {"c", at::zeros({1})}}), "no tensor named 'c'");
+  EXPECT_THROWS_WITH(file.read_into({{"a", a}, {"b", at::empty({2, 2}, at::kMeta)}}),
+                     "the target of 'b' is on the meta device");
+  EXPECT_TRUE(at::equal(a, at::zeros({3}))) << "a target was written before the batch was refused";
+  // A BOOL tensor with a byte other than 0 or 1 is refused before anything is written, too.
+  const auto bad = SafetensorsFile::from_bytes(file_of(
+      "{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]},\"t\":{\"dtype\":\"BOOL\",\"shape\":[3],"
+      "\"data_offsets\":[4,7]}} ",
+      std::string("\x00\x00\x80\x3f\x01\x02\x00", 7)));
+  auto one = at::zeros({1});
+  auto t = at::zeros({3}, at::kBool);
+  EXPECT_THROWS_WITH(bad.read_into({{"a", one}, {"t", t}}), "BOOL tensor 't' holds a byte other than 0 and 1");
+  EXPECT_TRUE(at::equal(one, at::zeros({1})));
+}
+
+TEST(SafetensorsBulkRead, DurableSavesOfManyMegabytesHoldExactlyTheBytes) {
+  // Larger than the write-back step (8 MiB), so the early write-back runs several times.
+  TensorMap tensors{{"big", at::randn({5 << 20})}, {"small", at::arange(7, at::kInt)}};
+  TempDir dir;
+  const auto path = (dir.path() / "durable.safetensors").string();
+  save_file(tensors, path, {{"format", "pt"}}, /*fsync=*/true);
+  EXPECT_EQ(detail::read_file(path), save(tensors, {{"format", "pt"}}));
+}
+
 // ---- hostile files --------------------------------------------------------------------------
 
 TEST(SafetensorsReader, FilesShorterThanEightBytesAreRejected) {

@@ -27,6 +27,7 @@
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/pimpl.h>
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -73,6 +74,46 @@ class SequentialHook : public ModelHook {
   std::vector<std::shared_ptr<ModelHook>> hooks_;
 };
 
+/// Reads the weights of the next offloaded module while the current one computes (upstream reads
+/// each module's weights only when it runs). The offloading hooks that share one learn the order
+/// in which their modules run during the first forward pass; from then on each hook, before its
+/// module runs, starts reading the weights of the module expected next on a background thread
+/// (after the last module, the first). At most one module's weights are read ahead, so the model
+/// holds at most two offloaded modules' weights at a time (plus one released buffer kept for
+/// reuse, see `own`). A module that runs out of the learned
+/// order reads its own weights, as without prefetching; a module never seen before restarts the
+/// learning. `dispatch_model`, `cpu_offload` and `disk_offload` give their hooks one.
+///
+/// Example:
+///   auto prefetcher = std::make_shared<accelerate::OffloadPrefetcher>();
+///   accelerate::attach_align_device_hook(*model, c10::kCPU, /*offload=*/true, weights, false, "", {}, prefetcher);
+class OffloadPrefetcher {
+ public:
+  /// Reads the weights of one module, in the order of its hook's tensor names.
+  using Loader = std::function<std::vector<at::Tensor>()>;
+
+  OffloadPrefetcher();
+  OffloadPrefetcher(const OffloadPrefetcher&) = delete;
+  OffloadPrefetcher& operator=(const OffloadPrefetcher&) = delete;
+  /// Waits for a read in flight and stops the background thread.
+  ~OffloadPrefetcher();
+
+  /// Called by the hook `key` before its module runs, with the function that reads its weights:
+  /// returns them when they were read ahead (waiting for the read to finish), nothing otherwise,
+  /// and starts reading the weights of the module expected next.
+  std::optional<std::vector<at::Tensor>> arrive(const void* key, Loader load);
+  /// An owned copy of the CPU tensor `weight` for a hook to put in its module. Large copies live in
+  /// memory that the prefetcher recycles between modules instead of the heap (see Note [Recycled
+  /// weight buffers] in src/hooks.cpp); others are plain clones.
+  at::Tensor own(const at::Tensor& weight) const;
+  /// How many `arrive` calls were served by a read ahead (for tests and benchmarks).
+  int64_t hits() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
 /// Options of `AlignDevicesHook` (upstream's constructor arguments).
 struct AlignDevicesOptions {
   /// Where inputs and weights go before the forward (unset: left where they are).
@@ -89,6 +130,9 @@ struct AlignDevicesOptions {
   bool offload_buffers = false;
   /// Act on the tensors of all submodules, not only the module's own.
   bool place_submodules = false;
+  /// Shared by the offloading hooks of one model: reads the next module's weights ahead (unset:
+  /// each module reads its own when it runs, as upstream).
+  std::shared_ptr<OffloadPrefetcher> prefetcher{};
 };
 
 /// Keeps a module's weights and inputs on one device, optionally offloading the weights between
@@ -128,10 +172,12 @@ void remove_hook_from_submodules(torch::nn::Module& module);
 /// Attaches an `AlignDevicesHook` to every submodule that holds tensors directly, reading
 /// offloaded weights under "<module_name>.<name>" (upstream: `attach_align_device_hook`).
 /// Modules whose class is in `preload_module_classes` get one hook for their whole subtree.
+/// Offloading hooks share `prefetcher` when one is given.
 void attach_align_device_hook(torch::nn::Module& module, std::optional<c10::Device> execution_device,
                               bool offload = false, std::shared_ptr<const WeightsMap> weights_map = nullptr,
                               bool offload_buffers = false, const std::string& module_name = "",
-                              const std::vector<std::string>& preload_module_classes = {});
+                              const std::vector<std::string>& preload_module_classes = {},
+                              std::shared_ptr<OffloadPrefetcher> prefetcher = nullptr);
 
 /// Attaches a non-offloading `AlignDevicesHook` on `execution_device` to every submodule that
 /// holds tensors and has no hook yet (upstream: `attach_execution_device_hook`).
@@ -145,7 +191,8 @@ void attach_align_device_hook_on_blocks(torch::nn::Module& module,
                                         const std::map<std::string, bool>& offload,
                                         std::shared_ptr<const WeightsMap> weights_map = nullptr,
                                         bool offload_buffers = false, const std::string& module_name = "",
-                                        const std::vector<std::string>& preload_module_classes = {});
+                                        const std::vector<std::string>& preload_module_classes = {},
+                                        std::shared_ptr<OffloadPrefetcher> prefetcher = nullptr);
 
 namespace detail {
 

@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <functional>
+#include <cstdint>
 #include <string>
 
 namespace accelerate::detail {
@@ -17,10 +18,28 @@ void write_file(const std::string& path, const std::string& bytes, bool durable 
 /// the folder, so that `path` holds either its old content or all of the new one. Nothing is left
 /// behind on failure.
 void write_file_atomically(const std::string& path, const std::string& bytes);
-/// The same with the content written by `write_content(fd)` onto the temporary file, for content
-/// too large to assemble in memory first; without `durable` nothing is flushed (the rename still
-/// makes the new content appear whole).
-void write_file_atomically(const std::string& path, const std::function<void(int fd)>& write_content,
+/// Writes bytes to a file in order. When `durable`, it asks the kernel to start writing each
+/// 8 MiB to the disk as soon as it is written (see Note [Early write-back]); only fsync makes
+/// them durable.
+class SequentialWriter {
+ public:
+  /// `path` names the file in errors; it must outlive the writer.
+  SequentialWriter(int fd, const std::string& path, bool durable) : fd_(fd), path_(path), durable_(durable) {}
+  /// Writes all `size` bytes at `data`; an error names the path.
+  void write(const char* data, size_t size);
+
+ private:
+  int fd_;
+  const std::string& path_;
+  bool durable_;
+  uint64_t written_ = 0;   // bytes written so far
+  uint64_t submitted_ = 0; // bytes whose write-back has been started
+};
+
+/// The same with the content written by `write_content(writer)` onto the temporary file, for
+/// content too large to assemble in memory first; without `durable` nothing is flushed (the
+/// rename still makes the new content appear whole).
+void write_file_atomically(const std::string& path, const std::function<void(SequentialWriter&)>& write_content,
                            bool durable = true);
 /// Writes all `size` bytes at `data` to the descriptor `fd`, retrying short writes; an error names
 /// `path`.

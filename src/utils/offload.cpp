@@ -123,7 +123,8 @@ void offload_weight(const at::Tensor& weight, const std::string& weight_name, co
   const std::string dtype = detail::numpy_dtype_name(data.scalar_type());
   const auto path = (fs::path(offload_folder) / (weight_name + ".dat")).string();
   detail::write_file_atomically(
-      path, [&](int fd) { detail::write_all(fd, static_cast<const char*>(data.data_ptr()), data.nbytes(), path); },
+      path,
+      [&](detail::SequentialWriter& writer) { writer.write(static_cast<const char*>(data.data_ptr()), data.nbytes()); },
       /*durable=*/false);
   if (index != nullptr) (*index)[weight_name] = {dtype, data.sizes().vec(), {}, {}};
 }

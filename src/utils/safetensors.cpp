@@ -11,12 +11,17 @@
 #include <c10/util/Exception.h>
 
 #include <fcntl.h>
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#endif
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <exception>
+#include <thread>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -171,6 +176,101 @@ at::Tensor make_tensor(const std::shared_ptr<const Mapping>& mapping, const std:
   return tensor;
 }
 
+// Note [Bulk reads]
+// Loading weights into tensors that exist (or owned copies) is a copy out of the page cache into
+// memory that is not in any cache: the mapping's pages must be mapped, the source is read once,
+// the destination written once. Three things brought it from ~0.6 to ~0.9 of `dd`'s read rate on
+// this project's machines (200 MB, warm page cache):
+// - each piece's pages are mapped in one call (MADV_POPULATE_READ) instead of one fault per
+//   64 KiB; older kernels refuse the advice and fault as before;
+// - the destination is written with non-temporal stores, which skip reading every destination
+//   line into the cache first (a third of the memory traffic of a plain copy);
+// - pieces of 4 MiB are shared by up to four threads when a batch holds more than 8 MiB: one core
+//   cannot saturate the memory bus.
+// pread would avoid the mapping but copies 30% slower whenever the file offset and the
+// destination disagree modulo 64 bytes, which the format's 8-byte alignment makes the rule.
+
+// Copies `n` bytes from `src` to `dst`; large copies bypass the cache (Note [Bulk reads]).
+void copy_bypassing_cache(char* dst, const char* src, size_t n) {
+#if defined(__x86_64__)
+  constexpr size_t kMinimum = 64 * 1024;
+  if (n >= kMinimum) {
+    const size_t head = (16 - (reinterpret_cast<uintptr_t>(dst) & 15)) & 15;
+    std::memcpy(dst, src, head);
+    dst += head, src += head, n -= head;
+    size_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
+      const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
+    }
+    std::memcpy(dst + i, src + i, n - i);
+    _mm_sfence();
+    return;
+  }
+#endif
+  std::memcpy(dst, src, n);
+}
+
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22  // Linux 5.14
+#endif
+
+// One contiguous byte range of a file to copy into memory.
+struct CopyJob {
+  char* destination;
+  const char* source;
+  size_t size;
+};
+
+// Runs `jobs` (Note [Bulk reads]); the mapping behind the sources must outlive the call.
+void run_copies(const Mapping& mapping, std::vector<CopyJob> jobs) {
+  constexpr size_t kPiece = size_t{4} << 20;
+  std::vector<CopyJob> pieces;
+  size_t total = 0;
+  for (const auto& job : jobs) {
+    total += job.size;
+    for (size_t at = 0; at < job.size; at += kPiece) {
+      pieces.push_back({job.destination + at, job.source + at, std::min(kPiece, job.size - at)});
+    }
+  }
+  const bool mapped = mapping.mapped != nullptr;
+  const auto copy = [&](const CopyJob& piece) {
+    if (mapped) {
+      const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+      const auto first = reinterpret_cast<uintptr_t>(piece.source) & ~(page - 1);
+      const auto last = reinterpret_cast<uintptr_t>(piece.source) + piece.size;
+      (void)::madvise(reinterpret_cast<void*>(first), last - first, MADV_POPULATE_READ);
+    }
+    copy_bypassing_cache(piece.destination, piece.source, piece.size);
+  };
+  const size_t hardware = std::max(1u, std::thread::hardware_concurrency());
+  const size_t threads = std::min({hardware, size_t{4}, pieces.size(), total / (size_t{8} << 20) + 1});
+  if (threads <= 1) {
+    for (const auto& piece : pieces) copy(piece);
+    return;
+  }
+  std::atomic<size_t> next{0};
+  const auto work = [&] {
+    for (size_t i = next++; i < pieces.size(); i = next++) copy(pieces[i]);
+  };
+  std::vector<std::thread> helpers;
+  helpers.reserve(threads - 1);
+  for (size_t t = 1; t < threads; ++t) helpers.emplace_back(work);
+  work();
+  for (auto& helper : helpers) helper.join();
+}
+
+// The bytes of `entry` in `mapping`.
+const char* data_of(const Mapping& mapping, const SafetensorsEntry& entry) {
+  return mapping.bytes + mapping.data_offset + entry.begin;
+}
+
 // Tensors checked and laid out for writing, in file order.
 struct Prepared {
   format::Layout layout;
@@ -246,11 +346,11 @@ void save_file(const TensorMap& tensors, const std::string& path, const Safetens
   try {
     detail::write_file_atomically(
         path,
-        [&](int fd) {
-          detail::write_all(fd, prepared.layout.prefix.data(), prepared.layout.prefix.size(), path);
+        [&](detail::SequentialWriter& writer) {
+          writer.write(prepared.layout.prefix.data(), prepared.layout.prefix.size());
           for (const auto& tensor : prepared.tensors) {
             const at::Tensor dense = dense_cpu(tensor);
-            detail::write_all(fd, static_cast<const char*>(dense.data_ptr()), dense.nbytes(), path);
+            writer.write(static_cast<const char*>(dense.data_ptr()), dense.nbytes());
           }
         },
         fsync);
@@ -307,6 +407,76 @@ at::Tensor SafetensorsFile::get_tensor(const std::string& name, const c10::Devic
   TORCH_CHECK_VALUE(found != mapping_->entries.end(), "[SafetensorsFile::get_tensor] no tensor named ",
                     format::printable(name), " in ", mapping_->path);
   return make_tensor(mapping_, name, found->second, device, "SafetensorsFile::get_tensor");
+}
+
+TensorMap SafetensorsFile::read_tensors(const std::vector<std::string>& names, const c10::Device& device) const {
+  const char* api = "SafetensorsFile::read_tensors";
+  std::vector<std::pair<const std::string*, const SafetensorsEntry*>> wanted;
+  if (names.empty()) {
+    for (const auto& [name, entry] : mapping_->entries) wanted.emplace_back(&name, &entry);
+  } else {
+    for (const auto& name : names) {
+      const auto found = mapping_->entries.find(name);
+      TORCH_CHECK_VALUE(found != mapping_->entries.end(), "[", api, "] no tensor named ", format::printable(name),
+                        " in ", mapping_->path);
+      wanted.emplace_back(&found->first, &found->second);
+    }
+  }
+  TensorMap out;
+  std::vector<CopyJob> jobs;
+  for (const auto& [name, entry] : wanted) {
+    const c10::ScalarType dtype = *dtype_of(entry->dtype);
+    if (dtype == c10::kBool || entry->end == entry->begin) {
+      // Checked byte by byte (or nothing to copy): the general path.
+      out.insert_or_assign(*name, make_tensor(mapping_, *name, *entry, c10::kCPU, api).clone());
+      continue;
+    }
+    auto tensor = at::empty(entry->shape, at::TensorOptions().dtype(dtype));
+    jobs.push_back({static_cast<char*>(tensor.data_ptr()), data_of(*mapping_, *entry), entry->end - entry->begin});
+    out.insert_or_assign(*name, std::move(tensor));
+  }
+  run_copies(*mapping_, std::move(jobs));
+  if (!device.is_cpu()) {
+    for (auto& [name, tensor] : out) tensor = tensor.to(device);
+  }
+  return out;
+}
+
+void SafetensorsFile::read_into(const TensorMap& targets) const {
+  const char* api = "SafetensorsFile::read_into";
+  // Every name and shape is checked before the first byte is written.
+  for (const auto& [name, target] : targets) {
+    const auto found = mapping_->entries.find(name);
+    TORCH_CHECK_VALUE(found != mapping_->entries.end(), "[", api, "] no tensor named ", format::printable(name),
+                      " in ", mapping_->path);
+    TORCH_CHECK_VALUE(target.defined(), "[", api, "] the target of ", format::printable(name), " is undefined");
+    TORCH_CHECK_VALUE(target.sizes() == at::IntArrayRef(found->second.shape), "[", api, "] size mismatch for ",
+                      format::printable(name), ": ", mapping_->path, " has shape ", at::IntArrayRef(found->second.shape),
+                      ", the target has shape ", target.sizes());
+    TORCH_CHECK_VALUE(!target.is_meta(), "[", api, "] the target of ", format::printable(name),
+                      " is on the meta device and has no memory to read into");
+  }
+  std::vector<CopyJob> jobs;
+  std::vector<at::Tensor> direct;
+  std::vector<std::pair<at::Tensor, at::Tensor>> converted;  // (target, source)
+  for (const auto& [name, target] : targets) {
+    const auto& entry = mapping_->entries.at(name);
+    const c10::ScalarType dtype = *dtype_of(entry.dtype);
+    if (target.device().is_cpu() && target.scalar_type() == dtype && dtype != c10::kBool &&
+        target.is_non_overlapping_and_dense() && target.is_contiguous() && !target.is_conj() && !target.is_neg() &&
+        entry.end > entry.begin) {
+      jobs.push_back({static_cast<char*>(target.data_ptr()), data_of(*mapping_, entry), entry.end - entry.begin});
+      direct.push_back(target);
+    } else {
+      // Made (and, for BOOL, checked) before anything is written.
+      converted.emplace_back(target, make_tensor(mapping_, name, entry, c10::kCPU, api));
+    }
+  }
+  run_copies(*mapping_, std::move(jobs));
+  // Written behind autograd's back: a graph that saved one of these tensors must notice.
+  for (auto& t : direct) t.unsafeGetTensorImpl()->bump_version();
+  at::NoGradGuard no_grad;
+  for (auto& [target, source] : converted) target.copy_(source);
 }
 
 uint64_t SafetensorsFile::file_size() const { return mapping_->size; }

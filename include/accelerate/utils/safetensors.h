@@ -98,6 +98,19 @@ class SafetensorsFile {
   /// is aligned for its dtype and a copy otherwise. The mapping is private: writing into a view
   /// copies the pages touched and never changes the file. Raises a ValueError for an unknown name.
   at::Tensor get_tensor(const std::string& name, const c10::Device& device = c10::kCPU) const;
+  /// Owned copies of the tensors `names` (every tensor when empty) on `device`: what
+  /// `get_tensor(name).clone()` gives, read in bulk (several threads for large batches, without
+  /// filling the caches). Raises a ValueError for an unknown name.
+  TensorMap read_tensors(const std::vector<std::string>& names = {}, const c10::Device& device = c10::kCPU) const;
+  /// Copies the tensors named by the keys of `targets` into them, as `target.copy_(get_tensor(name))`
+  /// would (the dtype is converted), but in bulk: a contiguous CPU target of the file's dtype is
+  /// filled straight from the file, several threads sharing large batches. Every name, shape and
+  /// target is checked before anything is written; a mismatch raises a ValueError naming the tensor.
+  ///
+  /// Example:
+  ///   accelerate::SafetensorsFile file("model.safetensors");
+  ///   file.read_into({{"weight", linear->weight}, {"bias", linear->bias}});
+  void read_into(const TensorMap& targets) const;
   /// Size of the file in bytes.
   uint64_t file_size() const;
   /// The path given to the constructor ("<memory>" for `from_bytes`).
