@@ -63,16 +63,6 @@ namespace {
 constexpr size_t kBroadcastBucketBytes = 250u * 1024 * 1024;
 constexpr size_t kFirstBucketBytes = 1024 * 1024;
 
-// Note [One bucket on the CPU]
-// PyTorch DDP makes its first gradient bucket small (1 MiB) so that communication starts early in
-// the backward pass and overlaps with it. That pays on GPUs, where the transfer runs beside the
-// kernels. On the CPU every collective is itself CPU work (copies through shared memory or the
-// socket), and a job usually runs one process per core: an allreduce started mid-backward takes
-// a core from the computation it was meant to hide behind. So for CPU models the first bucket
-// gets the same cap as the others (one bucket up to `bucket_cap_mb`), and the one allreduce
-// starts when the backward pass has finished. W1 (MLP, 2 processes, MPI) went from ~9 600 to
-// ~10 800 samples/s with it; the bucket layout is not visible to users.
-
 // Note [Compression hooks]
 // The fp16 and bf16 hooks round each bucket to 16 bits, divide by the world size, sum across
 // processes and write the result, rounded to 16 bits, back into the bucket. NCCL and the
@@ -306,11 +296,9 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   // One bucket for the first pass unless unused parameters are searched (as PyTorch DDP): the
   // reducer then rebuilds the buckets in the order gradients actually arrived.
   const size_t cap = static_cast<size_t>(kwargs.bucket_cap_mb) * 1024 * 1024;
-  // See Note [One bucket on the CPU].
-  const size_t first_bucket = impl_->device.is_cpu() ? cap : kFirstBucketBytes;
   std::vector<size_t> limits = (kwargs.static_graph || !kwargs.find_unused_parameters)
                                    ? std::vector<size_t>{std::numeric_limits<size_t>::max()}
-                                   : std::vector<size_t>{first_bucket, cap};
+                                   : std::vector<size_t>{kFirstBucketBytes, cap};
   std::vector<bool> sparse(params.size(), false);
   auto [bucket_indices, per_bucket_limits] = c10d::compute_bucket_assignment_by_size(params, limits, sparse);
   std::reverse(bucket_indices.begin(), bucket_indices.end());
@@ -324,7 +312,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   impl_->reducer = detail::compat::make_reducer(params, std::move(bucket_indices), std::move(per_bucket_limits), group,
                                                 sparse, static_cast<int64_t>(cap), kwargs.find_unused_parameters,
                                                 kwargs.gradient_as_bucket_view, std::move(names),
-                                                static_cast<int64_t>(first_bucket));
+                                                static_cast<int64_t>(kFirstBucketBytes));
   if (kwargs.static_graph) impl_->reducer->set_static_graph();
   switch (kwargs.comm_hook) {
     case DDPCommunicationHookType::kNo: break;
