@@ -8,6 +8,7 @@
 #include "utils/safetensors_format.h"
 
 #include <ATen/Functions.h>
+#include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 
 #include <fcntl.h>
