@@ -294,7 +294,10 @@ void AlignDevicesHook::pre_forward(torch::nn::Module& module, std::vector<at::Te
     const auto device = options_.execution_device.value_or(c10::Device(c10::kCPU));
     auto names = offloaded_names(module);
     // A copy: the module must not keep depending on an offload file once the hook is gone.
-    auto read = [map = options_.weights_map, device, prefetcher = options_.prefetcher](const std::vector<std::string>& names) {
+    // The prefetcher by plain pointer: it stores this function, so a shared pointer would keep it
+    // (and its thread) alive forever; it outlives every call (the hook or its own thread makes them).
+    auto read = [map = options_.weights_map, device,
+                 prefetcher = options_.prefetcher.get()](const std::vector<std::string>& names) {
       std::vector<at::Tensor> out;
       out.reserve(names.size());
       for (const auto& name : names) {

@@ -376,7 +376,7 @@ TEST(Hooks, OffloadedModulesGetTheirWeightsReadAheadAndTheSameOutputs) {
   auto disk = make_mlp();
   disk->eval();
   acc::disk_offload(*disk, dir.str());
-  const auto prefetcher = prefetcher_of(*disk[0]);
+  auto prefetcher = prefetcher_of(*disk[0]);
   ASSERT_NE(prefetcher, nullptr);
   EXPECT_EQ(prefetcher_of(*disk[2]), prefetcher) << "the offloaded modules of one model share one prefetcher";
   for (int pass = 0; pass < 4; ++pass) {
@@ -387,6 +387,12 @@ TEST(Hooks, OffloadedModulesGetTheirWeightsReadAheadAndTheSameOutputs) {
   // second reads ahead from its second module on, the later ones for every module (the first
   // one's read starts while the last module of the pass before computes).
   EXPECT_EQ(prefetcher->hits(), 3 + 4 + 4);
+  // Removing the hooks ends the prefetcher (and its thread): nothing else holds it.
+  const std::weak_ptr<acc::OffloadPrefetcher> watch = prefetcher;
+  prefetcher.reset();
+  acc::remove_hook_from_module(*disk, true);
+  EXPECT_TRUE(watch.expired());
+  EXPECT_TRUE(torch::allclose(disk->forward(x), expected));
 
   // cpu_offload and dispatch_model read ahead too.
   auto cpu = make_mlp();
