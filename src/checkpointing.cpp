@@ -190,11 +190,11 @@ std::unique_ptr<torch::optim::OptimizerOptions> options_from_json(Kind kind, con
 
 auto param_key(const at::Tensor& p) { return detail::compat::optimizer_state_key(p); }
 
-// Where load_optimizer_state takes the values of the state tensors from.
+// Where load_optimizer_state takes the values of the state tensors from: copies of the
+// StateDict's tensors, or (with `file`) the file, read in bulk after every check passed, the
+// StateDict's tensors then being views of it for the checks.
 struct TensorSource {
-  bool take = false;                      // the StateDict's tensors, uncopied (the caller gives them up)
-  const SafetensorsFile* file = nullptr;  // the file, read in bulk after every check passed; the
-                                          // StateDict's tensors are then only views for the checks
+  const SafetensorsFile* file = nullptr;
 };
 
 // Adam and AdamW keep the same per-parameter state in two unrelated LibTorch types.
@@ -303,9 +303,7 @@ std::unique_ptr<torch::optim::OptimizerParamState> load_param_state(Kind kind, c
       pending.insert_or_assign(prefix + name, destination);
       return destination;
     }
-    // An owned copy: the optimizer updates its state in place (unless the caller hands its
-    // tensors over).
-    if (source.take && it->second.device() == param.device()) return it->second;
+    // An owned copy: the optimizer updates its state in place.
     return it->second.to(param.device(), /*non_blocking=*/false, /*copy=*/true);
   };
   const auto list = [&](const char* name) {
@@ -372,6 +370,25 @@ void save_state_dict_file(const StateDict& state, const std::string& path) {
   }
 }
 
+namespace {
+
+// The JSON values that save_state_dict_file put in the file's metadata.
+nlohmann::json values_of(const SafetensorsFile& file) {
+  const auto& path = file.path();
+  const auto& metadata = file.metadata();
+  auto it = metadata.find(kJsonKey);
+  TORCH_CHECK_VALUE(it != metadata.end(), "[load_state_dict_file] ", path, " has no \"", kJsonKey,
+                    "\" entry in its metadata; it was not written by save_state_dict_file");
+  try {
+    return nlohmann::json::parse(it->second);
+  } catch (const nlohmann::json::exception& e) {
+    C10_THROW_ERROR(ValueError, c10::str("[load_state_dict_file] the \"", kJsonKey, "\" metadata of ", path,
+                                         " is not valid JSON: ", e.what()));
+  }
+}
+
+}  // namespace
+
 StateDict load_state_dict_file(const std::string& path) {
   StateDict state;
   if (ends_with(path, ".json")) {
@@ -385,7 +402,7 @@ StateDict load_state_dict_file(const std::string& path) {
     return state;
   }
   SafetensorsFile file(path);
-  state = detail::state_dict_views(file);
+  state.values = values_of(file);
   // Owned copies: the caller may update them in place.
   state.tensors = file.read_tensors();
   return state;
@@ -395,17 +412,7 @@ namespace detail {
 
 StateDict state_dict_views(const SafetensorsFile& file) {
   StateDict state;
-  const auto& path = file.path();
-  const auto& metadata = file.metadata();
-  auto it = metadata.find(kJsonKey);
-  TORCH_CHECK_VALUE(it != metadata.end(), "[load_state_dict_file] ", path, " has no \"", kJsonKey,
-                    "\" entry in its metadata; it was not written by save_state_dict_file");
-  try {
-    state.values = nlohmann::json::parse(it->second);
-  } catch (const nlohmann::json::exception& e) {
-    C10_THROW_ERROR(ValueError, c10::str("[load_state_dict_file] the \"", kJsonKey, "\" metadata of ", path,
-                                         " is not valid JSON: ", e.what()));
-  }
+  state.values = values_of(file);
   for (const auto& key : file.keys()) state.tensors.emplace(key, file.get_tensor(key));
   return state;
 }

@@ -579,6 +579,7 @@ TEST(SafetensorsBulkRead, ReadIntoChecksEverythingBeforeWritingAnything) {
   EXPECT_THROWS_WITH(file.read_into({{"a", a}, {"c", at::zeros({1})}}), "no tensor named 'c'");
   EXPECT_THROWS_WITH(file.read_into({{"a", a}, {"b", at::empty({2, 2}, at::kMeta)}}),
                      "the target of 'b' is on the meta device");
+  EXPECT_THROWS_WITH(file.read_into({{"a", a}, {"b", at::Tensor()}}), "the target of 'b' is undefined");
   EXPECT_TRUE(at::equal(a, at::zeros({3}))) << "a target was written before the batch was refused";
   // A BOOL tensor with a byte other than 0 or 1 is refused before anything is written, too.
   const auto bad = SafetensorsFile::from_bytes(file_of(

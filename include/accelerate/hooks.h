@@ -79,10 +79,10 @@ class SequentialHook : public ModelHook {
 /// in which their modules run during the first forward pass; from then on each hook, before its
 /// module runs, starts reading the weights of the module expected next on a background thread
 /// (after the last module, the first). At most one module's weights are read ahead, so the model
-/// holds at most two offloaded modules' weights at a time (plus one released buffer kept for
-/// reuse, see `own`). A module that runs out of the learned
-/// order reads its own weights, as without prefetching; a module never seen before restarts the
-/// learning. `dispatch_model`, `cpu_offload` and `disk_offload` give their hooks one.
+/// holds at most two offloaded modules' weights at a time, plus one released buffer kept for
+/// reuse (see `own`). A module that runs out of the learned order reads its own weights, as
+/// without prefetching; a module never seen before restarts the learning. `dispatch_model`,
+/// `cpu_offload` and `disk_offload` give their hooks one.
 ///
 /// Example:
 ///   auto prefetcher = std::make_shared<accelerate::OffloadPrefetcher>();

@@ -4,8 +4,8 @@
 #pragma once
 
 #include <cstddef>
-#include <functional>
 #include <cstdint>
+#include <functional>
 #include <string>
 
 namespace accelerate::detail {
@@ -32,8 +32,8 @@ class SequentialWriter {
   int fd_;
   const std::string& path_;
   bool durable_;
-  uint64_t written_ = 0;   // bytes written so far
-  uint64_t submitted_ = 0; // bytes whose write-back has been started
+  uint64_t written_ = 0;    // bytes written so far
+  uint64_t submitted_ = 0;  // bytes whose write-back has been started
 };
 
 /// The same with the content written by `write_content(writer)` onto the temporary file, for

@@ -241,9 +241,9 @@ void run_copies(const Mapping& mapping, std::vector<CopyJob> jobs) {
     }
   }
   const bool mapped = mapping.mapped != nullptr;
+  const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
   const auto copy = [&](const CopyJob& piece) {
     if (mapped) {
-      const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
       const auto first = reinterpret_cast<uintptr_t>(piece.source) & ~(page - 1);
       const auto last = reinterpret_cast<uintptr_t>(piece.source) + piece.size;
       (void)::madvise(reinterpret_cast<void*>(first), last - first, MADV_POPULATE_READ);
