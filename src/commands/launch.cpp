@@ -141,7 +141,10 @@ void resolve_mpirun(LaunchPlan& plan) {
 //    knows the first failure (the root cause) and can signal workers directly;
 //  * the worker runs in its own process group (job control on), with default signal handling,
 //    and dies with its wrapper (PR_SET_PDEATHSIG through setpriv); a watcher kills it when the
-//    launcher itself is gone, so that no worker outlives a launcher killed with SIGKILL.
+//    launcher itself is gone, so that no worker outlives a launcher killed with SIGKILL;
+//  * once the worker runs, the wrapper's own stderr (which mpirun relays) goes nowhere and the
+//    watcher leaves its job table, so that no job-control notice ("Terminated", "Killed")
+//    reaches the user's output; the worker's fate reaches the launcher on the status pipe.
 // On other machines (a host file) the pipes do not exist: the wrapper runs the program
 // directly and mpirun relays its output and exit status.
 constexpr const char* kMpiWrapper = R"(#!/bin/bash
@@ -156,15 +159,17 @@ export ACCELERATE_ERROR_FILE="$dir/error.$rank"
 set -m
 setpriv --pdeathsig KILL -- "$@" </dev/null >"$dir/out.$rank" 2>"$dir/err.$rank" &
 child=$!
+exec 2>/dev/null
 echo "start $rank $child" >"$dir/status"
 for sig in TERM INT HUP; do trap "kill -s $sig $child 2>/dev/null" $sig; done
 ( while kill -0 "$launcher" 2>/dev/null; do sleep 1; done; kill -s KILL "$child" ) </dev/null >/dev/null 2>&1 &
 watcher=$!
+disown "$watcher"
 while :; do
   wait "$child"; code=$?
   kill -0 "$child" 2>/dev/null || break
 done
-kill "$watcher" 2>/dev/null
+kill -- "-$watcher" 2>/dev/null  # the watcher and its sleep
 echo "exit $rank $code" >"$dir/status"
 exit "$code"
 )";
@@ -453,6 +458,10 @@ int launch_command(const LaunchPlan& plan) {
   std::map<std::string, std::string> base;
   for (auto& [key, value] : detail::environment_entries()) base.emplace(std::move(key), std::move(value));
   base.erase("ACCELERATE_ERROR_FILE");
+  {
+    const std::string mark = detail::job_environment_mark();
+    base[mark.substr(0, mark.find('='))] = mark.substr(mark.find('=') + 1);
+  }
 
   int exit_code = 0;
   for (int attempt = 0;; ++attempt) {

@@ -13,12 +13,15 @@
 #include <csignal>
 #include <cstring>
 #include <deque>
+#include <dirent.h>
 #include <filesystem>
 #include <fcntl.h>
 #include <fstream>
 #include <poll.h>
+#include <set>
 #include <sstream>
 #include <pthread.h>
+#include <sys/prctl.h>
 #include <sys/signalfd.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -171,6 +174,68 @@ int open_log(const fs::path& path) {
   return fd;
 }
 
+// Whether a process has ended: no such pid, or a zombie its parent has not reaped yet.
+bool process_gone(pid_t pid) {
+  if (::kill(pid, 0) != 0) return errno == ESRCH;
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+  const auto close_paren = text.rfind(')');
+  return close_paren == std::string::npos || (close_paren + 2 < text.size() && text[close_paren + 2] == 'Z');
+}
+
+// The launcher's children, from every one of its threads.
+std::vector<pid_t> own_children() {
+  std::vector<pid_t> children;
+  DIR* tasks = ::opendir("/proc/self/task");
+  if (tasks == nullptr) return children;
+  while (const dirent* entry = ::readdir(tasks)) {
+    if (entry->d_name[0] == '.') continue;
+    std::ifstream in(std::string("/proc/self/task/") + entry->d_name + "/children");
+    for (long pid; in >> pid;) children.push_back(static_cast<pid_t>(pid));
+  }
+  ::closedir(tasks);
+  return children;
+}
+
+// "3s", "0.5s".
+std::string seconds_text(double seconds) {
+  std::ostringstream out;
+  out << seconds << "s";
+  return out.str();
+}
+
+// The variable every process of the job inherits, with the launcher's pid as its value.
+std::string job_mark() {
+  std::ostringstream mark;
+  mark << kJobMarkVariable << '=' << ::getpid();
+  return mark.str();
+}
+
+// Whether a process was started with this launcher's job mark in its environment.
+bool carries_job_mark(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/environ", std::ios::binary);
+  const std::string mark = job_mark();
+  for (std::string entry; std::getline(in, entry, '\0');) {
+    if (entry == mark) return true;
+  }
+  return false;
+}
+
+// Note [The launcher returns last]
+// A supervisor such as Slurm or systemd restarts a job the moment its launcher returns, so the
+// launcher must not return while any process of the job still runs: a second generation would
+// write the same checkpoint folder as the first. Workers under mpirun are not the launcher's
+// children, and when mpirun or a worker's wrapper dies first, the workers it started are left
+// to their own. So the supervisor makes the launcher a child subreaper: every process of the job
+// that loses its parent (the wrappers of a dead mpirun, the worker of a dead wrapper, a worker's
+// own children) becomes the launcher's child, which it can wait for and stop. An attempt ends
+// only when no worker is alive and no child of the launcher is left in one of the job's process
+// groups (each worker's own, and mpirun's) or carrying the job's mark in its environment
+// (job_environment_mark(), which reaches even a wrapper's helper in a group of its own); those
+// left over get SIGTERM, then SIGKILL after the grace period. A worker the launcher reaps this way died before its wrapper could report it,
+// and its wait status is the real one, which makes it the root cause rather than the ranks that
+// mpirun stopped because of it.
+
 // Note [Signals of other threads]
 // The supervisor blocks the signals it forwards in its own thread and reads them from a signalfd.
 // A thread that a library started before that (LibTorch's CUDA build starts some while it loads)
@@ -185,6 +250,8 @@ void pass_to_supervisor(int sig) { ::pthread_kill(g_supervisor_thread.load(), si
 constexpr int kForwardedSignals[] = {SIGINT, SIGTERM, SIGHUP};
 
 }  // namespace
+
+std::string job_environment_mark() { return job_mark(); }
 
 Supervisor::Supervisor() {
   sigset_t set;
@@ -201,9 +268,15 @@ Supervisor::Supervisor() {
   redirect.sa_flags = SA_RESTART;
   for (int sig : kForwardedSignals) ::sigaction(sig, &redirect, nullptr);
   ::signal(SIGPIPE, SIG_IGN);  // a closed console must not kill the supervisor
+  // Note [The launcher returns last]
+  int subreaper = 0;
+  if (::prctl(PR_GET_CHILD_SUBREAPER, &subreaper) == 0) was_subreaper_ = subreaper != 0;
+  TORCH_CHECK(::prctl(PR_SET_CHILD_SUBREAPER, 1) == 0, "[launch] cannot adopt the job's orphaned processes: ",
+              std::strerror(errno));
 }
 
 Supervisor::~Supervisor() {
+  if (!was_subreaper_) ::prctl(PR_SET_CHILD_SUBREAPER, 0);
   for (int sig : kForwardedSignals) ::signal(sig, SIG_DFL);
   if (signal_fd_ >= 0) ::close(signal_fd_);
 }
@@ -362,25 +435,32 @@ AttemptResult Supervisor::run(const std::vector<WorkerSpec>& specs, const Superv
       if (carrier != nullptr && pid == carrier_proc.pid && carrier_proc.alive) {
         carrier_proc.alive = false;
         carrier_proc.status = status;
-        // Every report its workers' wrappers wrote is in the pipe by now; a worker without one
-        // never ran or was killed with its wrapper.
+        // Every report its workers' wrappers wrote is in the pipe by now. A worker that never
+        // reported its start never ran; one that did may outlive mpirun and is stopped like any
+        // other (Note [The launcher returns last]).
         read_status();
+        bool orphans = false;
         for (auto& w : workers) {
           if (!w.alive) continue;
+          if (w.pid > 0 && !process_gone(w.pid)) {
+            orphans = true;
+            continue;
+          }
           w.alive = false;
           w.status = status == 0 ? 0 : SIGKILL;
           w.release_pipes();
         }
-        if (status != 0 && root == nullptr && !tearing_down) {
-          root = &carrier_proc;
-          begin_teardown(SIGTERM);
-        }
+        if (status != 0 && root == nullptr && !tearing_down) root = &carrier_proc;
+        if (status != 0 || orphans) begin_teardown(SIGTERM);
         continue;
       }
+      // A worker, or (under mpirun) one whose wrapper died first; other adopted processes of the
+      // job are only reaped.
       for (auto& w : workers) {
         if (w.pid != pid || !w.alive) continue;
         w.alive = false;
         w.status = status;
+        w.release_pipes();
         if (status != 0 && !tearing_down) {
           root = &w;
           begin_teardown(SIGTERM);
@@ -389,14 +469,68 @@ AttemptResult Supervisor::run(const std::vector<WorkerSpec>& specs, const Superv
     }
   };
 
+  // The launcher's children that belong to the job but are not tracked as workers: what is left
+  // of it once every worker has ended (Note [The launcher returns last]).
+  auto leftovers = [&] {
+    std::set<pid_t> groups;
+    for (const Worker* w : {&carrier_proc}) {
+      if (w->pid > 0) groups.insert(w->pid);
+    }
+    for (const auto& w : workers) {
+      if (w.pid > 0) groups.insert(w.pid);
+    }
+    std::vector<pid_t> left;
+    for (pid_t child : own_children()) {
+      if (process_gone(child)) continue;
+      const pid_t group = ::getpgid(child);
+      if ((group > 0 && groups.count(group) > 0) || carries_job_mark(child)) left.push_back(child);
+    }
+    return left;
+  };
+  std::set<pid_t> stopped_leftovers;
+  Clock::time_point leftover_deadline = Clock::time_point::max();
+
   std::vector<Worker*> everyone;
   for (auto& w : workers) everyone.push_back(&w);
   if (carrier != nullptr) everyone.push_back(&carrier_proc);
   while (true) {
+    // A carried worker whose wrapper and mpirun are both gone is watched directly.
+    if (carrier != nullptr && !carrier_proc.alive) {
+      for (auto& w : workers) {
+        if (w.alive && w.pid > 0 && process_gone(w.pid)) {
+          read_status();  // its wrapper's report, when it had one to write
+          if (!w.alive) continue;
+          w.alive = false;
+          w.status = SIGKILL;
+          w.release_pipes();
+        }
+      }
+    }
     const bool any_alive = std::any_of(everyone.begin(), everyone.end(), [](const Worker* w) { return w->alive; });
     const bool any_open = std::any_of(everyone.begin(), everyone.end(),
                                       [](const Worker* w) { return w->out.fd >= 0 || w->err.fd >= 0; });
-    if (!any_alive && !any_open) break;
+    std::vector<pid_t> left;
+    if (!any_alive) {
+      left = leftovers();
+      if (!left.empty()) {
+        if (leftover_deadline == Clock::time_point::max()) {
+          leftover_deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                                 std::chrono::duration<double>(options.grace_period));
+        }
+        if (stopped_leftovers.empty() && !options.quiet) {
+          say("stopping " + std::to_string(left.size()) + " process(es) the workers left behind");
+        }
+        const bool hard = killed_hard || Clock::now() >= leftover_deadline;
+        for (pid_t pid : left) {
+          if (hard) {
+            ::kill(pid, SIGKILL);
+          } else if (stopped_leftovers.insert(pid).second) {
+            ::kill(pid, SIGTERM);
+          }
+        }
+      }
+    }
+    if (!any_alive && !any_open && left.empty()) break;
 
     std::vector<struct pollfd> fds;
     std::vector<Stream*> streams;
@@ -416,6 +550,7 @@ AttemptResult Supervisor::run(const std::vector<WorkerSpec>& specs, const Superv
       timeout = std::min<std::chrono::duration<double>>(timeout, kill_deadline - Clock::now());
     }
     if (!any_alive) timeout = std::min<std::chrono::duration<double>>(timeout, std::chrono::milliseconds(200));
+    if (!left.empty()) timeout = std::min<std::chrono::duration<double>>(timeout, std::chrono::milliseconds(10));
     const int timeout_ms = std::max(0, static_cast<int>(std::ceil(timeout.count() * 1000)));
     int ready = ::poll(fds.data(), fds.size(), timeout_ms);
     if (ready < 0 && errno != EINTR) C10_THROW_ERROR(Error, c10::str("[launch] poll failed: ", std::strerror(errno)));
@@ -438,6 +573,9 @@ AttemptResult Supervisor::run(const std::vector<WorkerSpec>& specs, const Superv
         begin_teardown(sig);
       }
     }
+    // Deaths the launcher reaps itself come first: a worker it reaps died before its wrapper
+    // could report it, so before the ranks mpirun stopped because of it.
+    reap();
     if ((fds[1].revents & POLLIN) != 0) read_status();
     for (size_t i = 2; i < fds.size(); ++i) {
       if ((fds[i].revents & (POLLIN | POLLHUP | POLLERR)) == 0) continue;
@@ -452,8 +590,8 @@ AttemptResult Supervisor::run(const std::vector<WorkerSpec>& specs, const Superv
     if (tearing_down && !killed_hard && Clock::now() >= kill_deadline) {
       const auto alive = std::count_if(workers.begin(), workers.end(), [](const Worker& w) { return w.alive; });
       if (alive > 0) {
-        say(std::to_string(alive) + " worker(s) still running " + std::to_string(options.grace_period) +
-            "s after SIGTERM; sending SIGKILL");
+        say(std::to_string(alive) + " worker(s) still running " + seconds_text(options.grace_period) +
+            " after SIGTERM; sending SIGKILL");
       }
       if (alive > 0 || carrier_proc.alive) signal_all(SIGKILL);
       killed_hard = true;

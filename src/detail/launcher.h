@@ -47,6 +47,11 @@ struct AttemptResult {
   std::string root_cause;      ///< one-paragraph description of the failure, empty on success
 };
 
+/// The variable that marks every process of this launcher's job ("KEY=VALUE"); the launcher puts
+/// it in the environment of what it starts, and stops whatever carries it before returning.
+inline constexpr const char* kJobMarkVariable = "ACCELERATE_LAUNCH_JOB";
+std::string job_environment_mark();
+
 /// Owns the launcher's signal handling. Construct it before starting any thread (for example
 /// the rendezvous store), so that every thread of the launcher blocks the signals it handles.
 class Supervisor {
@@ -56,13 +61,15 @@ class Supervisor {
   Supervisor(const Supervisor&) = delete;
   Supervisor& operator=(const Supervisor&) = delete;
 
-  /// Runs the workers until all have exited; never returns with one still alive.
+  /// Runs the workers until all have exited; never returns with one still alive, nor with any
+  /// other process of the job (Note [The launcher returns last] in launcher.cpp).
   AttemptResult run(const std::vector<WorkerSpec>& workers, const SuperviseOptions& options,
                     const CarrierSpec* carrier = nullptr);
 
  private:
   int signal_fd_ = -1;
   int pending_signal_ = 0;  // a signal received between attempts
+  bool was_subreaper_ = false;
 };
 
 }  // namespace accelerate::detail

@@ -149,6 +149,27 @@ TEST(Launch, WorkersDieWhenTheLauncherIsKilledWithSigkill) {
   EXPECT_TRUE(wait_gone(pid1, 10)) << "worker 1 outlived its launcher";
 }
 
+TEST(Launch, ProcessesTheWorkersLeaveBehindAreStoppedBeforeTheLauncherReturns) {
+  TempDir dir;
+  auto r = run(launch({"-n", "2", "--main_process_port", "0", "--grace_period", "1"}, {"orphan", dir.str()}), 30);
+  EXPECT_EQ(r->exit_code(), 0) << r->err;
+  for (int rank : {0, 1}) {
+    const int orphan = wait_for_int_file(dir.str() + "/orphan_" + std::to_string(rank), 1);
+    ASSERT_GT(orphan, 0);
+    // It ignored SIGTERM and lived in a process group of its own.
+    EXPECT_TRUE(process_gone(orphan)) << "the child of rank " << rank << " outlived the launcher";
+  }
+  EXPECT_THAT(r->err, HasSubstr("stopping 2 process(es) the workers left behind"));
+}
+
+TEST(Launch, NoShellNoticeReachesTheOutput) {
+  auto r = run(launch({"-n", "2", "--main_process_port", "0", "--grace_period", "2"}, {"sigkill", "1"}), 30);
+  EXPECT_EQ(r->exit_code(), 128 + SIGKILL);
+  for (const char* notice : {"Terminated", "Killed  ", "]+ ", "]- ", "line "}) {
+    EXPECT_THAT(r->out + r->err, Not(HasSubstr(notice)));
+  }
+}
+
 TEST(Launch, MaxRestartsRestartsTheWholeGroupAfterAFailure) {
   auto r = run(launch({"-n", "2", "--main_process_port", "0", "--max_restarts", "1", "--grace_period", "2"},
                       {"fail_once", "1"}),

@@ -9,6 +9,8 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <sstream>
+#include <thread>
 
 namespace accelerate::testing {
 namespace {
@@ -141,6 +143,88 @@ TEST(MpiBackend, AHostFileDecidesWhereTheWorkersRunAndMpirunsRefusalIsTheRootCau
   EXPECT_THAT(too_many->err, HasSubstr("[mpirun]: "));
   EXPECT_THAT(too_many->err, HasSubstr("accelerate launch: mpirun (pid "));
   EXPECT_THAT(too_many->out + too_many->err, Not(HasSubstr("process 0 of 2")));
+}
+
+// The lines a worker appends to its liveness file (mode "stubborn").
+size_t lines_in(const std::string& path) {
+  std::ifstream in(path);
+  size_t n = 0;
+  for (std::string line; std::getline(in, line);) ++n;
+  return n;
+}
+
+// The parent of a process, from /proc.
+pid_t parent_of(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const auto close_paren = text.rfind(')');
+  if (close_paren == std::string::npos) return -1;
+  std::istringstream rest(text.substr(close_paren + 2));
+  std::string state;
+  long ppid = -1;
+  rest >> state >> ppid;
+  return static_cast<pid_t>(ppid);
+}
+
+// The launcher's only child: mpirun.
+pid_t child_of(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/task/" + std::to_string(pid) + "/children");
+  long child = -1;
+  in >> child;
+  return static_cast<pid_t>(child);
+}
+
+std::vector<std::string> launch_stubborn(const std::string& dir) {
+  return {accelerate_bin(), "launch", "--backend", "mpi", "-n", "2", "--main_process_port", "0", "--grace_period",
+          "1", worker_bin(), "stubborn", dir};
+}
+
+TEST(MpiBackend, WhenMpirunIsKilledTheLauncherReturnsOnlyAfterEveryWorkerIsGone) {
+  if (!is_mpi_available()) GTEST_SKIP() << "built without MPI: no mpirun to kill";
+  TempDir dir;
+  Running launcher(launch_stubborn(dir.str()));
+  const int pid0 = wait_for_int_file(dir.str() + "/pid_0", 30);
+  const int pid1 = wait_for_int_file(dir.str() + "/pid_1", 30);
+  ASSERT_GT(pid0, 0);
+  ASSERT_GT(pid1, 0);
+  const pid_t mpirun = child_of(launcher.pid());
+  ASSERT_GT(mpirun, 0);
+  ::kill(mpirun, SIGKILL);
+  launcher.wait(30);
+  // Both workers ignore SIGTERM: they are gone only because the launcher killed them after the
+  // grace period, and before it returned.
+  EXPECT_TRUE(process_gone(pid0)) << "worker 0 outlived its launcher";
+  EXPECT_TRUE(process_gone(pid1)) << "worker 1 outlived its launcher";
+  const size_t lines0 = lines_in(dir.str() + "/alive_0");
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  EXPECT_EQ(lines_in(dir.str() + "/alive_0"), lines0) << "worker 0 still writes after the launcher returned";
+  EXPECT_EQ(launcher.exit_code(), 128 + SIGKILL);
+  EXPECT_THAT(launcher.err, HasSubstr("mpirun (pid " + std::to_string(mpirun) + ") was killed by signal 9"));
+  EXPECT_THAT(launcher.err, HasSubstr("2 worker(s) still running 1s after SIGTERM; sending SIGKILL"));
+}
+
+TEST(MpiBackend, AWorkerWhoseWrapperDiesIsTheRootCauseAndNoShellNoticeIsShown) {
+  if (!is_mpi_available()) GTEST_SKIP() << "built without MPI: no wrappers";
+  TempDir dir;
+  Running launcher(launch_stubborn(dir.str()));
+  const int pid0 = wait_for_int_file(dir.str() + "/pid_0", 30);
+  const int pid1 = wait_for_int_file(dir.str() + "/pid_1", 30);
+  ASSERT_GT(pid0, 0);
+  ASSERT_GT(pid1, 0);
+  const pid_t wrapper = parent_of(pid1);
+  ASSERT_GT(wrapper, 1);
+  ::kill(wrapper, SIGKILL);  // the worker dies with it (its parent-death signal)
+  launcher.wait(30);
+  EXPECT_TRUE(process_gone(pid0));
+  EXPECT_TRUE(process_gone(pid1));
+  EXPECT_EQ(launcher.exit_code(), 128 + SIGKILL);
+  // Rank 0, which mpirun then stopped, is not blamed.
+  EXPECT_THAT(launcher.err, HasSubstr("worker rank 1 (local rank 1, pid " + std::to_string(pid1) +
+                                      ") was killed by signal 9 (SIGKILL)"));
+  EXPECT_THAT(launcher.err, Not(HasSubstr("worker rank 0")));
+  for (const char* notice : {"Terminated", "Killed  ", "]+ ", "]- "}) {
+    EXPECT_THAT(launcher.out + launcher.err, Not(HasSubstr(notice)));
+  }
 }
 
 TEST(MpiBackend, TheLauncherRefusesMpiSettingsItCannotHonour) {

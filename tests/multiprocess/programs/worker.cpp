@@ -10,6 +10,10 @@
 //   worker ignore_term RANK CODE   every other rank ignores SIGTERM; RANK exits with CODE
 //   worker throw RANK              RANK throws an exception out of main after rendezvous
 //   worker sleep DIR               write pid to DIR/pid_<rank>, print "ready", sleep
+//   worker stubborn DIR            like sleep, but ignore SIGTERM and append a line to
+//                                  DIR/alive_<rank> every 20 ms until killed
+//   worker orphan DIR              leave behind a child of its own process group that ignores
+//                                  SIGTERM (its pid in DIR/orphan_<rank>), then exit 0
 //   worker fail_once RANK          on the first attempt RANK exits 3; later attempts succeed
 //   worker mismatch                every rank gathers a tensor of a different length; prints
 //                                  the error it gets, meets the others, exits 3
@@ -108,6 +112,28 @@ int main(int argc, char** argv) {
     std::ofstream(arg(2) + "/pid_" + std::to_string(rank)) << ::getpid() << std::endl;
     std::cout << "ready" << std::endl;
     sleep_seconds(60);
+    return 0;
+  }
+  if (mode == "stubborn") {
+    std::signal(SIGTERM, SIG_IGN);
+    std::ofstream(arg(2) + "/pid_" + std::to_string(rank)) << ::getpid() << std::endl;
+    std::cout << "ready" << std::endl;
+    std::ofstream alive(arg(2) + "/alive_" + std::to_string(rank));
+    for (int i = 0; i < 3000; ++i) {
+      alive << i << std::endl;
+      sleep_seconds(0.02);
+    }
+    return 0;
+  }
+  if (mode == "orphan") {
+    const pid_t child = ::fork();
+    if (child == 0) {
+      ::setpgid(0, 0);
+      std::signal(SIGTERM, SIG_IGN);
+      for (int i = 0; i < 3000; ++i) sleep_seconds(0.02);
+      ::_exit(0);
+    }
+    std::ofstream(arg(2) + "/orphan_" + std::to_string(rank)) << child << std::endl;
     return 0;
   }
   if (mode == "fail_once") {
