@@ -293,16 +293,34 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
     if (!states.empty()) c10d::broadcast_coalesced(group, states, kBroadcastBucketBytes, 0);
   }
 
-  // One bucket for the first pass unless unused parameters are searched (as PyTorch DDP): the
-  // reducer then rebuilds the buckets in the order gradients actually arrived.
+  // Note [First buckets as the rebuild makes them]
+  // Without the search for unused parameters, the reducer rebuilds its buckets once, after the
+  // first synchronising backward pass, in the order the gradients became ready. PyTorch DDP
+  // starts from one bucket in registration order, so the first synchronised step of every
+  // process lays the gradients out differently from every later one. On three or more
+  // processes that changes the bits of the sum: Gloo's ring splits a bucket into chunks by
+  // offset, and each chunk's sum starts on a different process. A run resumed from a checkpoint
+  // then takes one step in the start layout where the uninterrupted run took it in the rebuilt
+  // one, and does not end bit for bit where that run ends. So the start layout is the one the
+  // rebuild makes when gradients arrive in reverse registration order, as in a feed-forward
+  // model: the rebuild then changes nothing. (A model whose gradients arrive in another order
+  // still gets its buckets rebuilt in that order.) With the search for unused parameters
+  // nothing is rebuilt, and the buckets are PyTorch DDP's.
   const size_t cap = static_cast<size_t>(kwargs.bucket_cap_mb) * 1024 * 1024;
-  std::vector<size_t> limits = (kwargs.static_graph || !kwargs.find_unused_parameters)
-                                   ? std::vector<size_t>{std::numeric_limits<size_t>::max()}
-                                   : std::vector<size_t>{kFirstBucketBytes, cap};
+  const std::vector<size_t> limits{kFirstBucketBytes, cap};
   std::vector<bool> sparse(params.size(), false);
-  auto [bucket_indices, per_bucket_limits] = c10d::compute_bucket_assignment_by_size(params, limits, sparse);
-  std::reverse(bucket_indices.begin(), bucket_indices.end());
-  std::reverse(per_bucket_limits.begin(), per_bucket_limits.end());
+  std::vector<std::vector<size_t>> bucket_indices;
+  std::vector<size_t> per_bucket_limits;
+  if (kwargs.static_graph || !kwargs.find_unused_parameters) {
+    const std::vector<at::Tensor> ready(params.rbegin(), params.rend());
+    std::vector<int64_t> order(params.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int64_t>(params.size() - 1 - i);
+    std::tie(bucket_indices, per_bucket_limits) = c10d::compute_bucket_assignment_by_size(ready, limits, sparse, order);
+  } else {
+    std::tie(bucket_indices, per_bucket_limits) = c10d::compute_bucket_assignment_by_size(params, limits, sparse);
+    std::reverse(bucket_indices.begin(), bucket_indices.end());
+    std::reverse(per_bucket_limits.begin(), per_bucket_limits.end());
+  }
 
   std::unordered_map<size_t, std::string> names;
   size_t index = 0;
