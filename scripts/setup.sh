@@ -23,6 +23,7 @@ packages=(
   openmpi-bin libopenmpi-dev          # the MPI process-group back-end and mpirun
   libgtest-dev libgmock-dev googletest libbenchmark-dev
   python3 python3-protobuf            # python3-protobuf: the test suite's TensorBoard file reader
+  iproute2                            # the multi-host tests' hosts: network namespaces and veth pairs
   clang libclang-rt-dev               # the libFuzzer target (scripts/fuzz.sh)
 )
 

@@ -16,7 +16,15 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <sstream>
 
 namespace accelerate::detail {
@@ -51,6 +59,14 @@ c10::intrusive_ptr<c10d::Store> connect_tcp_store(const RendezvousConfig& config
 }
 
 #ifdef USE_C10D_GLOO
+// Note [The address Gloo announces]
+// Every Gloo process announces one address through the store, and its peers connect to it.
+// Gloo's default is the address this machine's host name resolves to, which on many machines
+// (Debian's /etc/hosts among them) is a loopback address: peers on other machines then connect
+// to themselves and fail with "Connection refused". The address that matters is the one this
+// machine reaches the main process from, which every peer reaches too, so without
+// GLOO_SOCKET_IFNAME that is the one announced: the kernel's choice of source address for a
+// route to MASTER_ADDR (a UDP socket's connect sends nothing).
 std::shared_ptr<::gloo::transport::Device> gloo_device(const Topology& topo) {
   if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname != nullptr && *ifname != '\0') {
     return c10d::ProcessGroupGloo::createDeviceForInterface(ifname);
@@ -59,7 +75,7 @@ std::shared_ptr<::gloo::transport::Device> gloo_device(const Topology& topo) {
   if (is_loopback_address(topo.master_addr) || topo.local_world_size == topo.world_size) {
     return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
   }
-  return c10d::ProcessGroupGloo::createDefaultDevice();
+  return c10d::ProcessGroupGloo::createDeviceForHostname(source_address_towards(topo.master_addr, topo.master_port));
 }
 #endif
 
@@ -113,6 +129,39 @@ void wait_until_every_group_is_built(const c10::intrusive_ptr<c10d::Store>& stor
 }
 
 }  // namespace
+
+std::string source_address_towards(const std::string& host, int port) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* found = nullptr;
+  const int rc = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found);
+  TORCH_CHECK(rc == 0 && found != nullptr, "[PartialState] cannot resolve the main process's address '", host,
+              "': ", ::gai_strerror(rc));
+  std::string chosen;
+  std::string failure;
+  for (addrinfo* a = found; a != nullptr && chosen.empty(); a = a->ai_next) {
+    const int fd = ::socket(a->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) continue;
+    sockaddr_storage local{};
+    socklen_t length = sizeof(local);
+    if (::connect(fd, a->ai_addr, a->ai_addrlen) == 0 &&
+        ::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &length) == 0) {
+      char text[INET6_ADDRSTRLEN] = {};
+      const void* raw = local.ss_family == AF_INET
+                            ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&local)->sin_addr)
+                            : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&local)->sin6_addr);
+      if (::inet_ntop(local.ss_family, raw, text, sizeof(text)) != nullptr) chosen = text;
+    } else {
+      failure = std::strerror(errno);
+    }
+    ::close(fd);
+  }
+  ::freeaddrinfo(found);
+  TORCH_CHECK(!chosen.empty(), "[PartialState] this machine has no route to the main process's address ", host,
+              " (", failure, "); check MASTER_ADDR / --main_process_ip, or name the interface with GLOO_SOCKET_IFNAME");
+  return chosen;
+}
 
 bool is_loopback_address(const std::string& addr) {
   return addr == "localhost" || addr == "::1" || addr.rfind("127.", 0) == 0;

@@ -43,6 +43,10 @@ c10::intrusive_ptr<c10d::Store> serve_tcp_store(const std::string& host, int por
 /// The port a TCP store returned by `serve_tcp_store` listens on.
 int tcp_store_port(const c10::intrusive_ptr<c10d::Store>& store);
 
+/// The address of this machine that its packets to `host` leave from (the kernel's route; nothing
+/// is sent). Throws naming the host when it cannot be resolved or reached.
+std::string source_address_towards(const std::string& host, int port);
+
 /// Whether an address names this machine's loopback interface.
 bool is_loopback_address(const std::string& addr);
 

@@ -13,6 +13,8 @@
 //   mp_checkpoint failwrite PROJECT           train 1 epoch; the last process cannot write files
 //                                             larger than 1 KiB; save_state must fail everywhere
 //
+// With MP_CHECKPOINT_SAVE_ON_EACH_NODE set, the project saves with save_on_each_node.
+//
 // OUT holds the model's tensors, the optimizer's state tensors, the order of the samples of the
 // third epoch, four draws of the global generator after training, and in its metadata the
 // learning rate, the accelerator's step count and the optimizer's JSON state. The checkpoint
@@ -48,6 +50,8 @@ Job make_job(const std::string& project, bool stateful) {
   acc::AcceleratorOptions options;
   options.gradient_accumulation_steps = 2;
   options.project_config = {.project_dir = project, .automatic_checkpoint_naming = true, .total_limit = 3};
+  // The multi-host tests save on every machine's local main process.
+  options.project_config.save_on_each_node = std::getenv("MP_CHECKPOINT_SAVE_ON_EACH_NODE") != nullptr;
   options.dataloader_config.use_stateful_dataloader = stateful;
   acc::Accelerator accelerator(options);
   acc::set_seed(1234);

@@ -1,0 +1,176 @@
+// Jobs across two hosts (network namespaces joined by a veth pair, tests/support/hosts.h), two
+// processes on each, on Gloo: one `accelerate launch` per host, and processes started by hand
+// with other launchers' variables. Each job must reproduce the one-process result, and a
+// checkpoint saved across the hosts must resume bit for bit, whether the hosts share the
+// checkpoint folder or not.
+#include "accelerate/utils/safetensors.h"
+#include "support/hosts.h"
+#include "support/process.h"
+#include "support/test_support.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+
+#include <filesystem>
+
+namespace accelerate::testing {
+namespace {
+
+namespace fs = std::filesystem;
+using ::testing::HasSubstr;
+using Env = std::map<std::string, std::string>;
+
+constexpr const char* kPort = "29500";
+
+// `accelerate launch` for machine `host` of a 2-host job of 4 processes.
+std::vector<std::string> launch_on(const HostPair& hosts, int host, const std::vector<std::string>& program) {
+  std::vector<std::string> argv = {accelerate_bin(), "launch", "--num_processes", "4", "--num_machines", "2",
+                                   "--machine_rank", std::to_string(host), "--main_process_ip", HostPair::address(0),
+                                   "--main_process_port", kPort, "--rdzv_timeout", "60",
+                                   "--num_cpu_threads_per_process", "1", "--grace_period", "2"};
+  argv.insert(argv.end(), program.begin(), program.end());
+  return hosts.in(host, argv);
+}
+
+struct Outcome {
+  std::string out[2];
+  std::string err[2];
+  int code[2] = {-1, -1};
+};
+
+// One launcher per host, `program(host)` on each; both must succeed.
+Outcome run_on_both(const HostPair& hosts, const std::function<std::vector<std::string>(int)>& program,
+                    const Env& env = {}) {
+  Running first(launch_on(hosts, 0, program(0)), env);
+  Running second(launch_on(hosts, 1, program(1)), env);
+  first.wait(240);
+  second.wait(240);
+  Outcome o;
+  o.out[0] = first.out, o.out[1] = second.out;
+  o.err[0] = first.err, o.err[1] = second.err;
+  o.code[0] = first.exit_code(), o.code[1] = second.exit_code();
+  return o;
+}
+
+#define EXPECT_BOTH_SUCCEED(o)                                                          \
+  for (int host : {0, 1}) {                                                             \
+    ASSERT_EQ((o).code[host], 0) << "host " << host << ":\n" << (o).out[host] << (o).err[host]; \
+  }
+
+TEST(MultiHost, OneGlooLauncherPerHostTrainsLikeOneProcess) {
+  HostPair hosts;
+  ACCELERATE_REQUIRE_HOSTS(hosts);
+  auto o = run_on_both(hosts, [](int) { return std::vector<std::string>{built("tests/mp_training"), "plain", "split_batches"}; });
+  EXPECT_BOTH_SUCCEED(o);
+  EXPECT_THAT(o.out[0], HasSubstr("[rank0]: plain: OK"));
+  EXPECT_THAT(o.out[0], HasSubstr("[rank0]: split_batches: OK"));
+}
+
+TEST(MultiHost, EachHostsLauncherStartsItsOwnRanks) {
+  HostPair hosts;
+  ACCELERATE_REQUIRE_HOSTS(hosts);
+  auto o = run_on_both(hosts, [](int) { return std::vector<std::string>{worker_bin(), "state"}; });
+  EXPECT_BOTH_SUCCEED(o);
+  EXPECT_THAT(o.out[0], HasSubstr("[rank0]: process 0 of 4 local 0 type MULTI_CPU backend gloo"));
+  EXPECT_THAT(o.out[0], HasSubstr("[rank1]: process 1 of 4 local 1 type MULTI_CPU backend gloo"));
+  EXPECT_THAT(o.out[1], HasSubstr("[rank2]: process 2 of 4 local 0 type MULTI_CPU backend gloo"));
+  EXPECT_THAT(o.out[1], HasSubstr("[rank3]: process 3 of 4 local 1 type MULTI_CPU backend gloo"));
+  for (int host : {0, 1}) EXPECT_THAT(o.out[host], HasSubstr("trigger seen"));
+}
+
+// Processes started by hand in each host, the way another launcher would start them.
+void expect_foreign_job_runs(const HostPair& hosts, const std::function<Env(int rank)>& env_of) {
+  std::vector<std::unique_ptr<Running>> workers;
+  for (int rank = 0; rank < 4; ++rank) {
+    Env env = env_of(rank);
+    env["ACCELERATE_RDZV_TIMEOUT"] = "60";
+    env["OMP_NUM_THREADS"] = "1";
+    workers.push_back(std::make_unique<Running>(hosts.in(rank / 2, {worker_bin(), "state"}), env));
+  }
+  for (int rank = 0; rank < 4; ++rank) {
+    auto& w = *workers[rank];
+    w.wait(120);
+    EXPECT_EQ(w.exit_code(), 0) << "rank " << rank << ": " << w.err;
+    EXPECT_THAT(w.out, HasSubstr("process " + std::to_string(rank) + " of 4 local " + std::to_string(rank % 2) +
+                                 " type MULTI_CPU backend gloo"));
+    EXPECT_THAT(w.out, HasSubstr("trigger seen"));
+  }
+}
+
+TEST(MultiHost, TorchrunStyleVariablesFormAJobAcrossHosts) {
+  HostPair hosts;
+  ACCELERATE_REQUIRE_HOSTS(hosts);
+  expect_foreign_job_runs(hosts, [](int rank) {
+    return Env{{"RANK", std::to_string(rank)}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", std::to_string(rank % 2)},
+               {"LOCAL_WORLD_SIZE", "2"}, {"GROUP_RANK", std::to_string(rank / 2)},
+               {"MASTER_ADDR", HostPair::address(0)}, {"MASTER_PORT", kPort}};
+  });
+}
+
+TEST(MultiHost, SlurmVariablesFormAJobAcrossHosts) {
+  HostPair hosts;
+  ACCELERATE_REQUIRE_HOSTS(hosts);
+  // The first host of the step's node list serves the store.
+  expect_foreign_job_runs(hosts, [](int rank) {
+    return Env{{"SLURM_PROCID", std::to_string(rank)}, {"SLURM_NTASKS", "4"}, {"SLURM_LOCALID", std::to_string(rank % 2)},
+               {"SLURM_NTASKS_PER_NODE", "2"}, {"SLURM_NNODES", "2"},
+               {"SLURM_STEP_NODELIST", HostPair::address(0) + "," + HostPair::address(1)}, {"MASTER_PORT", kPort}};
+  });
+}
+
+// Checkpoints across hosts: (shared folder?, save_on_each_node?).
+class MultiHostCheckpoint : public ::testing::TestWithParam<std::pair<bool, bool>> {};
+
+TEST_P(MultiHostCheckpoint, ResumesBitForBitOnEveryRank) {
+  const auto [shared, each_node] = GetParam();
+  HostPair hosts;
+  ACCELERATE_REQUIRE_HOSTS(hosts);
+  TempDir dir;
+  auto project = [&, shared = shared](const std::string& run, int host) {
+    return dir.str() + "/" + (shared ? std::string("shared") : "host" + std::to_string(host)) + "/" + run;
+  };
+  Env env;
+  if (each_node) env["MP_CHECKPOINT_SAVE_ON_EACH_NODE"] = "1";
+  auto checkpoint = [&](std::vector<std::string> args) {
+    return [args](int) {
+      std::vector<std::string> argv = {built("tests/mp_checkpoint")};
+      argv.insert(argv.end(), args.begin(), args.end());
+      return argv;
+    };
+  };
+  auto full = run_on_both(hosts, [&](int host) {
+    return checkpoint({"full", project("a", host), dir.str() + "/full"})(host);
+  }, env);
+  EXPECT_BOTH_SUCCEED(full);
+  auto first = run_on_both(hosts, [&](int host) { return checkpoint({"first", project("b", host)})(host); }, env);
+  EXPECT_BOTH_SUCCEED(first);
+  // Where the checkpoint was written: by rank 0, or by each host's first process.
+  EXPECT_TRUE(fs::is_regular_file(project("b", 0) + "/checkpoints/checkpoint_0/model.safetensors"));
+  if (!shared) {
+    EXPECT_TRUE(fs::is_regular_file(project("b", 1) + "/checkpoints/checkpoint_0/model.safetensors"));
+  }
+  auto second = run_on_both(hosts, [&](int host) {
+    return checkpoint({"second", project("b", host), dir.str() + "/resumed"})(host);
+  }, env);
+  EXPECT_BOTH_SUCCEED(second);
+  for (int rank = 0; rank < 4; ++rank) {
+    SCOPED_TRACE("process " + std::to_string(rank));
+    const auto suffix = "." + std::to_string(rank) + ".safetensors";
+    SafetensorsFile f(dir.str() + "/full" + suffix);
+    SafetensorsFile r(dir.str() + "/resumed" + suffix);
+    ASSERT_EQ(f.keys(), r.keys());
+    for (const auto& key : f.keys()) EXPECT_TRUE(at::equal(f.get_tensor(key), r.get_tensor(key))) << key;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Folders, MultiHostCheckpoint,
+                         ::testing::Values(std::pair{true, false}, std::pair{true, true}, std::pair{false, true}),
+                         [](const auto& info) {
+                           return std::string(info.param.first ? "Shared" : "Unshared") +
+                                  (info.param.second ? "SaveOnEachNode" : "SaveOnMainProcess");
+                         });
+
+}  // namespace
+}  // namespace accelerate::testing

@@ -1,0 +1,106 @@
+// A test bed of hosts on one machine: network namespaces, each with its own loopback and one
+// address on a veth pair that joins them, made and removed by the tests themselves. Processes
+// run in a host through `ip netns exec`; a host can be killed (every process in it) or cut off
+// (its link down). Making namespaces needs CAP_SYS_ADMIN and CAP_NET_ADMIN; without them the
+// bed says why, and the tests skip with that reason.
+#pragma once
+
+#include "support/process.h"
+
+#include <gtest/gtest.h>
+
+#include <csignal>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace accelerate::testing {
+
+/// Two hosts, 10.200.0.1 and 10.200.0.2, joined by a veth pair.
+class HostPair {
+ public:
+  HostPair() {
+    const std::string tag = std::to_string(::getpid());
+    for (int i = 0; i < 2; ++i) names_.push_back("acc" + tag + "h" + std::to_string(i));
+    for (const auto& name : names_) {
+      if (!ip({"netns", "add", name})) return;
+      created_.push_back(name);
+    }
+    const std::string link0 = "acc" + tag + "v0", link1 = "acc" + tag + "v1";
+    if (!ip({"link", "add", link0, "netns", names_[0], "type", "veth", "peer", "name", link1, "netns", names_[1]})) {
+      return;
+    }
+    links_ = {link0, link1};
+    for (int i = 0; i < 2; ++i) {
+      if (!ip({"-n", names_[i], "link", "set", "lo", "up"}) ||
+          !ip({"-n", names_[i], "addr", "add", address(i) + "/24", "dev", links_[i]}) ||
+          !ip({"-n", names_[i], "link", "set", links_[i], "up"})) {
+        return;
+      }
+    }
+    ready_ = true;
+  }
+  ~HostPair() {
+    for (size_t i = 0; i < created_.size(); ++i) kill_host(static_cast<int>(i));
+    for (const auto& name : created_) ip({"netns", "del", name});
+  }
+  HostPair(const HostPair&) = delete;
+  HostPair& operator=(const HostPair&) = delete;
+
+  /// Empty when the bed is up; else why not (the first command that failed and its output).
+  const std::string& unavailable() const { return why_; }
+  bool ready() const { return ready_; }
+
+  static std::string address(int host) { return "10.200.0." + std::to_string(host + 1); }
+  const std::string& name(int host) const { return names_.at(host); }
+
+  /// `argv` run inside `host`.
+  std::vector<std::string> in(int host, const std::vector<std::string>& argv) const {
+    std::vector<std::string> out = {"ip", "netns", "exec", names_.at(host)};
+    out.insert(out.end(), argv.begin(), argv.end());
+    return out;
+  }
+
+  /// The pids of every process in `host`.
+  std::vector<pid_t> pids(int host) const {
+    auto r = run({"ip", "netns", "pids", names_.at(host)}, 10);
+    std::istringstream in(r->out);
+    std::vector<pid_t> out;
+    for (long pid; in >> pid;) out.push_back(static_cast<pid_t>(pid));
+    return out;
+  }
+
+  /// Kills every process in `host` with SIGKILL, as a power cut would.
+  void kill_host(int host) const {
+    for (pid_t pid : pids(host)) ::kill(pid, SIGKILL);
+  }
+
+  /// Takes `host`'s link down: its packets no longer reach the other host, nor the other's it.
+  bool cut_link(int host) const { return ip({"-n", names_.at(host), "link", "set", links_.at(host), "down"}); }
+
+ private:
+  bool ip(const std::vector<std::string>& args) const {
+    std::vector<std::string> argv = {"ip"};
+    argv.insert(argv.end(), args.begin(), args.end());
+    auto r = run(argv, 10);
+    if (r->exit_code() == 0) return true;
+    if (why_.empty()) {
+      std::string command;
+      for (const auto& a : argv) command += (command.empty() ? "" : " ") + a;
+      why_ = "cannot make the hosts of the test bed: `" + command + "` failed: " + r->err;
+    }
+    return false;
+  }
+
+  std::vector<std::string> names_;
+  std::vector<std::string> created_;
+  std::vector<std::string> links_;
+  mutable std::string why_;  // the first failure, kept by the const helpers too
+  bool ready_ = false;
+};
+
+/// Skips the test, with the reason, when the bed could not be made.
+#define ACCELERATE_REQUIRE_HOSTS(bed) \
+  if (!(bed).ready()) GTEST_SKIP() << (bed).unavailable()
+
+}  // namespace accelerate::testing
