@@ -142,6 +142,8 @@ void resolve_mpirun(LaunchPlan& plan) {
 //  * the worker runs in its own process group (job control on), with default signal handling,
 //    and dies with its wrapper (PR_SET_PDEATHSIG through setpriv); a watcher kills it when the
 //    launcher itself is gone, so that no worker outlives a launcher killed with SIGKILL;
+//  * the reports open the status pipe for reading and writing, which never blocks: a wrapper
+//    whose launcher was killed (no reader left) still ends instead of waiting forever;
 //  * once the worker runs, the wrapper's own stderr (which mpirun relays) goes nowhere and the
 //    watcher leaves its job table, so that no job-control notice ("Terminated", "Killed")
 //    reaches the user's output; the worker's fate reaches the launcher on the status pipe.
@@ -160,7 +162,7 @@ set -m
 setpriv --pdeathsig KILL -- "$@" </dev/null >"$dir/out.$rank" 2>"$dir/err.$rank" &
 child=$!
 exec 2>/dev/null
-echo "start $rank $child" >"$dir/status"
+echo "start $rank $child" 1<>"$dir/status"
 for sig in TERM INT HUP; do trap "kill -s $sig $child 2>/dev/null" $sig; done
 ( while kill -0 "$launcher" 2>/dev/null; do sleep 1; done; kill -s KILL "$child" ) </dev/null >/dev/null 2>&1 &
 watcher=$!
@@ -170,7 +172,7 @@ while :; do
   kill -0 "$child" 2>/dev/null || break
 done
 kill -- "-$watcher" 2>/dev/null  # the watcher and its sleep
-echo "exit $rank $code" >"$dir/status"
+echo "exit $rank $code" 1<>"$dir/status"
 exit "$code"
 )";
 

@@ -142,11 +142,15 @@ TEST(Launch, WorkersDieWhenTheLauncherIsKilledWithSigkill) {
   const int pid1 = wait_for_int_file(dir.str() + "/pid_1", 30);
   ASSERT_GT(pid0, 0);
   ASSERT_GT(pid1, 0);
+  // Under mpirun each worker's parent is its wrapper script; else the launcher itself.
+  const pid_t parent0 = parent_of(pid0), parent1 = parent_of(pid1);
   launcher.signal(SIGKILL);
   launcher.wait(30);
   EXPECT_EQ(launcher.exit_code(), 128 + SIGKILL);
   EXPECT_TRUE(wait_gone(pid0, 10)) << "worker 0 outlived its launcher";
   EXPECT_TRUE(wait_gone(pid1, 10)) << "worker 1 outlived its launcher";
+  EXPECT_TRUE(wait_gone(parent0, 10)) << "the parent of worker 0 outlived the launcher";
+  EXPECT_TRUE(wait_gone(parent1, 10)) << "the parent of worker 1 outlived the launcher";
 }
 
 TEST(Launch, ProcessesTheWorkersLeaveBehindAreStoppedBeforeTheLauncherReturns) {

@@ -153,19 +153,6 @@ size_t lines_in(const std::string& path) {
   return n;
 }
 
-// The parent of a process, from /proc.
-pid_t parent_of(pid_t pid) {
-  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  const auto close_paren = text.rfind(')');
-  if (close_paren == std::string::npos) return -1;
-  std::istringstream rest(text.substr(close_paren + 2));
-  std::string state;
-  long ppid = -1;
-  rest >> state >> ppid;
-  return static_cast<pid_t>(ppid);
-}
-
 // The launcher's only child: mpirun.
 pid_t child_of(pid_t pid) {
   std::ifstream in("/proc/" + std::to_string(pid) + "/task/" + std::to_string(pid) + "/children");

@@ -14,6 +14,8 @@
 //                                  DIR/alive_<rank> every 20 ms until killed
 //   worker orphan DIR              leave behind a child of its own process group that ignores
 //                                  SIGTERM (its pid in DIR/orphan_<rank>), then exit 0
+//   worker barriers DIR            rendezvous, write pid to DIR/pid_<rank>, then meet the others
+//                                  in a barrier every 10 ms for up to 2 minutes
 //   worker fail_once RANK          on the first attempt RANK exits 3; later attempts succeed
 //   worker mismatch                every rank gathers a tensor of a different length; prints
 //                                  the error it gets, meets the others, exits 3
@@ -134,6 +136,15 @@ int main(int argc, char** argv) {
       ::_exit(0);
     }
     std::ofstream(arg(2) + "/orphan_" + std::to_string(rank)) << child << std::endl;
+    return 0;
+  }
+  if (mode == "barriers") {
+    accelerate::PartialState state;
+    std::ofstream(arg(2) + "/pid_" + std::to_string(rank)) << ::getpid() << std::endl;
+    for (int i = 0; i < 12000; ++i) {
+      state.wait_for_everyone();
+      sleep_seconds(0.01);
+    }
     return 0;
   }
   if (mode == "fail_once") {
