@@ -14,8 +14,9 @@
 //                                  DIR/alive_<rank> every 20 ms until killed
 //   worker orphan DIR              leave behind a child of its own process group that ignores
 //                                  SIGTERM (its pid in DIR/orphan_<rank>), then exit 0
-//   worker barriers DIR            rendezvous, write pid to DIR/pid_<rank>, then meet the others
-//                                  in a barrier every 10 ms for up to 2 minutes
+//   worker barriers DIR [SECONDS]  rendezvous (collective timeout SECONDS), write pid to
+//                                  DIR/pid_<rank>, then meet the others in a barrier every 10 ms
+//                                  for up to 2 minutes
 //   worker fail_once RANK          on the first attempt RANK exits 3; later attempts succeed
 //   worker mismatch                every rank gathers a tensor of a different length; prints
 //                                  the error it gets, meets the others, exits 3
@@ -139,7 +140,9 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (mode == "barriers") {
-    accelerate::PartialState state;
+    accelerate::PartialStateOptions options;
+    if (!arg(3).empty()) options.init_kwargs.timeout = std::chrono::seconds(std::stoi(arg(3)));
+    accelerate::PartialState state(options);
     std::ofstream(arg(2) + "/pid_" + std::to_string(rank)) << ::getpid() << std::endl;
     for (int i = 0; i < 12000; ++i) {
       state.wait_for_everyone();
