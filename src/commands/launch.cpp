@@ -147,7 +147,9 @@ void resolve_mpirun(LaunchPlan& plan) {
 //  * once the worker runs, the wrapper's own stderr (which mpirun relays) goes nowhere and the
 //    watcher leaves its job table, so that no job-control notice ("Terminated", "Killed")
 //    reaches the user's output; the worker's fate reaches the launcher on the status pipe.
-// On other machines (a host file) the pipes do not exist: the wrapper runs the program
+// The script is given to bash on its command line (`bash -c`), not as a file, since other
+// machines have none of the launcher's files. There (a host file) the pipes do not exist
+// either: the wrapper runs the program
 // directly and mpirun relays its output and exit status.
 constexpr const char* kMpiWrapper = R"(#!/bin/bash
 dir=$1; launcher=$2; shift 2
@@ -393,8 +395,6 @@ int run_mpi_attempt(const LaunchPlan& plan, detail::Supervisor& supervisor,
                     const std::map<std::string, std::string>& base, const fs::path& scratch, int port, int attempt) {
   const fs::path dir = scratch / ("attempt_" + std::to_string(attempt));
   fs::create_directories(dir);
-  const fs::path wrapper = scratch / "worker.sh";
-  if (!fs::exists(wrapper)) detail::write_file(wrapper.string(), kMpiWrapper, /*durable=*/false);
   auto make_fifo = [](const fs::path& path) {
     TORCH_CHECK(::mkfifo(path.c_str(), 0600) == 0, "[launch] cannot create the pipe ", path.string(), ": ",
                 std::strerror(errno));
@@ -427,10 +427,26 @@ int run_mpi_attempt(const LaunchPlan& plan, detail::Supervisor& supervisor,
   if (plan.mpirun_hostfile) {
     carrier.argv.insert(carrier.argv.end(), {"--hostfile", *plan.mpirun_hostfile});
     for (const auto& [k, v] : job) carrier.argv.insert(carrier.argv.end(), {"-x", k});
+    // Note [The network MPI uses]: across machines, Open MPI's own connections (its daemons' and
+    // the TCP transport's) take the network this machine reaches the main process through, as
+    // Gloo does (Note [The address Gloo announces]); Open MPI's default tries every interface,
+    // bridges and container networks included, and can hang on one the other machines do not
+    // share. The user's own choice (OMPI_MCA_*_if_include / _exclude) is left alone.
+    if (!detail::is_loopback_address(plan.main_process_ip)) {
+      const std::string network =
+          detail::network_of_address(detail::source_address_towards(plan.main_process_ip, port));
+      for (const char* component : {"btl_tcp", "oob_tcp"}) {
+        const std::string prefix = std::string("OMPI_MCA_") + component;
+        if (network.empty() || env.count(prefix + "_if_include") > 0 || env.count(prefix + "_if_exclude") > 0) continue;
+        carrier.argv.insert(carrier.argv.end(), {"--mca", std::string(component) + "_if_include", network});
+      }
+    }
   } else {
     carrier.argv.push_back("--oversubscribe");  // more processes than cores is the user's choice
   }
-  carrier.argv.insert(carrier.argv.end(), {"bash", wrapper.string(), dir.string(), std::to_string(::getpid())});
+  // The script travels in the command line: other machines have no copy of the launcher's files.
+  carrier.argv.insert(carrier.argv.end(),
+                      {"bash", "-c", kMpiWrapper, "accelerate-worker", dir.string(), std::to_string(::getpid())});
   carrier.argv.insert(carrier.argv.end(), plan.command.begin(), plan.command.end());
 
   auto result = supervisor.run(specs, supervise_options(plan, attempt), &carrier);

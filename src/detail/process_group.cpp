@@ -17,6 +17,7 @@
 #endif
 
 #include <arpa/inet.h>
+#include <ifaddrs.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -161,6 +162,25 @@ std::string source_address_towards(const std::string& host, int port) {
   TORCH_CHECK(!chosen.empty(), "[PartialState] this machine has no route to the main process's address ", host,
               " (", failure, "); check MASTER_ADDR / --main_process_ip, or name the interface with GLOO_SOCKET_IFNAME");
   return chosen;
+}
+
+std::string network_of_address(const std::string& address) {
+  ifaddrs* all = nullptr;
+  if (::getifaddrs(&all) != 0) return {};
+  std::string network;
+  for (ifaddrs* a = all; a != nullptr && network.empty(); a = a->ifa_next) {
+    if (a->ifa_addr == nullptr || a->ifa_netmask == nullptr || a->ifa_addr->sa_family != AF_INET) continue;
+    const auto* ip = reinterpret_cast<const sockaddr_in*>(a->ifa_addr);
+    const auto* mask = reinterpret_cast<const sockaddr_in*>(a->ifa_netmask);
+    char text[INET_ADDRSTRLEN] = {};
+    if (::inet_ntop(AF_INET, &ip->sin_addr, text, sizeof(text)) == nullptr || address != text) continue;
+    in_addr base{};
+    base.s_addr = ip->sin_addr.s_addr & mask->sin_addr.s_addr;
+    const int bits = __builtin_popcount(ntohl(mask->sin_addr.s_addr));
+    if (::inet_ntop(AF_INET, &base, text, sizeof(text)) != nullptr) network = std::string(text) + "/" + std::to_string(bits);
+  }
+  ::freeifaddrs(all);
+  return network;
 }
 
 bool is_loopback_address(const std::string& addr) {

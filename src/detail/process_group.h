@@ -47,6 +47,10 @@ int tcp_store_port(const c10::intrusive_ptr<c10d::Store>& store);
 /// is sent). Throws naming the host when it cannot be resolved or reached.
 std::string source_address_towards(const std::string& host, int port);
 
+/// The IPv4 network, in CIDR notation ("10.0.0.0/24"), of the interface of this machine that has
+/// `address`; empty when none has it.
+std::string network_of_address(const std::string& address);
+
 /// Whether an address names this machine's loopback interface.
 bool is_loopback_address(const std::string& addr);
 

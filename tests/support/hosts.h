@@ -9,7 +9,11 @@
 
 #include <gtest/gtest.h>
 
+#include <sys/stat.h>
+
 #include <csignal>
+#include <cstdio>
+#include <fstream>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -43,6 +47,7 @@ class HostPair {
   ~HostPair() {
     for (size_t i = 0; i < created_.size(); ++i) kill_host(static_cast<int>(i));
     for (const auto& name : created_) ip({"netns", "del", name});
+    for (const auto& agent : agents_) std::remove(agent.c_str());
   }
   HostPair(const HostPair&) = delete;
   HostPair& operator=(const HostPair&) = delete;
@@ -59,6 +64,30 @@ class HostPair {
     std::vector<std::string> out = {"ip", "netns", "exec", names_.at(host)};
     out.insert(out.end(), argv.begin(), argv.end());
     return out;
+  }
+
+  /// Writes a stand-in for ssh that Open MPI's launcher can use as its agent
+  /// (OMPI_MCA_plm_rsh_agent): `agent [options] ADDRESS COMMAND...` runs COMMAND in the host of
+  /// ADDRESS, with a host name, /tmp and /dev/shm of its own, as a separate machine would have. It lives in the build
+  /// tree, which every host sees (Open MPI's daemons check the agent's path on each host), until
+  /// the bed is removed. Returns its path.
+  std::string write_rsh_agent() const {
+    const std::string path = built("tests/rsh-agent-" + names_[0]);
+    agents_.push_back(path);
+    std::ofstream out(path);
+    out << "#!/bin/sh\n"
+        << "while [ $# -gt 0 ]; do case \"$1\" in -*) shift ;; *) break ;; esac; done\n"
+        << "address=$1; shift\n"
+        << "case \"$address\" in\n";
+    for (int host = 0; host < 2; ++host) out << "  " << address(host) << ") ns=" << names_[host] << " ;;\n";
+    out << "  *) echo \"rsh-agent: no host $address in the test bed\" >&2; exit 255 ;;\n"
+        << "esac\n"
+        << "exec ip netns exec \"$ns\" unshare --mount --uts --propagation private sh -c "
+        << "'hostname \"$1\" && mount -t tmpfs tmpfs /tmp && mount -t tmpfs tmpfs /dev/shm && exec sh -c \"$0\"' "
+        << "\"$*\" \"$ns\"\n";
+    out.close();
+    ::chmod(path.c_str(), 0755);
+    return path;
   }
 
   /// The pids of every process in `host`.
@@ -95,6 +124,7 @@ class HostPair {
   std::vector<std::string> names_;
   std::vector<std::string> created_;
   std::vector<std::string> links_;
+  mutable std::vector<std::string> agents_;
   mutable std::string why_;  // the first failure, kept by the const helpers too
   bool ready_ = false;
 };

@@ -1,0 +1,60 @@
+// An MPI job across two hosts of the test bed (tests/support/hosts.h): one `accelerate launch`
+// on the first host, `mpirun` starting the second host's ranks from a host file through an agent
+// that stands in for ssh (each host with a /tmp of its own, as separate machines have).
+#include "accelerate/utils/environment.h"
+#include "support/hosts.h"
+#include "support/process.h"
+#include "support/test_support.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <fstream>
+
+namespace accelerate::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::unique_ptr<Running> launch_mpi_job(const HostPair& hosts, const TempDir& dir,
+                                        const std::vector<std::string>& program) {
+  const std::string hostfile = dir.str() + "/hosts";
+  std::ofstream(hostfile) << HostPair::address(0) << " slots=2\n" << HostPair::address(1) << " slots=2\n";
+  std::vector<std::string> argv = {accelerate_bin(), "launch", "--mpirun_hostfile", hostfile, "-n", "4",
+                                   "--num_machines", "2", "--main_process_ip", HostPair::address(0),
+                                   "--main_process_port", "29500", "--rdzv_timeout", "60",
+                                   "--num_cpu_threads_per_process", "1"};
+  argv.insert(argv.end(), program.begin(), program.end());
+  auto r = std::make_unique<Running>(hosts.in(0, argv),
+                                     std::map<std::string, std::string>{
+                                         {"OMPI_MCA_plm_rsh_agent", hosts.write_rsh_agent()}});
+  r->wait(240);
+  return r;
+}
+
+TEST(MultiHostMpi, AHostFileStartsTheOtherHostsRanksAndTheyTrainLikeOneProcess) {
+  if (!is_mpi_available()) GTEST_SKIP() << "built without MPI";
+  HostPair hosts;
+  ACCELERATE_REQUIRE_HOSTS(hosts);
+  TempDir dir;
+  auto r = launch_mpi_job(hosts, dir, {built("tests/mp_training"), "plain"});
+  ASSERT_EQ(r->exit_code(), 0) << r->out << r->err;
+  EXPECT_THAT(r->out, HasSubstr("[rank0]: plain: OK"));
+}
+
+TEST(MultiHostMpi, EveryRankKnowsItsHostAndPlace) {
+  if (!is_mpi_available()) GTEST_SKIP() << "built without MPI";
+  HostPair hosts;
+  ACCELERATE_REQUIRE_HOSTS(hosts);
+  TempDir dir;
+  auto r = launch_mpi_job(hosts, dir, {worker_bin(), "state"});
+  ASSERT_EQ(r->exit_code(), 0) << r->out << r->err;
+  // The first host's ranks come through the launcher's pipes, the second's through mpirun.
+  EXPECT_THAT(r->out, HasSubstr("[rank0]: process 0 of 4 local 0 type MULTI_CPU backend mpi"));
+  EXPECT_THAT(r->out, HasSubstr("[rank1]: process 1 of 4 local 1 type MULTI_CPU backend mpi"));
+  EXPECT_THAT(r->out, HasSubstr("[mpirun]: process 2 of 4 local 0 type MULTI_CPU backend mpi"));
+  EXPECT_THAT(r->out, HasSubstr("[mpirun]: process 3 of 4 local 1 type MULTI_CPU backend mpi"));
+}
+
+}  // namespace
+}  // namespace accelerate::testing
