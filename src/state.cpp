@@ -140,6 +140,7 @@ std::shared_ptr<detail::PartialStateImpl> build_partial_state(const PartialState
         seconds_from_env("ACCELERATE_RDZV_TIMEOUT", std::chrono::seconds(900)));
     if (options.store) config.store = options.store->impl()->store;
     config.store_hosted = !options.store && parse_flag_from_env("ACCELERATE_STORE_HOSTED");
+    config.secret = get_env("ACCELERATE_RDZV_SECRET").value_or("");
     config.restart_count = get_int_from_env({"TORCHELASTIC_RESTART_COUNT"}, 0);
     auto rdzv = detail::rendezvous(config);
     impl->store = rdzv.store;

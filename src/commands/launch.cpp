@@ -9,6 +9,7 @@
 #include "detail/files.h"
 #include "detail/launcher.h"
 #include "detail/process_group.h"
+#include "detail/store_server.h"
 #include "detail/subprocess.h"
 
 #include <CLI/CLI.hpp>
@@ -68,6 +69,9 @@ struct LaunchCli {
                  "Process-group back-end: gloo, nccl or mpi (mpi starts the workers through mpirun)");
     add_optional(app, args.mpirun_hostfile, "mpirun_hostfile",
                  "Host file of the machines mpirun starts the workers on (implies --backend mpi)");
+    add_optional(app, args.rdzv_secret_file, "rdzv_secret_file",
+                 "File holding the job's rendezvous secret, the same on every machine (else ACCELERATE_RDZV_SECRET; "
+                 "one machine makes its own)");
     app.add_flag(spellings("debug"), args.debug, "Check every collective's shapes across processes");
     app.add_flag(spellings("enable_cpu_affinity"), args.enable_cpu_affinity, "Bind each process to a NUMA node");
     app.add_option(spellings("max_restarts"), args.max_restarts, "Restart the group this many times on failure");
@@ -307,6 +311,26 @@ LaunchPlan resolve_launch(const LaunchArgs& args) {
   if (plan.mpirun_hostfile && plan.backend.empty()) plan.backend = "mpi";
   if (plan.backend.empty() && mpi_is_the_default(plan)) plan.backend = "mpi";
   if (plan.backend == "mpi") resolve_mpirun(plan);
+  // Note [The job's secret]: every process of a job shows the rendezvous store the same
+  // secret (Note [The job's store]). A launcher on one machine makes one for its workers; the
+  // launchers of a job on several machines must be given the same one.
+  if (args.rdzv_secret_file) {
+    std::string text;
+    try {
+      text = detail::read_file(*args.rdzv_secret_file);
+    } catch (const std::exception& e) {
+      C10_THROW_ERROR(ValueError, c10::str("[launch] --rdzv_secret_file: ", e.what()));
+    }
+    while (!text.empty() && (text.back() == '\n' || text.back() == '\r' || text.back() == ' ')) text.pop_back();
+    TORCH_CHECK_VALUE(!text.empty(), "[launch] --rdzv_secret_file ", *args.rdzv_secret_file, " is empty");
+    plan.rdzv_secret = text;
+  } else if (auto secret = get_env("ACCELERATE_RDZV_SECRET"); secret && !secret->empty()) {
+    plan.rdzv_secret = *secret;
+  }
+  TORCH_CHECK_VALUE(plan.num_machines == 1 || !plan.rdzv_secret.empty() || plan.backend == "mpi", "[launch] a job on ",
+                    plan.num_machines, " machines needs a secret that every machine's launcher knows, so that the "
+                    "rendezvous lets in only this job: put the same one in ACCELERATE_RDZV_SECRET or in a file given "
+                    "with --rdzv_secret_file on every machine (e.g. `openssl rand -hex 16`)");
   TORCH_CHECK_VALUE(!plan.mpirun_hostfile || plan.backend == "mpi", "[launch] --mpirun_hostfile (or mpirun_config in "
                     "the config file) starts the workers through mpirun, which needs --backend mpi, not ",
                     plan.backend);
@@ -367,6 +391,7 @@ std::map<std::string, std::string> worker_environment(const LaunchPlan& plan, in
       {"ACCELERATE_LAUNCH_PREFIXES_OUTPUT", "1"},
   };
   if (plan.num_processes > 1) env["ACCELERATE_STORE_HOSTED"] = "1";
+  if (!plan.rdzv_secret.empty()) env["ACCELERATE_RDZV_SECRET"] = plan.rdzv_secret;
   if (plan.gradient_accumulation_steps) {
     env["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] = std::to_string(*plan.gradient_accumulation_steps);
   }
@@ -456,15 +481,18 @@ int run_mpi_attempt(const LaunchPlan& plan, detail::Supervisor& supervisor,
 
 }  // namespace
 
-int launch_command(const LaunchPlan& plan) {
-  // Signals are blocked before the store starts its threads; see Supervisor.
+int launch_command(const LaunchPlan& given) {
+  LaunchPlan plan = given;
+  if (plan.rdzv_secret.empty() && plan.num_processes > 1) plan.rdzv_secret = detail::new_job_secret();
+  // Signals are blocked before the store starts its thread; see Supervisor.
   detail::Supervisor supervisor;
-  c10::intrusive_ptr<c10d::Store> store;
+  std::unique_ptr<detail::StoreServer> store;
   int port = plan.main_process_port;
   if (plan.num_processes > 1 && plan.machine_rank == 0) {
-    store = detail::serve_tcp_store(plan.main_process_ip, port,
-                                    std::chrono::milliseconds(static_cast<int64_t>(plan.rdzv_timeout * 1000)));
-    port = detail::tcp_store_port(store);
+    store = std::make_unique<detail::StoreServer>(
+        detail::store_bind_address(plan.main_process_ip, plan.num_machines > 1), port, plan.rdzv_secret,
+        [](const std::string& line) { std::cerr << "accelerate launch: " + line + "\n" << std::flush; });
+    port = store->port();
   }
 
   char tmpl[] = "/tmp/accelerate-launch-XXXXXX";

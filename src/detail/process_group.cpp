@@ -4,11 +4,11 @@
 #include "build_config.h"
 #include "detail/errors.h"
 #include "detail/process_group_mpi.h"
+#include "detail/store_client.h"
 #include "detail/torch_compat.h"
 
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #ifdef USE_C10D_GLOO
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #endif
@@ -26,6 +26,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <iostream>
 #include <sstream>
 
 namespace accelerate::detail {
@@ -37,26 +38,23 @@ std::string seconds(std::chrono::milliseconds ms) {
   return out.str();
 }
 
-bool mentions(const std::string& text, const char* needle) { return text.find(needle) != std::string::npos; }
 
-c10::intrusive_ptr<c10d::Store> connect_tcp_store(const RendezvousConfig& config) {
+c10::intrusive_ptr<c10d::Store> connect_job_store(const RendezvousConfig& config) {
   const Topology& topo = config.topology;
-  const bool serve = topo.rank == 0 && !config.store_hosted;
-  if (serve) return serve_tcp_store(topo.master_addr, topo.master_port, config.rdzv_timeout);
-  c10d::TCPStoreOptions opts;
-  opts.port = static_cast<uint16_t>(topo.master_port);
-  opts.isServer = false;
-  opts.waitWorkers = false;
-  opts.timeout = config.rdzv_timeout;
-  compat::use_classic_tcp_store(opts);
-  try {
-    return c10::make_intrusive<c10d::TCPStore>(topo.master_addr, opts);
-  } catch (const std::exception& e) {
-    C10_THROW_ERROR(Error, c10::str("[PartialState] rank ", topo.rank, " could not reach the rendezvous store at ",
-                topo.master_addr, ":", topo.master_port, " within ", seconds(config.rdzv_timeout),
-                " (is the main process running, and are MASTER_ADDR/MASTER_PORT right?): ",
-                error_message(e)));
+  std::shared_ptr<StoreServer> server;
+  int port = topo.master_port;
+  if (topo.rank == 0 && !config.store_hosted) {
+    try {
+      server = std::make_shared<StoreServer>(
+          store_bind_address(topo.master_addr, topo.local_world_size < topo.world_size), port, config.secret,
+          [](const std::string& line) { std::cerr << "[rendezvous] " + line + "\n" << std::flush; });
+    } catch (const StoreError& e) {
+      C10_THROW_ERROR(Error, e.what());
+    }
+    port = server->port();
   }
+  return c10::make_intrusive<JobStoreClient>(topo.master_addr, port, config.secret, config.rdzv_timeout,
+                                             std::move(server));
 }
 
 #ifdef USE_C10D_GLOO
@@ -187,35 +185,9 @@ bool is_loopback_address(const std::string& addr) {
   return addr == "localhost" || addr == "::1" || addr.rfind("127.", 0) == 0;
 }
 
-c10::intrusive_ptr<c10d::Store> serve_tcp_store(const std::string& host, int port, std::chrono::milliseconds timeout) {
-  TORCH_CHECK_VALUE(port >= 0 && port <= 65535, "[rendezvous] expected a TCP port in 0-65535, got ", port);
-  c10d::TCPStoreOptions opts;
-  opts.port = static_cast<uint16_t>(port);
-  opts.isServer = true;
-  opts.waitWorkers = false;
-  opts.timeout = timeout;
-  compat::use_classic_tcp_store(opts);
-  try {
-    return c10::make_intrusive<c10d::TCPStore>(host, opts);
-  } catch (const std::exception& e) {
-    const std::string what = e.what();
-    TORCH_CHECK(!mentions(what, "in use") && !mentions(what, "EADDRINUSE"), "[rendezvous] port ", port,
-                " is already in use on this machine; pick another with --main_process_port (0 picks a free one) "
-                "or MASTER_PORT");
-    C10_THROW_ERROR(Error, c10::str("[rendezvous] could not serve the rendezvous store on ", host, ":", port, ": ",
-                error_message(e)));
-  }
-}
-
-int tcp_store_port(const c10::intrusive_ptr<c10d::Store>& store) {
-  auto* tcp = dynamic_cast<c10d::TCPStore*>(store.get());
-  TORCH_INTERNAL_ASSERT(tcp != nullptr, "tcp_store_port expects a TCP store");
-  return tcp->getPort();
-}
-
 Rendezvous rendezvous(const RendezvousConfig& config) {
   const Topology& topo = config.topology;
-  c10::intrusive_ptr<c10d::Store> base = config.store ? config.store : connect_tcp_store(config);
+  c10::intrusive_ptr<c10d::Store> base = config.store ? config.store : connect_job_store(config);
   auto store = c10::make_intrusive<c10d::PrefixStore>("accelerate/attempt" + std::to_string(config.restart_count),
                                                       base);
   store->setTimeout(config.rdzv_timeout);

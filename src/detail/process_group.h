@@ -19,10 +19,12 @@ struct RendezvousConfig {
   std::string backend;  // "gloo" or "nccl"
   std::chrono::milliseconds collective_timeout{std::chrono::minutes(30)};
   std::chrono::milliseconds rdzv_timeout{std::chrono::seconds(900)};
-  /// A store given by the caller; else a TCP store at the topology's master address.
+  /// A store given by the caller; else the job's store at the topology's master address.
   c10::intrusive_ptr<c10d::Store> store;
-  /// The launcher already serves the TCP store, so rank 0 connects as a client too.
+  /// The launcher already serves the store, so rank 0 connects as a client too.
   bool store_hosted = false;
+  /// The job's secret for the store (Note [The job's store]); empty when the job has none.
+  std::string secret;
   /// Keys of each restart of the job are kept apart.
   int restart_count = 0;
 };
@@ -37,11 +39,6 @@ struct Rendezvous {
 /// the processes joined before the timeout.
 Rendezvous rendezvous(const RendezvousConfig& config);
 
-/// Opens a TCP store server on `port` (0 picks a free one), with a message naming the port when
-/// it is in use. Used by `accelerate launch` to serve the store before the workers start.
-c10::intrusive_ptr<c10d::Store> serve_tcp_store(const std::string& host, int port, std::chrono::milliseconds timeout);
-/// The port a TCP store returned by `serve_tcp_store` listens on.
-int tcp_store_port(const c10::intrusive_ptr<c10d::Store>& store);
 
 /// The address of this machine that its packets to `host` leave from (the kernel's route; nothing
 /// is sent). Throws naming the host when it cannot be resolved or reached.

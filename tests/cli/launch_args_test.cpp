@@ -26,7 +26,8 @@ using ::testing::HasSubstr;
 
 using Args = std::vector<std::string>;
 
-// Every test sees an empty HF_HOME, so a default configuration file of this machine never leaks in.
+// Every test sees an empty HF_HOME, so a default configuration file of this machine never leaks in,
+// and a rendezvous secret, which jobs on several machines need.
 class LaunchTest : public ::testing::Test {
  protected:
   std::string write_config(const std::string& name, const std::string& text) const {
@@ -38,7 +39,8 @@ class LaunchTest : public ::testing::Test {
   LaunchPlan resolve(const Args& argv) const { return resolve_launch(parse_launch_args(argv)); }
 
   TempDir home_;
-  EnvironmentPatch env_{std::map<std::string, std::string>{{"HF_HOME", home_.str()}}};
+  EnvironmentPatch env_{std::map<std::string, std::string>{{"HF_HOME", home_.str()},
+                                                          {"ACCELERATE_RDZV_SECRET", "from-the-environment"}}};
 };
 
 class ParseLaunchArgs : public LaunchTest {};
@@ -192,6 +194,34 @@ TEST_F(ResolveLaunch, TheMainProcessAddressCanComeFromTheConfigFile) {
   EXPECT_EQ(plan.main_process_ip, "10.0.0.7");
   EXPECT_EQ(plan.machine_rank, 1);
   EXPECT_EQ(plan.local_num_processes, 2);
+}
+
+TEST_F(ResolveLaunch, SeveralMachinesNeedASecretEveryLauncherKnows) {
+  EnvironmentPatch no_secret(std::map<std::string, std::string>{{"ACCELERATE_RDZV_SECRET", ""}});
+  EXPECT_THROWS_WITH(resolve({"--num_processes", "4", "--num_machines", "2", "--main_process_ip", "10.0.0.1",
+                              "/bin/true"}),
+                     "needs a secret that every machine's launcher knows");
+  // One machine makes its own when the job starts.
+  EXPECT_EQ(resolve({"--num_processes", "2", "/bin/true"}).rdzv_secret, "");
+}
+
+TEST_F(ResolveLaunch, TheSecretComesFromItsFileElseTheEnvironment) {
+  const Args machines = {"--num_processes", "4", "--num_machines", "2", "--main_process_ip", "10.0.0.1"};
+  auto with = [&](Args extra) {
+    Args argv = machines;
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    argv.push_back("/bin/true");
+    return argv;
+  };
+  EXPECT_EQ(resolve(with({})).rdzv_secret, "from-the-environment");
+  const std::string file = write_config("secret", "from-the-file\n");
+  EXPECT_EQ(resolve(with({"--rdzv_secret_file", file})).rdzv_secret, "from-the-file");
+  const std::string empty = write_config("empty", "\n");
+  EXPECT_THROWS_WITH(resolve(with({"--rdzv_secret_file", empty})), "--rdzv_secret_file " + empty + " is empty");
+  EXPECT_THROWS_WITH(resolve(with({"--rdzv_secret_file", home_.str() + "/none"})),
+                     "--rdzv_secret_file: ");
+  const auto env = worker_environment(resolve(with({"--rdzv_secret_file", file})), 0, 29500, 0);
+  EXPECT_EQ(env.at("ACCELERATE_RDZV_SECRET"), "from-the-file");
 }
 
 TEST_F(ResolveLaunch, SeveralMachinesNeedAFixedPort) {

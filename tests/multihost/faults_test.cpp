@@ -14,6 +14,8 @@ namespace {
 using ::testing::AnyOf;
 using ::testing::HasSubstr;
 
+const std::map<std::string, std::string> kSecret = {{"ACCELERATE_RDZV_SECRET", "a-secret-both-hosts-know"}};
+
 // `accelerate launch` of machine `host` of a 2-host job of 4 processes meeting in barriers.
 std::vector<std::string> barriers_on(const HostPair& hosts, int host, const std::string& dir,
                                      const std::string& timeout) {
@@ -35,8 +37,8 @@ TEST(MultiHostFaults, AHostThatDiesEndsTheOtherHostsLauncherNamingTheLostHost) {
   HostPair hosts;
   ACCELERATE_REQUIRE_HOSTS(hosts);
   TempDir dir;
-  Running survivor(barriers_on(hosts, 0, dir.str(), "60"));
-  Running lost(barriers_on(hosts, 1, dir.str(), "60"));
+  Running survivor(barriers_on(hosts, 0, dir.str(), "60"), kSecret);
+  Running lost(barriers_on(hosts, 1, dir.str(), "60"), kSecret);
   ASSERT_TRUE(all_ranks_running(dir.str()));
   hosts.kill_host(1);  // every process of host 1, its launcher included
   lost.wait(30);
@@ -52,8 +54,8 @@ TEST(MultiHostFaults, ACutLinkEndsBothLaunchersWithinTheCollectiveTimeout) {
   HostPair hosts;
   ACCELERATE_REQUIRE_HOSTS(hosts);
   TempDir dir;
-  Running first(barriers_on(hosts, 0, dir.str(), "5"));
-  Running second(barriers_on(hosts, 1, dir.str(), "5"));
+  Running first(barriers_on(hosts, 0, dir.str(), "5"), kSecret);
+  Running second(barriers_on(hosts, 1, dir.str(), "5"), kSecret);
   ASSERT_TRUE(all_ranks_running(dir.str()));
   ASSERT_TRUE(hosts.cut_link(1)) << hosts.unavailable();
   first.wait(90);

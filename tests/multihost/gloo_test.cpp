@@ -42,7 +42,8 @@ struct Outcome {
 
 // One launcher per host, `program(host)` on each; both must succeed.
 Outcome run_on_both(const HostPair& hosts, const std::function<std::vector<std::string>(int)>& program,
-                    const Env& env = {}) {
+                    Env env = {}) {
+  env["ACCELERATE_RDZV_SECRET"] = "a-secret-both-hosts-know";
   Running first(launch_on(hosts, 0, program(0)), env);
   Running second(launch_on(hosts, 1, program(1)), env);
   first.wait(240);

@@ -23,6 +23,9 @@ std::vector<std::string> launch(std::vector<std::string> flags, std::vector<std:
   return argv;
 }
 
+// The secret the launchers of a job on several machines share.
+const std::map<std::string, std::string> kJobSecret = {{"ACCELERATE_RDZV_SECRET", "0123456789abcdef"}};
+
 std::string port_of(const std::string& out, const std::string& rank_prefix) {
   std::smatch m;
   const std::regex re(rank_prefix + "MASTER_PORT=([0-9]+)");
@@ -218,7 +221,7 @@ TEST(Launch, APeerThatNeverArrivesFailsWithinTheRendezvousTimeout) {
   auto r = run(launch({"--num_processes", "2", "--num_machines", "2", "--machine_rank", "0", "--main_process_ip",
                        "127.0.0.1", "--main_process_port", port, "--rdzv_timeout", "2"},
                       {"state"}),
-               60);
+               60, kJobSecret);
   EXPECT_NE(r->exit_code(), 0);
   EXPECT_THAT(r->err, HasSubstr("rendezvous timed out after 2s: only 1 of 2 processes joined"));
 }
@@ -229,17 +232,21 @@ TEST(Launch, AnUnreachableMainProcessFailsWithinTheRendezvousTimeout) {
   auto r = run(launch({"--num_processes", "2", "--num_machines", "2", "--machine_rank", "1", "--main_process_ip",
                        "127.0.0.1", "--main_process_port", port, "--rdzv_timeout", "2"},
                       {"state"}),
-               60);
+               60, kJobSecret);
   EXPECT_NE(r->exit_code(), 0);
   EXPECT_THAT(r->err, HasSubstr("could not reach the rendezvous store at 127.0.0.1:" + port));
 }
 
 TEST(Launch, TwoLaunchersFormOneJobAcrossTwoMachineRanks) {
+  // The secret both launchers are given, here in a file.
+  TempDir dir;
+  const std::string secret_file = dir.str() + "/secret";
+  std::ofstream(secret_file) << "3f1c0d9e2b7a4c68\n";
   const std::string port = std::to_string(free_port());
   auto flags = [&](const char* machine_rank) {
     return std::vector<std::string>{"--num_processes", "4", "--num_machines", "2", "--machine_rank", machine_rank,
                                     "--main_process_ip", "127.0.0.1", "--main_process_port", port,
-                                    "--rdzv_timeout", "30"};
+                                    "--rdzv_timeout", "30", "--rdzv_secret_file", secret_file};
   };
   Running machine0(launch(flags("0"), {"state"}));
   Running machine1(launch(flags("1"), {"state"}));
@@ -252,6 +259,37 @@ TEST(Launch, TwoLaunchersFormOneJobAcrossTwoMachineRanks) {
   EXPECT_THAT(machine1.out, HasSubstr("[rank2]: process 2 of 4 local 0"));
   EXPECT_THAT(machine1.out, HasSubstr("[rank3]: process 3 of 4 local 1"));
   EXPECT_THAT(machine0.out, HasSubstr("[rank0]: trigger seen"));
+}
+
+TEST(Launch, ALauncherWithAnotherSecretIsRefusedAndBothSidesSaySo) {
+  const std::string port = std::to_string(free_port());
+  auto flags = [&](const char* machine_rank) {
+    return std::vector<std::string>{"--num_processes", "4", "--num_machines", "2", "--machine_rank", machine_rank,
+                                    "--main_process_ip", "127.0.0.1", "--main_process_port", port,
+                                    "--rdzv_timeout", "3", "--grace_period", "1"};
+  };
+  Running machine0(launch(flags("0"), {"state"}), {{"ACCELERATE_RDZV_SECRET", "the-job"}});
+  ASSERT_TRUE(wait_for_port(std::stoi(port), 30));
+  Running intruder(launch(flags("1"), {"state"}), {{"ACCELERATE_RDZV_SECRET", "another-job"}});
+  intruder.wait(60);
+  machine0.wait(60);
+  EXPECT_NE(intruder.exit_code(), 0);
+  EXPECT_THAT(intruder.err, HasSubstr("the rendezvous store at 127.0.0.1:" + port +
+                                      " refused this process: it does not know the job's secret"));
+  EXPECT_NE(machine0.exit_code(), 0);
+  EXPECT_THAT(machine0.err, HasSubstr("accelerate launch: refused a rendezvous connection from 127.0.0.1:"));
+  EXPECT_THAT(machine0.err, HasSubstr("it does not know the job's secret (ACCELERATE_RDZV_SECRET)"));
+  EXPECT_THAT(machine0.err, HasSubstr("rendezvous timed out after 3s: only 2 of 4 processes joined"));
+}
+
+TEST(Launch, ASeveralMachineJobWithoutASecretIsRefusedBeforeAnythingStarts) {
+  auto r = run(launch({"--num_processes", "4", "--num_machines", "2", "--machine_rank", "0", "--main_process_ip",
+                       "127.0.0.1", "--main_process_port", "29500"},
+                      {"state"}),
+               30, {{"ACCELERATE_RDZV_SECRET", ""}});
+  EXPECT_EQ(r->exit_code(), 2);
+  EXPECT_THAT(r->err, HasSubstr("needs a secret that every machine's launcher knows"));
+  EXPECT_THAT(r->out, Not(HasSubstr("[rank")));
 }
 
 TEST(Launch, LogDirKeepsEachWorkersOutputInItsOwnFiles) {

@@ -39,6 +39,7 @@ struct LaunchArgs {
   std::optional<std::string> tee;  ///< streams also shown on the console with --log_dir: 0-3
   std::optional<std::string> backend;
   std::optional<std::string> mpirun_hostfile;  ///< machines for `--backend mpi` (mpirun's --hostfile)
+  std::optional<std::string> rdzv_secret_file;  ///< file holding the job's rendezvous secret
   bool no_python = false;
   bool module = false;
   bool quiet = false;            ///< silence the launcher's informational lines (errors still show)
@@ -81,6 +82,10 @@ struct LaunchPlan {
   /// file when there is one.
   std::string mpirun;
   std::optional<std::string> mpirun_hostfile;
+  /// The secret every process of the job shows the rendezvous store: from --rdzv_secret_file or
+  /// ACCELERATE_RDZV_SECRET (required on several machines); empty on one machine, where
+  /// `launch_command` makes a fresh one.
+  std::string rdzv_secret;
   bool quiet = false;
   std::vector<std::string> command;  ///< the program and its arguments
 };

@@ -1,0 +1,55 @@
+// The client of the job's rendezvous store (Note [The job's store] in store_server.cpp): a
+// c10d::Store, so that the process groups use it like LibTorch's own stores.
+#pragma once
+
+#include "detail/store_server.h"
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace accelerate::detail {
+
+class JobStoreClient : public c10d::Store {
+ public:
+  /// Connects to the store at `host`:`port` with the job's `secret`, retrying for up to `timeout`
+  /// while nothing listens there yet. Throws naming the address when it cannot, and saying so when
+  /// the store refuses the secret. `server`, when given, is kept alive as long as the client.
+  JobStoreClient(std::string host, int port, std::string secret, std::chrono::milliseconds timeout,
+                 std::shared_ptr<StoreServer> server = nullptr);
+  ~JobStoreClient() override;
+
+  void set(const std::string& key, const std::vector<uint8_t>& value) override;
+  std::vector<uint8_t> compareSet(const std::string& key, const std::vector<uint8_t>& expected,
+                                  const std::vector<uint8_t>& desired) override;
+  std::vector<uint8_t> get(const std::string& key) override;
+  int64_t add(const std::string& key, int64_t value) override;
+  bool deleteKey(const std::string& key) override;
+  bool check(const std::vector<std::string>& keys) override;
+  int64_t getNumKeys() override;
+  void wait(const std::vector<std::string>& keys) override;
+  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override;
+
+  int port() const { return port_; }
+
+ private:
+  // Sends one request and returns the reply's strings; waits at most `timeout` (zero: forever).
+  std::vector<std::string> request(uint8_t op, const std::vector<std::string>& args,
+                                   std::chrono::milliseconds timeout);
+  void connect_locked(std::chrono::milliseconds timeout);
+  void disconnect_locked();
+
+  std::string host_;
+  int port_;
+  std::string secret_;
+  std::chrono::milliseconds connect_timeout_;
+  std::shared_ptr<StoreServer> server_;
+  std::mutex mutex_;
+  int fd_ = -1;
+};
+
+}  // namespace accelerate::detail

@@ -1,0 +1,53 @@
+// The server of the job's rendezvous store: a key-value store on one TCP address, which only
+// clients that know the job's secret may use (Note [The job's store] in store_server.cpp). It
+// needs no LibTorch; its client is `JobStoreClient` (store_client.h).
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <thread>
+
+namespace accelerate::detail {
+
+/// A failure of the store: a port in use, an address that is not this machine's, a refused
+/// secret. The message names what was wrong.
+class StoreError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+/// 32 random hexadecimal digits from the kernel's generator: a fresh secret for one job.
+std::string new_job_secret();
+
+/// The address the store of a job should listen on, given the main process's address: that
+/// address itself, except for a job on several machines whose address is a name that resolves
+/// here only to loopback (Debian maps its own host name to 127.0.1.1), where the other machines
+/// could not reach it: then "" (every interface; the secret still keeps others out).
+std::string store_bind_address(const std::string& main_process_address, bool several_machines);
+
+class StoreServer {
+ public:
+  /// Listens on `host`:`port` ("" for every interface; port 0 picks a free one) and serves until destroyed, on a thread
+  /// of its own. `report` receives one line for each refused client (at most a few per second).
+  StoreServer(const std::string& host, int port, std::string secret,
+              std::function<void(const std::string&)> report = {});
+  ~StoreServer();
+  StoreServer(const StoreServer&) = delete;
+  StoreServer& operator=(const StoreServer&) = delete;
+
+  /// The port it listens on.
+  int port() const { return port_; }
+  /// The address it listens on, as given.
+  const std::string& host() const { return host_; }
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+  std::string host_;
+  int port_ = 0;
+  std::thread thread_;
+};
+
+}  // namespace accelerate::detail

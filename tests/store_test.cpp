@@ -1,0 +1,194 @@
+// The job's rendezvous store (src/detail/store_server.h, store_client.h) over real sockets: every
+// operation the process groups use, waiting for keys that appear later, timeouts that leave the
+// client usable, the secret, the address it listens on, and clients that misbehave.
+#include "detail/store_client.h"
+#include "detail/store_server.h"
+#include "support/test_support.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <thread>
+
+namespace accelerate::detail {
+namespace {
+
+using ::testing::HasSubstr;
+using namespace std::chrono_literals;
+
+std::vector<uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; }
+std::string text(const std::vector<uint8_t>& v) { return {v.begin(), v.end()}; }
+
+// Connects a plain TCP socket to 127.0.0.x:port; returns the descriptor or -1.
+int raw_connect(const char* address, int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in to{};
+  to.sin_family = AF_INET;
+  to.sin_port = htons(static_cast<uint16_t>(port));
+  ::inet_pton(AF_INET, address, &to.sin_addr);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&to), sizeof(to)) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+TEST(JobStore, EveryOperationBehavesAsAStoreShould) {
+  StoreServer server("127.0.0.1", 0, "s3cret");
+  JobStoreClient store("127.0.0.1", server.port(), "s3cret", 10s);
+  store.set("a", bytes("one"));
+  EXPECT_EQ(text(store.get("a")), "one");
+  EXPECT_EQ(store.add("n", 5), 5);
+  EXPECT_EQ(store.add("n", -2), 3);
+  EXPECT_EQ(text(store.get("n")), "3");  // counters read back as their decimal text
+  EXPECT_TRUE(store.check({"a", "n"}));
+  EXPECT_FALSE(store.check({"a", "missing"}));
+  EXPECT_EQ(store.getNumKeys(), 2);
+  // compareSet: creates only from an empty expectation, replaces only the expected value.
+  EXPECT_EQ(text(store.compareSet("c", bytes("x"), bytes("y"))), "x");
+  EXPECT_FALSE(store.check({"c"}));
+  EXPECT_EQ(text(store.compareSet("c", {}, bytes("first"))), "first");
+  EXPECT_EQ(text(store.compareSet("c", bytes("other"), bytes("second"))), "first");
+  EXPECT_EQ(text(store.compareSet("c", bytes("first"), bytes("second"))), "second");
+  EXPECT_TRUE(store.deleteKey("c"));
+  EXPECT_FALSE(store.deleteKey("c"));
+  EXPECT_EQ(store.getNumKeys(), 2);
+  // Values are bytes, not text.
+  const std::vector<uint8_t> binary = {0, 255, 10, 0, 7};
+  store.set("bin", binary);
+  EXPECT_EQ(store.get("bin"), binary);
+}
+
+TEST(JobStore, AGetOrWaitIsAnsweredWhenAnotherClientWritesTheKey) {
+  StoreServer server("127.0.0.1", 0, "");
+  JobStoreClient reader("127.0.0.1", server.port(), "", 10s);
+  JobStoreClient writer("127.0.0.1", server.port(), "", 10s);
+  std::thread later([&] {
+    std::this_thread::sleep_for(100ms);
+    writer.set("late", bytes("here"));
+    writer.add("counter", 1);
+  });
+  EXPECT_EQ(text(reader.get("late")), "here");
+  reader.wait({"late", "counter"});
+  later.join();
+  EXPECT_EQ(text(reader.get("counter")), "1");
+}
+
+TEST(JobStore, ATimedOutWaitFailsNamingTheStoreAndTheClientStaysUsable) {
+  StoreServer server("127.0.0.1", 0, "k");
+  JobStoreClient store("127.0.0.1", server.port(), "k", 10s);
+  try {
+    store.wait({"never"}, 200ms);
+    ADD_FAILURE() << "the wait did not time out";
+  } catch (const c10::Error& e) {
+    EXPECT_THAT(e.what_without_backtrace(), HasSubstr("did not answer within 0.2s"));
+  }
+  store.set("after", bytes("ok"));
+  EXPECT_EQ(text(store.get("after")), "ok");
+}
+
+TEST(JobStore, AClientWithoutTheSecretIsRefusedAndTheServerReportsIt) {
+  std::vector<std::string> reports;
+  std::mutex mutex;
+  StoreServer server("127.0.0.1", 0, "right", [&](const std::string& line) {
+    std::lock_guard<std::mutex> lock(mutex);
+    reports.push_back(line);
+  });
+  try {
+    JobStoreClient store("127.0.0.1", server.port(), "wrong", 5s);
+    ADD_FAILURE() << "a wrong secret was let in";
+  } catch (const c10::Error& e) {
+    EXPECT_THAT(e.what_without_backtrace(), HasSubstr("refused this process: it does not know the job's secret"));
+  }
+  // The report comes from the server's thread.
+  for (int i = 0; i < 100; ++i) {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      if (!reports.empty()) break;
+    }
+    std::this_thread::sleep_for(10ms);
+  }
+  std::lock_guard<std::mutex> lock(mutex);
+  ASSERT_EQ(reports.size(), 1u);
+  EXPECT_THAT(reports[0], HasSubstr("refused a rendezvous connection from 127.0.0.1:"));
+  EXPECT_THAT(reports[0], HasSubstr("does not know the job's secret"));
+}
+
+TEST(JobStore, ItListensOnlyOnTheAddressItWasGiven) {
+  StoreServer server("127.0.0.1", 0, "");
+  const int here = raw_connect("127.0.0.1", server.port());
+  EXPECT_GE(here, 0);
+  if (here >= 0) ::close(here);
+  // Another address of this machine (the loopback network has them all) is not served.
+  EXPECT_EQ(raw_connect("127.0.0.2", server.port()), -1);
+}
+
+TEST(JobStore, APortInUseAndAForeignAddressAreNamed) {
+  StoreServer first("127.0.0.1", 0, "");
+  try {
+    StoreServer second("127.0.0.1", first.port(), "");
+    ADD_FAILURE() << "two stores on one port";
+  } catch (const StoreError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("port " + std::to_string(first.port()) + " is already in use"));
+  }
+  try {
+    StoreServer elsewhere("192.0.2.1", 0, "");  // TEST-NET-1: never an address of this machine
+    ADD_FAILURE() << "served on an address this machine does not have";
+  } catch (const StoreError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("192.0.2.1 is not an address of this machine"));
+  }
+}
+
+TEST(JobStore, AClientThatSpeaksAnotherProtocolIsDroppedAndOthersAreServed) {
+  StoreServer server("127.0.0.1", 0, "");
+  const int stranger = raw_connect("127.0.0.1", server.port());
+  ASSERT_GE(stranger, 0);
+  const std::string junk = "GET / HTTP/1.1\r\nHost: x\r\n\r\n";
+  ASSERT_EQ(::write(stranger, junk.data(), junk.size()), static_cast<ssize_t>(junk.size()));
+  char c = 0;
+  EXPECT_EQ(::read(stranger, &c, 1), 0);  // closed by the server
+  ::close(stranger);
+  JobStoreClient store("127.0.0.1", server.port(), "", 5s);
+  store.set("still", bytes("served"));
+  EXPECT_EQ(text(store.get("still")), "served");
+}
+
+TEST(JobStore, AClientReachesAServerThatStartsAfterIt) {
+  // Process 0 may serve the store a little after the others start connecting.
+  const int port = [] {
+    StoreServer probe("127.0.0.1", 0, "");
+    return probe.port();
+  }();
+  std::unique_ptr<StoreServer> server;
+  std::thread starter([&] {
+    std::this_thread::sleep_for(300ms);
+    server = std::make_unique<StoreServer>("127.0.0.1", port, "");
+  });
+  JobStoreClient store("127.0.0.1", port, "", 10s);
+  starter.join();
+  store.set("k", bytes("v"));
+  EXPECT_EQ(text(store.get("k")), "v");
+}
+
+TEST(JobStore, NoServerWithinTheTimeoutIsNamed) {
+  const int port = [] {
+    StoreServer probe("127.0.0.1", 0, "");
+    return probe.port();
+  }();
+  try {
+    JobStoreClient store("127.0.0.1", port, "", 300ms);
+    ADD_FAILURE() << "connected to nothing";
+  } catch (const c10::Error& e) {
+    EXPECT_THAT(e.what_without_backtrace(),
+                HasSubstr("could not reach the rendezvous store at 127.0.0.1:" + std::to_string(port) + " within 0.3s"));
+  }
+}
+
+}  // namespace
+}  // namespace accelerate::detail
