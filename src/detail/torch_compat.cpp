@@ -118,15 +118,6 @@ std::unique_ptr<c10d::Reducer> make_reducer(std::vector<at::Tensor> params,
                                           first_bucket_bytes);
 }
 
-namespace {
-template <typename Options>
-void without_libuv(Options& options) {
-  if constexpr (requires { options.useLibUV; }) options.useLibUV = false;
-}
-}  // namespace
-
-void use_classic_tcp_store(c10d::TCPStoreOptions& options) { without_libuv(options); }
-
 c10::Error make_error(std::string message) {
 #if TORCH_VERSION_MAJOR >= 2
   return c10::Error(std::move(message), /*backtrace=*/nullptr);

@@ -68,10 +68,6 @@ c10::intrusive_ptr<c10d::Work> all_to_all_single(c10d::ProcessGroup& group, at::
                                                  std::vector<int64_t>& output_splits,
                                                  std::vector<int64_t>& input_splits);
 
-/// Asks for the TCP store's classic (non-libuv) server and client: 2.x defaults to libuv, which
-/// builds without libuv (Debian's) refuse. Both speak the same protocol.
-void use_classic_tcp_store(c10d::TCPStoreOptions& options);
-
 /// c10d's Reducer over `params`, with the initial buckets `bucket_indices` (whose byte limits are
 /// `per_bucket_limits`), later rebuilt with a first bucket of `first_bucket_bytes` and the rest
 /// of `bucket_bytes`.
