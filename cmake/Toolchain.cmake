@@ -25,6 +25,13 @@ if(ACCELERATE_SANITIZE)
   add_compile_options(-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined)
   add_link_options(-fsanitize=address,undefined)
 endif()
+if(ACCELERATE_SANITIZE_THREAD)
+  if(ACCELERATE_SANITIZE)
+    message(FATAL_ERROR "ThreadSanitizer and AddressSanitizer cannot be combined; use one preset each")
+  endif()
+  add_compile_options(-fsanitize=thread -fno-omit-frame-pointer)
+  add_link_options(-fsanitize=thread)
+endif()
 
 # Applies the project's warnings and shared precompiled header to a target.
 function(accelerate_target_defaults target)

@@ -68,6 +68,9 @@ mount_in() {  # mount_in TARGET MOUNT-ARGS...
 }
 cleanup() { for m in "${mounted[@]}"; do umount -l "$m" 2>/dev/null || true; done; }
 trap cleanup EXIT
+# The root is a mount point of its own, so that `ip netns` (the multihost tests' hosts) can make
+# its mounts private inside the chroot ("mount --make-rslave /" needs / to be a mount).
+mount_in "" --bind "$root"
 mount_in /proc -t proc proc
 mount_in /sys -t sysfs sysfs
 mount_in /dev --rbind /dev

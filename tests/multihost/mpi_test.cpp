@@ -25,9 +25,11 @@ std::unique_ptr<Running> launch_mpi_job(const HostPair& hosts, const TempDir& di
                                    "--main_process_port", "29500", "--rdzv_timeout", "60",
                                    "--num_cpu_threads_per_process", "1"};
   argv.insert(argv.end(), program.begin(), program.end());
-  auto r = std::make_unique<Running>(hosts.in(0, argv),
-                                     std::map<std::string, std::string>{
-                                         {"OMPI_MCA_plm_rsh_agent", hosts.write_rsh_agent()}});
+  // Open MPI 4 reads its agent from plm_rsh_agent; Open MPI 5 (PRRTE) from plm_ssh_agent.
+  const std::string agent = hosts.write_rsh_agent();
+  auto r = std::make_unique<Running>(
+      hosts.in(0, argv),
+      std::map<std::string, std::string>{{"OMPI_MCA_plm_rsh_agent", agent}, {"PRTE_MCA_plm_ssh_agent", agent}});
   r->wait(240);
   return r;
 }
