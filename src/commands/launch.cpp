@@ -495,9 +495,11 @@ int launch_command(const LaunchPlan& given) {
     port = store->port();
   }
 
-  char tmpl[] = "/tmp/accelerate-launch-XXXXXX";
-  const char* tmp = ::mkdtemp(tmpl);
-  TORCH_CHECK(tmp != nullptr, "[launch] cannot create a temporary folder: ", std::strerror(errno));
+  // The launcher's scratch folder (pipes of the MPI wrappers, error files), under TMPDIR.
+  const std::string tmp_root = get_env("TMPDIR").value_or("").empty() ? "/tmp" : *get_env("TMPDIR");
+  std::string tmpl = tmp_root + "/accelerate-launch-XXXXXX";
+  const char* tmp = ::mkdtemp(tmpl.data());
+  TORCH_CHECK(tmp != nullptr, "[launch] cannot create a temporary folder in ", tmp_root, ": ", std::strerror(errno));
   const fs::path scratch(tmp);
 
   // The inherited environment, minus what the contract sets per worker.

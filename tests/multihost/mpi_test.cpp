@@ -1,6 +1,6 @@
 // An MPI job across two hosts of the test bed (tests/support/hosts.h): one `accelerate launch`
 // on the first host, `mpirun` starting the second host's ranks from a host file through an agent
-// that stands in for ssh (each host with a /tmp of its own, as separate machines have).
+// that stands in for ssh (the second host without the launcher's files, as separate machines are).
 #include "accelerate/utils/environment.h"
 #include "support/hosts.h"
 #include "support/process.h"
@@ -9,6 +9,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <fstream>
 
 namespace accelerate::testing {
@@ -25,11 +26,15 @@ std::unique_ptr<Running> launch_mpi_job(const HostPair& hosts, const TempDir& di
                                    "--main_process_port", "29500", "--rdzv_timeout", "60",
                                    "--num_cpu_threads_per_process", "1"};
   argv.insert(argv.end(), program.begin(), program.end());
-  // Open MPI 4 reads its agent from plm_rsh_agent; Open MPI 5 (PRRTE) from plm_ssh_agent.
-  const std::string agent = hosts.write_rsh_agent();
-  auto r = std::make_unique<Running>(
-      hosts.in(0, argv),
-      std::map<std::string, std::string>{{"OMPI_MCA_plm_rsh_agent", agent}, {"PRTE_MCA_plm_ssh_agent", agent}});
+  // The launcher's files go to a folder the second host does not see. Open MPI 4 reads its
+  // agent from plm_rsh_agent; Open MPI 5 (PRRTE) from plm_ssh_agent.
+  const std::string launcher_tmp = dir.str() + "/launcher-tmp";
+  std::filesystem::create_directories(launcher_tmp);
+  const std::string agent = hosts.write_rsh_agent(launcher_tmp);
+  auto r = std::make_unique<Running>(hosts.in(0, argv),
+                                     std::map<std::string, std::string>{{"OMPI_MCA_plm_rsh_agent", agent},
+                                                                        {"PRTE_MCA_plm_ssh_agent", agent},
+                                                                        {"TMPDIR", launcher_tmp}});
   r->wait(240);
   return r;
 }
