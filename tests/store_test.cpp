@@ -3,6 +3,7 @@
 // client usable, the secret, the address it listens on, and clients that misbehave.
 #include "detail/store_client.h"
 #include "detail/store_server.h"
+#include "support/process.h"
 #include "support/test_support.h"
 
 #include <gmock/gmock.h>
@@ -161,10 +162,7 @@ TEST(JobStore, AClientThatSpeaksAnotherProtocolIsDroppedAndOthersAreServed) {
 
 TEST(JobStore, AClientReachesAServerThatStartsAfterIt) {
   // Process 0 may serve the store a little after the others start connecting.
-  const int port = [] {
-    StoreServer probe("127.0.0.1", 0, "");
-    return probe.port();
-  }();
+  const int port = testing::free_port();
   std::unique_ptr<StoreServer> server;
   std::thread starter([&] {
     std::this_thread::sleep_for(300ms);
@@ -177,10 +175,7 @@ TEST(JobStore, AClientReachesAServerThatStartsAfterIt) {
 }
 
 TEST(JobStore, NoServerWithinTheTimeoutIsNamed) {
-  const int port = [] {
-    StoreServer probe("127.0.0.1", 0, "");
-    return probe.port();
-  }();
+  const int port = testing::free_port();
   try {
     JobStoreClient store("127.0.0.1", port, "", 300ms);
     ADD_FAILURE() << "connected to nothing";

@@ -496,7 +496,8 @@ int launch_command(const LaunchPlan& given) {
   }
 
   // The launcher's scratch folder (pipes of the MPI wrappers, error files), under TMPDIR.
-  const std::string tmp_root = get_env("TMPDIR").value_or("").empty() ? "/tmp" : *get_env("TMPDIR");
+  std::string tmp_root = get_env("TMPDIR").value_or("");
+  if (tmp_root.empty()) tmp_root = "/tmp";
   std::string tmpl = tmp_root + "/accelerate-launch-XXXXXX";
   const char* tmp = ::mkdtemp(tmpl.data());
   TORCH_CHECK(tmp != nullptr, "[launch] cannot create a temporary folder in ", tmp_root, ": ", std::strerror(errno));

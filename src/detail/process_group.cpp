@@ -181,10 +181,6 @@ std::string network_of_address(const std::string& address) {
   return network;
 }
 
-bool is_loopback_address(const std::string& addr) {
-  return addr == "localhost" || addr == "::1" || addr.rfind("127.", 0) == 0;
-}
-
 Rendezvous rendezvous(const RendezvousConfig& config) {
   const Topology& topo = config.topology;
   c10::intrusive_ptr<c10d::Store> base = config.store ? config.store : connect_job_store(config);

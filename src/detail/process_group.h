@@ -3,6 +3,7 @@
 #pragma once
 
 #include "detail/env.h"
+#include "detail/store_server.h"  // is_loopback_address
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -48,7 +49,5 @@ std::string source_address_towards(const std::string& host, int port);
 /// `address`; empty when none has it.
 std::string network_of_address(const std::string& address);
 
-/// Whether an address names this machine's loopback interface.
-bool is_loopback_address(const std::string& addr);
 
 }  // namespace accelerate::detail

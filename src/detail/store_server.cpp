@@ -332,8 +332,12 @@ struct StoreServer::State {
   }
 };
 
+bool is_loopback_address(const std::string& address) {
+  return address == "localhost" || address == "::1" || address.rfind("127.", 0) == 0;
+}
+
 std::string store_bind_address(const std::string& address, bool several_machines) {
-  if (!several_machines || address == "localhost" || address.rfind("127.", 0) == 0 || address == "::1") return address;
+  if (!several_machines || is_loopback_address(address)) return address;
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;

@@ -21,6 +21,9 @@ class StoreError : public std::runtime_error {
 /// 32 random hexadecimal digits from the kernel's generator: a fresh secret for one job.
 std::string new_job_secret();
 
+/// Whether an address names this machine's loopback interface.
+bool is_loopback_address(const std::string& address);
+
 /// The address the store of a job should listen on, given the main process's address: that
 /// address itself, except for a job on several machines whose address is a name that resolves
 /// here only to loopback (Debian maps its own host name to 127.0.1.1), where the other machines

@@ -161,17 +161,19 @@ pid_t child_of(pid_t pid) {
   return static_cast<pid_t>(child);
 }
 
-std::vector<std::string> launch_stubborn(const std::string& dir) {
-  return {accelerate_bin(), "launch", "--backend", "mpi", "-n", "2", "--main_process_port", "0", "--grace_period",
-          "1", worker_bin(), "stubborn", dir};
-}
+// Two MPI workers that ignore SIGTERM, started and past their pid files.
+struct StubbornJob {
+  TempDir dir;
+  Running launcher{{accelerate_bin(), "launch", "--backend", "mpi", "-n", "2", "--main_process_port", "0",
+                    "--grace_period", "1", worker_bin(), "stubborn", dir.str()}};
+  int pid0 = wait_for_int_file(dir.str() + "/pid_0", 30);
+  int pid1 = wait_for_int_file(dir.str() + "/pid_1", 30);
+};
 
 TEST(MpiBackend, WhenMpirunIsKilledTheLauncherReturnsOnlyAfterEveryWorkerIsGone) {
   if (!is_mpi_available()) GTEST_SKIP() << "built without MPI: no mpirun to kill";
-  TempDir dir;
-  Running launcher(launch_stubborn(dir.str()));
-  const int pid0 = wait_for_int_file(dir.str() + "/pid_0", 30);
-  const int pid1 = wait_for_int_file(dir.str() + "/pid_1", 30);
+  StubbornJob job;
+  auto& [dir, launcher, pid0, pid1] = job;
   ASSERT_GT(pid0, 0);
   ASSERT_GT(pid1, 0);
   const pid_t mpirun = child_of(launcher.pid());
@@ -192,10 +194,8 @@ TEST(MpiBackend, WhenMpirunIsKilledTheLauncherReturnsOnlyAfterEveryWorkerIsGone)
 
 TEST(MpiBackend, AWorkerWhoseWrapperDiesIsTheRootCauseAndNoShellNoticeIsShown) {
   if (!is_mpi_available()) GTEST_SKIP() << "built without MPI: no wrappers";
-  TempDir dir;
-  Running launcher(launch_stubborn(dir.str()));
-  const int pid0 = wait_for_int_file(dir.str() + "/pid_0", 30);
-  const int pid1 = wait_for_int_file(dir.str() + "/pid_1", 30);
+  StubbornJob job;
+  auto& [dir, launcher, pid0, pid1] = job;
   ASSERT_GT(pid0, 0);
   ASSERT_GT(pid1, 0);
   const pid_t wrapper = parent_of(pid1);
