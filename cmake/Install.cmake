@@ -6,6 +6,8 @@ install(TARGETS accelerate accelerate_cli
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
         LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
         RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+# Every `accelerate` command but launch (Note [The launcher without LibTorch]).
+install(TARGETS accelerate_commands RUNTIME DESTINATION ${CMAKE_INSTALL_LIBEXECDIR}/accelerate-cpp)
 install(DIRECTORY include/accelerate DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 install(EXPORT accelerateTargets NAMESPACE accelerate::
         DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/accelerate)

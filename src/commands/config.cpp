@@ -2,9 +2,9 @@
 #include "accelerate/commands/config.h"
 
 #include "accelerate/utils/environment.h"
+#include "detail/check.h"
 #include "detail/files.h"
 
-#include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
 #include <yaml-cpp/yaml.h>
 
@@ -38,13 +38,14 @@ struct Reader {
 
   [[noreturn]] void fail(const std::string& key, const std::string& expected, const YAML::Node& node) const {
     std::string got = node.IsScalar() ? "'" + node.Scalar() + "'" : (node.IsSequence() ? "a list" : "a mapping");
-    C10_THROW_ERROR(ValueError, c10::str("[load_config_from_file] ", path, ": key '", key, "' expects ", expected, ", got ", got));
+    detail::raise_value_error(
+        detail::concat("[load_config_from_file] ", path, ": key '", key, "' expects ", expected, ", got ", got));
   }
   bool boolean(const std::string& key, const YAML::Node& node) const {
     if (!node.IsScalar()) fail(key, "a boolean", node);
     try {
       return str_to_bool(node.Scalar());
-    } catch (const c10::ValueError&) {
+    } catch (const std::exception&) {
       fail(key, "a boolean", node);
     }
   }
@@ -104,17 +105,17 @@ std::string default_config_file() {
 }
 
 ClusterConfig load_config_from_file(const std::string& path) {
-  TORCH_CHECK_VALUE(fs::is_regular_file(path), "[load_config_from_file] the configuration file '", path,
-                    "' does not exist; pass an existing file with --config_file or create the default one with "
-                    "`accelerate config`");
+  ACCELERATE_CHECK_VALUE(fs::is_regular_file(path), "[load_config_from_file] the configuration file '", path,
+                         "' does not exist; pass an existing file with --config_file or create the default one with "
+                         "`accelerate config`");
   YAML::Node root;
   try {
     root = YAML::LoadFile(path);
   } catch (const YAML::Exception& e) {
-    C10_THROW_ERROR(ValueError, c10::str("[load_config_from_file] ", path, " is not valid YAML: ", e.what()));
+    detail::raise_value_error(detail::concat("[load_config_from_file] ", path, " is not valid YAML: ", e.what()));
   }
-  TORCH_CHECK_VALUE(root.IsMap(), "[load_config_from_file] ", path,
-                    " must hold a mapping of configuration keys, e.g. 'distributed_type: MULTI_CPU'");
+  ACCELERATE_CHECK_VALUE(root.IsMap(), "[load_config_from_file] ", path,
+                         " must hold a mapping of configuration keys, e.g. 'distributed_type: MULTI_CPU'");
 
   std::vector<std::string> unknown;
   ClusterConfig config;
@@ -127,8 +128,8 @@ ClusterConfig load_config_from_file(const std::string& path) {
     std::sort(unknown.begin(), unknown.end());
     std::string listed;
     for (const auto& key : unknown) listed += (listed.empty() ? "" : ", ") + key;
-    C10_THROW_ERROR(ValueError, c10::str("[load_config_from_file] the config file at ", path, " has unknown keys (", listed,
-                      "); fix or remove them"));
+    detail::raise_value_error(detail::concat("[load_config_from_file] the config file at ", path, " has unknown keys (",
+                                             listed, "); fix or remove them"));
   }
 
   const Reader r{path};
@@ -139,27 +140,27 @@ ClusterConfig load_config_from_file(const std::string& path) {
     std::optional<ComputeEnvironment> environment;
     try {
       environment = parse_compute_environment(config.compute_environment);
-    } catch (const c10::ValueError&) {
+    } catch (const std::exception&) {
     }
-    TORCH_CHECK_VALUE(environment == ComputeEnvironment::kLocalMachine, "[load_config_from_file] ", path,
-                      ": compute_environment '", config.compute_environment, "' is ",
-                      environment ? "not supported by accelerate-cpp (SageMaker jobs are Python's)"
-                                  : "not one of LOCAL_MACHINE, AMAZON_SAGEMAKER",
-                      "; only LOCAL_MACHINE is supported");
+    ACCELERATE_CHECK_VALUE(environment == ComputeEnvironment::kLocalMachine, "[load_config_from_file] ", path,
+                           ": compute_environment '", config.compute_environment, "' is ",
+                           environment ? "not supported by accelerate-cpp (SageMaker jobs are Python's)"
+                                       : "not one of LOCAL_MACHINE, AMAZON_SAGEMAKER",
+                           "; only LOCAL_MACHINE is supported");
   }
-  TORCH_CHECK_VALUE(has("distributed_type"), "[load_config_from_file] ", path,
-                    ": a `distributed_type` must be specified (NO, MULTI_CPU or MULTI_GPU)");
+  ACCELERATE_CHECK_VALUE(has("distributed_type"), "[load_config_from_file] ", path,
+                         ": a `distributed_type` must be specified (NO, MULTI_CPU or MULTI_GPU)");
   try {
     config.distributed_type = parse_distributed_type(r.text("distributed_type", root["distributed_type"]));
-  } catch (const c10::ValueError& e) {
-    C10_THROW_ERROR(ValueError, c10::str("[load_config_from_file] ", path, ": ", e.what_without_backtrace()));
+  } catch (const std::exception& e) {
+    detail::raise_value_error(detail::concat("[load_config_from_file] ", path, ": ", detail::error_text(e)));
   }
   if (has("mixed_precision")) {
     const std::string text = r.text("mixed_precision", root["mixed_precision"]);
     try {
       config.mixed_precision = to_string(parse_precision_type(text));
-    } catch (const c10::ValueError& e) {
-      C10_THROW_ERROR(ValueError, c10::str("[load_config_from_file] ", path, ": ", e.what_without_backtrace()));
+    } catch (const std::exception& e) {
+      detail::raise_value_error(detail::concat("[load_config_from_file] ", path, ": ", detail::error_text(e)));
     }
   } else if (has("fp16") && r.boolean("fp16", root["fp16"])) {
     config.mixed_precision = "fp16";  // older schema
@@ -186,30 +187,31 @@ ClusterConfig load_config_from_file(const std::string& path) {
   if (has("mpirun_config") && root["mpirun_config"].IsMap() && root["mpirun_config"]["mpirun_hostfile"]) {
     config.mpirun_hostfile = r.text("mpirun_config.mpirun_hostfile", root["mpirun_config"]["mpirun_hostfile"]);
   }
-  TORCH_CHECK_VALUE(config.rdzv_backend == "static" || config.rdzv_backend == "c10d", "[load_config_from_file] ",
-                    path, ": rdzv_backend '", config.rdzv_backend, "' is not supported; use 'static' or 'c10d'");
+  ACCELERATE_CHECK_VALUE(config.rdzv_backend == "static" || config.rdzv_backend == "c10d", "[load_config_from_file] ",
+                         path, ": rdzv_backend '", config.rdzv_backend, "' is not supported; use 'static' or 'c10d'");
 
   for (const char* key : {"deepspeed_config", "fsdp_config", "megatron_lm_config", "fp8_config", "parallelism_config",
                           "ipex_config", "tpu_name", "tpu_use_cluster", "command_file", "commands"}) {
     const bool asked = std::string(key) == "ipex_config" ? Reader::turns_on(root[key]) : Reader::requests(root[key]);
-    TORCH_CHECK_VALUE(!asked, "[load_config_from_file] ", path, ": '", key,
-                      "' configures a Python-only integration that accelerate-cpp does not support; remove it");
+    ACCELERATE_CHECK_VALUE(!asked, "[load_config_from_file] ", path, ": '", key,
+                           "' configures a Python-only integration that accelerate-cpp does not support; remove it");
   }
   for (const char* key : {"dynamo_config", "dynamo_backend"}) {
     YAML::Node node = root[key];
     if (node && node.IsMap()) node = node["dynamo_backend"];
     const bool off = !node || node.IsNull() || (node.IsScalar() && (node.Scalar() == "NO" || node.Scalar() == "no"));
-    TORCH_CHECK_VALUE(off || !Reader::requests(node), "[load_config_from_file] ", path,
-                      ": TorchDynamo compilation is a Python-only feature that accelerate-cpp does not support; "
-                      "set dynamo_backend to NO or remove '", key, "'");
+    ACCELERATE_CHECK_VALUE(off || !Reader::requests(node), "[load_config_from_file] ", path,
+                           ": TorchDynamo compilation is a Python-only feature that accelerate-cpp does not support; "
+                           "set dynamo_backend to NO or remove '",
+                           key, "'");
   }
-  TORCH_CHECK_VALUE(config.num_processes >= 1, "[load_config_from_file] ", path, ": num_processes must be >= 1, got ",
-                    config.num_processes);
-  TORCH_CHECK_VALUE(config.num_machines >= 1, "[load_config_from_file] ", path, ": num_machines must be >= 1, got ",
-                    config.num_machines);
-  TORCH_CHECK_VALUE(config.machine_rank >= 0 && config.machine_rank < config.num_machines, "[load_config_from_file] ",
-                    path, ": machine_rank ", config.machine_rank, " is outside [0, num_machines=", config.num_machines,
-                    ")");
+  ACCELERATE_CHECK_VALUE(config.num_processes >= 1, "[load_config_from_file] ", path,
+                         ": num_processes must be >= 1, got ", config.num_processes);
+  ACCELERATE_CHECK_VALUE(config.num_machines >= 1, "[load_config_from_file] ", path,
+                         ": num_machines must be >= 1, got ", config.num_machines);
+  ACCELERATE_CHECK_VALUE(config.machine_rank >= 0 && config.machine_rank < config.num_machines,
+                         "[load_config_from_file] ", path, ": machine_rank ", config.machine_rank,
+                         " is outside [0, num_machines=", config.num_machines, ")");
   return config;
 }
 
@@ -284,7 +286,7 @@ void save_config_file(const ClusterConfig& config, const std::string& path) {
     if (target.has_parent_path()) fs::create_directories(target.parent_path());
     detail::write_file_atomically(path, text);
   } catch (const std::exception& e) {
-    TORCH_CHECK(false, "[save_config_file] cannot write ", path, ": ", e.what());
+    ACCELERATE_CHECK(false, "[save_config_file] cannot write ", path, ": ", e.what());
   }
 }
 

@@ -4,16 +4,16 @@
 
 #include "accelerate/utils/environment.h"
 #include "build_config.h"
+#include "detail/check.h"
+#include "detail/devices.h"
 #include "detail/env.h"
-#include "detail/errors.h"
 #include "detail/files.h"
 #include "detail/launcher.h"
-#include "detail/process_group.h"
+#include "detail/network.h"
 #include "detail/store_server.h"
 #include "detail/subprocess.h"
 
 #include <CLI/CLI.hpp>
-#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <filesystem>
@@ -101,8 +101,8 @@ bool ends_with(const std::string& s, const std::string& suffix) {
 // MPI keep Gloo (or NCCL); `--backend` or ACCELERATE_BACKEND chooses explicitly.
 bool mpi_is_the_default(const LaunchPlan& plan) {
   if (plan.num_processes < 2 || plan.num_machines != 1 || plan.multi_gpu) return false;
-  if (!plan.use_cpu && is_cuda_available()) return false;
   if (!is_mpi_available()) return false;
+  if (!plan.use_cpu && detail::visible_cuda_devices() > 0) return false;
   try {
     (void)detail::resolve_program("mpirun");
     return true;
@@ -113,24 +113,27 @@ bool mpi_is_the_default(const LaunchPlan& plan) {
 
 // Checks what the MPI back-end needs and finds mpirun.
 void resolve_mpirun(LaunchPlan& plan) {
-  TORCH_CHECK_VALUE(is_mpi_available(), "[launch] --backend mpi: the MPI back-end is not available in this build of "
-                    "accelerate-cpp (it was built without MPI; install libopenmpi-dev and rebuild)");
-  TORCH_CHECK_VALUE(!plan.multi_gpu, "[launch] --backend mpi handles CPU tensors only; use --cpu, or nccl for GPUs");
+  ACCELERATE_CHECK_VALUE(is_mpi_available(),
+                         "[launch] --backend mpi: the MPI back-end is not available in this build of "
+                         "accelerate-cpp (it was built without MPI; install libopenmpi-dev and rebuild)");
+  ACCELERATE_CHECK_VALUE(!plan.multi_gpu,
+                         "[launch] --backend mpi handles CPU tensors only; use --cpu, or nccl for GPUs");
   if (plan.num_machines > 1) {
-    TORCH_CHECK_VALUE(plan.mpirun_hostfile.has_value(), "[launch] --backend mpi on ", plan.num_machines,
-                      " machines needs --mpirun_hostfile, the machines mpirun starts the workers on");
-    TORCH_CHECK_VALUE(plan.machine_rank == 0, "[launch] with --backend mpi, mpirun starts the workers of every "
-                      "machine: run accelerate launch once, on the machine of rank 0 (--machine_rank 0)");
+    ACCELERATE_CHECK_VALUE(plan.mpirun_hostfile.has_value(), "[launch] --backend mpi on ", plan.num_machines,
+                           " machines needs --mpirun_hostfile, the machines mpirun starts the workers on");
+    ACCELERATE_CHECK_VALUE(plan.machine_rank == 0,
+                           "[launch] with --backend mpi, mpirun starts the workers of every "
+                           "machine: run accelerate launch once, on the machine of rank 0 (--machine_rank 0)");
   }
   if (plan.mpirun_hostfile) {
-    TORCH_CHECK_VALUE(fs::is_regular_file(*plan.mpirun_hostfile), "[launch] --mpirun_hostfile ",
-                      *plan.mpirun_hostfile, " is not a readable file");
+    ACCELERATE_CHECK_VALUE(fs::is_regular_file(*plan.mpirun_hostfile), "[launch] --mpirun_hostfile ",
+                           *plan.mpirun_hostfile, " is not a readable file");
   }
   try {
     plan.mpirun = detail::resolve_program("mpirun");
   } catch (const std::exception&) {
-    TORCH_CHECK_VALUE(std::string(ACCELERATE_MPIEXEC).size() > 0 && fs::exists(ACCELERATE_MPIEXEC),
-                      "[launch] --backend mpi needs mpirun, which is not on PATH (Debian: openmpi-bin)");
+    ACCELERATE_CHECK_VALUE(std::string(ACCELERATE_MPIEXEC).size() > 0 && fs::exists(ACCELERATE_MPIEXEC),
+                           "[launch] --backend mpi needs mpirun, which is not on PATH (Debian: openmpi-bin)");
     plan.mpirun = ACCELERATE_MPIEXEC;
   }
 }
@@ -206,7 +209,7 @@ LaunchArgs parse_launch_args(const std::vector<std::string>& argv) {
     help.help = true;
     return help;
   } catch (const CLI::ParseError& e) {
-    C10_THROW_ERROR(ValueError, c10::str("[launch] ", e.what(), " (see `accelerate launch --help`)"));
+    detail::raise_value_error(detail::concat("[launch] ", e.what(), " (see `accelerate launch --help`)"));
   }
   auto rest = cli.app.remaining();
   // Upstream's flags of Python-only integrations are named as such (docs/porting.md says what to
@@ -223,15 +226,16 @@ LaunchArgs parse_launch_args(const std::vector<std::string>& argv) {
     if (flag.rfind("--", 0) == 0) std::replace(flag.begin() + 2, flag.end(), '-', '_');
     for (const auto& [prefix, feature] : python_only) {
       const bool matches = prefix.back() == '_' ? flag.rfind(prefix, 0) == 0 : flag == prefix || flag.rfind(prefix + "_", 0) == 0;
-      TORCH_CHECK_VALUE(!matches, "[launch] '", given, "' configures ", feature,
-                        ", a Python-only integration that accelerate-cpp does not support (docs/porting.md says what "
-                        "to use instead)");
+      ACCELERATE_CHECK_VALUE(
+          !matches, "[launch] '", given, "' configures ", feature,
+          ", a Python-only integration that accelerate-cpp does not support (docs/porting.md says what "
+          "to use instead)");
     }
   }
   // Everything from the program on is left unparsed, so a mistyped flag would otherwise be taken
   // for the program's name.
-  TORCH_CHECK_VALUE(rest.empty() || rest.front().empty() || rest.front()[0] != '-', "[launch] unknown flag '",
-                    rest.empty() ? "" : rest.front(), "' (see `accelerate launch --help`)");
+  ACCELERATE_CHECK_VALUE(rest.empty() || rest.front().empty() || rest.front()[0] != '-', "[launch] unknown flag '",
+                         rest.empty() ? "" : rest.front(), "' (see `accelerate launch --help`)");
   if (!rest.empty()) {
     cli.args.training_script = rest.front();
     cli.args.training_script_args.assign(rest.begin() + 1, rest.end());
@@ -278,35 +282,43 @@ LaunchPlan resolve_launch(const LaunchArgs& args) {
   plan.backend = args.backend.value_or(get_env("ACCELERATE_BACKEND").value_or(""));
   plan.quiet = args.quiet;
 
-  TORCH_CHECK_VALUE(plan.num_processes >= 1, "[launch] --num_processes must be at least 1, got ", plan.num_processes);
-  TORCH_CHECK_VALUE(plan.num_machines >= 1, "[launch] --num_machines must be at least 1, got ", plan.num_machines);
-  TORCH_CHECK_VALUE(plan.machine_rank >= 0 && plan.machine_rank < plan.num_machines, "[launch] --machine_rank ",
-                    plan.machine_rank, " is outside [0, --num_machines=", plan.num_machines, ")");
-  TORCH_CHECK_VALUE(plan.num_processes % plan.num_machines == 0, "[launch] --num_processes (", plan.num_processes,
-                    ", the total over all machines) must be a multiple of --num_machines (", plan.num_machines, ")");
+  ACCELERATE_CHECK_VALUE(plan.num_processes >= 1, "[launch] --num_processes must be at least 1, got ",
+                         plan.num_processes);
+  ACCELERATE_CHECK_VALUE(plan.num_machines >= 1, "[launch] --num_machines must be at least 1, got ", plan.num_machines);
+  ACCELERATE_CHECK_VALUE(plan.machine_rank >= 0 && plan.machine_rank < plan.num_machines, "[launch] --machine_rank ",
+                         plan.machine_rank, " is outside [0, --num_machines=", plan.num_machines, ")");
+  ACCELERATE_CHECK_VALUE(plan.num_processes % plan.num_machines == 0, "[launch] --num_processes (", plan.num_processes,
+                         ", the total over all machines) must be a multiple of --num_machines (", plan.num_machines,
+                         ")");
   plan.local_num_processes = plan.num_processes / plan.num_machines;
-  TORCH_CHECK_VALUE(plan.main_process_port >= 0 && plan.main_process_port <= 65535,
-                    "[launch] --main_process_port must be a TCP port (0-65535), got ", plan.main_process_port);
+  ACCELERATE_CHECK_VALUE(plan.main_process_port >= 0 && plan.main_process_port <= 65535,
+                         "[launch] --main_process_port must be a TCP port (0-65535), got ", plan.main_process_port);
   if (plan.num_machines > 1) {
-    TORCH_CHECK_VALUE(ip.has_value(), "[launch] a job on ", plan.num_machines,
-                      " machines needs --main_process_ip, the address of the machine of rank 0");
-    TORCH_CHECK_VALUE(plan.main_process_port != 0, "[launch] a job on several machines needs a fixed "
-                                                   "--main_process_port that every machine knows (0 picks a random one)");
+    ACCELERATE_CHECK_VALUE(ip.has_value(), "[launch] a job on ", plan.num_machines,
+                           " machines needs --main_process_ip, the address of the machine of rank 0");
+    ACCELERATE_CHECK_VALUE(plan.main_process_port != 0,
+                           "[launch] a job on several machines needs a fixed "
+                           "--main_process_port that every machine knows (0 picks a random one)");
   }
-  TORCH_CHECK_VALUE(!(args.cpu && args.multi_gpu), "[launch] --cpu and --multi_gpu exclude each other");
-  TORCH_CHECK_VALUE(!plan.multi_gpu || is_cuda_available(),
-                    "[launch] --multi_gpu (or distributed_type MULTI_GPU in the config) needs CUDA devices, but "
-                    "LibTorch here reports none; use --cpu");
-  TORCH_CHECK_VALUE(plan.monitor_interval > 0, "[launch] --monitor_interval must be positive, got ",
-                    plan.monitor_interval);
-  TORCH_CHECK_VALUE(plan.rdzv_timeout > 0, "[launch] --rdzv_timeout must be positive, got ", plan.rdzv_timeout);
-  TORCH_CHECK_VALUE(plan.grace_period >= 0, "[launch] --grace_period must not be negative, got ", plan.grace_period);
-  TORCH_CHECK_VALUE(plan.max_restarts >= 0, "[launch] --max_restarts must not be negative, got ", plan.max_restarts);
-  TORCH_CHECK_VALUE(!plan.gradient_accumulation_steps || *plan.gradient_accumulation_steps >= 1,
-                    "[launch] --gradient_accumulation_steps must be at least 1, got ",
-                    plan.gradient_accumulation_steps.value_or(0));
-  TORCH_CHECK_VALUE(plan.backend.empty() || plan.backend == "gloo" || plan.backend == "nccl" || plan.backend == "mpi",
-                    "[launch] --backend must be gloo, nccl or mpi, got '", plan.backend, "'");
+  ACCELERATE_CHECK_VALUE(!(args.cpu && args.multi_gpu), "[launch] --cpu and --multi_gpu exclude each other");
+  ACCELERATE_CHECK_VALUE(!plan.multi_gpu || detail::visible_cuda_devices() > 0,
+                         "[launch] --multi_gpu (or distributed_type MULTI_GPU in the config) needs CUDA devices, but ",
+                         ACCELERATE_HAVE_CUDA ? "the CUDA driver reports none visible here"
+                                              : "this build of accelerate-cpp has no CUDA (its LibTorch is CPU-only)",
+                         "; use --cpu");
+  ACCELERATE_CHECK_VALUE(plan.monitor_interval > 0, "[launch] --monitor_interval must be positive, got ",
+                         plan.monitor_interval);
+  ACCELERATE_CHECK_VALUE(plan.rdzv_timeout > 0, "[launch] --rdzv_timeout must be positive, got ", plan.rdzv_timeout);
+  ACCELERATE_CHECK_VALUE(plan.grace_period >= 0, "[launch] --grace_period must not be negative, got ",
+                         plan.grace_period);
+  ACCELERATE_CHECK_VALUE(plan.max_restarts >= 0, "[launch] --max_restarts must not be negative, got ",
+                         plan.max_restarts);
+  ACCELERATE_CHECK_VALUE(!plan.gradient_accumulation_steps || *plan.gradient_accumulation_steps >= 1,
+                         "[launch] --gradient_accumulation_steps must be at least 1, got ",
+                         plan.gradient_accumulation_steps.value_or(0));
+  ACCELERATE_CHECK_VALUE(
+      plan.backend.empty() || plan.backend == "gloo" || plan.backend == "nccl" || plan.backend == "mpi",
+      "[launch] --backend must be gloo, nccl or mpi, got '", plan.backend, "'");
   plan.mpirun_hostfile = args.mpirun_hostfile ? args.mpirun_hostfile : (config ? config->mpirun_hostfile : std::nullopt);
   if (plan.mpirun_hostfile && plan.backend.empty()) plan.backend = "mpi";
   if (plan.backend.empty() && mpi_is_the_default(plan)) plan.backend = "mpi";
@@ -319,30 +331,35 @@ LaunchPlan resolve_launch(const LaunchArgs& args) {
     try {
       text = detail::read_file(*args.rdzv_secret_file);
     } catch (const std::exception& e) {
-      C10_THROW_ERROR(ValueError, c10::str("[launch] --rdzv_secret_file: ", e.what()));
+      detail::raise_value_error(detail::concat("[launch] --rdzv_secret_file: ", e.what()));
     }
     while (!text.empty() && (text.back() == '\n' || text.back() == '\r' || text.back() == ' ')) text.pop_back();
-    TORCH_CHECK_VALUE(!text.empty(), "[launch] --rdzv_secret_file ", *args.rdzv_secret_file, " is empty");
+    ACCELERATE_CHECK_VALUE(!text.empty(), "[launch] --rdzv_secret_file ", *args.rdzv_secret_file, " is empty");
     plan.rdzv_secret = text;
   } else if (auto secret = get_env("ACCELERATE_RDZV_SECRET"); secret && !secret->empty()) {
     plan.rdzv_secret = *secret;
   }
-  TORCH_CHECK_VALUE(plan.num_machines == 1 || !plan.rdzv_secret.empty() || plan.backend == "mpi", "[launch] a job on ",
-                    plan.num_machines, " machines needs a secret that every machine's launcher knows, so that the "
-                    "rendezvous lets in only this job: put the same one in ACCELERATE_RDZV_SECRET or in a file given "
-                    "with --rdzv_secret_file on every machine (e.g. `openssl rand -hex 16`)");
-  TORCH_CHECK_VALUE(!plan.mpirun_hostfile || plan.backend == "mpi", "[launch] --mpirun_hostfile (or mpirun_config in "
-                    "the config file) starts the workers through mpirun, which needs --backend mpi, not ",
-                    plan.backend);
+  ACCELERATE_CHECK_VALUE(
+      plan.num_machines == 1 || !plan.rdzv_secret.empty() || plan.backend == "mpi", "[launch] a job on ",
+      plan.num_machines,
+      " machines needs a secret that every machine's launcher knows, so that the "
+      "rendezvous lets in only this job: put the same one in ACCELERATE_RDZV_SECRET or in a file given "
+      "with --rdzv_secret_file on every machine (e.g. `openssl rand -hex 16`)");
+  ACCELERATE_CHECK_VALUE(!plan.mpirun_hostfile || plan.backend == "mpi",
+                         "[launch] --mpirun_hostfile (or mpirun_config in "
+                         "the config file) starts the workers through mpirun, which needs --backend mpi, not ",
+                         plan.backend);
   if (args.tee) {
     const std::string& t = *args.tee;
-    TORCH_CHECK_VALUE(t.size() == 1 && t[0] >= '0' && t[0] <= '3', "[launch] --tee must be 0, 1, 2 or 3, got '", t,
-                      "'");
+    ACCELERATE_CHECK_VALUE(t.size() == 1 && t[0] >= '0' && t[0] <= '3', "[launch] --tee must be 0, 1, 2 or 3, got '", t,
+                           "'");
     plan.tee = t[0] - '0';
   }
   if (args.num_cpu_threads_per_process) {
-    TORCH_CHECK_VALUE(*args.num_cpu_threads_per_process >= 1, "[launch] --num_cpu_threads_per_process must be at "
-                      "least 1, got ", *args.num_cpu_threads_per_process);
+    ACCELERATE_CHECK_VALUE(*args.num_cpu_threads_per_process >= 1,
+                           "[launch] --num_cpu_threads_per_process must be at "
+                           "least 1, got ",
+                           *args.num_cpu_threads_per_process);
     plan.num_cpu_threads_per_process = *args.num_cpu_threads_per_process;
   } else if (auto omp = get_env("OMP_NUM_THREADS"); omp && !omp->empty()) {
     plan.num_cpu_threads_per_process = get_int_from_env({"OMP_NUM_THREADS"}, 1);
@@ -351,8 +368,8 @@ LaunchPlan resolve_launch(const LaunchArgs& args) {
     plan.num_cpu_threads_per_process = std::max(1, cores / plan.local_num_processes);
   }
 
-  TORCH_CHECK_VALUE(!args.training_script.empty(),
-                    "[launch] no program to run was given: accelerate launch [options] <program> [args...]");
+  ACCELERATE_CHECK_VALUE(!args.training_script.empty(),
+                         "[launch] no program to run was given: accelerate launch [options] <program> [args...]");
   const bool python = !args.no_python && (args.module || ends_with(args.training_script, ".py"));
   if (python) {
     plan.command = {detail::resolve_program("python3")};
@@ -421,8 +438,8 @@ int run_mpi_attempt(const LaunchPlan& plan, detail::Supervisor& supervisor,
   const fs::path dir = scratch / ("attempt_" + std::to_string(attempt));
   fs::create_directories(dir);
   auto make_fifo = [](const fs::path& path) {
-    TORCH_CHECK(::mkfifo(path.c_str(), 0600) == 0, "[launch] cannot create the pipe ", path.string(), ": ",
-                std::strerror(errno));
+    ACCELERATE_CHECK(::mkfifo(path.c_str(), 0600) == 0, "[launch] cannot create the pipe ", path.string(), ": ",
+                     std::strerror(errno));
   };
   detail::CarrierSpec carrier;
   carrier.status_pipe = (dir / "status").string();
@@ -500,7 +517,8 @@ int launch_command(const LaunchPlan& given) {
   if (tmp_root.empty()) tmp_root = "/tmp";
   std::string tmpl = tmp_root + "/accelerate-launch-XXXXXX";
   const char* tmp = ::mkdtemp(tmpl.data());
-  TORCH_CHECK(tmp != nullptr, "[launch] cannot create a temporary folder in ", tmp_root, ": ", std::strerror(errno));
+  ACCELERATE_CHECK(tmp != nullptr, "[launch] cannot create a temporary folder in ", tmp_root, ": ",
+                   std::strerror(errno));
   const fs::path scratch(tmp);
 
   // The inherited environment, minus what the contract sets per worker.
@@ -554,7 +572,7 @@ int launch_main(const std::vector<std::string>& argv) {
     }
     return launch_command(resolve_launch(args));
   } catch (const std::exception& e) {
-    std::cerr << "accelerate launch: error: " << detail::error_message(e) << std::endl;
+    std::cerr << "accelerate launch: error: " << detail::error_text(e) << std::endl;
     return 2;
   }
 }

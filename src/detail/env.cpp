@@ -1,7 +1,7 @@
 // Topology detection from launcher environments; see env.h.
 #include "detail/env.h"
 
-#include <c10/util/Exception.h>
+#include "detail/check.h"
 
 #include <cctype>
 #include <cstdlib>
@@ -55,8 +55,8 @@ int parse_env_int(const std::string& key, const std::string& value) {
   } catch (const std::exception&) {
     used = 0;
   }
-  TORCH_CHECK_VALUE(used > 0 && used == value.size() && parsed >= INT32_MIN && parsed <= INT32_MAX,
-                    "[PartialState] environment variable ", key, " must be an integer, got '", value, "'");
+  ACCELERATE_CHECK_VALUE(used > 0 && used == value.size() && parsed >= INT32_MIN && parsed <= INT32_MAX,
+                         "[PartialState] environment variable ", key, " must be an integer, got '", value, "'");
   return static_cast<int>(parsed);
 }
 
@@ -75,21 +75,22 @@ std::string first_slurm_host(std::string_view nodelist) {
     for (; i < nodelist.size() && (std::isalnum(static_cast<unsigned char>(nodelist[i])) != 0); ++i) {
       suffix += nodelist[i];
     }
-    TORCH_CHECK_VALUE(!suffix.empty(), "[PartialState] cannot read a host from the Slurm node list '", nodelist, "'");
+    ACCELERATE_CHECK_VALUE(!suffix.empty(), "[PartialState] cannot read a host from the Slurm node list '", nodelist,
+                           "'");
     host += suffix;
     while (i < nodelist.size() && nodelist[i] != ']') ++i;
-    TORCH_CHECK_VALUE(i < nodelist.size(), "[PartialState] cannot read a host from the Slurm node list '", nodelist,
-                      "' (unclosed bracket)");
+    ACCELERATE_CHECK_VALUE(i < nodelist.size(), "[PartialState] cannot read a host from the Slurm node list '",
+                           nodelist, "' (unclosed bracket)");
     ++i;
   }
-  TORCH_CHECK_VALUE(!host.empty(), "[PartialState] cannot read a host from the Slurm node list '", nodelist, "'");
+  ACCELERATE_CHECK_VALUE(!host.empty(), "[PartialState] cannot read a host from the Slurm node list '", nodelist, "'");
   return host;
 }
 
 int parse_slurm_tasks_per_node(std::string_view text, const char* variable) {
   size_t end = 0;
   while (end < text.size() && std::isdigit(static_cast<unsigned char>(text[end])) != 0) ++end;
-  TORCH_CHECK_VALUE(end > 0, "[PartialState] cannot read a task count from ", variable, "='", text, "'");
+  ACCELERATE_CHECK_VALUE(end > 0, "[PartialState] cannot read a task count from ", variable, "='", text, "'");
   return parse_env_int(variable, std::string(text.substr(0, end)));
 }
 
@@ -114,17 +115,17 @@ void read_master(const EnvLookup& env, Topology& topo) {
 
 void validate(const Topology& topo, const char* rank_var, const char* size_var, const char* local_var,
               const char* local_size_var) {
-  TORCH_CHECK_VALUE(topo.world_size >= 1, "[PartialState] ", size_var, " must be at least 1, got ",
-                    topo.world_size);
-  TORCH_CHECK_VALUE(topo.rank >= 0 && topo.rank < topo.world_size, "[PartialState] ", rank_var, "=", topo.rank,
-                    " is outside [0, ", size_var, "=", topo.world_size, ")");
-  TORCH_CHECK_VALUE(topo.local_world_size >= 1 && topo.local_world_size <= topo.world_size, "[PartialState] ",
-                    local_size_var, "=", topo.local_world_size, " must be between 1 and ", size_var, "=",
-                    topo.world_size);
-  TORCH_CHECK_VALUE(topo.local_rank >= 0 && topo.local_rank < topo.local_world_size, "[PartialState] ", local_var,
-                    "=", topo.local_rank, " is outside [0, ", local_size_var, "=", topo.local_world_size, ")");
-  TORCH_CHECK_VALUE(topo.master_port >= 0 && topo.master_port <= 65535,
-                    "[PartialState] MASTER_PORT must be a TCP port (0-65535), got ", topo.master_port);
+  ACCELERATE_CHECK_VALUE(topo.world_size >= 1, "[PartialState] ", size_var, " must be at least 1, got ",
+                         topo.world_size);
+  ACCELERATE_CHECK_VALUE(topo.rank >= 0 && topo.rank < topo.world_size, "[PartialState] ", rank_var, "=", topo.rank,
+                         " is outside [0, ", size_var, "=", topo.world_size, ")");
+  ACCELERATE_CHECK_VALUE(topo.local_world_size >= 1 && topo.local_world_size <= topo.world_size, "[PartialState] ",
+                         local_size_var, "=", topo.local_world_size, " must be between 1 and ", size_var, "=",
+                         topo.world_size);
+  ACCELERATE_CHECK_VALUE(topo.local_rank >= 0 && topo.local_rank < topo.local_world_size, "[PartialState] ", local_var,
+                         "=", topo.local_rank, " is outside [0, ", local_size_var, "=", topo.local_world_size, ")");
+  ACCELERATE_CHECK_VALUE(topo.master_port >= 0 && topo.master_port <= 65535,
+                         "[PartialState] MASTER_PORT must be a TCP port (0-65535), got ", topo.master_port);
 }
 
 }  // namespace
@@ -176,9 +177,9 @@ Topology detect_topology(const EnvLookup& env) {
     validate(topo, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
              "OMPI_COMM_WORLD_LOCAL_SIZE");
     const auto master = env("MASTER_ADDR");
-    TORCH_CHECK_VALUE(topo.local_world_size == topo.world_size || (master && !master->empty()),
-                      "[PartialState] an Open MPI job spanning several machines needs MASTER_ADDR set to the "
-                      "address of the machine running rank 0");
+    ACCELERATE_CHECK_VALUE(topo.local_world_size == topo.world_size || (master && !master->empty()),
+                           "[PartialState] an Open MPI job spanning several machines needs MASTER_ADDR set to the "
+                           "address of the machine running rank 0");
     return topo;
   }
   if (env("PMI_SIZE") && env("PMI_RANK")) {

@@ -1,9 +1,8 @@
 // Supervision of worker processes; see launcher.h.
 #include "detail/launcher.h"
 
+#include "detail/check.h"
 #include "detail/subprocess.h"
-
-#include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <atomic>
@@ -132,7 +131,7 @@ int status_of_code(int code) {
 
 int open_pipe(const std::string& path, int flags) {
   int fd = ::open(path.c_str(), flags | O_NONBLOCK | O_CLOEXEC);
-  TORCH_CHECK(fd >= 0, "[launch] cannot open the pipe ", path, ": ", std::strerror(errno));
+  ACCELERATE_CHECK(fd >= 0, "[launch] cannot open the pipe ", path, ": ", std::strerror(errno));
   return fd;
 }
 
@@ -170,7 +169,7 @@ std::string last_error(const Worker& w) {
 int open_log(const fs::path& path) {
   fs::create_directories(path.parent_path());
   int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  TORCH_CHECK(fd >= 0, "[launch] cannot write the log file ", path.string(), ": ", std::strerror(errno));
+  ACCELERATE_CHECK(fd >= 0, "[launch] cannot write the log file ", path.string(), ": ", std::strerror(errno));
   return fd;
 }
 
@@ -258,9 +257,9 @@ Supervisor::Supervisor() {
   sigemptyset(&set);
   for (int sig : kForwardedSignals) sigaddset(&set, sig);
   sigaddset(&set, SIGCHLD);
-  TORCH_CHECK(::pthread_sigmask(SIG_BLOCK, &set, nullptr) == 0, "[launch] cannot block signals");
+  ACCELERATE_CHECK(::pthread_sigmask(SIG_BLOCK, &set, nullptr) == 0, "[launch] cannot block signals");
   signal_fd_ = ::signalfd(-1, &set, SFD_CLOEXEC | SFD_NONBLOCK);
-  TORCH_CHECK(signal_fd_ >= 0, "[launch] signalfd failed: ", std::strerror(errno));
+  ACCELERATE_CHECK(signal_fd_ >= 0, "[launch] signalfd failed: ", std::strerror(errno));
   g_supervisor_thread.store(::pthread_self());
   struct sigaction redirect {};
   redirect.sa_handler = pass_to_supervisor;
@@ -271,8 +270,8 @@ Supervisor::Supervisor() {
   // Note [The launcher returns last]
   int subreaper = 0;
   if (::prctl(PR_GET_CHILD_SUBREAPER, &subreaper) == 0) was_subreaper_ = subreaper != 0;
-  TORCH_CHECK(::prctl(PR_SET_CHILD_SUBREAPER, 1) == 0, "[launch] cannot adopt the job's orphaned processes: ",
-              std::strerror(errno));
+  ACCELERATE_CHECK(::prctl(PR_SET_CHILD_SUBREAPER, 1) == 0,
+                   "[launch] cannot adopt the job's orphaned processes: ", std::strerror(errno));
 }
 
 Supervisor::~Supervisor() {
@@ -360,8 +359,8 @@ AttemptResult Supervisor::run(const std::vector<WorkerSpec>& specs, const Superv
         carrier_proc.out.fd = child.stdout_fd;
         carrier_proc.err.fd = child.stderr_fd;
         for (auto& w : workers) w.alive = true;
-      } catch (const c10::Error& e) {
-        start_error = e.what_without_backtrace();
+      } catch (const std::exception& e) {
+        start_error = detail::error_text(e);
         result.exit_code = 127;
         result.root_cause = carrier->name + " could not start: " + start_error;
       }
@@ -379,8 +378,8 @@ AttemptResult Supervisor::run(const std::vector<WorkerSpec>& specs, const Superv
         w.alive = true;
         w.out.fd = child.stdout_fd;
         w.err.fd = child.stderr_fd;
-      } catch (const c10::Error& e) {
-        start_error = e.what_without_backtrace();
+      } catch (const std::exception& e) {
+        start_error = detail::error_text(e);
         result.exit_code = 127;
         result.root_cause = "rank " + std::to_string(specs[i].rank) + " could not start: " + start_error;
         w.out.close();
@@ -470,7 +469,9 @@ AttemptResult Supervisor::run(const std::vector<WorkerSpec>& specs, const Superv
   };
 
   // The launcher's children that belong to the job but are not tracked as workers: what is left
-  // of it once every worker has ended (Note [The launcher returns last]).
+  // of it once every worker has ended (Note [The launcher returns last]). Once found, a process
+  // stays one until it is gone: a process that is exiting no longer shows its environment.
+  std::set<pid_t> known_leftovers;
   auto leftovers = [&] {
     std::set<pid_t> groups;
     for (const Worker* w : {&carrier_proc}) {
@@ -483,8 +484,11 @@ AttemptResult Supervisor::run(const std::vector<WorkerSpec>& specs, const Superv
     for (pid_t child : own_children()) {
       if (process_gone(child)) continue;
       const pid_t group = ::getpgid(child);
-      if ((group > 0 && groups.count(group) > 0) || carries_job_mark(child)) left.push_back(child);
+      if (known_leftovers.count(child) > 0 || (group > 0 && groups.count(group) > 0) || carries_job_mark(child)) {
+        left.push_back(child);
+      }
     }
+    known_leftovers = std::set<pid_t>(left.begin(), left.end());
     return left;
   };
   std::set<pid_t> stopped_leftovers;
@@ -553,7 +557,8 @@ AttemptResult Supervisor::run(const std::vector<WorkerSpec>& specs, const Superv
     if (!left.empty()) timeout = std::min<std::chrono::duration<double>>(timeout, std::chrono::milliseconds(10));
     const int timeout_ms = std::max(0, static_cast<int>(std::ceil(timeout.count() * 1000)));
     int ready = ::poll(fds.data(), fds.size(), timeout_ms);
-    if (ready < 0 && errno != EINTR) C10_THROW_ERROR(Error, c10::str("[launch] poll failed: ", std::strerror(errno)));
+    if (ready < 0 && errno != EINTR)
+      detail::raise_error(detail::concat("[launch] poll failed: ", std::strerror(errno)));
 
     if (ready > 0 && (fds[0].revents & POLLIN) != 0) {
       struct signalfd_siginfo info {};

@@ -40,14 +40,4 @@ struct Rendezvous {
 /// the processes joined before the timeout.
 Rendezvous rendezvous(const RendezvousConfig& config);
 
-
-/// The address of this machine that its packets to `host` leave from (the kernel's route; nothing
-/// is sent). Throws naming the host when it cannot be resolved or reached.
-std::string source_address_towards(const std::string& host, int port);
-
-/// The IPv4 network, in CIDR notation ("10.0.0.0/24"), of the interface of this machine that has
-/// `address`; empty when none has it.
-std::string network_of_address(const std::string& address);
-
-
 }  // namespace accelerate::detail

@@ -1,7 +1,7 @@
 // Worker process creation; see subprocess.h.
 #include "detail/subprocess.h"
 
-#include <c10/util/Exception.h>
+#include "detail/check.h"
 
 #include <cerrno>
 #include <csignal>
@@ -33,11 +33,11 @@ std::string signal_name(int sig) {
 }
 
 std::string resolve_program(const std::string& program) {
-  TORCH_CHECK_VALUE(!program.empty(), "[launch] no program to run was given");
+  ACCELERATE_CHECK_VALUE(!program.empty(), "[launch] no program to run was given");
   if (program.find('/') != std::string::npos) {
-    TORCH_CHECK_VALUE(::access(program.c_str(), F_OK) == 0, "[launch] the program '", program, "' does not exist");
-    TORCH_CHECK_VALUE(is_executable(program), "[launch] the program '", program,
-                      "' is not an executable file (check its permissions)");
+    ACCELERATE_CHECK_VALUE(::access(program.c_str(), F_OK) == 0, "[launch] the program '", program, "' does not exist");
+    ACCELERATE_CHECK_VALUE(is_executable(program), "[launch] the program '", program,
+                           "' is not an executable file (check its permissions)");
     return program;
   }
   const char* path_env = std::getenv("PATH");
@@ -51,11 +51,11 @@ std::string resolve_program(const std::string& program) {
     if (is_executable(candidate)) return candidate;
     start = end + 1;
   }
-  C10_THROW_ERROR(ValueError, c10::str("[launch] the program '", program, "' was not found in PATH"));
+  detail::raise_value_error(detail::concat("[launch] the program '", program, "' was not found in PATH"));
 }
 
 ChildProcess spawn_child(const std::vector<std::string>& argv, const std::vector<std::string>& env) {
-  TORCH_INTERNAL_ASSERT(!argv.empty());
+  ACCELERATE_CHECK(!argv.empty(), "[launch] an empty command line");
   // Everything the child needs is prepared before fork: after it only async-signal-safe calls.
   std::vector<char*> c_argv;
   for (const auto& a : argv) c_argv.push_back(const_cast<char*>(a.c_str()));
@@ -70,14 +70,14 @@ ChildProcess spawn_child(const std::vector<std::string>& argv, const std::vector
   if (::pipe2(out, O_CLOEXEC) != 0 || ::pipe2(err, O_CLOEXEC) != 0 || ::pipe2(status, O_CLOEXEC) != 0) {
     const int e = errno;
     for (int fd : {out[0], out[1], err[0], err[1], status[0], status[1]}) close_quietly(fd);
-    C10_THROW_ERROR(Error, c10::str("[launch] could not create pipes for a worker: ", std::strerror(e)));
+    detail::raise_error(detail::concat("[launch] could not create pipes for a worker: ", std::strerror(e)));
   }
   const pid_t parent = ::getpid();
   const pid_t pid = ::fork();
   if (pid < 0) {
     const int e = errno;
     for (int fd : {out[0], out[1], err[0], err[1], status[0], status[1]}) close_quietly(fd);
-    C10_THROW_ERROR(Error, c10::str("[launch] fork failed: ", std::strerror(e)));
+    detail::raise_error(detail::concat("[launch] fork failed: ", std::strerror(e)));
   }
   if (pid == 0) {
     ::setpgid(0, 0);
@@ -110,7 +110,7 @@ ChildProcess spawn_child(const std::vector<std::string>& argv, const std::vector
     ::waitpid(pid, nullptr, 0);
     close_quietly(out[0]);
     close_quietly(err[0]);
-    C10_THROW_ERROR(Error, c10::str("[launch] could not start '", argv[0], "': ", std::strerror(exec_errno)));
+    detail::raise_error(detail::concat("[launch] could not start '", argv[0], "': ", std::strerror(exec_errno)));
   }
   ::fcntl(out[0], F_SETFL, ::fcntl(out[0], F_GETFL) | O_NONBLOCK);
   ::fcntl(err[0], F_SETFL, ::fcntl(err[0], F_GETFL) | O_NONBLOCK);

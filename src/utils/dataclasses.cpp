@@ -1,8 +1,7 @@
 // Enum spellings and small parsers for the option structs of utils/dataclasses.h.
 #include "accelerate/utils/dataclasses.h"
 
-#include <c10/util/Exception.h>
-#include <c10/util/StringUtil.h>
+#include "detail/check.h"
 
 #include <algorithm>
 #include <array>
@@ -52,7 +51,7 @@ std::string spelling_of(const Spellings<E, N>& spellings, E value, const char* t
   for (const auto& [member, text] : spellings) {
     if (member == value) return text;
   }
-  TORCH_INTERNAL_ASSERT(false, "unknown ", type, " ", static_cast<int>(value));
+  detail::raise_error(detail::concat("unknown ", type, " ", static_cast<int>(value)));
 }
 
 template <typename E, size_t N>
@@ -60,9 +59,9 @@ E member_of(const Spellings<E, N>& spellings, std::string_view text, const char*
   for (const auto& [member, spelling] : spellings) {
     if (text == spelling) return member;
   }
-  std::vector<std::string> valid;
-  for (const auto& item : spellings) valid.emplace_back(item.second);
-  C10_THROW_ERROR(ValueError, c10::str("'", text, "' is not a valid ", type, " (expected one of ", c10::Join(", ", valid), ")"));
+  std::string valid;
+  for (const auto& item : spellings) valid += (valid.empty() ? "" : ", ") + std::string(item.second);
+  detail::raise_value_error(detail::concat("'", text, "' is not a valid ", type, " (expected one of ", valid, ")"));
 }
 
 }  // namespace
@@ -147,15 +146,16 @@ std::string to_string(DistributedType type) {
     case DistributedType::kMultiCpu: return "MULTI_CPU";
     case DistributedType::kMultiGpu: return "MULTI_GPU";
   }
-  TORCH_INTERNAL_ASSERT(false, "unknown DistributedType");
+  detail::raise_error(detail::concat("unknown DistributedType"));
 }
 
 DistributedType parse_distributed_type(std::string_view text) {
   if (text == "NO") return DistributedType::kNo;
   if (text == "MULTI_CPU") return DistributedType::kMultiCpu;
   if (text == "MULTI_GPU") return DistributedType::kMultiGpu;
-  C10_THROW_ERROR(ValueError, c10::str("[parse_distributed_type] expected one of NO, MULTI_CPU, MULTI_GPU, got '", text,
-                    "' (DeepSpeed, FSDP, Megatron-LM, XLA and the other Python-only back-ends are not supported)"));
+  detail::raise_value_error(
+      detail::concat("[parse_distributed_type] expected one of NO, MULTI_CPU, MULTI_GPU, got '", text,
+                     "' (DeepSpeed, FSDP, Megatron-LM, XLA and the other Python-only back-ends are not supported)"));
 }
 
 std::string to_string(PrecisionType precision) {
@@ -164,7 +164,7 @@ std::string to_string(PrecisionType precision) {
     case PrecisionType::kFp16: return "fp16";
     case PrecisionType::kBf16: return "bf16";
   }
-  TORCH_INTERNAL_ASSERT(false, "unknown PrecisionType");
+  detail::raise_error(detail::concat("unknown PrecisionType"));
 }
 
 PrecisionType parse_precision_type(std::string_view text) {
@@ -172,9 +172,11 @@ PrecisionType parse_precision_type(std::string_view text) {
   if (value == "no" || value.empty()) return PrecisionType::kNo;
   if (value == "fp16") return PrecisionType::kFp16;
   if (value == "bf16") return PrecisionType::kBf16;
-  TORCH_CHECK_VALUE(value != "fp8", "[parse_precision_type] fp8 mixed precision is not supported by accelerate-cpp; "
-                                    "use 'no', 'fp16' or 'bf16'");
-  C10_THROW_ERROR(ValueError, c10::str("[parse_precision_type] expected one of 'no', 'fp16', 'bf16', got '", text, "'"));
+  ACCELERATE_CHECK_VALUE(value != "fp8",
+                         "[parse_precision_type] fp8 mixed precision is not supported by accelerate-cpp; "
+                         "use 'no', 'fp16' or 'bf16'");
+  detail::raise_value_error(
+      detail::concat("[parse_precision_type] expected one of 'no', 'fp16', 'bf16', got '", text, "'"));
 }
 
 std::string to_string(DDPCommunicationHookType hook) {
@@ -183,7 +185,7 @@ std::string to_string(DDPCommunicationHookType hook) {
     case DDPCommunicationHookType::kFp16: return "fp16";
     case DDPCommunicationHookType::kBf16: return "bf16";
   }
-  TORCH_INTERNAL_ASSERT(false, "unknown DDPCommunicationHookType");
+  detail::raise_error(detail::concat("unknown DDPCommunicationHookType"));
 }
 
 DDPCommunicationHookType parse_comm_hook_type(std::string_view text) {
@@ -191,16 +193,18 @@ DDPCommunicationHookType parse_comm_hook_type(std::string_view text) {
   if (value == "no" || value.empty()) return DDPCommunicationHookType::kNo;
   if (value == "fp16") return DDPCommunicationHookType::kFp16;
   if (value == "bf16") return DDPCommunicationHookType::kBf16;
-  TORCH_CHECK_VALUE(value != "power_sgd" && value != "batched_power_sgd", "[parse_comm_hook_type] '", text,
-                    "' (PowerSGD) is not supported by accelerate-cpp; use 'no', 'fp16' or 'bf16'");
-  C10_THROW_ERROR(ValueError, c10::str("[parse_comm_hook_type] expected one of 'no', 'fp16', 'bf16', got '", text, "'"));
+  ACCELERATE_CHECK_VALUE(value != "power_sgd" && value != "batched_power_sgd", "[parse_comm_hook_type] '", text,
+                         "' (PowerSGD) is not supported by accelerate-cpp; use 'no', 'fp16' or 'bf16'");
+  detail::raise_value_error(
+      detail::concat("[parse_comm_hook_type] expected one of 'no', 'fp16', 'bf16', got '", text, "'"));
 }
 
 bool str_to_bool(std::string_view text) {
   const std::string value = lower(text);
   if (value == "1" || value == "true" || value == "yes" || value == "y" || value == "on" || value == "t") return true;
   if (value == "0" || value == "false" || value == "no" || value == "n" || value == "off" || value == "f") return false;
-  C10_THROW_ERROR(ValueError, c10::str("[str_to_bool] expected a boolean such as 1/0, true/false, yes/no, on/off, got '", text, "'"));
+  detail::raise_value_error(
+      detail::concat("[str_to_bool] expected a boolean such as 1/0, true/false, yes/no, on/off, got '", text, "'"));
 }
 
 }  // namespace accelerate

@@ -6,6 +6,12 @@ execute_process(COMMAND ${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${WORK_
 if(NOT rc EQUAL 0)
   message(FATAL_ERROR "cmake --install failed (${rc})")
 endif()
+# The installed `accelerate` finds the installed `accelerate-commands` for everything but launch.
+execute_process(COMMAND ${WORK_DIR}/prefix/bin/accelerate version RESULT_VARIABLE rc OUTPUT_VARIABLE out
+                ERROR_VARIABLE err)
+if(NOT rc EQUAL 0 OR NOT out MATCHES "^accelerate-cpp [0-9.]+ \\(LibTorch [0-9.]+\\)")
+  message(FATAL_ERROR "the installed `accelerate version` failed (${rc}): ${out}${err}")
+endif()
 execute_process(COMMAND ${CMAKE_COMMAND} -S ${SOURCE_DIR}/consumer -B ${WORK_DIR}/build -G ${GENERATOR}
                         -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix -DCMAKE_BUILD_TYPE=Release
                 RESULT_VARIABLE rc)

@@ -1,5 +1,6 @@
 // `accelerate launch` end to end: real worker processes, real signals, real sockets.
 #include "accelerate/utils/environment.h"
+#include "support/commands.h"
 #include "support/process.h"
 #include "support/test_support.h"
 
@@ -164,7 +165,8 @@ TEST(Launch, ProcessesTheWorkersLeaveBehindAreStoppedBeforeTheLauncherReturns) {
     const int orphan = wait_for_int_file(dir.str() + "/orphan_" + std::to_string(rank), 1);
     ASSERT_GT(orphan, 0);
     // It ignored SIGTERM and lived in a process group of its own.
-    EXPECT_TRUE(process_gone(orphan)) << "the child of rank " << rank << " outlived the launcher";
+    EXPECT_TRUE(process_gone(orphan)) << "the child of rank " << rank << " outlived the launcher: "
+                                      << read_file("/proc/" + std::to_string(orphan) + "/stat");
   }
   EXPECT_THAT(r->err, HasSubstr("stopping 2 process(es) the workers left behind"));
 }

@@ -1,0 +1,72 @@
+// The addresses and networks of this machine; see network.h.
+#include "detail/network.h"
+
+#include "detail/check.h"
+
+#include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+namespace accelerate::detail {
+
+std::string source_address_towards(const std::string& host, int port) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* found = nullptr;
+  const int rc = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found);
+  ACCELERATE_CHECK(rc == 0 && found != nullptr, "[PartialState] cannot resolve the main process's address '", host,
+                   "': ", ::gai_strerror(rc));
+  std::string chosen;
+  std::string failure;
+  for (addrinfo* a = found; a != nullptr && chosen.empty(); a = a->ai_next) {
+    const int fd = ::socket(a->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) continue;
+    sockaddr_storage local{};
+    socklen_t length = sizeof(local);
+    if (::connect(fd, a->ai_addr, a->ai_addrlen) == 0 &&
+        ::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &length) == 0) {
+      char text[INET6_ADDRSTRLEN] = {};
+      const void* raw = local.ss_family == AF_INET
+                            ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&local)->sin_addr)
+                            : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&local)->sin6_addr);
+      if (::inet_ntop(local.ss_family, raw, text, sizeof(text)) != nullptr) chosen = text;
+    } else {
+      failure = std::strerror(errno);
+    }
+    ::close(fd);
+  }
+  ::freeaddrinfo(found);
+  ACCELERATE_CHECK(!chosen.empty(), "[PartialState] this machine has no route to the main process's address ", host,
+                   " (", failure,
+                   "); check MASTER_ADDR / --main_process_ip, or name the interface with GLOO_SOCKET_IFNAME");
+  return chosen;
+}
+
+std::string network_of_address(const std::string& address) {
+  ifaddrs* all = nullptr;
+  if (::getifaddrs(&all) != 0) return {};
+  std::string network;
+  for (ifaddrs* a = all; a != nullptr && network.empty(); a = a->ifa_next) {
+    if (a->ifa_addr == nullptr || a->ifa_netmask == nullptr || a->ifa_addr->sa_family != AF_INET) continue;
+    const auto* ip = reinterpret_cast<const sockaddr_in*>(a->ifa_addr);
+    const auto* mask = reinterpret_cast<const sockaddr_in*>(a->ifa_netmask);
+    char text[INET_ADDRSTRLEN] = {};
+    if (::inet_ntop(AF_INET, &ip->sin_addr, text, sizeof(text)) == nullptr || address != text) continue;
+    in_addr base{};
+    base.s_addr = ip->sin_addr.s_addr & mask->sin_addr.s_addr;
+    const int bits = __builtin_popcount(ntohl(mask->sin_addr.s_addr));
+    if (::inet_ntop(AF_INET, &base, text, sizeof(text)) != nullptr)
+      network = std::string(text) + "/" + std::to_string(bits);
+  }
+  ::freeifaddrs(all);
+  return network;
+}
+
+}  // namespace accelerate::detail
