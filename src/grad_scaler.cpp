@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 #include <torch/optim/optimizer.h>
 
+#include <algorithm>
 #include <cmath>
 #include <mutex>
 #include <unordered_map>
@@ -44,24 +45,44 @@ std::vector<at::Tensor> gradients_of(torch::optim::Optimizer& optimizer) {
 }
 
 // Divides every gradient by the scale (in fp32, as PyTorch computes the inverse) and reports
-// whether any element is inf or NaN.
+// whether any element is inf or NaN. As in PyTorch's GradScaler, gradients are unscaled per
+// device and dtype: CUDA's fused kernel takes the tensors of one device, with the inverse scale
+// and the flag on that device (an optimizer may hold parameters on the GPU and on the CPU).
 bool unscale_and_check(std::vector<at::Tensor>& grads, double scale) {
-  if (grads.empty()) return false;
   const float inv_scale = static_cast<float>(1.0 / scale);
-  if (grads.front().is_cuda()) {
-    auto found = at::zeros({1}, grads.front().options().dtype(at::kFloat));
-    auto inv = at::full({1}, inv_scale, grads.front().options().dtype(at::kFloat));
-    at::_amp_foreach_non_finite_check_and_unscale_(grads, found, inv);
-    return found.item<float>() != 0.0f;
-  }
-  at::NoGradGuard no_grad;
-  auto found = at::zeros({}, grads.front().options().dtype(at::kBool));
+  struct Group {
+    c10::Device device;
+    c10::ScalarType dtype;
+    std::vector<at::Tensor> grads;
+  };
+  std::vector<Group> groups;
   for (auto& g : grads) {
     TORCH_CHECK_VALUE(!g.is_sparse(), "[GradScaler.unscale_] sparse gradients are not supported");
-    g.mul_(inv_scale);
-    found.logical_or_(g.isfinite().logical_not().any());
+    auto it = std::find_if(groups.begin(), groups.end(), [&](const Group& group) {
+      return group.device == g.device() && group.dtype == g.scalar_type();
+    });
+    if (it == groups.end()) it = groups.insert(groups.end(), Group{g.device(), g.scalar_type(), {}});
+    it->grads.push_back(g);
   }
-  return found.item<bool>();
+  at::NoGradGuard no_grad;
+  bool found_any = false;
+  for (auto& group : groups) {
+    const auto options = at::TensorOptions().device(group.device).dtype(at::kFloat);
+    if (group.device.is_cuda()) {
+      auto found = at::zeros({1}, options);
+      auto inv = at::full({1}, inv_scale, options);
+      at::_amp_foreach_non_finite_check_and_unscale_(group.grads, found, inv);
+      found_any = found.item<float>() != 0.0f || found_any;
+      continue;
+    }
+    auto found = at::zeros({}, options.dtype(at::kBool));
+    for (auto& g : group.grads) {
+      g.mul_(inv_scale);
+      found.logical_or_(g.isfinite().logical_not().any());
+    }
+    found_any = found.item<bool>() || found_any;
+  }
+  return found_any;
 }
 
 }  // namespace

@@ -81,6 +81,20 @@ TEST(JobStore, AGetOrWaitIsAnsweredWhenAnotherClientWritesTheKey) {
   EXPECT_EQ(text(reader.get("counter")), "1");
 }
 
+TEST(JobStore, ACloneIsAClientOfTheSameStoreWithTheSameTimeoutThatOutlivesTheOriginal) {
+  StoreServer server("127.0.0.1", 0, "k");
+  auto original = c10::make_intrusive<JobStoreClient>("127.0.0.1", server.port(), "k", 10s);
+  original->setTimeout(1234ms);
+  original->set("from_original", bytes("1"));
+  c10::intrusive_ptr<c10d::Store> copy = original->clone();
+  EXPECT_EQ(copy->getTimeout(), 1234ms);
+  EXPECT_EQ(text(copy->get("from_original")), "1");
+  copy->set("from_copy", bytes("2"));
+  EXPECT_EQ(text(original->get("from_copy")), "2");
+  original.reset();  // the copy has a connection of its own
+  EXPECT_EQ(copy->add("n", 3), 3);
+}
+
 TEST(JobStore, ATimedOutWaitFailsNamingTheStoreAndTheClientStaysUsable) {
   StoreServer server("127.0.0.1", 0, "k");
   JobStoreClient store("127.0.0.1", server.port(), "k", 10s);

@@ -4,6 +4,7 @@
 #include "detail/check.h"
 
 #include <cctype>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 

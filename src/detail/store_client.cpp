@@ -64,6 +64,12 @@ JobStoreClient::JobStoreClient(std::string host, int port, std::string secret, s
 
 JobStoreClient::~JobStoreClient() { disconnect_locked(); }
 
+c10::intrusive_ptr<c10d::Store> JobStoreClient::clone() {
+  auto copy = c10::make_intrusive<JobStoreClient>(host_, port_, secret_, connect_timeout_, server_);
+  copy->setTimeout(getTimeout());
+  return copy;
+}
+
 void JobStoreClient::disconnect_locked() {
   if (fd_ >= 0) ::close(fd_);
   fd_ = -1;

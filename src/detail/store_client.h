@@ -34,6 +34,12 @@ class JobStoreClient : public c10d::Store {
   void wait(const std::vector<std::string>& keys) override;
   void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override;
 
+  /// A second client of the same store, with its own connection (newer LibTorch releases ask
+  /// stores for one, as a pure virtual function: 2.11 does, 2.6 does not). Declared
+  /// without `override` on purpose: on releases whose c10d::Store has no clone() it is an
+  /// ordinary member, on the others it overrides; so no release test is needed.
+  c10::intrusive_ptr<c10d::Store> clone();  // NOLINT(modernize-use-override)
+
   int port() const { return port_; }
 
  private:
