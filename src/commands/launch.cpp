@@ -485,6 +485,13 @@ int run_mpi_attempt(const LaunchPlan& plan, detail::Supervisor& supervisor,
     }
   } else {
     carrier.argv.push_back("--oversubscribe");  // more processes than cores is the user's choice
+    // Note [MPI's start on one machine]: MPI_Init took 0.26 s in every worker (Open MPI 4.1,
+    // two processes), 0.20 s of it opening the "cm" messaging layer, whose libfabric providers
+    // look for network hardware, only for Open MPI to pick "ob1" (shared memory) on one machine
+    // anyway. Naming ob1 skips that search: MPI_Init takes 0.06 s, and what the job runs on is
+    // the same. The user's own choice (OMPI_MCA_pml) is left alone; jobs over a host file keep
+    // Open MPI's choice, which may be a faster network there.
+    if (env.count("OMPI_MCA_pml") == 0) carrier.argv.insert(carrier.argv.end(), {"--mca", "pml", "ob1"});
   }
   // The script travels in the command line: other machines have no copy of the launcher's files.
   carrier.argv.insert(carrier.argv.end(),

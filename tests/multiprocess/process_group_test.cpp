@@ -84,6 +84,24 @@ TEST(MpiBackend, AWorkerKilledInTheMiddleOfACollectiveTearsTheJobDownWithTheRoot
   EXPECT_THAT(r->out, Not(HasSubstr("completed without")));
 }
 
+// Note [MPI's start on one machine] in src/commands/launch.cpp.
+TEST(MpiBackend, OnOneMachineTheWorkersUseOb1UnlessTheUserChoseAnotherLayer) {
+  auto shell = [](const std::map<std::string, std::string>& env) {
+    return run({accelerate_bin(), "launch", "--backend", "mpi", "-n", "2", "--main_process_port", "0", "/bin/sh", "-c",
+                "echo pml=$OMPI_MCA_pml"},
+               60, env);
+  };
+  auto r = shell({});
+  if (refused_without_mpi(*r)) return;
+  ASSERT_EQ(r->exit_code(), 0) << r->err;
+  EXPECT_THAT(r->out, HasSubstr("[rank0]: pml=ob1\n"));
+  EXPECT_THAT(r->out, HasSubstr("[rank1]: pml=ob1\n"));
+  auto chosen = shell({{"OMPI_MCA_pml", "^cm"}});
+  ASSERT_EQ(chosen->exit_code(), 0) << chosen->err;
+  EXPECT_THAT(chosen->out, HasSubstr("[rank0]: pml=^cm\n"));
+  EXPECT_THAT(chosen->out, HasSubstr("[rank1]: pml=^cm\n"));
+}
+
 TEST(MpiBackend, AProgramStartedByMpirunItselfUsesMpi) {
   // Without MPI in the build, the same program falls back to Gloo.
   const std::string backend = is_mpi_available() ? "mpi" : "gloo";
