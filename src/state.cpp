@@ -145,6 +145,7 @@ std::shared_ptr<detail::PartialStateImpl> build_partial_state(const PartialState
     auto rdzv = detail::rendezvous(config);
     impl->store = rdzv.store;
     impl->process_group = rdzv.process_group;
+    impl->addresses = std::move(rdzv.addresses);
   }
   if (parse_flag_from_env("ACCELERATE_CPU_AFFINITY")) set_numa_affinity(topo.local_rank);
   return impl;
@@ -226,8 +227,8 @@ void PartialState::wait_for_everyone() const {
     pg->barrier()->wait(impl_->timeout);
   } catch (const std::exception& e) {
     C10_THROW_ERROR(Error, c10::str("[wait_for_everyone] process ", process_index(), " of ", num_processes(),
-                " failed while waiting for the others (a peer died, or did not arrive within ",
-                impl_->timeout.count() / 1000.0, "s): ", detail::error_message(e)));
+                                    " failed while waiting for the others (a peer died, or did not arrive within ",
+                                    impl_->timeout.count() / 1000.0, "s): ", detail::collective_error_text(*this, e)));
   }
 }
 
@@ -308,6 +309,11 @@ c10::intrusive_ptr<c10d::ProcessGroup> process_group(const PartialState& state, 
   TORCH_CHECK(state.use_distributed(), "[", api, "] needs several processes, but this job has one");
   TORCH_CHECK(impl.process_group, "[", api, "] the process group was destroyed (destroy_process_group)");
   return impl.process_group;
+}
+
+std::string collective_error_text(const PartialState& state, const std::exception& e) {
+  const std::string text = error_message(e);
+  return text + name_lost_machines(state.impl()->addresses, text);
 }
 
 }  // namespace detail

@@ -1,4 +1,5 @@
 // Process-group settings (InitProcessGroupKwargs) and rendezvous through ranks as threads.
+#include "detail/process_group.h"
 #include "support/test_support.h"
 
 #include <gmock/gmock.h>
@@ -12,6 +13,20 @@ namespace accelerate::testing {
 namespace {
 
 using ::testing::HasSubstr;
+
+TEST(LostMachines, AFailedCollectiveNamesTheProcessesOfEachAddressItMentions) {
+  const std::vector<std::string> addresses = {"10.0.0.1", "10.0.0.1", "10.0.0.2", "10.0.0.2", "10.0.0.3"};
+  EXPECT_EQ(detail::name_lost_machines(addresses, "Read error [10.0.0.2]:41234: Connection reset by peer"),
+            "; 10.0.0.2 is the machine of processes 2 and 3");
+  EXPECT_EQ(detail::name_lost_machines(addresses, "[10.0.0.3]:1 closed; [10.0.0.1]:2 and [10.0.0.3]:3 too"),
+            "; 10.0.0.3 is the machine of process 4; 10.0.0.1 is the machine of processes 0 and 1");
+  EXPECT_EQ(detail::name_lost_machines({"a", "b", "c", "b", "b"}, "lost [b]:9"),
+            "; b is the machine of processes 1, 3 and 4");
+  // Nothing to add: an address of no process, no address, or no table (one machine).
+  EXPECT_EQ(detail::name_lost_machines(addresses, "Read error [10.0.0.9]:1: reset"), "");
+  EXPECT_EQ(detail::name_lost_machines(addresses, "Timed out waiting 5000ms for recv"), "");
+  EXPECT_EQ(detail::name_lost_machines({}, "Read error [10.0.0.2]:1: reset"), "");
+}
 
 TEST(InitProcessGroupKwargs, TheTimeoutEndsABarrierThatAPeerNeverReaches) {
   std::atomic<bool> rank0_done{false};

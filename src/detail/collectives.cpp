@@ -21,7 +21,7 @@ void wait(const PartialState& state, const c10::intrusive_ptr<c10d::Work>& work,
   } catch (const std::exception& e) {
     C10_THROW_ERROR(Error, c10::str("[", api, "] the collective failed on process ", state.process_index(), " of ",
                                     state.num_processes(), " (a peer died, skipped it, or did not arrive within ",
-                                    state.timeout().count() / 1000.0, "s): ", error_message(e)));
+                                    state.timeout().count() / 1000.0, "s): ", collective_error_text(state, e)));
   }
 }
 

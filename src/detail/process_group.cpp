@@ -24,6 +24,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -169,7 +170,53 @@ Rendezvous rendezvous(const RendezvousConfig& config) {
     C10_THROW_ERROR(ValueError, c10::str("[PartialState] unknown process-group backend \"", config.backend,
                       "\"; expected \"gloo\", \"nccl\" or \"mpi\""));
   }
+  // Note [Naming the lost machine]
+  // When a machine dies, its peers' collectives fail with Gloo's "Connection reset by peer" or
+  // "Read error [10.0.0.2]:port": the address, not which processes ran there. So in a job of
+  // several machines every process publishes the address the others reach it at (the one Gloo
+  // announces; Note [The address Gloo announces]) before the group-built barrier, and reads them
+  // all after it, when none can be missing. A failure then names the processes of each address
+  // it mentions, without asking anyone (the store may have died with the machine). Jobs of more
+  // than kMaxAddressTable processes skip it, since every process reads every address.
+  constexpr int kMaxAddressTable = 256;
+  const bool several_machines = topo.local_world_size < topo.world_size;
+  const bool table = several_machines && topo.world_size <= kMaxAddressTable && config.backend != "mpi";
+  if (table) {
+    const std::string own = source_address_towards(topo.master_addr, topo.master_port);
+    store->set("address/" + std::to_string(topo.rank), std::vector<uint8_t>(own.begin(), own.end()));
+  }
   wait_until_every_group_is_built(store, config);
+  if (table) {
+    out.addresses.reserve(topo.world_size);
+    for (int rank = 0; rank < topo.world_size; ++rank) {
+      const auto bytes = store->get("address/" + std::to_string(rank));
+      out.addresses.emplace_back(bytes.begin(), bytes.end());
+    }
+  }
+  return out;
+}
+
+std::string name_lost_machines(const std::vector<std::string>& addresses, const std::string& error) {
+  std::string out;
+  std::vector<std::string> named;
+  for (size_t open = error.find('['); open != std::string::npos; open = error.find('[', open + 1)) {
+    const size_t close = error.find(']', open);
+    if (close == std::string::npos) break;
+    const std::string address = error.substr(open + 1, close - open - 1);
+    if (std::find(named.begin(), named.end(), address) != named.end()) continue;
+    std::vector<int> ranks;
+    for (size_t rank = 0; rank < addresses.size(); ++rank) {
+      if (addresses[rank] == address) ranks.push_back(static_cast<int>(rank));
+    }
+    if (ranks.empty()) continue;
+    named.push_back(address);
+    std::ostringstream text;
+    text << "; " << address << " is the machine of process" << (ranks.size() > 1 ? "es " : " ");
+    for (size_t i = 0; i < ranks.size(); ++i) {
+      text << (i == 0 ? "" : (i + 1 == ranks.size() ? " and " : ", ")) << ranks[i];
+    }
+    out += text.str();
+  }
   return out;
 }
 

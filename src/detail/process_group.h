@@ -11,6 +11,7 @@
 #include <chrono>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace accelerate::detail {
 
@@ -33,7 +34,15 @@ struct RendezvousConfig {
 struct Rendezvous {
   c10::intrusive_ptr<c10d::Store> store;  // prefixed for this job attempt
   c10::intrusive_ptr<c10d::ProcessGroup> process_group;
+  /// The address of every process (by rank) as the others reach it, for jobs of several machines
+  /// on Gloo or NCCL (Note [Naming the lost machine]); empty otherwise.
+  std::vector<std::string> addresses;
 };
+
+/// For an error that names the addresses of peers ("[10.0.0.2]:port", as Gloo writes them), the
+/// processes that ran at each one: "; 10.0.0.2 is the machine of processes 2 and 3". Empty when
+/// the error names none of `addresses` (by rank).
+std::string name_lost_machines(const std::vector<std::string>& addresses, const std::string& error);
 
 /// Connects to (or serves) the store, waits until every process joined, builds the process group.
 /// Every failure names what went wrong: the port in use, the unreachable address, how many of

@@ -26,6 +26,7 @@ struct PartialStateImpl {
   std::chrono::milliseconds timeout{std::chrono::minutes(30)};
   c10::intrusive_ptr<c10d::Store> store;
   c10::intrusive_ptr<c10d::ProcessGroup> process_group;
+  std::vector<std::string> addresses;  // every process's, by rank (Note [Naming the lost machine])
   std::mutex mutex;  // guards trigger and the destroyed process group
   bool trigger = false;
 };
@@ -41,5 +42,9 @@ struct GradientStateImpl {
 
 /// The process group of a state; throws when it has none (one process) or was destroyed.
 c10::intrusive_ptr<c10d::ProcessGroup> process_group(const PartialState& state, const char* api);
+
+/// The message of a failed collective `e`, followed by the processes of each machine it names
+/// (Note [Naming the lost machine]).
+std::string collective_error_text(const PartialState& state, const std::exception& e);
 
 }  // namespace accelerate::detail

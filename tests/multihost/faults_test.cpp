@@ -47,6 +47,8 @@ TEST(MultiHostFaults, AHostThatDiesEndsTheOtherHostsLauncherNamingTheLostHost) {
   EXPECT_THAT(survivor.err, HasSubstr("accelerate launch: worker rank "));
   EXPECT_THAT(survivor.err, HasSubstr("error: [wait_for_everyone] process "));
   EXPECT_THAT(survivor.err, HasSubstr("[" + HostPair::address(1) + "]"));
+  // The processes that ran there (Note [Naming the lost machine]).
+  EXPECT_THAT(survivor.err, HasSubstr("; " + HostPair::address(1) + " is the machine of processes 2 and 3"));
   EXPECT_TRUE(hosts.pids(0).empty()) << "processes of the job still run on the surviving host";
 }
 
