@@ -194,7 +194,10 @@ void prune_checkpoints(const fs::path& folder, int total_limit) {
 void checkpoint_file_written(const PartialState& state) {
   static std::atomic<bool> done{false};
   const char* path = std::getenv("ACCELERATE_TEST_PAUSE_SAVE_AFTER_FIRST_FILE");
-  if (path == nullptr || *path == '\0' || done.exchange(true)) return;
+  if (path == nullptr || *path == '\0') return;
+  const char* only = std::getenv("ACCELERATE_TEST_PAUSE_SAVE_PROCESS");
+  if (only != nullptr && *only != '\0' && std::to_string(state.process_index()) != only) return;
+  if (done.exchange(true)) return;
   write_file(std::string(path) + "." + std::to_string(state.process_index()), std::to_string(::getpid()));
   while (true) ::pause();
 }

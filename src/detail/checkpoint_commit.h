@@ -60,7 +60,8 @@ void prune_checkpoints(const std::filesystem::path& folder, int total_limit);
 
 /// The test hook of the crash tests: when the environment variable
 /// ACCELERATE_TEST_PAUSE_SAVE_AFTER_FIRST_FILE holds a path, the first call of a process creates
-/// "<path>.<process index>" and then stops the process forever (for a test to kill it).
+/// "<path>.<process index>" and then stops the process forever (for a test to kill it). With
+/// ACCELERATE_TEST_PAUSE_SAVE_PROCESS set to a process index, only that process stops.
 void checkpoint_file_written(const PartialState& state);
 
 }  // namespace accelerate::detail

@@ -1,12 +1,18 @@
 // Faults across hosts (tests/support/hosts.h): a host that dies, or whose link is cut, in the
 // middle of a job. The surviving launcher must end within the process group's timeout with the
 // lost host in its root cause, and leave nothing of the job running on its host.
+#include "accelerate/utils/safetensors.h"
 #include "support/hosts.h"
 #include "support/process.h"
 #include "support/test_support.h"
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+
+#include <filesystem>
+#include <functional>
 
 namespace accelerate::testing {
 namespace {
@@ -23,6 +29,42 @@ std::vector<std::string> barriers_on(const HostPair& hosts, int host, const std:
                          std::to_string(host), "--main_process_ip", HostPair::address(0), "--main_process_port",
                          "29500", "--rdzv_timeout", "60", "--num_cpu_threads_per_process", "1", "--grace_period", "2",
                          worker_bin(), "barriers", dir, timeout});
+}
+
+// `accelerate launch` of machine `host` running tests/mp_checkpoint with `args`.
+std::vector<std::string> checkpoint_on(const HostPair& hosts, int host, const std::vector<std::string>& args) {
+  std::vector<std::string> argv = {accelerate_bin(),
+                                   "launch",
+                                   "--num_processes",
+                                   "4",
+                                   "--num_machines",
+                                   "2",
+                                   "--machine_rank",
+                                   std::to_string(host),
+                                   "--main_process_ip",
+                                   HostPair::address(0),
+                                   "--main_process_port",
+                                   "29500",
+                                   "--rdzv_timeout",
+                                   "60",
+                                   "--num_cpu_threads_per_process",
+                                   "1",
+                                   "--grace_period",
+                                   "2",
+                                   built("tests/mp_checkpoint")};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return hosts.in(host, argv);
+}
+
+// Runs tests/mp_checkpoint on both hosts, with `args(host)`; both launchers must succeed.
+void checkpoint_on_both(const HostPair& hosts, const std::function<std::vector<std::string>(int)>& args,
+                        const std::map<std::string, std::string>& env) {
+  Running first(checkpoint_on(hosts, 0, args(0)), env);
+  Running second(checkpoint_on(hosts, 1, args(1)), env);
+  first.wait(240);
+  second.wait(240);
+  ASSERT_EQ(first.exit_code(), 0) << first.out << first.err;
+  ASSERT_EQ(second.exit_code(), 0) << second.out << second.err;
 }
 
 // Waits until every rank of the job wrote its pid, that is, is past the rendezvous.
@@ -50,6 +92,71 @@ TEST(MultiHostFaults, AHostThatDiesEndsTheOtherHostsLauncherNamingTheLostHost) {
   // The processes that ran there (Note [Naming the lost machine]).
   EXPECT_THAT(survivor.err, HasSubstr("; " + HostPair::address(1) + " is the machine of processes 2 and 3"));
   EXPECT_TRUE(hosts.pids(0).empty()) << "processes of the job still run on the surviving host";
+}
+
+TEST(MultiHostFaults, AHostThatDiesInTheMiddleOfASaveLeavesThePreviousCheckpointToResumeFrom) {
+  // Each host saves into a folder of its own (save_on_each_node); host 1's first process, 2,
+  // stops after the first file of the second save, and host 1 dies then.
+  namespace fs = std::filesystem;
+  HostPair hosts;
+  ACCELERATE_REQUIRE_HOSTS(hosts);
+  TempDir dir;
+  auto project = [&](int host) { return dir.str() + "/host" + std::to_string(host); };
+  auto checkpoints = [&](int host) { return fs::path(project(host)) / "checkpoints"; };
+  auto env = kSecret;
+  env["MP_CHECKPOINT_SAVE_ON_EACH_NODE"] = "1";
+  checkpoint_on_both(
+      hosts,
+      [&](int) {
+        return std::vector<std::string>{"full", dir.str() + "/a", dir.str() + "/full"};
+      },
+      env);
+  checkpoint_on_both(
+      hosts,
+      [&](int host) {
+        return std::vector<std::string>{"first", project(host)};
+      },
+      env);
+  for (int host : {0, 1}) ASSERT_TRUE(fs::is_regular_file(checkpoints(host) / "checkpoint_0" / "model.safetensors"));
+
+  auto paused = env;
+  const std::string marker = dir.str() + "/paused";
+  paused["ACCELERATE_TEST_PAUSE_SAVE_AFTER_FIRST_FILE"] = marker;
+  paused["ACCELERATE_TEST_PAUSE_SAVE_PROCESS"] = "2";
+  Running survivor(checkpoint_on(hosts, 0, {"second", project(0), dir.str() + "/ignored", "save"}), paused);
+  Running lost(checkpoint_on(hosts, 1, {"second", project(1), dir.str() + "/ignored", "save"}), paused);
+  ASSERT_GT(wait_for_int_file(marker + ".2", 120), 0) << survivor.err << lost.err;
+  hosts.kill_host(1);
+  lost.wait(30);
+  survivor.wait(30);  // the connections to host 1 were reset: no timeout is waited for
+  EXPECT_NE(survivor.exit_code(), 0);
+  EXPECT_THAT(survivor.err, HasSubstr("; " + HostPair::address(1) + " is the machine of process"));
+  EXPECT_TRUE(hosts.pids(0).empty()) << "processes of the job still run on the surviving host";
+  // Nothing of the interrupted save was committed on either host.
+  for (int host : {0, 1}) {
+    EXPECT_FALSE(fs::exists(checkpoints(host) / "checkpoint_1")) << "host " << host;
+    EXPECT_TRUE(fs::exists(checkpoints(host) / "checkpoint_0" / "model.safetensors")) << "host " << host;
+  }
+
+  // With the host back, the job resumes from the previous checkpoint exactly.
+  checkpoint_on_both(
+      hosts,
+      [&](int host) {
+        return std::vector<std::string>{"second", project(host), dir.str() + "/resumed", "save"};
+      },
+      env);
+  for (int rank = 0; rank < 4; ++rank) {
+    SCOPED_TRACE("process " + std::to_string(rank));
+    const auto suffix = "." + std::to_string(rank) + ".safetensors";
+    SafetensorsFile full(dir.str() + "/full" + suffix);
+    SafetensorsFile resumed(dir.str() + "/resumed" + suffix);
+    ASSERT_EQ(full.keys(), resumed.keys());
+    for (const auto& key : full.keys()) EXPECT_TRUE(at::equal(full.get_tensor(key), resumed.get_tensor(key))) << key;
+  }
+  for (int host : {0, 1}) {
+    EXPECT_TRUE(fs::is_directory(checkpoints(host) / "checkpoint_1")) << "host " << host;
+    EXPECT_FALSE(fs::exists(checkpoints(host) / ".checkpoint_1.partial")) << "host " << host;
+  }
 }
 
 TEST(MultiHostFaults, ACutLinkEndsBothLaunchersWithinTheCollectiveTimeout) {
