@@ -10,6 +10,7 @@
 #include "detail/files.h"
 #include "detail/launcher.h"
 #include "detail/network.h"
+#include "detail/store_connection.h"
 #include "detail/store_server.h"
 #include "detail/subprocess.h"
 
@@ -503,6 +504,33 @@ int run_mpi_attempt(const LaunchPlan& plan, detail::Supervisor& supervisor,
   return -result.exit_code;
 }
 
+// Note [A machine that comes back]
+// With --max_restarts, the launchers of a job on several machines restart their workers
+// together: each counts its attempts, and the workers of attempt N meet under the store keys of
+// attempt N. A machine that died and is started again (a new launcher, counting from 0) would
+// meet nobody. So the launcher of machine 0, which serves the store, publishes the attempt it is
+// starting under kAttemptKey, and the launcher of any other machine reads it before each of its
+// attempts and joins the later one: the restarted workers of machine 0, waiting for the others
+// at their rendezvous (--rdzv_timeout), are joined by those of the machine that came back. The
+// job's restart budget is shared: the attempt a launcher joins counts against its --max_restarts.
+// A machine 0 that dies takes the store with it, and the job with it (as with torchrun's static
+// rendezvous). MPI jobs are restarted by machine 0's launcher alone.
+constexpr const char* kAttemptKey = "accelerate/launcher_attempt";
+
+// The attempt machine 0's launcher has published; 0 when it has none or cannot be asked (the
+// workers then report what is wrong with the store).
+int published_attempt(const LaunchPlan& plan, int port) {
+  try {
+    detail::StoreConnection store(plan.main_process_ip, port, plan.rdzv_secret, std::chrono::seconds(5));
+    const auto found = store.request(detail::store_protocol::Op::kCheck, {kAttemptKey}, std::chrono::seconds(5));
+    if (found.size() != 1 || found[0] != "1") return 0;
+    const auto value = store.request(detail::store_protocol::Op::kGet, {kAttemptKey}, std::chrono::seconds(5));
+    return value.size() == 1 ? std::stoi(value[0]) : 0;
+  } catch (const std::exception&) {
+    return 0;
+  }
+}
+
 }  // namespace
 
 int launch_command(const LaunchPlan& given) {
@@ -537,8 +565,30 @@ int launch_command(const LaunchPlan& given) {
     base[mark.substr(0, mark.find('='))] = mark.substr(mark.find('=') + 1);
   }
 
+  // Note [A machine that comes back].
+  const bool restarts_together = plan.num_machines > 1 && plan.max_restarts > 0 && plan.backend != "mpi";
+  std::unique_ptr<detail::StoreConnection> publisher;
+  if (restarts_together && store) {
+    publisher = std::make_unique<detail::StoreConnection>(plan.main_process_ip, port, plan.rdzv_secret,
+                                                          std::chrono::seconds(10));
+  }
+
   int exit_code = 0;
   for (int attempt = 0;; ++attempt) {
+    if (restarts_together && !store) {
+      const int joined = published_attempt(plan, port);
+      if (joined > attempt) {
+        attempt = joined;
+        if (!plan.quiet) {
+          std::cerr << "accelerate launch: joining the job at restart " << attempt << " of " << plan.max_restarts
+                    << ", where the launcher of machine 0 is" << std::endl;
+        }
+      }
+    }
+    if (publisher) {
+      publisher->request(detail::store_protocol::Op::kSet, {kAttemptKey, std::to_string(attempt)},
+                         std::chrono::seconds(10));
+    }
     if (plan.backend == "mpi") {
       exit_code = run_mpi_attempt(plan, supervisor, base, scratch, port, attempt);
       if (exit_code >= 0) break;

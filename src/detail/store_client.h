@@ -2,6 +2,7 @@
 // c10d::Store, so that the process groups use it like LibTorch's own stores.
 #pragma once
 
+#include "detail/store_connection.h"
 #include "detail/store_server.h"
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -43,11 +44,9 @@ class JobStoreClient : public c10d::Store {
   int port() const { return port_; }
 
  private:
-  // Sends one request and returns the reply's strings; waits at most `timeout` (zero: forever).
-  std::vector<std::string> request(uint8_t op, const std::vector<std::string>& args,
+  // One request on the connection, one thread at a time.
+  std::vector<std::string> request(store_protocol::Op op, const std::vector<std::string>& args,
                                    std::chrono::milliseconds timeout);
-  void connect_locked(std::chrono::milliseconds timeout);
-  void disconnect_locked();
 
   std::string host_;
   int port_;
@@ -55,7 +54,7 @@ class JobStoreClient : public c10d::Store {
   std::chrono::milliseconds connect_timeout_;
   std::shared_ptr<StoreServer> server_;
   std::mutex mutex_;
-  int fd_ = -1;
+  StoreConnection connection_;
 };
 
 }  // namespace accelerate::detail

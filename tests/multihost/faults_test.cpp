@@ -159,6 +159,60 @@ TEST(MultiHostFaults, AHostThatDiesInTheMiddleOfASaveLeavesThePreviousCheckpoint
   }
 }
 
+// Note [A machine that comes back] in src/commands/launch.cpp.
+TEST(MultiHostFaults, WithRestartsAHostThatDiesAndComesBackRejoinsTheJob) {
+  HostPair hosts;
+  ACCELERATE_REQUIRE_HOSTS(hosts);
+  TempDir dir;
+  auto rejoin_on = [&](int host) {
+    return hosts.in(host, {accelerate_bin(),
+                           "launch",
+                           "--num_processes",
+                           "4",
+                           "--num_machines",
+                           "2",
+                           "--machine_rank",
+                           std::to_string(host),
+                           "--main_process_ip",
+                           HostPair::address(0),
+                           "--main_process_port",
+                           "29500",
+                           "--rdzv_timeout",
+                           "60",
+                           "--max_restarts",
+                           "1",
+                           "--num_cpu_threads_per_process",
+                           "1",
+                           "--grace_period",
+                           "2",
+                           worker_bin(),
+                           "rejoin",
+                           dir.str()});
+  };
+  Running survivor(rejoin_on(0), kSecret);
+  {
+    Running lost(rejoin_on(1), kSecret);
+    ASSERT_TRUE(all_ranks_running(dir.str()));
+    hosts.kill_host(1);  // every process of host 1, its launcher included
+    lost.wait(30);
+  }
+  // Machine 0 restarts its workers, which wait for the others; then host 1 comes back.
+  for (int rank : {0, 1}) {
+    ASSERT_GT(wait_for_int_file(dir.str() + "/started_1_" + std::to_string(rank), 60), 0) << "no restart on host 0";
+  }
+  Running back(rejoin_on(1), kSecret);
+  survivor.wait(120);
+  back.wait(120);
+  ASSERT_EQ(survivor.exit_code(), 0) << survivor.out << survivor.err;
+  ASSERT_EQ(back.exit_code(), 0) << back.out << back.err;
+  EXPECT_THAT(survivor.err, HasSubstr("restarting all 2 worker(s) (restart 1 of 1)"));
+  EXPECT_THAT(back.err, HasSubstr("joining the job at restart 1 of 1, where the launcher of machine 0 is"));
+  for (int rank : {0, 1}) EXPECT_THAT(survivor.out, HasSubstr("[rank" + std::to_string(rank) + "]: attempt 1 done"));
+  for (int rank : {2, 3}) EXPECT_THAT(back.out, HasSubstr("[rank" + std::to_string(rank) + "]: attempt 1 done"));
+  EXPECT_TRUE(hosts.pids(0).empty());
+  EXPECT_TRUE(hosts.pids(1).empty());
+}
+
 TEST(MultiHostFaults, ACutLinkEndsBothLaunchersWithinTheCollectiveTimeout) {
   HostPair hosts;
   ACCELERATE_REQUIRE_HOSTS(hosts);

@@ -139,6 +139,22 @@ int main(int argc, char** argv) {
     std::ofstream(arg(2) + "/orphan_" + std::to_string(rank)) << child << std::endl;
     return 0;
   }
+  if (mode == "rejoin") {
+    // Attempt 0 meets in barriers until a peer is lost; a later attempt meets in a few and ends.
+    const int attempt = env_int("TORCHELASTIC_RESTART_COUNT", -1);
+    std::ofstream(arg(2) + "/started_" + std::to_string(attempt) + "_" + std::to_string(rank))
+        << ::getpid() << std::endl;
+    accelerate::PartialStateOptions options;
+    options.init_kwargs.timeout = std::chrono::seconds(30);
+    accelerate::PartialState state(options);
+    std::ofstream(arg(2) + "/pid_" + std::to_string(rank)) << ::getpid() << std::endl;
+    for (int i = 0; i < (attempt == 0 ? 12000 : 20); ++i) {
+      state.wait_for_everyone();
+      sleep_seconds(0.01);
+    }
+    std::cout << "attempt " << attempt << " done" << std::endl;
+    return 0;
+  }
   if (mode == "barriers") {
     accelerate::PartialStateOptions options;
     if (!arg(3).empty()) options.init_kwargs.timeout = std::chrono::seconds(std::stoi(arg(3)));
