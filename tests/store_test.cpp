@@ -1,7 +1,10 @@
 // The job's rendezvous store (src/detail/store_server.h, store_client.h) over real sockets: every
 // operation the process groups use, waiting for keys that appear later, timeouts that leave the
 // client usable, the secret, the address it listens on, and clients that misbehave.
+#include "detail/errors.h"
+#include "detail/network.h"
 #include "detail/store_client.h"
+#include "detail/store_protocol.h"
 #include "detail/store_server.h"
 #include "support/process.h"
 #include "support/test_support.h"
@@ -11,10 +14,14 @@
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <sched.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <cstring>
+#include <mutex>
 #include <thread>
 
 namespace accelerate::detail {
@@ -133,6 +140,97 @@ TEST(JobStore, AClientWithoutTheSecretIsRefusedAndTheServerReportsIt) {
   ASSERT_EQ(reports.size(), 1u);
   EXPECT_THAT(reports[0], HasSubstr("refused a rendezvous connection from 127.0.0.1:"));
   EXPECT_THAT(reports[0], HasSubstr("does not know the job's secret"));
+}
+
+TEST(JobStore, AnotherVersionOfTheProtocolIsRefusedAndNamedOnBothSides) {
+  namespace proto = store_protocol;
+  std::vector<std::string> reports;
+  std::mutex mutex;
+  StoreServer server("127.0.0.1", 0, "k", [&](const std::string& line) {
+    std::lock_guard<std::mutex> lock(mutex);
+    reports.push_back(line);
+  });
+  // A client of another version gets the version's refusal, and the server says why.
+  const int client = raw_connect("127.0.0.1", server.port());
+  ASSERT_GE(client, 0);
+  std::string greeting(proto::kMagic, sizeof(proto::kMagic));
+  proto::put_u32(greeting, proto::kVersion + 1);
+  proto::put_u32(greeting, 1);
+  greeting += "k";
+  ASSERT_EQ(::write(client, greeting.data(), greeting.size()), static_cast<ssize_t>(greeting.size()));
+  char answer = 0;
+  ASSERT_EQ(::read(client, &answer, 1), 1);
+  EXPECT_EQ(static_cast<uint8_t>(answer), proto::kGreetingWrongVersion);
+  ::close(client);
+  for (int i = 0; i < 100; ++i) {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      if (!reports.empty()) break;
+    }
+    std::this_thread::sleep_for(10ms);
+  }
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    ASSERT_EQ(reports.size(), 1u);
+    EXPECT_THAT(reports[0], HasSubstr("it speaks version " + std::to_string(proto::kVersion + 1) +
+                                      " of the store's protocol, not " + std::to_string(proto::kVersion)));
+  }
+
+  // A server of another version (a stand-in that answers the greeting so) is named by the client.
+  const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
+  ASSERT_EQ(::listen(listener, 1), 0);
+  socklen_t length = sizeof(address);
+  ::getsockname(listener, reinterpret_cast<sockaddr*>(&address), &length);
+  std::thread stand_in([listener] {
+    const int peer = ::accept(listener, nullptr, nullptr);
+    char greeting_bytes[17];
+    (void)!::read(peer, greeting_bytes, sizeof(greeting_bytes));
+    const char refusal = static_cast<char>(store_protocol::kGreetingWrongVersion);
+    (void)!::write(peer, &refusal, 1);
+    ::close(peer);
+  });
+  EXPECT_THROWS_WITH(JobStoreClient("127.0.0.1", ntohs(address.sin_port), "k", 5s),
+                     "speaks another version of the store's protocol");
+  stand_in.join();
+  ::close(listener);
+}
+
+// The address towards a host this machine has no route to is refused by name: checked in a
+// network namespace of its own, which has no route at all (needs root; skipped otherwise).
+TEST(SourceAddress, AHostWithoutARouteIsNamed) {
+  int pipe_fds[2];
+  ASSERT_EQ(::pipe(pipe_fds), 0);
+  const pid_t child = ::fork();
+  if (child == 0) {
+    ::close(pipe_fds[0]);
+    std::string result;
+    if (::unshare(CLONE_NEWNET) != 0) {
+      result = "skip: " + std::string(std::strerror(errno));
+    } else {
+      try {
+        result = "address " + source_address_towards("10.9.9.9", 29500);
+      } catch (const std::exception& e) {
+        result = error_message(e);
+      }
+    }
+    (void)!::write(pipe_fds[1], result.data(), result.size());
+    ::_exit(0);
+  }
+  ::close(pipe_fds[1]);
+  std::string result;
+  char buffer[4096];
+  for (ssize_t n; (n = ::read(pipe_fds[0], buffer, sizeof(buffer))) > 0;) result.append(buffer, static_cast<size_t>(n));
+  ::close(pipe_fds[0]);
+  ::waitpid(child, nullptr, 0);
+  if (result.rfind("skip: ", 0) == 0) GTEST_SKIP() << "cannot make a network namespace: " << result.substr(6);
+  EXPECT_THAT(result, HasSubstr("this machine has no route to the main process's address 10.9.9.9"));
+  EXPECT_THAT(result, HasSubstr("GLOO_SOCKET_IFNAME"));
+  EXPECT_THROWS_WITH(source_address_towards("no-such-host.invalid", 29500),
+                     "cannot resolve the main process's address 'no-such-host.invalid'");
 }
 
 TEST(JobStore, ItListensOnlyOnTheAddressItWasGiven) {
