@@ -2,6 +2,7 @@
 #include "detail/launcher.h"
 
 #include "detail/check.h"
+#include "detail/durations.h"
 #include "detail/subprocess.h"
 
 #include <algorithm>
@@ -194,13 +195,6 @@ std::vector<pid_t> own_children() {
   }
   ::closedir(tasks);
   return children;
-}
-
-// "3s", "0.5s".
-std::string seconds_text(double seconds) {
-  std::ostringstream out;
-  out << seconds << "s";
-  return out.str();
 }
 
 // The variable every process of the job inherits, with the launcher's pid as its value.

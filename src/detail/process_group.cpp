@@ -3,6 +3,7 @@
 
 #include "build_config.h"
 #include "detail/errors.h"
+#include "detail/durations.h"
 #include "detail/network.h"
 #include "detail/process_group_mpi.h"
 #include "detail/store_client.h"
@@ -33,13 +34,6 @@
 
 namespace accelerate::detail {
 namespace {
-
-std::string seconds(std::chrono::milliseconds ms) {
-  std::ostringstream out;
-  out << static_cast<double>(ms.count()) / 1000.0 << "s";
-  return out.str();
-}
-
 
 c10::intrusive_ptr<c10d::Store> connect_job_store(const RendezvousConfig& config) {
   const Topology& topo = config.topology;
@@ -110,10 +104,11 @@ void wait_for_all(const c10::intrusive_ptr<c10d::Store>& store, const Rendezvous
               topo.world_size, ": another job is using the same MASTER_ADDR:MASTER_PORT (", topo.master_addr, ":",
               topo.master_port, ")");
   if (complete) return;
-  C10_THROW_ERROR(Error, c10::str("[PartialState] rendezvous timed out after ", seconds(config.rdzv_timeout), ": only ",
-                                  joined < 0 ? std::string("an unknown number") : std::to_string(joined), " of ",
-                                  topo.world_size, " processes joined at ", topo.master_addr, ":", topo.master_port,
-                                  " (the others never started, crashed, or point at another address)"));
+  C10_THROW_ERROR(
+      Error, c10::str("[PartialState] rendezvous timed out after ", seconds_text(config.rdzv_timeout), ": only ",
+                      joined < 0 ? std::string("an unknown number") : std::to_string(joined), " of ", topo.world_size,
+                      " processes joined at ", topo.master_addr, ":", topo.master_port,
+                      " (the others never started, crashed, or point at another address)"));
 }
 
 // Note [Every process group is built]
@@ -126,7 +121,7 @@ void wait_until_every_group_is_built(const c10::intrusive_ptr<c10d::Store>& stor
   if (store_barrier(store, "pg_built", config.topology.world_size, config.rdzv_timeout, built)) return;
   C10_THROW_ERROR(Error, c10::str("[PartialState] process ", config.topology.rank, " of ", config.topology.world_size,
                                   " built its process group, but only ", built, " processes did within ",
-                                  seconds(config.rdzv_timeout)));
+                                  seconds_text(config.rdzv_timeout)));
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 // The MPI process group; see process_group_mpi.h and Note [One MPI thread].
 #include "detail/process_group_mpi.h"
 
+#include "detail/durations.h"
 #include "detail/torch_compat.h"
 
 #include <ATen/core/ivalue.h>
@@ -41,10 +42,6 @@ std::string mpi_error_text(int code) {
 void check_mpi(int code, const char* op, const char* call) {
   if (code == MPI_SUCCESS) return;
   C10_THROW_ERROR(Error, c10::str("[mpi] ", op, ": ", call, " failed: ", mpi_error_text(code)));
-}
-
-std::string seconds_text(std::chrono::milliseconds ms) {
-  return c10::str(static_cast<double>(ms.count()) / 1000.0, "s");
 }
 
 // ---- Work -----------------------------------------------------------------------------------

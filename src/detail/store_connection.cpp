@@ -2,6 +2,7 @@
 #include "detail/store_connection.h"
 
 #include "detail/check.h"
+#include "detail/durations.h"
 
 #include <netdb.h>
 #include <netinet/in.h>
@@ -20,12 +21,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 namespace proto = store_protocol;
-
-std::string seconds_text(std::chrono::milliseconds ms) {
-  std::ostringstream out;
-  out << static_cast<double>(ms.count()) / 1000.0 << "s";
-  return out.str();
-}
 
 // Waits until `fd` is ready for `events` or `deadline` passes (max(): forever).
 bool ready(int fd, short events, Clock::time_point deadline) {
