@@ -122,6 +122,31 @@ TEST(MultiHost, SlurmVariablesFormAJobAcrossHosts) {
 }
 
 // Checkpoints across hosts: (shared folder?, save_on_each_node?).
+// Note [The job's store]: a job on one machine serves its rendezvous on loopback only.
+TEST(MultiHost, AOneMachineJobsStoreCannotBeReachedFromAnotherHost) {
+  HostPair hosts;
+  ACCELERATE_REQUIRE_HOSTS(hosts);
+  TempDir dir;
+  const std::string port = "29511";
+  Running job(hosts.in(0, {accelerate_bin(), "launch", "-n", "2", "--backend", "gloo", "--main_process_port", port,
+                           "--grace_period", "1", worker_bin(), "barriers", dir.str(), "60"}));
+  for (int rank : {0, 1}) ASSERT_GT(wait_for_int_file(dir.str() + "/pid_" + std::to_string(rank), 60), 0);
+  auto connect_from = [&](int host, const std::string& address) {
+    return run(hosts.in(host, {"bash", "-c", "exec 3<>/dev/tcp/" + address + "/" + port + " && echo connected"}), 30);
+  };
+  auto other_host = connect_from(1, HostPair::address(0));
+  EXPECT_NE(other_host->exit_code(), 0);
+  EXPECT_THAT(other_host->err, HasSubstr("Connection refused"));
+  auto same_host_address = connect_from(0, HostPair::address(0));
+  EXPECT_NE(same_host_address->exit_code(), 0) << "the store answers on the host's network address";
+  auto loopback = connect_from(0, "127.0.0.1");  // where the store is
+  EXPECT_EQ(loopback->exit_code(), 0) << loopback->err;
+  EXPECT_THAT(loopback->out, HasSubstr("connected"));
+  job.signal(SIGTERM);
+  job.wait(30);
+  EXPECT_TRUE(hosts.pids(0).empty()) << "processes of the job still run on host 0";
+}
+
 class MultiHostCheckpoint : public ::testing::TestWithParam<std::pair<bool, bool>> {};
 
 TEST_P(MultiHostCheckpoint, ResumesBitForBitOnEveryRank) {
