@@ -94,9 +94,13 @@ TEST(MultiHostFaults, AHostThatDiesEndsTheOtherHostsLauncherNamingTheLostHost) {
   EXPECT_TRUE(hosts.pids(0).empty()) << "processes of the job still run on the surviving host";
 }
 
-TEST(MultiHostFaults, AHostThatDiesInTheMiddleOfASaveLeavesThePreviousCheckpointToResumeFrom) {
+class MultiHostSaveFault : public ::testing::TestWithParam<bool> {};
+
+TEST_P(MultiHostSaveFault, LeavesThePreviousCheckpointToResumeFrom) {
   // Each host saves into a folder of its own (save_on_each_node); host 1's first process, 2,
-  // stops after the first file of the second save, and host 1 dies then.
+  // stops after the first file of the second save, and then host 1 dies (every process killed)
+  // or its link is cut (the others wait for the process group's timeout, 5 s here).
+  const bool cut = GetParam();
   namespace fs = std::filesystem;
   HostPair hosts;
   ACCELERATE_REQUIRE_HOSTS(hosts);
@@ -105,6 +109,7 @@ TEST(MultiHostFaults, AHostThatDiesInTheMiddleOfASaveLeavesThePreviousCheckpoint
   auto checkpoints = [&](int host) { return fs::path(project(host)) / "checkpoints"; };
   auto env = kSecret;
   env["MP_CHECKPOINT_SAVE_ON_EACH_NODE"] = "1";
+  env["MP_CHECKPOINT_TIMEOUT"] = "5";
   checkpoint_on_both(
       hosts,
       [&](int) {
@@ -123,22 +128,37 @@ TEST(MultiHostFaults, AHostThatDiesInTheMiddleOfASaveLeavesThePreviousCheckpoint
   const std::string marker = dir.str() + "/paused";
   paused["ACCELERATE_TEST_PAUSE_SAVE_AFTER_FIRST_FILE"] = marker;
   paused["ACCELERATE_TEST_PAUSE_SAVE_PROCESS"] = "2";
-  Running survivor(checkpoint_on(hosts, 0, {"second", project(0), dir.str() + "/ignored", "save"}), paused);
-  Running lost(checkpoint_on(hosts, 1, {"second", project(1), dir.str() + "/ignored", "save"}), paused);
-  ASSERT_GT(wait_for_int_file(marker + ".2", 120), 0) << survivor.err << lost.err;
-  hosts.kill_host(1);
-  lost.wait(30);
-  survivor.wait(30);  // the connections to host 1 were reset: no timeout is waited for
-  EXPECT_NE(survivor.exit_code(), 0);
-  EXPECT_THAT(survivor.err, HasSubstr("; " + HostPair::address(1) + " is the machine of process"));
-  EXPECT_TRUE(hosts.pids(0).empty()) << "processes of the job still run on the surviving host";
+  {
+    Running survivor(checkpoint_on(hosts, 0, {"second", project(0), dir.str() + "/ignored", "save"}), paused);
+    Running lost(checkpoint_on(hosts, 1, {"second", project(1), dir.str() + "/ignored", "save"}), paused);
+    ASSERT_GT(wait_for_int_file(marker + ".2", 120), 0) << survivor.err << lost.err;
+    if (cut) {
+      ASSERT_TRUE(hosts.cut_link(1)) << hosts.unavailable();
+    } else {
+      hosts.kill_host(1);
+    }
+    lost.wait(60);
+    survivor.wait(60);  // killed: at once, the connections were reset; cut: the 5 s timeout
+    EXPECT_NE(survivor.exit_code(), 0);
+    if (cut) {
+      EXPECT_NE(lost.exit_code(), 0);
+      EXPECT_THAT(survivor.err, AnyOf(HasSubstr("within 5s"), HasSubstr("Timed out"), HasSubstr("timed out")));
+    } else {
+      EXPECT_THAT(survivor.err, HasSubstr("; " + HostPair::address(1) + " is the machine of process"));
+    }
+    EXPECT_TRUE(hosts.pids(0).empty()) << "processes of the job still run on host 0";
+    EXPECT_TRUE(hosts.pids(1).empty()) << "processes of the job still run on host 1";
+  }
   // Nothing of the interrupted save was committed on either host.
   for (int host : {0, 1}) {
     EXPECT_FALSE(fs::exists(checkpoints(host) / "checkpoint_1")) << "host " << host;
     EXPECT_TRUE(fs::exists(checkpoints(host) / "checkpoint_0" / "model.safetensors")) << "host " << host;
   }
 
-  // With the host back, the job resumes from the previous checkpoint exactly.
+  // With the host (or its link) back, the job resumes from the previous checkpoint exactly.
+  if (cut) {
+    ASSERT_TRUE(hosts.restore_link(1)) << hosts.unavailable();
+  }
   checkpoint_on_both(
       hosts,
       [&](int host) {
@@ -158,6 +178,9 @@ TEST(MultiHostFaults, AHostThatDiesInTheMiddleOfASaveLeavesThePreviousCheckpoint
     EXPECT_FALSE(fs::exists(checkpoints(host) / ".checkpoint_1.partial")) << "host " << host;
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(InTheMiddleOfASave, MultiHostSaveFault, ::testing::Bool(),
+                         [](const auto& info) { return std::string(info.param ? "LinkCut" : "HostKilled"); });
 
 // Note [A machine that comes back] in src/commands/launch.cpp.
 TEST(MultiHostFaults, WithRestartsAHostThatDiesAndComesBackRejoinsTheJob) {

@@ -107,6 +107,8 @@ class HostPair {
 
   /// Takes `host`'s link down: its packets no longer reach the other host, nor the other's it.
   bool cut_link(int host) const { return ip({"-n", names_.at(host), "link", "set", links_.at(host), "down"}); }
+  /// Brings a cut link up again.
+  bool restore_link(int host) const { return ip({"-n", names_.at(host), "link", "set", links_.at(host), "up"}); }
 
  private:
   bool ip(const std::vector<std::string>& args) const {

@@ -53,6 +53,10 @@ Job make_job(const std::string& project, bool stateful) {
   // The multi-host tests save on every machine's local main process.
   options.project_config.save_on_each_node = std::getenv("MP_CHECKPOINT_SAVE_ON_EACH_NODE") != nullptr;
   options.dataloader_config.use_stateful_dataloader = stateful;
+  // MP_CHECKPOINT_TIMEOUT: the process group's timeout in seconds (the tests of cut links).
+  if (const char* timeout = std::getenv("MP_CHECKPOINT_TIMEOUT")) {
+    options.init_process_group_kwargs.timeout = std::chrono::seconds(std::stoi(timeout));
+  }
   acc::Accelerator accelerator(options);
   acc::set_seed(1234);
 
