@@ -60,14 +60,83 @@ Outcome run_on_both(const HostPair& hosts, const std::function<std::vector<std::
     ASSERT_EQ((o).code[host], 0) << "host " << host << ":\n" << (o).out[host] << (o).err[host]; \
   }
 
-TEST(MultiHost, OneGlooLauncherPerHostTrainsLikeOneProcess) {
+// How the processes of a job are started: one `accelerate launch` per host, or by hand with
+// torchrun's or Slurm's variables, the way those launchers start them.
+enum class Style { kLaunchers, kTorchrun, kSlurm };
+
+std::string style_name(Style style) {
+  switch (style) {
+    case Style::kLaunchers: return "Launchers";
+    case Style::kTorchrun: return "TorchrunVariables";
+    case Style::kSlurm: return "SlurmVariables";
+  }
+  return "?";
+}
+
+// The variables torchrun or Slurm gives process `rank` of a 2-host job of 4 processes.
+Env foreign_env(Style style, int rank) {
+  if (style == Style::kTorchrun) {
+    return Env{{"RANK", std::to_string(rank)},
+               {"WORLD_SIZE", "4"},
+               {"LOCAL_RANK", std::to_string(rank % 2)},
+               {"LOCAL_WORLD_SIZE", "2"},
+               {"GROUP_RANK", std::to_string(rank / 2)},
+               {"MASTER_ADDR", HostPair::address(0)},
+               {"MASTER_PORT", kPort}};
+  }
+  // The first host of the step's node list serves the store.
+  return Env{{"SLURM_PROCID", std::to_string(rank)},
+             {"SLURM_NTASKS", "4"},
+             {"SLURM_LOCALID", std::to_string(rank % 2)},
+             {"SLURM_NTASKS_PER_NODE", "2"},
+             {"SLURM_NNODES", "2"},
+             {"SLURM_STEP_NODELIST", HostPair::address(0) + "," + HostPair::address(1)},
+             {"MASTER_PORT", kPort}};
+}
+
+// Runs `program(host)` as a job of 4 processes on the two hosts, started as `style` starts them;
+// each host's output (by hand: its processes' output, rank by rank) and exit code (the first
+// failure among its processes).
+Outcome run_job(const HostPair& hosts, Style style, const std::function<std::vector<std::string>(int)>& program,
+                Env env = {}) {
+  if (style == Style::kLaunchers) return run_on_both(hosts, program, env);
+  env["ACCELERATE_RDZV_SECRET"] = "a-secret-both-hosts-know";
+  env["ACCELERATE_RDZV_TIMEOUT"] = "60";
+  env["OMP_NUM_THREADS"] = "1";
+  std::vector<std::unique_ptr<Running>> processes;
+  for (int rank = 0; rank < 4; ++rank) {
+    Env own = env;
+    for (auto& [key, value] : foreign_env(style, rank)) own[key] = value;
+    processes.push_back(std::make_unique<Running>(hosts.in(rank / 2, program(rank / 2)), own));
+  }
+  Outcome o;
+  o.code[0] = o.code[1] = 0;
+  for (int rank = 0; rank < 4; ++rank) {
+    auto& p = *processes[rank];
+    p.wait(240);
+    o.out[rank / 2] += p.out;
+    o.err[rank / 2] += p.err;
+    if (o.code[rank / 2] == 0) o.code[rank / 2] = p.exit_code();
+  }
+  return o;
+}
+
+class MultiHostTraining : public ::testing::TestWithParam<Style> {};
+
+TEST_P(MultiHostTraining, TrainsLikeOneProcess) {
   HostPair hosts;
   ACCELERATE_REQUIRE_HOSTS(hosts);
-  auto o = run_on_both(hosts, [](int) { return std::vector<std::string>{built("tests/mp_training"), "plain", "split_batches"}; });
+  auto o = run_job(hosts, GetParam(), [](int) {
+    return std::vector<std::string>{built("tests/mp_training"), "plain", "split_batches"};
+  });
   EXPECT_BOTH_SUCCEED(o);
-  EXPECT_THAT(o.out[0], HasSubstr("[rank0]: plain: OK"));
-  EXPECT_THAT(o.out[0], HasSubstr("[rank0]: split_batches: OK"));
+  EXPECT_THAT(o.out[0], HasSubstr("plain: OK"));
+  EXPECT_THAT(o.out[0], HasSubstr("split_batches: OK"));
 }
+
+INSTANTIATE_TEST_SUITE_P(Styles, MultiHostTraining,
+                         ::testing::Values(Style::kLaunchers, Style::kTorchrun, Style::kSlurm),
+                         [](const auto& info) { return style_name(info.param); });
 
 TEST(MultiHost, EachHostsLauncherStartsItsOwnRanks) {
   HostPair hosts;
@@ -147,14 +216,16 @@ TEST(MultiHost, AOneMachineJobsStoreCannotBeReachedFromAnotherHost) {
   EXPECT_TRUE(hosts.pids(0).empty()) << "processes of the job still run on host 0";
 }
 
-class MultiHostCheckpoint : public ::testing::TestWithParam<std::pair<bool, bool>> {};
+class MultiHostCheckpoint : public ::testing::TestWithParam<std::tuple<Style, std::pair<bool, bool>>> {};
 
 TEST_P(MultiHostCheckpoint, ResumesBitForBitOnEveryRank) {
-  const auto [shared, each_node] = GetParam();
+  const Style style = std::get<0>(GetParam());
+  const bool shared = std::get<1>(GetParam()).first;
+  const bool each_node = std::get<1>(GetParam()).second;
   HostPair hosts;
   ACCELERATE_REQUIRE_HOSTS(hosts);
   TempDir dir;
-  auto project = [&, shared = shared](const std::string& run, int host) {
+  auto project = [&](const std::string& run, int host) {
     return dir.str() + "/" + (shared ? std::string("shared") : "host" + std::to_string(host)) + "/" + run;
   };
   Env env;
@@ -166,20 +237,31 @@ TEST_P(MultiHostCheckpoint, ResumesBitForBitOnEveryRank) {
       return argv;
     };
   };
-  auto full = run_on_both(hosts, [&](int host) {
-    return checkpoint({"full", project("a", host), dir.str() + "/full"})(host);
-  }, env);
+  auto full = run_job(
+      hosts, style,
+      [&](int host) {
+        return checkpoint({"full", project("a", host), dir.str() + "/full"})(host);
+      },
+      env);
   EXPECT_BOTH_SUCCEED(full);
-  auto first = run_on_both(hosts, [&](int host) { return checkpoint({"first", project("b", host)})(host); }, env);
+  auto first = run_job(
+      hosts, style,
+      [&](int host) {
+        return checkpoint({"first", project("b", host)})(host);
+      },
+      env);
   EXPECT_BOTH_SUCCEED(first);
   // Where the checkpoint was written: by rank 0, or by each host's first process.
   EXPECT_TRUE(fs::is_regular_file(project("b", 0) + "/checkpoints/checkpoint_0/model.safetensors"));
   if (!shared) {
     EXPECT_TRUE(fs::is_regular_file(project("b", 1) + "/checkpoints/checkpoint_0/model.safetensors"));
   }
-  auto second = run_on_both(hosts, [&](int host) {
-    return checkpoint({"second", project("b", host), dir.str() + "/resumed"})(host);
-  }, env);
+  auto second = run_job(
+      hosts, style,
+      [&](int host) {
+        return checkpoint({"second", project("b", host), dir.str() + "/resumed"})(host);
+      },
+      env);
   EXPECT_BOTH_SUCCEED(second);
   for (int rank = 0; rank < 4; ++rank) {
     SCOPED_TRACE("process " + std::to_string(rank));
@@ -192,10 +274,13 @@ TEST_P(MultiHostCheckpoint, ResumesBitForBitOnEveryRank) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Folders, MultiHostCheckpoint,
-                         ::testing::Values(std::pair{true, false}, std::pair{true, true}, std::pair{false, true}),
+                         ::testing::Combine(::testing::Values(Style::kLaunchers, Style::kTorchrun, Style::kSlurm),
+                                            ::testing::Values(std::pair{true, false}, std::pair{true, true},
+                                                              std::pair{false, true})),
                          [](const auto& info) {
-                           return std::string(info.param.first ? "Shared" : "Unshared") +
-                                  (info.param.second ? "SaveOnEachNode" : "SaveOnMainProcess");
+                           const auto& folder = std::get<1>(info.param);
+                           return style_name(std::get<0>(info.param)) + (folder.first ? "Shared" : "Unshared") +
+                                  (folder.second ? "SaveOnEachNode" : "SaveOnMainProcess");
                          });
 
 }  // namespace

@@ -68,9 +68,10 @@ class HostPair {
 
   /// Writes a stand-in for ssh that Open MPI's launcher can use as its agent
   /// (OMPI_MCA_plm_rsh_agent, PRTE_MCA_plm_ssh_agent): `agent [options] ADDRESS COMMAND...` runs
-  /// COMMAND in the host of ADDRESS, with a host name and /dev/shm of its own and an empty
-  /// `private_dir` (give the launcher that folder as TMPDIR), as a separate machine would have:
-  /// none of the launcher's files. It lives in the build tree, which every host sees (Open MPI's
+  /// COMMAND in the host of ADDRESS, with a host name and /dev/shm of its own and, at the path
+  /// `private_dir` (give the launcher that folder as TMPDIR), a folder of that host's own
+  /// (`private_dir-<host>`, kept from call to call, as a machine's disk is), as a separate machine
+  /// would have: none of the launcher's files. It lives in the build tree, which every host sees (Open MPI's
   /// daemons check the agent's path on each host), until the bed is removed. Returns its path.
   std::string write_rsh_agent(const std::string& private_dir) const {
     const std::string path = built("tests/rsh-agent-" + names_[0]);
@@ -84,7 +85,8 @@ class HostPair {
     out << "  *) echo \"rsh-agent: no host $address in the test bed\" >&2; exit 255 ;;\n"
         << "esac\n"
         << "exec ip netns exec \"$ns\" unshare --mount --uts --propagation private sh -c "
-        << "'hostname \"$1\" && mount -t tmpfs tmpfs \"$2\" && mount -t tmpfs tmpfs /dev/shm && exec sh -c \"$0\"' "
+        << "'hostname \"$1\" && mkdir -p \"$2-$1\" && mount --bind \"$2-$1\" \"$2\" && "
+        << "mount -t tmpfs tmpfs /dev/shm && exec sh -c \"$0\"' "
         << "\"$*\" \"$ns\" \"" << private_dir << "\"\n";
     out.close();
     ::chmod(path.c_str(), 0755);
