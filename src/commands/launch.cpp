@@ -511,24 +511,48 @@ int run_mpi_attempt(const LaunchPlan& plan, detail::Supervisor& supervisor,
 // meet nobody. So the launcher of machine 0, which serves the store, publishes the attempt it is
 // starting under kAttemptKey, and the launcher of any other machine reads it before each of its
 // attempts and joins the later one: the restarted workers of machine 0, waiting for the others
-// at their rendezvous (--rdzv_timeout), are joined by those of the machine that came back. The
-// job's restart budget is shared: the attempt a launcher joins counts against its --max_restarts.
+// at their rendezvous (--rdzv_timeout), are joined by those of the machine that came back. An
+// attempt that already has all its processes (the one that just failed, while machine 0 tears it
+// down) is not joined: the launcher waits, up to --rdzv_timeout, for machine 0 to start the next.
+// The job's restart budget is shared: the attempt a launcher joins counts against its
+// --max_restarts.
 // A machine 0 that dies takes the store with it, and the job with it (as with torchrun's static
 // rendezvous). MPI jobs are restarted by machine 0's launcher alone.
 constexpr const char* kAttemptKey = "accelerate/launcher_attempt";
 
-// The attempt machine 0's launcher has published; 0 when it has none or cannot be asked (the
-// workers then report what is wrong with the store).
-int published_attempt(const LaunchPlan& plan, int port) {
+// The attempt a launcher of another machine runs, given its own count: machine 0's when that is
+// later and still takes processes (Note [A machine that comes back]). When machine 0 cannot be
+// asked, its own count (the workers then report what is wrong with the store).
+int attempt_to_join(const LaunchPlan& plan, int port, int own) {
+  namespace proto = detail::store_protocol;
+  const auto deadline =
+      std::chrono::steady_clock::now() +
+      std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(plan.rdzv_timeout));
+  std::unique_ptr<detail::StoreConnection> store;
+  int published = 0;
   try {
-    detail::StoreConnection store(plan.main_process_ip, port, plan.rdzv_secret, std::chrono::seconds(5));
-    const auto found = store.request(detail::store_protocol::Op::kCheck, {kAttemptKey}, std::chrono::seconds(5));
-    if (found.size() != 1 || found[0] != "1") return 0;
-    const auto value = store.request(detail::store_protocol::Op::kGet, {kAttemptKey}, std::chrono::seconds(5));
-    return value.size() == 1 ? std::stoi(value[0]) : 0;
+    store = std::make_unique<detail::StoreConnection>(plan.main_process_ip, port, plan.rdzv_secret,
+                                                      std::chrono::seconds(5));
+    while (true) {
+      const auto found = store->request(proto::Op::kCheck, {kAttemptKey}, std::chrono::seconds(5));
+      if (found.size() == 1 && found[0] == "1") {
+        const auto value = store->request(proto::Op::kGet, {kAttemptKey}, std::chrono::seconds(5));
+        if (value.size() == 1) published = std::stoi(value[0]);
+      }
+      if (own > published) return own;  // machine 0 will come to it
+      const std::string full = "accelerate/attempt" + std::to_string(published) + "/joined/complete";
+      const auto taken = store->request(proto::Op::kCheck, {full}, std::chrono::seconds(5));
+      if (taken.size() != 1 || taken[0] != "1") return published;
+      if (std::chrono::steady_clock::now() > deadline) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    }
   } catch (const std::exception&) {
-    return 0;
+    return std::max(own, published);
   }
+  detail::raise_error(detail::concat(
+      "[launch] the job's attempt ", published, " already has all its ", plan.num_processes,
+      " processes, and the launcher of machine 0 started no other within --rdzv_timeout (", plan.rdzv_timeout,
+      "s): it has no restart left (--max_restarts), or this machine's launcher runs twice"));
 }
 
 }  // namespace
@@ -576,7 +600,7 @@ int launch_command(const LaunchPlan& given) {
   int exit_code = 0;
   for (int attempt = 0;; ++attempt) {
     if (restarts_together && !store) {
-      const int joined = published_attempt(plan, port);
+      const int joined = attempt_to_join(plan, port, attempt);
       if (joined > attempt) {
         attempt = joined;
         if (!plan.quiet) {
