@@ -47,6 +47,17 @@ int raw_connect(const char* address, int port) {
   return fd;
 }
 
+// Waits (up to a second) for the server's thread to report something.
+void wait_for_report(const std::vector<std::string>& reports, std::mutex& mutex) {
+  for (int i = 0; i < 100; ++i) {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      if (!reports.empty()) return;
+    }
+    std::this_thread::sleep_for(10ms);
+  }
+}
+
 TEST(JobStore, EveryOperationBehavesAsAStoreShould) {
   StoreServer server("127.0.0.1", 0, "s3cret");
   JobStoreClient store("127.0.0.1", server.port(), "s3cret", 10s);
@@ -129,13 +140,7 @@ TEST(JobStore, AClientWithoutTheSecretIsRefusedAndTheServerReportsIt) {
     EXPECT_THAT(e.what_without_backtrace(), HasSubstr("refused this process: it does not know the job's secret"));
   }
   // The report comes from the server's thread.
-  for (int i = 0; i < 100; ++i) {
-    {
-      std::lock_guard<std::mutex> lock(mutex);
-      if (!reports.empty()) break;
-    }
-    std::this_thread::sleep_for(10ms);
-  }
+  wait_for_report(reports, mutex);
   std::lock_guard<std::mutex> lock(mutex);
   ASSERT_EQ(reports.size(), 1u);
   EXPECT_THAT(reports[0], HasSubstr("refused a rendezvous connection from 127.0.0.1:"));
@@ -162,13 +167,7 @@ TEST(JobStore, AnotherVersionOfTheProtocolIsRefusedAndNamedOnBothSides) {
   ASSERT_EQ(::read(client, &answer, 1), 1);
   EXPECT_EQ(static_cast<uint8_t>(answer), proto::kGreetingWrongVersion);
   ::close(client);
-  for (int i = 0; i < 100; ++i) {
-    {
-      std::lock_guard<std::mutex> lock(mutex);
-      if (!reports.empty()) break;
-    }
-    std::this_thread::sleep_for(10ms);
-  }
+  wait_for_report(reports, mutex);
   {
     std::lock_guard<std::mutex> lock(mutex);
     ASSERT_EQ(reports.size(), 1u);

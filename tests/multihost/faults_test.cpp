@@ -22,17 +22,10 @@ using ::testing::HasSubstr;
 
 const std::map<std::string, std::string> kSecret = {{"ACCELERATE_RDZV_SECRET", "a-secret-both-hosts-know"}};
 
-// `accelerate launch` of machine `host` of a 2-host job of 4 processes meeting in barriers.
-std::vector<std::string> barriers_on(const HostPair& hosts, int host, const std::string& dir,
-                                     const std::string& timeout) {
-  return hosts.in(host, {accelerate_bin(), "launch", "--num_processes", "4", "--num_machines", "2", "--machine_rank",
-                         std::to_string(host), "--main_process_ip", HostPair::address(0), "--main_process_port",
-                         "29500", "--rdzv_timeout", "60", "--num_cpu_threads_per_process", "1", "--grace_period", "2",
-                         worker_bin(), "barriers", dir, timeout});
-}
-
-// `accelerate launch` of machine `host` running tests/mp_checkpoint with `args`.
-std::vector<std::string> checkpoint_on(const HostPair& hosts, int host, const std::vector<std::string>& args) {
+// `accelerate launch` of machine `host` of a 2-host job of 4 processes: the shared flags, then
+// `flags`, then the program and its arguments.
+std::vector<std::string> launch_on(const HostPair& hosts, int host, const std::vector<std::string>& flags,
+                                   const std::vector<std::string>& program) {
   std::vector<std::string> argv = {accelerate_bin(),
                                    "launch",
                                    "--num_processes",
@@ -50,10 +43,23 @@ std::vector<std::string> checkpoint_on(const HostPair& hosts, int host, const st
                                    "--num_cpu_threads_per_process",
                                    "1",
                                    "--grace_period",
-                                   "2",
-                                   built("tests/mp_checkpoint")};
-  argv.insert(argv.end(), args.begin(), args.end());
+                                   "2"};
+  argv.insert(argv.end(), flags.begin(), flags.end());
+  argv.insert(argv.end(), program.begin(), program.end());
   return hosts.in(host, argv);
+}
+
+// Machine `host` of a job meeting in barriers.
+std::vector<std::string> barriers_on(const HostPair& hosts, int host, const std::string& dir,
+                                     const std::string& timeout) {
+  return launch_on(hosts, host, {}, {worker_bin(), "barriers", dir, timeout});
+}
+
+// Machine `host` of a job running tests/mp_checkpoint with `args`.
+std::vector<std::string> checkpoint_on(const HostPair& hosts, int host, const std::vector<std::string>& args) {
+  std::vector<std::string> program = {built("tests/mp_checkpoint")};
+  program.insert(program.end(), args.begin(), args.end());
+  return launch_on(hosts, host, {}, program);
 }
 
 // Runs tests/mp_checkpoint on both hosts, with `args(host)`; both launchers must succeed.
@@ -165,14 +171,7 @@ TEST_P(MultiHostSaveFault, LeavesThePreviousCheckpointToResumeFrom) {
         return std::vector<std::string>{"second", project(host), dir.str() + "/resumed", "save"};
       },
       env);
-  for (int rank = 0; rank < 4; ++rank) {
-    SCOPED_TRACE("process " + std::to_string(rank));
-    const auto suffix = "." + std::to_string(rank) + ".safetensors";
-    SafetensorsFile full(dir.str() + "/full" + suffix);
-    SafetensorsFile resumed(dir.str() + "/resumed" + suffix);
-    ASSERT_EQ(full.keys(), resumed.keys());
-    for (const auto& key : full.keys()) EXPECT_TRUE(at::equal(full.get_tensor(key), resumed.get_tensor(key))) << key;
-  }
+  expect_resumed_like_full(dir.str(), 4);
   for (int host : {0, 1}) {
     EXPECT_TRUE(fs::is_directory(checkpoints(host) / "checkpoint_1")) << "host " << host;
     EXPECT_FALSE(fs::exists(checkpoints(host) / ".checkpoint_1.partial")) << "host " << host;
@@ -193,29 +192,7 @@ TEST_P(MultiHostRejoin, WithRestartsAHostThatDiesAndComesBackRejoinsTheJob) {
   ACCELERATE_REQUIRE_HOSTS(hosts);
   TempDir dir;
   auto rejoin_on = [&](int host) {
-    return hosts.in(host, {accelerate_bin(),
-                           "launch",
-                           "--num_processes",
-                           "4",
-                           "--num_machines",
-                           "2",
-                           "--machine_rank",
-                           std::to_string(host),
-                           "--main_process_ip",
-                           HostPair::address(0),
-                           "--main_process_port",
-                           "29500",
-                           "--rdzv_timeout",
-                           "60",
-                           "--max_restarts",
-                           "1",
-                           "--num_cpu_threads_per_process",
-                           "1",
-                           "--grace_period",
-                           "2",
-                           worker_bin(),
-                           "rejoin",
-                           dir.str()});
+    return launch_on(hosts, host, {"--max_restarts", "1"}, {worker_bin(), "rejoin", dir.str()});
   };
   Running survivor(rejoin_on(0), kSecret);
   {

@@ -5,6 +5,10 @@
 // bed says why, and the tests skip with that reason.
 #pragma once
 
+#include "accelerate/utils/safetensors.h"
+
+#include <ATen/ATen.h>
+
 #include "support/process.h"
 
 #include <gtest/gtest.h>
@@ -137,5 +141,18 @@ class HostPair {
 /// Skips the test, with the reason, when the bed could not be made.
 #define ACCELERATE_REQUIRE_HOSTS(bed) \
   if (!(bed).ready()) GTEST_SKIP() << (bed).unavailable()
+
+/// Expects `<dir>/resumed.<rank>.safetensors` to hold exactly `<dir>/full.<rank>.safetensors` for
+/// each of the job's `processes` (the multi-host checkpoint tests' verdict).
+inline void expect_resumed_like_full(const std::string& dir, int processes) {
+  for (int rank = 0; rank < processes; ++rank) {
+    SCOPED_TRACE("process " + std::to_string(rank));
+    const auto suffix = "." + std::to_string(rank) + ".safetensors";
+    SafetensorsFile full(dir + "/full" + suffix);
+    SafetensorsFile resumed(dir + "/resumed" + suffix);
+    ASSERT_EQ(full.keys(), resumed.keys());
+    for (const auto& key : full.keys()) EXPECT_TRUE(at::equal(full.get_tensor(key), resumed.get_tensor(key))) << key;
+  }
+}
 
 }  // namespace accelerate::testing
