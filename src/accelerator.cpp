@@ -6,6 +6,8 @@
 #include "accelerate/memory_utils.h"
 #include "accelerate/utils/environment.h"
 #include "detail/accelerator_impl.h"
+#include "detail/env.h"
+#include "detail/fsdp.h"
 #include "detail/tracking.h"
 #include "detail/warn.h"
 
@@ -57,6 +59,49 @@ void check_options(const AcceleratorOptions& options) {
   }
 }
 
+// Whether prepared models are sharded, and with which plugin: the given one, or the defaults
+// under ACCELERATE_USE_FSDP, or under a parallelism_config whose dp_shard_size is above 1.
+std::optional<FullyShardedDataParallelPlugin> fsdp_plugin_of(const AcceleratorOptions& options, int num_processes) {
+  std::optional<FullyShardedDataParallelPlugin> plugin = options.fsdp_plugin;
+  if (!plugin) {
+    if (auto use = get_env("ACCELERATE_USE_FSDP"); use && str_to_bool(*use)) plugin = FullyShardedDataParallelPlugin{};
+  }
+  std::optional<ParallelismConfig> config = options.parallelism_config;
+  if (!config && (get_env("PARALLELISM_CONFIG_DP_REPLICATE_SIZE") || get_env("PARALLELISM_CONFIG_DP_SHARD_SIZE") ||
+                  get_env("PARALLELISM_CONFIG_TP_SIZE") || get_env("PARALLELISM_CONFIG_CP_SIZE"))) {
+    config = ParallelismConfig{};
+  }
+  if (!config) return plugin;
+  const auto size = [](const std::optional<int>& given, const char* name) -> std::optional<int> {
+    if (given) return given;
+    if (auto v = get_env(name)) return detail::parse_env_int(name, *v);
+    return std::nullopt;
+  };
+  const int tp = size(config->tp_size, "PARALLELISM_CONFIG_TP_SIZE").value_or(1);
+  const int cp = size(config->cp_size, "PARALLELISM_CONFIG_CP_SIZE").value_or(1);
+  TORCH_CHECK_VALUE(tp == 1, "[Accelerator] parallelism_config: tensor parallelism (tp_size ", tp,
+                    ") is not supported yet; only the data-parallel dimensions are");
+  TORCH_CHECK_VALUE(cp == 1, "[Accelerator] parallelism_config: context parallelism (cp_size ", cp,
+                    ") is not supported yet; only the data-parallel dimensions are");
+  const int replicate = size(config->dp_replicate_size, "PARALLELISM_CONFIG_DP_REPLICATE_SIZE").value_or(1);
+  TORCH_CHECK_VALUE(replicate >= 1, "[Accelerator] parallelism_config: dp_replicate_size must be at least 1, got ",
+                    replicate);
+  const int shard = size(config->dp_shard_size, "PARALLELISM_CONFIG_DP_SHARD_SIZE")
+                        .value_or(std::max(1, num_processes / replicate));
+  TORCH_CHECK_VALUE(shard >= 1, "[Accelerator] parallelism_config: dp_shard_size must be at least 1, got ", shard);
+  TORCH_CHECK_VALUE(replicate * shard == num_processes, "[Accelerator] parallelism_config: dp_replicate_size (",
+                    replicate, ") x dp_shard_size (", shard, ") x tp_size (1) x cp_size (1) must equal the number of "
+                    "processes, ", num_processes);
+  TORCH_CHECK_VALUE(replicate == 1 || shard == 1, "[Accelerator] parallelism_config: hybrid sharding (dp_replicate_size ",
+                    replicate, " x dp_shard_size ", shard, ") is not supported yet");
+  if (shard > 1 && !plugin) plugin = FullyShardedDataParallelPlugin{};
+  TORCH_CHECK_VALUE(shard > 1 || !options.fsdp_plugin || num_processes == 1,
+                    "[Accelerator] parallelism_config: dp_shard_size is 1, so nothing is sharded, but an fsdp_plugin "
+                    "was given");
+  if (shard == 1) plugin.reset();
+  return plugin;
+}
+
 }  // namespace
 
 // ---- SyncGuard ------------------------------------------------------------------------------
@@ -94,6 +139,8 @@ Accelerator::Accelerator(const AcceleratorOptions& options)
   if (impl_->project.project_dir.empty()) impl_->project.project_dir = options.project_dir;
   if (impl_->project.logging_dir.empty()) impl_->project.logging_dir = impl_->project.project_dir;
   impl_->log_with = detail::filter_trackers(options.log_with, impl_->project.logging_dir, "Accelerator");
+  impl_->fsdp = fsdp_plugin_of(options, state_.num_processes());
+  if (impl_->fsdp) (void)detail::resolve_fsdp_plugin(*impl_->fsdp, state_.device());  // refuse bad settings now
   if (state_.mixed_precision() == PrecisionType::kFp16 && state_.device().is_cuda()) {
     impl_->scaler = get_grad_scaler(distributed_type(), options.scaler_kwargs);
   }
@@ -109,6 +156,11 @@ bool Accelerator::optimizer_step_was_skipped() const {
   std::lock_guard<std::mutex> lock(impl_->mutex);
   return std::any_of(impl_->optimizers.begin(), impl_->optimizers.end(),
                      [](const AcceleratedOptimizer& o) { return o.step_was_skipped(); });
+}
+
+std::optional<FullyShardedDataParallelPlugin> Accelerator::fsdp_plugin() const { return impl_->fsdp; }
+bool Accelerator::is_fsdp2() const {
+  return impl_->fsdp && detail::resolve_fsdp_plugin(*impl_->fsdp, state_.device()).fsdp_version == 2;
 }
 
 bool Accelerator::split_batches() const { return impl_->options.dataloader_config.split_batches; }
@@ -181,7 +233,8 @@ DistributedDataParallel Accelerator::prepare_module(const std::shared_ptr<torch:
   // Evaluation-only models are not synchronised: a one-process engine does no communication.
   DistributedDataParallel ddp = evaluation_mode
                                     ? DistributedDataParallel::local(module, state_.device(), forward)
-                                    : DistributedDataParallel(module, partial(), impl_->options.ddp_kwargs, forward);
+                                    : impl_->fsdp ? DistributedDataParallel::fully_sharded(module, partial(), *impl_->fsdp, forward)
+                                                  : DistributedDataParallel(module, partial(), impl_->options.ddp_kwargs, forward);
   std::lock_guard<std::mutex> lock(impl_->mutex);
   impl_->models.push_back(ddp);
   return ddp;
@@ -288,7 +341,24 @@ double Accelerator::clip_grad_norm_(const std::vector<at::Tensor>& parameters, d
                                     double norm_type) const {
   TORCH_CHECK_VALUE(max_norm >= 0, "[Accelerator.clip_grad_norm_] max_norm must not be negative, got ", max_norm);
   unscale_gradients();
-  return torch::nn::utils::clip_grad_norm_(parameters, max_norm, norm_type);
+  detail::FsdpEngine* sharded = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mutex);
+    for (const auto& model : impl_->models) {
+      if (!sharded) sharded = detail::fsdp_engine(model);
+    }
+  }
+  if (!sharded) return torch::nn::utils::clip_grad_norm_(parameters, max_norm, norm_type);
+  // The norm over every process's shards (upstream: FSDP's own clip_grad_norm_).
+  const double total = sharded->total_grad_norm(parameters, norm_type);
+  const double coefficient = max_norm / (total + 1e-6);
+  if (coefficient < 1) {
+    torch::NoGradGuard no_grad;
+    for (const auto& p : parameters) {
+      if (p.grad().defined()) p.grad().mul_(coefficient);
+    }
+  }
+  return total;
 }
 
 void Accelerator::clip_grad_value_(const std::vector<at::Tensor>& parameters, double clip_value) const {

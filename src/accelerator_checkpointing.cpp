@@ -5,6 +5,7 @@
 #include "detail/accelerator_impl.h"
 #include "detail/checkpoint_commit.h"
 #include "detail/files.h"
+#include "detail/fsdp.h"
 #include "detail/optimizer_state.h"
 #include "detail/warn.h"
 
@@ -88,11 +89,26 @@ void Accelerator::save(const nlohmann::json& values, const std::string& path) co
   if (writes_shared_files()) detail::write_file_atomically(path, values.dump(2) + "\n");
 }
 
-void Accelerator::save_module(const torch::nn::Module& module, const std::string& save_directory,
+StateDictMap Accelerator::model_state_dict(const std::shared_ptr<torch::nn::Module>& module) const {
+  std::optional<DistributedDataParallel> sharded;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mutex);
+    for (const auto& prepared : impl_->models) {
+      if (prepared.module() == module && prepared.is_fully_sharded()) sharded = prepared;
+    }
+  }
+  if (!sharded) return accelerate::get_state_dict(*module);
+  StateDictMap out;
+  for (auto& [name, tensor] : detail::fsdp_engine(*sharded)->full_state_dict()) out.insert(name, tensor);
+  return out;
+}
+
+void Accelerator::save_module(const std::shared_ptr<torch::nn::Module>& module, const std::string& save_directory,
                               const std::string& max_shard_size) const {
   TORCH_CHECK_VALUE(!fs::is_regular_file(save_directory), "[Accelerator::save_model] provided path (", save_directory,
                     ") should be a directory, not a file");
-  if (writes_shared_files()) save_state_dict_sharded(accelerate::get_state_dict(module), save_directory, max_shard_size);
+  auto weights = model_state_dict(module);
+  if (writes_shared_files()) save_state_dict_sharded(weights, save_directory, max_shard_size);
 }
 
 void Accelerator::register_checkpoint_objects(std::vector<CheckpointObject> objects) const {
@@ -162,6 +178,10 @@ std::string Accelerator::save_state(const std::string& output_dir) const {
   });
 
   const auto [models, optimizers, schedulers, loaders, custom, save_hooks, load_hooks, step] = snapshot(*impl_);
+  for (const auto& model : models) {
+    TORCH_CHECK_VALUE(!model.is_fully_sharded(), "[Accelerator::save_state] checkpoints of fully sharded models are "
+                                                 "not supported yet; save the weights with save_model");
+  }
   detail::CheckpointCommit commit(partial(), target, project.save_on_each_node, project.automatic_checkpoint_naming);
   const fs::path folder = commit.staging();
   const auto written = [&] { detail::checkpoint_file_written(partial()); };
@@ -238,6 +258,10 @@ void Accelerator::load_state(const std::string& input_dir) const {
   }
 
   auto [models, optimizers, schedulers, loaders, custom, save_hooks, load_hooks, step] = snapshot(*impl_);
+  for (const auto& model : models) {
+    TORCH_CHECK_VALUE(!model.is_fully_sharded(), "[Accelerator::load_state] checkpoints of fully sharded models are "
+                                                 "not supported yet");
+  }
   detail::run_agreed(partial(), "[Accelerator::load_state] loading " + folder.string(), [&] {
     for (const auto& hook : load_hooks) hook(models, folder.string());
     const auto require = [&](const std::string& name) {

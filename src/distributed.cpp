@@ -2,6 +2,7 @@
 #include "accelerate/distributed.h"
 
 #include "detail/collectives.h"
+#include "detail/fsdp.h"
 #include "detail/errors.h"
 #include "detail/state_impl.h"
 #include "detail/torch_compat.h"
@@ -31,6 +32,7 @@ struct DistributedDataParallelImpl {
   c10::intrusive_ptr<c10d::ProcessGroup> process_group;
   std::vector<at::Tensor> buffers;
   std::unique_ptr<c10d::Reducer> reducer;
+  std::shared_ptr<FsdpEngine> fsdp;  // instead of the reducer, for fully sharded models
   bool require_backward_grad_sync = true;
   bool require_forward_param_sync = true;
   int64_t num_iterations = 0;
@@ -343,7 +345,29 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   }
 }
 
+DistributedDataParallel DistributedDataParallel::fully_sharded(std::shared_ptr<torch::nn::Module> module,
+                                                               const PartialState& state,
+                                                               const FullyShardedDataParallelPlugin& plugin,
+                                                               const ForwardOptions& forward) {
+  TORCH_CHECK_VALUE(module != nullptr, "[FullyShardedDataParallel] expected a module, got null");
+  auto settings = detail::resolve_fsdp_plugin(plugin, state.device());
+  auto impl = std::make_shared<detail::DistributedDataParallelImpl>();
+  impl->module = module;
+  impl->forward = forward;
+  impl->device_type = state.device().type();
+  impl->state = state;
+  if (state.use_distributed()) {
+    impl->process_group = detail::process_group(state, "FullyShardedDataParallel");
+    impl->timeout = state.timeout();
+    impl->device = state.device();
+    impl->fsdp = std::make_shared<detail::FsdpEngine>(std::move(module), state, std::move(settings));
+  }
+  return DistributedDataParallel(std::move(impl));
+}
+
 DistributedDataParallel DistributedDataParallel::without_synchronisation(bool keep_mixed_precision) const {
+  // A sharded model cannot run without its engine: its parameters hold shards between calls.
+  if (impl_->fsdp) return *this;
   return local(impl_->module, c10::Device(impl_->device_type),
                keep_mixed_precision ? impl_->forward : ForwardOptions{});
 }
@@ -359,12 +383,18 @@ DistributedDataParallel DistributedDataParallel::local(std::shared_ptr<torch::nn
 }
 
 const std::shared_ptr<torch::nn::Module>& DistributedDataParallel::module() const { return impl_->module; }
-bool DistributedDataParallel::is_distributed() const { return impl_->reducer != nullptr; }
+bool DistributedDataParallel::is_distributed() const { return impl_->reducer != nullptr || impl_->fsdp != nullptr; }
+bool DistributedDataParallel::is_fully_sharded() const { return impl_->fsdp != nullptr; }
+
+namespace detail {
+FsdpEngine* fsdp_engine(const DistributedDataParallel& model) { return model.impl()->fsdp.get(); }
+}  // namespace detail
 const DistributedDataParallelKwargs& DistributedDataParallel::kwargs() const { return impl_->kwargs; }
 const ForwardOptions& DistributedDataParallel::forward_options() const { return impl_->forward; }
 bool DistributedDataParallel::require_backward_grad_sync() const { return impl_->require_backward_grad_sync; }
 void DistributedDataParallel::set_require_backward_grad_sync(bool sync) const {
   impl_->require_backward_grad_sync = sync;
+  if (impl_->fsdp) impl_->fsdp->set_require_backward_grad_sync(sync);
 }
 bool DistributedDataParallel::require_forward_param_sync() const { return impl_->require_forward_param_sync; }
 void DistributedDataParallel::set_require_forward_param_sync(bool sync) const {
@@ -375,6 +405,8 @@ bool DistributedDataParallel::join_enabled() const { return impl_->join_enabled;
 
 DistributedDataParallel::JoinScope::JoinScope(const DistributedDataParallel& ddp) : ddp_(ddp) {
   TORCH_CHECK(!ddp_.impl()->join_enabled, "[DistributedDataParallel.join] the model is already inside join");
+  TORCH_CHECK_VALUE(!ddp_.impl()->fsdp, "[DistributedDataParallel.join] joining uneven inputs is not supported for "
+                                        "fully sharded models yet");
   ddp_.impl()->join_enabled = true;
 }
 
@@ -424,6 +456,7 @@ void DistributedDataParallel::prepare_for_backward_now() const {
 
 DistributedDataParallel::ForwardScope::ForwardScope(const DistributedDataParallel& ddp) {
   auto& impl = *ddp.impl();
+  if (impl.fsdp) impl.fsdp->root_pre_forward();
   if (impl.reducer) {
     const bool grad = at::GradMode::is_enabled();
     const bool sync = grad && impl.require_backward_grad_sync;
@@ -452,12 +485,17 @@ DistributedDataParallel::ForwardScope::ForwardScope(const DistributedDataParalle
 }
 
 bool DistributedDataParallel::wants_outputs() const {
+  if (impl_->fsdp) return true;
   const auto& k = impl_->kwargs;
   return (k.find_unused_parameters && !k.static_graph) || (k.static_graph && impl_->num_iterations == 1);
 }
 
 std::vector<at::Tensor> DistributedDataParallel::after_forward(const std::vector<at::Tensor>& outputs) const {
   auto& impl = *impl_;
+  if (impl.fsdp) {
+    impl.fsdp->root_post_forward(outputs);
+    return {};
+  }
   if (!(at::GradMode::is_enabled() && impl.require_backward_grad_sync)) {
     impl.require_forward_param_sync = false;
     return {};

@@ -91,6 +91,17 @@ struct AcceleratorOptions {
   AutocastKwargs autocast_kwargs{};
   /// Profiler settings of `profile()`.
   ProfileKwargs profile_kwargs{};
+  /// Fully sharded data parallelism for prepared models (upstream: `fsdp_plugin`); also turned on
+  /// with default settings by `ACCELERATE_USE_FSDP=true` (what `accelerate launch --use_fsdp`
+  /// sets), whose `FSDP_*` variables fill the fields left empty. Takes effect with several
+  /// processes.
+  std::optional<FullyShardedDataParallelPlugin> fsdp_plugin{};
+  /// Sizes of the parallel dimensions (upstream: `parallelism_config`): `dp_shard_size` above 1
+  /// shards models (with `fsdp_plugin`'s settings, or the defaults); `dp_replicate_size` equal to
+  /// the number of processes is plain data parallelism. Their product must be the number of
+  /// processes. Hybrid sharding (both above 1), tensor and context parallelism are refused as
+  /// not supported yet.
+  std::optional<ParallelismConfig> parallelism_config{};
   /// Run on a state of its own built from these settings instead of the process-wide one (for
   /// several ranks as threads of one process, or several jobs in one program).
   std::optional<PartialStateOptions> standalone_state{};
@@ -209,6 +220,11 @@ class Accelerator {
   ProjectConfiguration project_configuration() const;
   /// The loss scaler of fp16 training, if any.
   std::optional<GradScaler> scaler() const;
+  /// The fully sharded settings prepared models get, when models are sharded (upstream:
+  /// `state.fsdp_plugin`).
+  std::optional<FullyShardedDataParallelPlugin> fsdp_plugin() const;
+  /// Whether models are fully sharded with version 2 of the plugin (upstream: `is_fsdp2`).
+  bool is_fsdp2() const;
 
   // ---- preparation ----------------------------------------------------------------------------
 
@@ -452,20 +468,22 @@ class Accelerator {
 
   /// The state dict of a model: its parameters and buffers in PyTorch's order (upstream:
   /// `get_state_dict`; prepared models hold the user's module, so `unwrap` changes nothing).
+  /// For a fully sharded model, the whole tensors, gathered from every process (a collective).
   template <typename M>
   StateDictMap get_state_dict(const M& model, bool unwrap = true) const {
     (void)unwrap;
-    return accelerate::get_state_dict(*checkpoint_module(model));
+    return model_state_dict(checkpoint_module(model));
   }
 
   /// Saves a model's weights to the folder `save_directory` on the main process (on each
   /// machine's local main process with `save_on_each_node`): `model.safetensors`, or shards of
   /// at most `max_shard_size` and `model.safetensors.index.json` (see `save_state_dict_sharded`).
-  /// The model may be prepared or not. Not a collective.
+  /// The model may be prepared or not. Not a collective, except for a fully sharded model, whose
+  /// whole tensors are gathered from every process first.
   template <typename M>
   void save_model(const M& model, const std::string& save_directory,
                   const std::string& max_shard_size = "10GB") const {
-    save_module(*checkpoint_module(model), save_directory, max_shard_size);
+    save_module(checkpoint_module(model), save_directory, max_shard_size);
   }
 
   /// Saves everything needed to resume training into a folder (upstream: `save_state`):
@@ -588,6 +606,8 @@ class Accelerator {
  private:
   const PartialState& partial() const { return state_.partial_state(); }
 
+  // The state dict of a module, gathered when a prepared model shards it.
+  StateDictMap model_state_dict(const std::shared_ptr<torch::nn::Module>& module) const;
   template <typename M>
   static std::shared_ptr<torch::nn::Module> checkpoint_module(const M& model) {
     if constexpr (is_prepared_model<M>::value) {
@@ -603,7 +623,7 @@ class Accelerator {
     return {checkpoint_detail::make_checkpoint_object<I>(objects)...};
   }
   void register_checkpoint_objects(std::vector<CheckpointObject> objects) const;
-  void save_module(const torch::nn::Module& module, const std::string& save_directory,
+  void save_module(const std::shared_ptr<torch::nn::Module>& module, const std::string& save_directory,
                    const std::string& max_shard_size) const;
   bool writes_shared_files() const;
 

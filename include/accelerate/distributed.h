@@ -56,6 +56,16 @@ class DistributedDataParallel {
   DistributedDataParallel(std::shared_ptr<torch::nn::Module> module, const PartialState& state,
                           const DistributedDataParallelKwargs& kwargs = {}, const ForwardOptions& forward = {});
 
+  /// A fully sharded engine (upstream: the model after `fully_shard`): with several processes the
+  /// module's parameters are split over the processes as `plugin` says (see
+  /// `FullyShardedDataParallelPlugin`), gathered around each unit's forward and backward, and
+  /// their gradients reduce-scattered; the module's own parameter objects then hold this
+  /// process's shards between steps, which is what the optimizer steps. With one process it
+  /// only records the settings, as the DDP engine does.
+  static DistributedDataParallel fully_sharded(std::shared_ptr<torch::nn::Module> module, const PartialState& state,
+                                               const FullyShardedDataParallelPlugin& plugin,
+                                               const ForwardOptions& forward = {});
+
   /// An engine that never synchronises (models prepared for evaluation only): it keeps the
   /// forward-pass settings for a module living on `device`.
   static DistributedDataParallel local(std::shared_ptr<torch::nn::Module> module, c10::Device device,
@@ -63,8 +73,10 @@ class DistributedDataParallel {
 
   /// The wrapped module.
   const std::shared_ptr<torch::nn::Module>& module() const;
-  /// Whether a reducer synchronises the gradients (more than one process).
+  /// Whether a reducer or the fully sharded engine synchronises the gradients (more than one process).
   bool is_distributed() const;
+  /// Whether the model is fully sharded (`fully_sharded` with more than one process).
+  bool is_fully_sharded() const;
   /// The DDP settings.
   const DistributedDataParallelKwargs& kwargs() const;
   /// The forward-pass settings.

@@ -14,6 +14,7 @@ struct AcceleratorImpl {
   AcceleratorOptions options;
   bool standalone = false;
   std::optional<GradScaler> scaler;
+  std::optional<FullyShardedDataParallelPlugin> fsdp;  // when prepared models are sharded
 
   std::mutex mutex;  // guards everything below
   ProjectConfiguration project;

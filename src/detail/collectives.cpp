@@ -3,6 +3,7 @@
 
 #include "detail/errors.h"
 #include "detail/state_impl.h"
+#include "detail/torch_compat.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -170,6 +171,42 @@ at::Tensor all_reduce(const PartialState& state, const at::Tensor& tensor, Reduc
     out = out.is_floating_point() ? out.div_(state.num_processes()) : out.div(state.num_processes());
   }
   return cast ? out.to(tensor.scalar_type()) : out;
+}
+
+void all_gather_into(const PartialState& state, at::Tensor& output, at::Tensor& input, const char* api) {
+  if (!state.use_distributed()) {
+    output.copy_(input);
+    return;
+  }
+  verify_collective(state, api, input, ShapeCheck::kExact);
+  auto pg = process_group(state, api);
+  if (compat::has_flat_collectives(*pg)) {
+    wait(state, compat::all_gather_single(*pg, output, input), api);
+    return;
+  }
+  // The list form, into views of `output` (Note [LibTorch releases]).
+  std::vector<std::vector<at::Tensor>> outputs(1);
+  const int64_t n = input.numel();
+  for (int r = 0; r < state.num_processes(); ++r) outputs[0].push_back(output.narrow(0, r * n, n));
+  std::vector<at::Tensor> inputs{input};
+  wait(state, pg->allgather(outputs, inputs), api);
+}
+
+void reduce_scatter_sum(const PartialState& state, at::Tensor& output, at::Tensor& input, const char* api) {
+  if (!state.use_distributed()) {
+    output.copy_(input);
+    return;
+  }
+  verify_collective(state, api, input, ShapeCheck::kExact);
+  auto pg = process_group(state, api);
+  if (compat::has_flat_collectives(*pg)) {
+    wait(state, compat::reduce_scatter_single(*pg, output, input), api);
+    return;
+  }
+  // An allreduce of the whole input, of which this process keeps its piece: the same sums.
+  std::vector<at::Tensor> tensors{input};
+  wait(state, pg->allreduce(tensors), api);
+  output.copy_(input.narrow(0, static_cast<int64_t>(state.process_index()) * output.numel(), output.numel()));
 }
 
 std::vector<std::vector<char>> all_gather_bytes(const PartialState& state, const std::vector<char>& bytes,

@@ -44,6 +44,13 @@ at::Tensor broadcast(const PartialState& state, const at::Tensor& tensor, int fr
 /// The elementwise reduction of every process's `tensor`.
 at::Tensor all_reduce(const PartialState& state, const at::Tensor& tensor, Reduction reduction, const char* api);
 
+/// Gathers every process's flat `input` (same length everywhere) into `output`, which holds
+/// `num_processes()` times as many elements, in process order.
+void all_gather_into(const PartialState& state, at::Tensor& output, at::Tensor& input, const char* api);
+/// Sums the flat `input` (`num_processes()` equal pieces) over the processes and writes this
+/// process's piece of the sum into `output`. `input` may be overwritten.
+void reduce_scatter_sum(const PartialState& state, at::Tensor& output, at::Tensor& input, const char* api);
+
 /// Every process's bytes, of any length, in process order.
 std::vector<std::vector<char>> all_gather_bytes(const PartialState& state, const std::vector<char>& bytes,
                                                 const char* api);

@@ -104,6 +104,15 @@ c10::intrusive_ptr<c10d::Work> reduce_scatter_single(c10d::ProcessGroup& group, 
   return scatter_flat(group, output, input);
 }
 
+bool has_flat_collectives(const c10d::ProcessGroup& group) {
+#if TORCH_VERSION_MAJOR < 2
+  return group.getBackendName() != "gloo";
+#else
+  (void)group;
+  return true;
+#endif
+}
+
 std::unique_ptr<c10d::Reducer> make_reducer(std::vector<at::Tensor> params,
                                             std::vector<std::vector<size_t>> bucket_indices,
                                             std::vector<size_t> per_bucket_limits,

@@ -9,7 +9,8 @@
 //   that a `c10d::ProcessGroup` dispatches to by device type;
 // - `c10d::Reducer`'s constructor (2.14 drops the per-bucket limits, adds three arguments);
 // - the flat all-gather, reduce-scatter and all-to-all (`_allgather_base` is `all_gather_single`
-//   in 2.14; `alltoall_base` is deprecated there for `all_to_all_single`);
+//   in 2.14; `alltoall_base` is deprecated there for `all_to_all_single`; 1.x's Gloo group has
+//   neither the flat all-gather nor a reduce-scatter);
 // - optimizer state keys (a string of the parameter's address in 1.x, the address in 2.x);
 // - `c10::Error`'s constructor (the backtrace became a lazily computed value);
 // - autocast (per-device functions in 2.x; the 1.x ones are deprecated there);
@@ -61,6 +62,9 @@ c10::intrusive_ptr<c10d::ProcessGroup> as_process_group(c10::intrusive_ptr<Backe
 /// `all_gather_single` by 2.14) and reduce-scatters the flat `input` into `output` (sum).
 c10::intrusive_ptr<c10d::Work> all_gather_single(c10d::ProcessGroup& group, at::Tensor& output, at::Tensor& input);
 c10::intrusive_ptr<c10d::Work> reduce_scatter_single(c10d::ProcessGroup& group, at::Tensor& output, at::Tensor& input);
+/// Whether `group` has the two flat collectives above: LibTorch 1.x's Gloo group has neither
+/// (its callers use the list all-gather and an allreduce instead).
+bool has_flat_collectives(const c10d::ProcessGroup& group);
 /// Sends the flat `input` to every rank in `input_splits` pieces and receives `output_splits`
 /// pieces into `output` (equal pieces when a split list is empty): c10d's `alltoall_base`, named
 /// `all_to_all_single` by 2.14.

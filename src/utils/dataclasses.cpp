@@ -207,4 +207,70 @@ bool str_to_bool(std::string_view text) {
       detail::concat("[str_to_bool] expected a boolean such as 1/0, true/false, yes/no, on/off, got '", text, "'"));
 }
 
+namespace {
+
+constexpr Spellings<FsdpShardingStrategy, 5> kShardingStrategies{
+    {{FsdpShardingStrategy::kFullShard, "FULL_SHARD"},
+     {FsdpShardingStrategy::kShardGradOp, "SHARD_GRAD_OP"},
+     {FsdpShardingStrategy::kNoShard, "NO_SHARD"},
+     {FsdpShardingStrategy::kHybridShard, "HYBRID_SHARD"},
+     {FsdpShardingStrategy::kHybridShardZero2, "_HYBRID_SHARD_ZERO2"}}};
+constexpr Spellings<FsdpBackwardPrefetch, 3> kBackwardPrefetches{{{FsdpBackwardPrefetch::kBackwardPre, "BACKWARD_PRE"},
+                                                                  {FsdpBackwardPrefetch::kBackwardPost, "BACKWARD_POST"},
+                                                                  {FsdpBackwardPrefetch::kNoPrefetch, "NO_PREFETCH"}}};
+constexpr Spellings<FsdpStateDictType, 3> kStateDictTypes{{{FsdpStateDictType::kFullStateDict, "FULL_STATE_DICT"},
+                                                           {FsdpStateDictType::kLocalStateDict, "LOCAL_STATE_DICT"},
+                                                           {FsdpStateDictType::kShardedStateDict, "SHARDED_STATE_DICT"}}};
+constexpr Spellings<FsdpAutoWrapPolicy, 3> kAutoWrapPolicies{
+    {{FsdpAutoWrapPolicy::kTransformerBasedWrap, "TRANSFORMER_BASED_WRAP"},
+     {FsdpAutoWrapPolicy::kSizeBasedWrap, "SIZE_BASED_WRAP"},
+     {FsdpAutoWrapPolicy::kNoWrap, "NO_WRAP"}}};
+
+std::string upper(std::string_view text) {
+  std::string out(text);
+  std::transform(out.begin(), out.end(), out.begin(), [](unsigned char c) { return std::toupper(c); });
+  return out;
+}
+
+// Upstream's FSDP enums take their names in any case, and some their 1-based numbers.
+template <typename E, size_t N>
+E fsdp_member(const Spellings<E, N>& spellings, std::string_view text, const char* api, bool numbered) {
+  const std::string value = upper(text);
+  if (numbered && value.size() == 1 && value[0] >= '1' && value[0] < static_cast<char>('1' + N)) {
+    return spellings[static_cast<size_t>(value[0] - '1')].first;
+  }
+  for (const auto& [member, spelling] : spellings) {
+    if (value == spelling) return member;
+  }
+  std::string expected;
+  for (const auto& [member, spelling] : spellings) expected += detail::concat(expected.empty() ? "" : ", ", spelling);
+  detail::raise_value_error(detail::concat("[", api, "] expected one of ", expected, numbered ? " (or its number)" : "",
+                                           ", got '", text, "'"));
+}
+
+}  // namespace
+
+std::string to_string(FsdpShardingStrategy strategy) {
+  return spelling_of(kShardingStrategies, strategy, "FsdpShardingStrategy");
+}
+FsdpShardingStrategy parse_fsdp_sharding_strategy(std::string_view text) {
+  return fsdp_member(kShardingStrategies, text, "parse_fsdp_sharding_strategy", /*numbered=*/true);
+}
+std::string to_string(FsdpBackwardPrefetch prefetch) {
+  return spelling_of(kBackwardPrefetches, prefetch, "FsdpBackwardPrefetch");
+}
+FsdpBackwardPrefetch parse_fsdp_backward_prefetch(std::string_view text) {
+  return fsdp_member(kBackwardPrefetches, text, "parse_fsdp_backward_prefetch", /*numbered=*/false);
+}
+std::string to_string(FsdpStateDictType type) { return spelling_of(kStateDictTypes, type, "FsdpStateDictType"); }
+FsdpStateDictType parse_fsdp_state_dict_type(std::string_view text) {
+  return fsdp_member(kStateDictTypes, text, "parse_fsdp_state_dict_type", /*numbered=*/true);
+}
+std::string to_string(FsdpAutoWrapPolicy policy) {
+  return spelling_of(kAutoWrapPolicies, policy, "FsdpAutoWrapPolicy");
+}
+FsdpAutoWrapPolicy parse_fsdp_auto_wrap_policy(std::string_view text) {
+  return fsdp_member(kAutoWrapPolicies, text, "parse_fsdp_auto_wrap_policy", /*numbered=*/false);
+}
+
 }  // namespace accelerate

@@ -1,8 +1,9 @@
 // Option structs and enums of accelerate-cpp, one per upstream dataclass or kwargs handler
 // (upstream: accelerate/utils/dataclasses.py). Enums are scoped and speak upstream's strings at
 // the edge ("MULTI_CPU", "bf16") because those strings appear in config files and the
-// environment. Options for integrations we do not support (DeepSpeed, FSDP, Megatron, TPU) are
-// deliberately absent.
+// environment. Options for integrations we do not support (DeepSpeed, Megatron, TPU) are
+// deliberately absent; fully sharded data parallelism has its plugin here and its engine in
+// src/detail/fsdp.cpp.
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -11,8 +12,14 @@
 #include <concepts>
 #include <cstdint>
 #include <optional>
+#include <functional>
 #include <string>
 #include <string_view>
+#include <vector>
+
+namespace torch::nn {
+class Module;
+}  // namespace torch::nn
 
 namespace accelerate {
 
@@ -215,6 +222,142 @@ struct ProjectConfiguration {
   int iteration = 0;
   /// Save on the main process of every machine instead of only the global main process.
   bool save_on_each_node = false;
+};
+
+}  // namespace accelerate
+
+namespace accelerate {
+
+/// How a fully sharded model splits its state (upstream: `ShardingStrategy`, PyTorch's names).
+enum class FsdpShardingStrategy {
+  kFullShard,          ///< parameters, gradients and optimizer state sharded; parameters gathered per unit
+  kShardGradOp,        ///< gradients and optimizer state sharded; parameters kept whole from forward to backward
+  kNoShard,            ///< nothing sharded: gradients averaged per unit (DDP's result)
+  kHybridShard,        ///< FULL_SHARD within a group of processes, replicated across groups
+  kHybridShardZero2,   ///< SHARD_GRAD_OP within a group, replicated across groups
+};
+/// Upstream's spelling: "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2".
+std::string to_string(FsdpShardingStrategy strategy);
+/// Parses upstream's spelling (any case) or its number, 1 to 5 (as `FSDP_SHARDING_STRATEGY`).
+FsdpShardingStrategy parse_fsdp_sharding_strategy(std::string_view text);
+
+/// When the parameters of the next unit are gathered during the backward pass (upstream:
+/// `BackwardPrefetch`).
+enum class FsdpBackwardPrefetch { kBackwardPre, kBackwardPost, kNoPrefetch };
+/// Upstream's spelling: "BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH".
+std::string to_string(FsdpBackwardPrefetch prefetch);
+/// Parses upstream's spelling (any case).
+FsdpBackwardPrefetch parse_fsdp_backward_prefetch(std::string_view text);
+
+/// What a fully sharded model's state dict holds (upstream: `StateDictType`).
+enum class FsdpStateDictType {
+  kFullStateDict,     ///< whole tensors, gathered on process 0
+  kLocalStateDict,    ///< each process's own shards, as they are
+  kShardedStateDict,  ///< each process's own shards, with the global shapes they belong to
+};
+/// Upstream's spelling: "FULL_STATE_DICT", "LOCAL_STATE_DICT", "SHARDED_STATE_DICT".
+std::string to_string(FsdpStateDictType type);
+/// Parses upstream's spelling (any case) or its number, 1 to 3.
+FsdpStateDictType parse_fsdp_state_dict_type(std::string_view text);
+
+/// Which submodules become units of their own (upstream: the `auto_wrap_policy` names).
+enum class FsdpAutoWrapPolicy {
+  kTransformerBasedWrap,  ///< modules whose class is in `transformer_cls_names_to_wrap`
+  kSizeBasedWrap,         ///< the smallest subtrees holding at least `min_num_params` parameters
+  kNoWrap,                ///< the whole model is one unit
+};
+/// Upstream's spelling: "TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP".
+std::string to_string(FsdpAutoWrapPolicy policy);
+/// Parses upstream's spelling (any case).
+FsdpAutoWrapPolicy parse_fsdp_auto_wrap_policy(std::string_view text);
+
+/// Decides whether the submodule `name` (its dotted path in the model) becomes a unit; it sees
+/// the module and the number of parameters in its subtree not yet in a unit (upstream: a
+/// callable `auto_wrap_policy`).
+using FsdpWrapCallable = std::function<bool(const std::string& name, const torch::nn::Module& module,
+                                            int64_t unwrapped_params)>;
+
+/// The dtypes a fully sharded model computes, reduces and keeps buffers in (upstream:
+/// `MixedPrecisionPolicy`): "fp32", "bf16", "fp16", or empty for the parameters' own dtype.
+struct FsdpMixedPrecisionPolicy {
+  std::string param_dtype{};
+  std::string reduce_dtype{};
+  std::string buffer_dtype{};
+};
+
+/// Fully sharded data parallelism (upstream: `FullyShardedDataParallelPlugin`). A field left
+/// empty takes the matching `FSDP_*` environment variable (what `accelerate launch --use_fsdp
+/// --fsdp_*` and the `fsdp_config` of a config file set), else upstream's default. Given to an
+/// `Accelerator` (or set by `ACCELERATE_USE_FSDP=true`), it makes `prepare` shard every model
+/// over the processes instead of replicating it.
+///
+/// Example:
+///   accelerate::Accelerator accelerator({.fsdp_plugin = accelerate::FullyShardedDataParallelPlugin{
+///       .fsdp_version = 2, .auto_wrap_policy = accelerate::FsdpAutoWrapPolicy::kTransformerBasedWrap,
+///       .transformer_cls_names_to_wrap = {"Block"}}});
+struct FullyShardedDataParallelPlugin {
+  /// 2: per-parameter sharding on dimension 0 (PyTorch's `fully_shard`); 1 is accepted and runs
+  /// the same engine. Env: FSDP_VERSION; default 1.
+  std::optional<int> fsdp_version{};
+  /// How state is split (version 1's way of choosing). Env: FSDP_SHARDING_STRATEGY; default FULL_SHARD.
+  std::optional<FsdpShardingStrategy> sharding_strategy{};
+  /// Free a unit's gathered parameters after its forward, gathering them again for its backward
+  /// (version 2's way of choosing: true is FULL_SHARD, false SHARD_GRAD_OP). Env:
+  /// FSDP_RESHARD_AFTER_FORWARD.
+  std::optional<bool> reshard_after_forward{};
+  /// Gathering ahead during the backward pass. Env: FSDP_BACKWARD_PREFETCH; default NO_PREFETCH.
+  std::optional<FsdpBackwardPrefetch> backward_prefetch{};
+  /// Compute, reduction and buffer dtypes.
+  FsdpMixedPrecisionPolicy mixed_precision_policy{};
+  /// Which submodules are units. Env: FSDP_AUTO_WRAP_POLICY; default NO_WRAP (one unit).
+  std::optional<FsdpAutoWrapPolicy> auto_wrap_policy{};
+  /// A policy of the user's; not with `auto_wrap_policy`.
+  FsdpWrapCallable auto_wrap_callable{};
+  /// Class names (`torch::nn::Module::name()`, or without its namespaces and "Impl": "Block" for
+  /// a TORCH_MODULE(Block)) whose modules
+  /// are units under TRANSFORMER_BASED_WRAP. Env: FSDP_TRANSFORMER_CLS_TO_WRAP (comma-separated).
+  std::vector<std::string> transformer_cls_names_to_wrap{};
+  /// The threshold of SIZE_BASED_WRAP. Env: FSDP_MIN_NUM_PARAMS; default 100000000.
+  std::optional<int64_t> min_num_params{};
+  /// Keep shards, gradients and the optimizer step on the CPU. Env: FSDP_OFFLOAD_PARAMS.
+  std::optional<bool> cpu_offload{};
+  /// Dotted names of submodules left out of sharding: their parameters stay whole on every
+  /// process and are not reduced.
+  std::vector<std::string> ignored_modules{};
+  /// What `save_state` writes and `get_state_dict` returns. Env: FSDP_STATE_DICT_TYPE; default
+  /// FULL_STATE_DICT.
+  std::optional<FsdpStateDictType> state_dict_type{};
+  /// Copy process 0's parameters and buffers to every process before sharding. Env:
+  /// FSDP_SYNC_MODULE_STATES; default true.
+  std::optional<bool> sync_module_states{};
+  /// Called on every submodule that holds meta-device tensors, to materialise them before
+  /// sharding.
+  std::function<void(torch::nn::Module&)> param_init_fn{};
+  /// Only process 0 holds real weights; the others build the model on the meta device and get
+  /// process 0's values (needs `sync_module_states`). Env: FSDP_CPU_RAM_EFFICIENT_LOADING.
+  std::optional<bool> cpu_ram_efficient_loading{};
+  /// Recompute activations in the backward pass. Env: FSDP_ACTIVATION_CHECKPOINTING.
+  std::optional<bool> activation_checkpointing{};
+  /// Gather the next unit's parameters during the current unit's forward. Env: FSDP_FORWARD_PREFETCH.
+  std::optional<bool> forward_prefetch{};
+  /// Keep at most two gathers in flight. Env: FSDP_LIMIT_ALL_GATHERS; default true.
+  std::optional<bool> limit_all_gathers{};
+  /// The optimizer sees the module's own parameters. Env: FSDP_USE_ORIG_PARAMS; default true.
+  std::optional<bool> use_orig_params{};
+};
+
+/// Sizes of the parallel dimensions of a job (upstream: `ParallelismConfig`). Their product
+/// must be the number of processes. Empty sizes take `PARALLELISM_CONFIG_DP_REPLICATE_SIZE`,
+/// `..._DP_SHARD_SIZE`, `..._TP_SIZE`, `..._CP_SIZE`, else 1 (the shard size: what is left).
+struct ParallelismConfig {
+  /// Groups that hold a replica each (with `dp_shard_size` > 1: hybrid sharding).
+  std::optional<int> dp_replicate_size{};
+  /// Processes one replica is sharded over.
+  std::optional<int> dp_shard_size{};
+  /// Tensor parallelism: not supported yet (only 1).
+  std::optional<int> tp_size{};
+  /// Context parallelism: not supported yet (only 1).
+  std::optional<int> cp_size{};
 };
 
 }  // namespace accelerate

@@ -1,0 +1,825 @@
+// The fully sharded engine; see fsdp.h.
+#include "detail/fsdp.h"
+
+#include "accelerate/hooks.h"
+#include "accelerate/utils/environment.h"
+#include "detail/collectives.h"
+#include "detail/env.h"
+#include "detail/state_impl.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/StorageImpl.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/distributed/c10d/comm.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <set>
+#include <sstream>
+#include <unordered_map>
+#include <unordered_set>
+
+namespace accelerate::detail {
+
+// Note [Fully sharded engine]
+// Every parameter of a unit is split on dimension 0 into `num_processes` pieces of
+// ceil(rows / num_processes) rows (the last ones shorter, possibly empty), as PyTorch's
+// `fully_shard` does. The module keeps its own parameter objects, so an optimizer built on
+// `module->parameters()` before `prepare` stays valid; what changes is the data behind them:
+// - at rest, a parameter's data is this process's shard, and its `.grad` the shard's gradient:
+//   the optimizer steps shards only;
+// - around its unit's forward and backward, its data is the whole tensor, on a storage of its own
+//   that the engine frees (size 0) when the unit is resharded and fills again when it is gathered.
+//   Autograd keeps the parameter itself (and views of that storage) for the backward pass, so
+//   the backward sees the gathered values; `set_data` leaves the version counter alone, and the
+//   gather writes through another tensor, so neither counts as an in-place change.
+// A unit is gathered before its forward (ModelHook on its module, or the prepared model's call
+// for the root) and before its backward (hooks on its outputs' gradients), and freed after its
+// forward (FULL_SHARD, not the root) and after its backward. After its backward, the whole
+// gradients of its parameters are reduce-scattered in one flat collective per dtype (averaged
+// over the processes); the backward end is seen by an autograd node on the unit's inputs, and
+// for the root (and any unit whose inputs needed no gradient) by a callback at the end of the
+// backward pass. Inside `no_sync` the whole gradients accumulate and the reduction waits for the
+// synchronising pass. NO_SHARD keeps every parameter whole and averages gradients per unit.
+
+FsdpSettings resolve_fsdp_plugin(const FullyShardedDataParallelPlugin& plugin, c10::Device device) {
+  const auto env = [](const char* name) { return get_env(name); };
+  const auto flag = [&](const std::optional<bool>& given, const char* name, bool fallback) {
+    if (given) return *given;
+    auto value = env(name);
+    return value ? str_to_bool(*value) : fallback;
+  };
+  FsdpSettings s;
+  if (plugin.fsdp_version) {
+    s.fsdp_version = *plugin.fsdp_version;
+  } else if (auto v = env("FSDP_VERSION")) {
+    s.fsdp_version = parse_env_int("FSDP_VERSION", *v);
+  }
+  TORCH_CHECK_VALUE(s.fsdp_version == 1 || s.fsdp_version == 2,
+                    "[FullyShardedDataParallelPlugin] fsdp_version must be 1 or 2, got ", s.fsdp_version);
+
+  // What the user set wins over both variables of the environment.
+  const bool user_chose = plugin.sharding_strategy || plugin.reshard_after_forward;
+  std::optional<FsdpShardingStrategy> strategy = plugin.sharding_strategy;
+  if (!user_chose) {
+    if (auto v = env("FSDP_SHARDING_STRATEGY")) strategy = parse_fsdp_sharding_strategy(*v);
+  }
+  std::optional<bool> reshard = plugin.reshard_after_forward;
+  if (!user_chose) {
+    if (auto v = env("FSDP_RESHARD_AFTER_FORWARD")) {
+      // Version 1 configurations write a sharding strategy here; version 2 a boolean.
+      const std::string text = *v;
+      bool is_bool = true;
+      try {
+        reshard = str_to_bool(text);
+      } catch (const std::exception&) {
+        is_bool = false;
+      }
+      if (!is_bool && !strategy) strategy = parse_fsdp_sharding_strategy(text);
+    }
+  }
+  if (strategy && reshard) {
+    const bool implied = *strategy == FsdpShardingStrategy::kFullShard || *strategy == FsdpShardingStrategy::kHybridShard;
+    const bool conflicting = *strategy != FsdpShardingStrategy::kNoShard && implied != *reshard;
+    TORCH_CHECK_VALUE(!conflicting, "[FullyShardedDataParallelPlugin] sharding_strategy ", to_string(*strategy),
+                      " and reshard_after_forward=", *reshard ? "true" : "false",
+                      " contradict each other; set one of them");
+  }
+  if (strategy) {
+    s.sharding_strategy = *strategy;
+  } else if (reshard) {
+    s.sharding_strategy = *reshard ? FsdpShardingStrategy::kFullShard : FsdpShardingStrategy::kShardGradOp;
+  }
+  s.reshard_after_forward = s.sharding_strategy == FsdpShardingStrategy::kFullShard ||
+                            s.sharding_strategy == FsdpShardingStrategy::kHybridShard;
+  TORCH_CHECK_VALUE(s.sharding_strategy != FsdpShardingStrategy::kHybridShard &&
+                        s.sharding_strategy != FsdpShardingStrategy::kHybridShardZero2,
+                    "[FullyShardedDataParallelPlugin] sharding_strategy ", to_string(s.sharding_strategy),
+                    " is not supported yet; use FULL_SHARD, SHARD_GRAD_OP or NO_SHARD");
+
+  if (plugin.backward_prefetch) {
+    s.backward_prefetch = *plugin.backward_prefetch;
+  } else if (auto v = env("FSDP_BACKWARD_PREFETCH")) {
+    s.backward_prefetch = parse_fsdp_backward_prefetch(*v);
+  }
+  TORCH_CHECK_VALUE(s.backward_prefetch == FsdpBackwardPrefetch::kNoPrefetch,
+                    "[FullyShardedDataParallelPlugin] backward_prefetch ", to_string(s.backward_prefetch),
+                    " is not supported yet (each unit is gathered when its backward starts); use NO_PREFETCH");
+  s.forward_prefetch = flag(plugin.forward_prefetch, "FSDP_FORWARD_PREFETCH", false);
+  TORCH_CHECK_VALUE(!s.forward_prefetch, "[FullyShardedDataParallelPlugin] forward_prefetch is not supported yet "
+                                         "(each unit is gathered when its forward starts)");
+  // One gather at a time is always in flight, within either setting.
+  s.limit_all_gathers = flag(plugin.limit_all_gathers, "FSDP_LIMIT_ALL_GATHERS", true);
+
+  const auto& mp = plugin.mixed_precision_policy;
+  TORCH_CHECK_VALUE(mp.param_dtype.empty() && mp.reduce_dtype.empty() && mp.buffer_dtype.empty(),
+                    "[FullyShardedDataParallelPlugin] mixed_precision_policy is not supported yet; use the "
+                    "Accelerator's mixed_precision (autocast) instead");
+
+  if (plugin.auto_wrap_policy) {
+    s.auto_wrap_policy = *plugin.auto_wrap_policy;
+  } else if (auto v = env("FSDP_AUTO_WRAP_POLICY")) {
+    s.auto_wrap_policy = parse_fsdp_auto_wrap_policy(*v);
+  }
+  TORCH_CHECK_VALUE(!(plugin.auto_wrap_policy && plugin.auto_wrap_callable),
+                    "[FullyShardedDataParallelPlugin] give either auto_wrap_policy or auto_wrap_callable, not both");
+  s.auto_wrap_callable = plugin.auto_wrap_callable;
+  s.transformer_cls_names_to_wrap = plugin.transformer_cls_names_to_wrap;
+  if (s.transformer_cls_names_to_wrap.empty()) {
+    if (auto v = env("FSDP_TRANSFORMER_CLS_TO_WRAP")) {
+      std::stringstream in(*v);
+      for (std::string item; std::getline(in, item, ',');) {
+        item.erase(0, item.find_first_not_of(' '));
+        item.erase(item.find_last_not_of(' ') + 1);
+        if (!item.empty()) s.transformer_cls_names_to_wrap.push_back(item);
+      }
+    }
+  }
+  TORCH_CHECK_VALUE(s.auto_wrap_policy != FsdpAutoWrapPolicy::kTransformerBasedWrap ||
+                        !s.transformer_cls_names_to_wrap.empty(),
+                    "[FullyShardedDataParallelPlugin] TRANSFORMER_BASED_WRAP needs transformer_cls_names_to_wrap "
+                    "(or FSDP_TRANSFORMER_CLS_TO_WRAP): the class names of the modules to wrap");
+  if (plugin.min_num_params) {
+    s.min_num_params = *plugin.min_num_params;
+  } else if (auto v = env("FSDP_MIN_NUM_PARAMS")) {
+    s.min_num_params = parse_env_int("FSDP_MIN_NUM_PARAMS", *v);
+  }
+  TORCH_CHECK_VALUE(s.min_num_params > 0, "[FullyShardedDataParallelPlugin] min_num_params must be positive, got ",
+                    s.min_num_params);
+
+  s.cpu_offload = flag(plugin.cpu_offload, "FSDP_OFFLOAD_PARAMS", false);
+  TORCH_CHECK_VALUE(!s.cpu_offload || device.is_cpu(),
+                    "[FullyShardedDataParallelPlugin] cpu_offload on ", device.str(), " is not supported yet");
+  s.ignored_modules = plugin.ignored_modules;
+  if (plugin.state_dict_type) {
+    s.state_dict_type = *plugin.state_dict_type;
+  } else if (auto v = env("FSDP_STATE_DICT_TYPE")) {
+    s.state_dict_type = parse_fsdp_state_dict_type(*v);
+  }
+  TORCH_CHECK_VALUE(s.state_dict_type == FsdpStateDictType::kFullStateDict,
+                    "[FullyShardedDataParallelPlugin] state_dict_type ", to_string(s.state_dict_type),
+                    " is not supported yet; use FULL_STATE_DICT");
+  s.sync_module_states = flag(plugin.sync_module_states, "FSDP_SYNC_MODULE_STATES", true);
+  s.param_init_fn = plugin.param_init_fn;
+  s.cpu_ram_efficient_loading = flag(plugin.cpu_ram_efficient_loading, "FSDP_CPU_RAM_EFFICIENT_LOADING", false);
+  TORCH_CHECK_VALUE(!s.cpu_ram_efficient_loading || s.sync_module_states,
+                    "[FullyShardedDataParallelPlugin] cpu_ram_efficient_loading needs sync_module_states: the "
+                    "processes other than 0 get their weights from process 0");
+  s.activation_checkpointing = flag(plugin.activation_checkpointing, "FSDP_ACTIVATION_CHECKPOINTING", false);
+  TORCH_CHECK_VALUE(!s.activation_checkpointing,
+                    "[FullyShardedDataParallelPlugin] activation_checkpointing is not supported yet");
+  s.use_orig_params = flag(plugin.use_orig_params, "FSDP_USE_ORIG_PARAMS", true);
+  TORCH_CHECK_VALUE(s.use_orig_params, "[FullyShardedDataParallelPlugin] use_orig_params=false (one flat parameter "
+                                       "per unit for the optimizer) is not supported: the optimizer always steps "
+                                       "the module's own parameters, sharded");
+  return s;
+}
+
+namespace {
+
+// One parameter of a unit.
+struct ShardedParam {
+  std::string name;          // in the model
+  at::Tensor param;          // the module's parameter object, never replaced
+  std::vector<int64_t> shape;
+  int64_t rows = 1;          // dimension 0 (1 for a scalar)
+  int64_t row_numel = 1;     // elements per row
+  int64_t shard_rows = 1;    // rows of every padded piece
+  at::Tensor shard;          // this process's rows, what `param` holds at rest
+  at::Tensor full;           // the whole tensor on a storage of its own, empty while resharded
+  at::Tensor grad_at_rest;   // the shard's gradient, kept aside while the whole one is computed
+  at::Tensor pending_grad;   // whole gradients accumulated inside no_sync
+  int64_t offset = 0;        // in its dtype group's flat piece
+};
+
+int64_t rows_of(const ShardedParam& p, int rank) {
+  return std::clamp<int64_t>(p.rows - rank * p.shard_rows, 0, p.shard_rows);
+}
+
+struct DtypeGroup {
+  at::ScalarType dtype;
+  std::vector<size_t> params;  // indices into the unit's params
+  int64_t piece = 0;           // elements of one process's padded piece
+};
+
+struct Unit {
+  std::string name;  // "" for the root
+  torch::nn::Module* module = nullptr;
+  std::vector<ShardedParam> params;
+  std::vector<DtypeGroup> groups;
+  bool gathered = false;
+  bool backward_armed = false;  // gradients set aside, waiting for the reduction
+  int pending_input_nodes = 0;  // forward calls whose input node has not run backward yet
+};
+
+}  // namespace
+
+struct FsdpEngineImpl : std::enable_shared_from_this<FsdpEngineImpl> {
+  FsdpSettings settings;
+  PartialState state;
+  std::shared_ptr<torch::nn::Module> module;
+  std::vector<Unit> units;  // root first
+  bool shard = true;        // false for NO_SHARD
+  int world = 1;
+  int rank = 0;
+  bool callback_queued = false;
+  bool require_sync = true;  // false inside no_sync
+  std::unordered_map<const void*, std::pair<size_t, size_t>> where;  // parameter → (unit, index)
+
+  explicit FsdpEngineImpl(const PartialState& s) : state(s) {}
+
+  void gather(Unit& unit);
+  void reshard(Unit& unit);
+  void pre_backward(size_t unit);
+  void post_backward(size_t unit);
+  void end_of_backward();
+  void reduce(Unit& unit);
+  at::Tensor whole_value(const ShardedParam& p, const Unit& unit);
+};
+
+namespace {
+
+constexpr const char* kApi = "FullyShardedDataParallel";
+
+void free_storage(const at::Tensor& t) {
+  auto* storage = t.storage().unsafeGetStorageImpl();
+  if (storage->nbytes() == 0) return;
+  storage->set_data_ptr_noswap(at::DataPtr(nullptr, t.device()));
+  storage->set_nbytes(0);
+}
+
+void allocate_storage(const at::Tensor& t) {
+  auto* storage = t.storage().unsafeGetStorageImpl();
+  const size_t bytes = static_cast<size_t>(t.numel()) * t.element_size();
+  if (storage->nbytes() == bytes) return;
+  storage->set_data_ptr_noswap(storage->allocator()->allocate(bytes));
+  storage->set_nbytes(bytes);
+}
+
+// Marks the backward end of a unit: an identity on its inputs whose backward runs once the
+// gradients of everything the unit computed from them are known.
+struct UnitInputNode : torch::autograd::Function<UnitInputNode> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, at::TensorList inputs,
+                                                int64_t engine, int64_t unit) {
+    ctx->saved_data["engine"] = c10::IValue(engine);
+    ctx->saved_data["unit"] = c10::IValue(unit);
+    return inputs.vec();
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto* impl = reinterpret_cast<FsdpEngineImpl*>(static_cast<intptr_t>(ctx->saved_data["engine"].toInt()));
+    const auto unit = static_cast<size_t>(ctx->saved_data["unit"].toInt());
+    auto& u = impl->units[unit];
+    if (u.pending_input_nodes > 0 && --u.pending_input_nodes == 0) impl->post_backward(unit);
+    grads.emplace_back();
+    grads.emplace_back();
+    return grads;
+  }
+};
+
+void arm_outputs(const std::shared_ptr<FsdpEngineImpl>& impl, size_t unit, const std::vector<at::Tensor>& outputs) {
+  std::weak_ptr<FsdpEngineImpl> weak = impl;
+  for (const auto& t : outputs) {
+    if (!t.defined() || !t.requires_grad()) continue;
+    at::Tensor handle = t;
+    handle.register_hook([weak, unit](const at::Tensor& grad) {
+      if (auto e = weak.lock()) e->pre_backward(unit);
+      return grad;
+    });
+  }
+}
+
+// Runs around the forward of a wrapped submodule.
+class UnitHook final : public ModelHook {
+ public:
+  UnitHook(std::weak_ptr<FsdpEngineImpl> engine, size_t unit) : engine_(std::move(engine)), unit_(unit) {}
+
+  void pre_forward(torch::nn::Module& module, std::vector<at::Tensor>& inputs) override {
+    (void)module;
+    auto e = engine_.lock();
+    if (!e) return;
+    auto& u = e->units[unit_];
+    e->gather(u);
+    if (!at::GradMode::is_enabled()) return;
+    std::vector<size_t> positions;
+    std::vector<at::Tensor> differentiable;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      if (inputs[i].defined() && inputs[i].requires_grad()) {
+        positions.push_back(i);
+        differentiable.push_back(inputs[i]);
+      }
+    }
+    if (differentiable.empty()) return;  // the end of the backward pass reduces this unit
+    auto routed = UnitInputNode::apply(at::TensorList(differentiable),
+                                       static_cast<int64_t>(reinterpret_cast<intptr_t>(e.get())),
+                                       static_cast<int64_t>(unit_));
+    for (size_t i = 0; i < positions.size(); ++i) inputs[positions[i]] = routed[i];
+    ++u.pending_input_nodes;
+  }
+
+  void post_forward(torch::nn::Module& module, std::vector<at::Tensor>& outputs) override {
+    (void)module;
+    auto e = engine_.lock();
+    if (!e) return;
+    auto& u = e->units[unit_];
+    if (at::GradMode::is_enabled()) arm_outputs(e, unit_, outputs);
+    if (e->settings.reshard_after_forward || !at::GradMode::is_enabled()) e->reshard(u);
+  }
+
+ private:
+  std::weak_ptr<FsdpEngineImpl> engine_;
+  size_t unit_;
+};
+
+int64_t count_params(const torch::nn::Module& m) {
+  int64_t n = 0;
+  for (const auto& p : m.parameters(/*recurse=*/false)) n += p.numel();
+  return n;
+}
+
+// A module's class as a user names it: without namespaces, and without the "Impl" of a
+// TORCH_MODULE class ("Block" for `ns::BlockImpl`).
+std::string class_name(const torch::nn::Module& m) {
+  std::string name = m.name();
+  const auto colon = name.rfind("::");
+  if (colon != std::string::npos) name = name.substr(colon + 2);
+  if (name.size() > 4 && name.compare(name.size() - 4, 4, "Impl") == 0) name.resize(name.size() - 4);
+  return name;
+}
+
+bool name_matches(const std::string& pattern, const torch::nn::Module& m) {
+  return pattern == m.name() || pattern == class_name(m) || pattern == class_name(m) + "Impl";
+}
+
+// Which submodules (by dotted name) are units, by the policy; post-order like PyTorch's
+// recursive wrapping, so that size-based wrapping sees only what the children left.
+int64_t choose_units(const FsdpSettings& s, const std::string& name, torch::nn::Module& m, bool is_root,
+                     const std::set<std::string>& ignored, std::vector<std::pair<std::string, torch::nn::Module*>>& out) {
+  int64_t unwrapped = count_params(m);
+  for (const auto& child : m.named_children()) {
+    const std::string child_name = name.empty() ? child.key() : name + "." + child.key();
+    if (ignored.count(child_name)) continue;
+    unwrapped += choose_units(s, child_name, *child.value(), false, ignored, out);
+  }
+  if (is_root) return unwrapped;
+  bool wrap = false;
+  if (s.auto_wrap_callable) {
+    wrap = s.auto_wrap_callable(name, m, unwrapped);
+  } else if (s.auto_wrap_policy == FsdpAutoWrapPolicy::kTransformerBasedWrap) {
+    for (const auto& pattern : s.transformer_cls_names_to_wrap) wrap = wrap || name_matches(pattern, m);
+  } else if (s.auto_wrap_policy == FsdpAutoWrapPolicy::kSizeBasedWrap) {
+    wrap = unwrapped >= s.min_num_params;
+  }
+  if (!wrap) return unwrapped;
+  out.emplace_back(name, &m);
+  return 0;
+}
+
+}  // namespace
+
+void FsdpEngineImpl::gather(Unit& unit) {
+  if (unit.gathered) return;
+  unit.gathered = true;
+  torch::NoGradGuard no_grad;
+  if (!shard) return;
+  for (auto& group : unit.groups) {
+    auto options = at::TensorOptions().dtype(group.dtype).device(state.device());
+    auto piece = at::zeros({group.piece}, options);
+    for (size_t i : group.params) {
+      const auto& p = unit.params[i];
+      const int64_t n = rows_of(p, rank) * p.row_numel;
+      if (n > 0) piece.narrow(0, p.offset, n).copy_(p.shard.reshape({-1}));
+    }
+    auto all = at::empty({group.piece * world}, options);
+    all_gather_into(state, all, piece, kApi);
+    auto by_rank = all.view({world, group.piece});
+    for (size_t i : group.params) {
+      auto& p = unit.params[i];
+      allocate_storage(p.full);
+      auto rows = p.full.view({p.rows, p.row_numel});
+      for (int r = 0; r < world; ++r) {
+        const int64_t n = rows_of(p, r);
+        if (n == 0) continue;
+        rows.narrow(0, r * p.shard_rows, n).copy_(by_rank[r].narrow(0, p.offset, n * p.row_numel).view({n, p.row_numel}));
+      }
+      p.param.set_data(p.full);
+    }
+  }
+}
+
+void FsdpEngineImpl::reshard(Unit& unit) {
+  if (!unit.gathered) return;
+  unit.gathered = false;
+  if (!shard) return;
+  for (auto& p : unit.params) {
+    p.param.set_data(p.shard);
+    free_storage(p.full);
+  }
+}
+
+void FsdpEngineImpl::pre_backward(size_t index) {
+  auto& unit = units[index];
+  if (unit.backward_armed) return;
+  if (!callback_queued) {
+    callback_queued = true;
+    auto self = shared_from_this();
+    torch::autograd::Engine::get_default_engine().queue_callback([self] { self->end_of_backward(); });
+  }
+  gather(unit);
+  for (auto& p : unit.params) {
+    p.grad_at_rest = p.param.grad();
+    p.param.mutable_grad() = at::Tensor();
+  }
+  unit.backward_armed = true;
+}
+
+void FsdpEngineImpl::post_backward(size_t index) {
+  auto& unit = units[index];
+  if (!unit.backward_armed) return;
+  unit.backward_armed = false;
+  reduce(unit);
+  reshard(unit);
+}
+
+void FsdpEngineImpl::end_of_backward() {
+  callback_queued = false;
+  // Units in reverse order of definition, the root last: the same order on every process.
+  for (size_t i = units.size(); i-- > 0;) {
+    units[i].pending_input_nodes = 0;
+    post_backward(i);
+    reshard(units[i]);
+  }
+}
+
+void FsdpEngineImpl::reduce(Unit& unit) {
+  torch::NoGradGuard no_grad;
+  const bool sync = require_sync;
+  for (auto& p : unit.params) {
+    at::Tensor whole = p.param.grad();
+    p.param.mutable_grad() = at::Tensor();
+    if (whole.defined() && p.pending_grad.defined()) {
+      p.pending_grad.add_(whole);
+    } else if (whole.defined()) {
+      p.pending_grad = whole;
+    }
+  }
+  if (!sync) {
+    for (auto& p : unit.params) p.param.mutable_grad() = p.grad_at_rest, p.grad_at_rest = at::Tensor();
+    return;
+  }
+  for (auto& group : unit.groups) {
+    auto options = at::TensorOptions().dtype(group.dtype).device(state.device());
+    bool any = false;
+    for (size_t i : group.params) any = any || unit.params[i].param.requires_grad();
+    if (!any) continue;
+    auto input = at::zeros({shard ? group.piece * world : group.piece}, options);
+    auto by_rank = input.view({shard ? world : 1, group.piece});
+    for (size_t i : group.params) {
+      auto& p = unit.params[i];
+      if (!p.pending_grad.defined()) continue;
+      auto rows = p.pending_grad.reshape({p.rows, p.row_numel});
+      if (!shard) {
+        input.narrow(0, p.offset, p.rows * p.row_numel).copy_(rows.reshape({-1}));
+        continue;
+      }
+      for (int r = 0; r < world; ++r) {
+        const int64_t n = rows_of(p, r);
+        if (n > 0) {
+          by_rank[r].narrow(0, p.offset, n * p.row_numel).copy_(rows.narrow(0, r * p.shard_rows, n).reshape({-1}));
+        }
+      }
+    }
+    at::Tensor mine;
+    if (shard) {
+      mine = at::empty({group.piece}, options);
+      reduce_scatter_sum(state, mine, input, kApi);
+    } else {
+      mine = all_reduce(state, input, Reduction::kSum, kApi);
+    }
+    mine.div_(world);
+    for (size_t i : group.params) {
+      auto& p = unit.params[i];
+      if (!p.param.requires_grad()) continue;
+      const int64_t n = shard ? rows_of(p, rank) : p.rows;
+      auto reduced = mine.narrow(0, p.offset, n * p.row_numel).view(p.shard.sizes());
+      p.pending_grad = at::Tensor();
+      if (p.grad_at_rest.defined()) {
+        p.grad_at_rest.add_(reduced);
+        p.param.mutable_grad() = p.grad_at_rest;
+      } else {
+        p.param.mutable_grad() = reduced.clone();
+      }
+      p.grad_at_rest = at::Tensor();
+    }
+  }
+}
+
+at::Tensor FsdpEngineImpl::whole_value(const ShardedParam& p, const Unit& unit) {
+  (void)unit;
+  torch::NoGradGuard no_grad;
+  if (!shard) return p.shard.clone();
+  auto options = p.shard.options();
+  auto piece = at::zeros({p.shard_rows * p.row_numel}, options);
+  const int64_t n = rows_of(p, rank);
+  if (n > 0) piece.narrow(0, 0, n * p.row_numel).copy_(p.shard.reshape({-1}));
+  auto all = at::empty({piece.numel() * world}, options);
+  all_gather_into(state, all, piece, kApi);
+  return all.view({world * p.shard_rows, p.row_numel}).narrow(0, 0, p.rows).reshape(p.shape).clone();
+}
+
+FsdpEngine::FsdpEngine(std::shared_ptr<torch::nn::Module> module, const PartialState& state, FsdpSettings settings)
+    : impl_(std::make_shared<FsdpEngineImpl>(state)) {
+  auto& e = *impl_;
+  e.settings = std::move(settings);
+  e.module = std::move(module);
+  e.world = state.num_processes();
+  e.rank = state.process_index();
+  e.shard = e.settings.sharding_strategy != FsdpShardingStrategy::kNoShard;
+  auto& root = *e.module;
+
+  // Materialise meta-device tensors (cpu_ram_efficient_loading, or a model built on meta).
+  bool meta = false;
+  for (const auto& item : root.named_modules()) {
+    bool here = false;
+    for (const auto& t : item.value()->parameters(false)) here = here || t.is_meta();
+    for (const auto& t : item.value()->buffers(false)) here = here || t.is_meta();
+    if (!here) continue;
+    meta = true;
+    if (e.settings.param_init_fn) {
+      e.settings.param_init_fn(*item.value());
+    } else {
+      torch::NoGradGuard no_grad;
+      for (auto& t : item.value()->parameters(false)) {
+        if (t.is_meta()) t.set_data(at::empty(t.sizes(), t.options().device(state.device())));
+      }
+      for (auto& t : item.value()->buffers(false)) {
+        if (t.is_meta()) t.set_data(at::empty(t.sizes(), t.options().device(state.device())));
+      }
+    }
+  }
+  TORCH_CHECK_VALUE(!meta || e.settings.sync_module_states || e.settings.param_init_fn, "[", kApi,
+                    "] the model has tensors on the meta device: set sync_module_states (process 0's values are "
+                    "copied to the others) or give param_init_fn");
+  for (const auto& t : root.parameters()) {
+    TORCH_CHECK_VALUE(!t.is_meta(), "[", kApi, "] param_init_fn left a parameter on the meta device");
+  }
+
+  // Every process must shard the same model the same way.
+  {
+    std::ostringstream mine;
+    for (const auto& item : root.named_parameters()) {
+      mine << item.key() << " " << item.value().sizes() << " " << item.value().scalar_type() << "\n";
+    }
+    const std::string text = mine.str();
+    auto all = all_gather_bytes(state, std::vector<char>(text.begin(), text.end()), kApi);
+    const std::string reference(all[0].begin(), all[0].end());
+    for (size_t r = 1; r < all.size(); ++r) {
+      const std::string theirs(all[r].begin(), all[r].end());
+      if (theirs == reference) continue;
+      std::istringstream a(reference), b(theirs);
+      std::string la, lb;
+      while (std::getline(a, la) && std::getline(b, lb) && la == lb) {
+      }
+      TORCH_CHECK_VALUE(false, "[", kApi, "] every process must prepare the same model: process 0 has '", la,
+                        "' where process ", r, " has '", lb, "'");
+    }
+  }
+  if (e.settings.sync_module_states && e.world > 1) {
+    std::vector<at::Tensor> tensors = root.parameters();
+    auto buffers = root.buffers();
+    tensors.insert(tensors.end(), buffers.begin(), buffers.end());
+    torch::NoGradGuard no_grad;
+    c10d::broadcast_coalesced(process_group(state, kApi), tensors, 250u * 1024 * 1024, 0);
+  }
+
+  std::set<std::string> ignored(e.settings.ignored_modules.begin(), e.settings.ignored_modules.end());
+  std::map<std::string, torch::nn::Module*> by_name;
+  for (const auto& item : root.named_modules("", /*include_self=*/false)) by_name[item.key()] = item.value().get();
+  for (const auto& name : ignored) {
+    TORCH_CHECK_VALUE(by_name.count(name), "[", kApi, "] ignored_modules names '", name,
+                      "', which is not a submodule of the model");
+  }
+  std::vector<std::pair<std::string, torch::nn::Module*>> chosen;
+  choose_units(e.settings, "", root, /*is_root=*/true, ignored, chosen);
+  const auto add_unit = [&](std::string name, torch::nn::Module* m) {
+    Unit unit;
+    unit.name = std::move(name);
+    unit.module = m;
+    e.units.push_back(std::move(unit));
+  };
+  add_unit("", &root);
+  for (const auto& [name, m] : chosen) add_unit(name, m);
+  // Units by module name, for assigning each parameter to its innermost unit.
+  std::map<std::string, size_t> unit_of_module;
+  for (size_t i = 1; i < e.units.size(); ++i) unit_of_module[e.units[i].name] = i;
+  const auto owner = [&](const std::string& module_name) -> std::optional<size_t> {
+    // The nearest enclosing unit; nothing for a module inside an ignored one.
+    std::string name = module_name;
+    std::optional<size_t> found;
+    while (true) {
+      if (ignored.count(name)) return std::nullopt;
+      if (!found) {
+        auto it = unit_of_module.find(name);
+        if (it != unit_of_module.end()) found = it->second;
+      }
+      if (name.empty()) break;
+      const auto dot = name.rfind('.');
+      name = dot == std::string::npos ? "" : name.substr(0, dot);
+    }
+    return found.value_or(0);
+  };
+  // A parameter reached from two units (tied weights) belongs to the root, which stays gathered
+  // through the whole forward and backward pass.
+  std::unordered_map<const void*, std::pair<std::string, size_t>> assignment;
+  std::vector<std::pair<std::string, at::Tensor>> order;
+  std::unordered_set<const void*> ignored_params;
+  for (const auto& item : root.named_modules()) {
+    auto unit = owner(item.key());
+    for (const auto& p : item.value()->named_parameters(/*recurse=*/false)) {
+      const void* key = p.value().unsafeGetTensorImpl();
+      const std::string full = item.key().empty() ? p.key() : item.key() + "." + p.key();
+      if (!unit) {
+        ignored_params.insert(key);
+        continue;
+      }
+      auto it = assignment.find(key);
+      if (it == assignment.end()) {
+        assignment.emplace(key, std::make_pair(full, *unit));
+        order.emplace_back(full, p.value());
+      } else if (it->second.second != *unit) {
+        it->second.second = 0;
+      }
+    }
+  }
+  for (const auto& [name, param] : order) {
+    const void* key = param.unsafeGetTensorImpl();
+    if (ignored_params.count(key)) continue;  // tied to an ignored module: left alone
+    const size_t u = assignment[key].second;
+    ShardedParam p;
+    p.name = name;
+    p.param = param;
+    p.shape = param.sizes().vec();
+    p.rows = param.dim() == 0 ? 1 : param.size(0);
+    p.row_numel = p.rows == 0 ? 0 : param.numel() / p.rows;
+    p.shard_rows = (p.rows + e.world - 1) / e.world;
+    e.where[key] = {u, e.units[u].params.size()};
+    e.units[u].params.push_back(std::move(p));
+  }
+
+  // Flat pieces per dtype, then this process's shards.
+  torch::NoGradGuard no_grad;
+  for (auto& unit : e.units) {
+    for (size_t i = 0; i < unit.params.size(); ++i) {
+      auto& p = unit.params[i];
+      auto it = std::find_if(unit.groups.begin(), unit.groups.end(),
+                             [&](const DtypeGroup& g) { return g.dtype == p.param.scalar_type(); });
+      if (it == unit.groups.end()) {
+        unit.groups.push_back(DtypeGroup{p.param.scalar_type(), {}, 0});
+        it = std::prev(unit.groups.end());
+      }
+      it->params.push_back(i);
+      p.offset = it->piece;
+      it->piece += e.shard ? p.shard_rows * p.row_numel : p.rows * p.row_numel;
+    }
+    for (auto& p : unit.params) {
+      at::Tensor whole = p.param.detach();
+      if (e.shard) {
+        const int64_t n = rows_of(p, e.rank);
+        auto rows = whole.reshape({p.rows, p.row_numel}).narrow(0, std::min(e.rank * p.shard_rows, p.rows), n);
+        std::vector<int64_t> shard_shape = p.shape.empty() ? std::vector<int64_t>{1} : p.shape;
+        shard_shape[0] = n;
+        p.shard = rows.reshape(shard_shape).clone();
+        p.full = at::empty(p.shape, p.param.options().requires_grad(false));
+        free_storage(p.full);
+        p.param.set_data(p.shard);
+      } else {
+        p.shard = whole;
+        p.full = whole;
+      }
+    }
+    unit.gathered = !e.shard;
+  }
+  for (size_t i = 1; i < e.units.size(); ++i) {
+    add_hook_to_module(*e.units[i].module, std::make_shared<UnitHook>(impl_, i), /*append=*/true);
+  }
+}
+
+FsdpEngine::~FsdpEngine() {
+  for (size_t i = 1; i < impl_->units.size(); ++i) {
+    try {
+      remove_hook_from_module(*impl_->units[i].module);
+    } catch (const std::exception&) {
+    }
+  }
+}
+
+void FsdpEngine::set_require_backward_grad_sync(bool sync) { impl_->require_sync = sync; }
+
+void FsdpEngine::root_pre_forward() { impl_->gather(impl_->units[0]); }
+
+void FsdpEngine::root_post_forward(const std::vector<at::Tensor>& outputs) {
+  if (!at::GradMode::is_enabled()) {
+    for (auto& unit : impl_->units) impl_->reshard(unit);
+    return;
+  }
+  arm_outputs(impl_, 0, outputs);
+}
+
+const FsdpSettings& FsdpEngine::settings() const { return impl_->settings; }
+
+std::vector<std::string> FsdpEngine::unit_names() const {
+  std::vector<std::string> names;
+  for (const auto& u : impl_->units) names.push_back(u.name);
+  return names;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> FsdpEngine::full_state_dict() {
+  auto& e = *impl_;
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& item : e.module->named_parameters()) {
+    auto it = e.where.find(item.value().unsafeGetTensorImpl());
+    if (it == e.where.end()) {
+      out.emplace_back(item.key(), item.value().detach());
+      continue;
+    }
+    const auto& unit = e.units[it->second.first];
+    const auto& p = unit.params[it->second.second];
+    out.emplace_back(item.key(), e.whole_value(p, unit));
+  }
+  for (const auto& item : e.module->named_buffers()) out.emplace_back(item.key(), item.value().detach());
+  return out;
+}
+
+void FsdpEngine::load_full_state_dict(const std::vector<std::pair<std::string, at::Tensor>>& values, bool strict) {
+  auto& e = *impl_;
+  std::map<std::string, at::Tensor> given(values.begin(), values.end());
+  torch::NoGradGuard no_grad;
+  std::set<std::string> used;
+  for (const auto& item : e.module->named_parameters()) {
+    auto found = given.find(item.key());
+    if (found == given.end()) {
+      TORCH_CHECK_VALUE(!strict, "[", kApi, "] the state dict has no '", item.key(), "'");
+      continue;
+    }
+    used.insert(item.key());
+    const at::Tensor& value = found->second;
+    auto it = e.where.find(item.value().unsafeGetTensorImpl());
+    if (it == e.where.end()) {
+      TORCH_CHECK_VALUE(value.sizes() == item.value().sizes(), "[", kApi, "] '", item.key(), "' has shape ",
+                        value.sizes(), ", the model's is ", item.value().sizes());
+      item.value().copy_(value);
+      continue;
+    }
+    auto& unit = e.units[it->second.first];
+    auto& p = unit.params[it->second.second];
+    TORCH_CHECK_VALUE(value.sizes().vec() == p.shape, "[", kApi, "] '", item.key(), "' has shape ", value.sizes(),
+                      ", the model's is ", c10::IntArrayRef(p.shape));
+    if (!e.shard) {
+      p.shard.copy_(value);
+      continue;
+    }
+    const int64_t n = rows_of(p, e.rank);
+    auto rows = value.reshape({p.rows, p.row_numel}).narrow(0, std::min(e.rank * p.shard_rows, p.rows), n);
+    p.shard.copy_(rows.reshape(p.shard.sizes()));
+    if (unit.gathered) p.full.copy_(value);
+  }
+  for (const auto& item : e.module->named_buffers()) {
+    auto found = given.find(item.key());
+    if (found == given.end()) {
+      TORCH_CHECK_VALUE(!strict, "[", kApi, "] the state dict has no '", item.key(), "'");
+      continue;
+    }
+    used.insert(item.key());
+    item.value().copy_(found->second);
+  }
+  if (strict) {
+    for (const auto& [name, value] : given) {
+      TORCH_CHECK_VALUE(used.count(name), "[", kApi, "] the state dict has '", name, "', which the model has not");
+    }
+  }
+}
+
+bool FsdpEngine::is_sharded(const at::Tensor& param) const {
+  return impl_->shard && impl_->where.count(param.unsafeGetTensorImpl());
+}
+
+double FsdpEngine::total_grad_norm(const std::vector<at::Tensor>& params, double norm_type) {
+  const bool inf = std::isinf(norm_type);
+  double sharded = 0, local = 0;
+  for (const auto& p : params) {
+    const auto& g = p.grad();
+    if (!g.defined() || g.numel() == 0) continue;
+    const double v = inf ? g.abs().max().item<double>() : g.norm(norm_type).pow(norm_type).item<double>();
+    double& into = is_sharded(p) ? sharded : local;
+    into = inf ? std::max(into, v) : into + v;
+  }
+  auto t = at::tensor({sharded}, at::kDouble).to(impl_->state.device());
+  sharded = all_reduce(impl_->state, t, inf ? Reduction::kMax : Reduction::kSum, kApi).cpu().item<double>();
+  if (inf) return std::max(sharded, local);
+  return std::pow(sharded + local, 1.0 / norm_type);
+}
+
+}  // namespace accelerate::detail

@@ -1,0 +1,97 @@
+// The fully sharded data-parallel engine behind `FullyShardedDataParallelPlugin` (upstream hands
+// the model to PyTorch's `fully_shard`; LibTorch has no such engine, so this is our own, on
+// c10d's flat all-gather and reduce-scatter). See Note [Fully sharded engine] in fsdp.cpp for how
+// a parameter moves between its shard and its full form.
+#pragma once
+
+#include "accelerate/distributed.h"
+#include "accelerate/state.h"
+#include "accelerate/utils/dataclasses.h"
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/nn/module.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace accelerate::detail {
+
+/// The plugin with every field decided (from the user's struct, the environment, the defaults).
+struct FsdpSettings {
+  int fsdp_version = 1;
+  FsdpShardingStrategy sharding_strategy = FsdpShardingStrategy::kFullShard;
+  bool reshard_after_forward = true;
+  FsdpBackwardPrefetch backward_prefetch = FsdpBackwardPrefetch::kNoPrefetch;
+  c10::optional<at::ScalarType> param_dtype;
+  c10::optional<at::ScalarType> reduce_dtype;
+  c10::optional<at::ScalarType> buffer_dtype;
+  FsdpAutoWrapPolicy auto_wrap_policy = FsdpAutoWrapPolicy::kNoWrap;
+  FsdpWrapCallable auto_wrap_callable;
+  std::vector<std::string> transformer_cls_names_to_wrap;
+  int64_t min_num_params = 100000000;
+  bool cpu_offload = false;
+  std::vector<std::string> ignored_modules;
+  FsdpStateDictType state_dict_type = FsdpStateDictType::kFullStateDict;
+  bool sync_module_states = true;
+  std::function<void(torch::nn::Module&)> param_init_fn;
+  bool cpu_ram_efficient_loading = false;
+  bool activation_checkpointing = false;
+  bool forward_prefetch = false;
+  bool limit_all_gathers = true;
+  bool use_orig_params = true;
+};
+
+/// Resolves `plugin` against the environment (`FSDP_*`, as upstream's `__post_init__`) and the
+/// defaults, and refuses what cannot apply, naming the field.
+FsdpSettings resolve_fsdp_plugin(const FullyShardedDataParallelPlugin& plugin, c10::Device device);
+
+struct FsdpEngineImpl;
+class FsdpEngine;
+
+/// The fully sharded engine of a prepared model, or null.
+FsdpEngine* fsdp_engine(const DistributedDataParallel& model);
+
+/// Shards a module's parameters over the processes of a group and runs the gathers and
+/// reductions around its forward and backward passes. One per prepared model.
+class FsdpEngine {
+ public:
+  FsdpEngine(std::shared_ptr<torch::nn::Module> module, const PartialState& state, FsdpSettings settings);
+  ~FsdpEngine();
+  FsdpEngine(const FsdpEngine&) = delete;
+  FsdpEngine& operator=(const FsdpEngine&) = delete;
+
+  /// Before the root module's forward: gathers the root unit's parameters.
+  void root_pre_forward();
+  /// After it: arms the backward pass (pre-backward hooks on `outputs`), or reshards everything
+  /// when no backward pass can follow (gradients off).
+  void root_post_forward(const std::vector<at::Tensor>& outputs);
+
+  /// Whether backward passes reduce gradients (false inside `no_sync`: whole gradients
+  /// accumulate locally until a synchronising pass), read when the pass reaches each unit.
+  void set_require_backward_grad_sync(bool sync);
+
+  /// The settings in force.
+  const FsdpSettings& settings() const;
+  /// The number of wrapped units, the root included, and each unit's module name ("" for the root).
+  std::vector<std::string> unit_names() const;
+  /// The whole value of every parameter and buffer, by name (gathered from every process; every
+  /// process must call it).
+  std::vector<std::pair<std::string, at::Tensor>> full_state_dict();
+  /// Writes `values` (whole tensors, by name) into this process's shards; refuses unknown or
+  /// missing names and wrong shapes.
+  void load_full_state_dict(const std::vector<std::pair<std::string, at::Tensor>>& values, bool strict);
+  /// Whether `param` is one of the sharded parameters (NO_SHARD shards nothing).
+  bool is_sharded(const at::Tensor& param) const;
+  /// The total `norm_type` norm of the gradients of `params` (shards of this engine or ordinary
+  /// tensors), over all processes.
+  double total_grad_norm(const std::vector<at::Tensor>& params, double norm_type);
+
+  FsdpEngineImpl& impl() { return *impl_; }
+
+ private:
+  std::shared_ptr<FsdpEngineImpl> impl_;  // shared with the hooks, which hold it weakly
+};
+
+}  // namespace accelerate::detail

@@ -1,0 +1,440 @@
+// Fully sharded data parallelism with ranks as threads: training equals the single-process run
+// for every sharding strategy and wrapping policy, parameters and optimizer state hold only
+// shards, gradient accumulation, the global gradient norm, frozen parameters, the whole state
+// dict, and every setting that is refused.
+#include "accelerate/accelerator.h"
+#include "accelerate/hooks.h"
+#include "accelerate/utils/environment.h"
+#include "detail/fsdp.h"
+#include "detail/torch_compat.h"
+#include "support/accelerators.h"
+#include "support/test_support.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+namespace accelerate::testing {
+namespace {
+
+constexpr int64_t kRows = 8;  // the whole batch; every rank takes kRows / ranks of it
+
+struct BlockImpl : torch::nn::Module {
+  BlockImpl() : fc(register_module("fc", torch::nn::Linear(6, 6))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return torch::tanh(fc(x)) + x; }
+  torch::nn::Linear fc;
+};
+TORCH_MODULE(Block);
+
+// 6 and 3 rows do not divide by 4 processes; with 4, one process holds no row of `embed`.
+struct TinyImpl : torch::nn::Module {
+  TinyImpl()
+      : embed(register_module("embed", torch::nn::Linear(5, 6))),
+        blocks(register_module("blocks", torch::nn::Sequential(Block(), Block()))),
+        head(register_module("head", torch::nn::Linear(6, 3))) {
+    scale = register_parameter("scale", torch::ones({}));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return head(accelerate::forward(blocks, embed(x))) * scale;
+  }
+  torch::nn::Linear embed;
+  torch::nn::Sequential blocks;
+  torch::nn::Linear head;
+  torch::Tensor scale;
+};
+TORCH_MODULE(Tiny);
+
+Tiny make_tiny() {
+  Tiny net;
+  torch::NoGradGuard no_grad;
+  int i = 0;
+  for (auto& p : net->parameters()) {
+    p.copy_(torch::linspace(-0.4, 0.6, p.numel()).reshape(p.sizes()) * (1 + 0.1 * i++));
+  }
+  return net;
+}
+
+torch::Tensor batch() { return torch::linspace(-1, 1, kRows * 5).reshape({kRows, 5}); }
+torch::Tensor labels() { return torch::tensor({0, 1, 2, 1, 0, 2, 2, 1}, torch::kLong); }
+
+std::map<std::string, torch::Tensor> as_map(const StateDictMap& state) {
+  std::map<std::string, torch::Tensor> out;
+  for (const auto& item : state) out[item.key()] = item.value().detach().clone();
+  return out;
+}
+
+// What `steps` AdamW steps on the whole batch give on one process (`micro` batches per step).
+std::map<std::string, torch::Tensor> reference(int steps, int micro = 1, std::function<void(Tiny&)> change = {}) {
+  Tiny net = make_tiny();
+  if (change) change(net);
+  torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(0.05));
+  for (int s = 0; s < steps; ++s) {
+    opt.zero_grad();
+    for (int m = 0; m < micro; ++m) {
+      auto x = batch() * (1 + 0.5 * (s * micro + m));
+      (torch::nn::functional::cross_entropy(net(x), labels()) / micro).backward();
+    }
+    opt.step();
+  }
+  return as_map(net->named_parameters());
+}
+
+void expect_close(const std::map<std::string, torch::Tensor>& got, const std::map<std::string, torch::Tensor>& want) {
+  ASSERT_EQ(got.size(), want.size());
+  for (const auto& [name, value] : want) {
+    ASSERT_TRUE(got.count(name)) << name;
+    EXPECT_EQ(got.at(name).sizes(), value.sizes()) << name;
+    EXPECT_TRUE(torch::allclose(got.at(name), value, 1e-5, 1e-6)) << name << "\n" << got.at(name) << "\n" << value;
+  }
+}
+
+struct Setting {
+  const char* name;
+  int ranks;
+  FsdpShardingStrategy strategy;
+  FsdpAutoWrapPolicy wrap;
+};
+
+class FullyShardedTraining : public ::testing::TestWithParam<Setting> {};
+
+TEST_P(FullyShardedTraining, ThreeAdamWStepsEqualTheSingleProcessRun) {
+  const auto setting = GetParam();
+  const auto expected = reference(3);
+  AcceleratorOptions options;
+  options.fsdp_plugin = FullyShardedDataParallelPlugin{.sharding_strategy = setting.strategy,
+                                                       .auto_wrap_policy = setting.wrap,
+                                                       .transformer_cls_names_to_wrap = {"Block"}};
+  const int64_t per_rank = kRows / setting.ranks;
+  run_accelerators(
+      setting.ranks,
+      [&](const Accelerator& acc, int rank) {
+        Tiny net = make_tiny();
+        auto [model, opt] =
+            acc.prepare(net, std::make_shared<torch::optim::AdamW>(net->parameters(), torch::optim::AdamWOptions(0.05)));
+        ASSERT_TRUE(model.ddp().is_fully_sharded());
+        const size_t units = setting.wrap == FsdpAutoWrapPolicy::kNoWrap ? 1 : 3;
+        EXPECT_EQ(detail::fsdp_engine(model.ddp())->unit_names().size(), units);
+        for (int s = 0; s < 3; ++s) {
+          opt.zero_grad();
+          auto x = (batch() * (1 + 0.5 * s)).narrow(0, rank * per_rank, per_rank);
+          acc.backward(torch::nn::functional::cross_entropy(model(x), labels().narrow(0, rank * per_rank, per_rank)));
+          opt.step();
+        }
+        expect_close(as_map(acc.get_state_dict(model)), expected);
+      },
+      options);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Strategies, FullyShardedTraining,
+    ::testing::Values(Setting{"FullShard2", 2, FsdpShardingStrategy::kFullShard, FsdpAutoWrapPolicy::kNoWrap},
+                      Setting{"FullShard2Blocks", 2, FsdpShardingStrategy::kFullShard,
+                              FsdpAutoWrapPolicy::kTransformerBasedWrap},
+                      Setting{"FullShard4Blocks", 4, FsdpShardingStrategy::kFullShard,
+                              FsdpAutoWrapPolicy::kTransformerBasedWrap},
+                      Setting{"ShardGradOp2Blocks", 2, FsdpShardingStrategy::kShardGradOp,
+                              FsdpAutoWrapPolicy::kTransformerBasedWrap},
+                      Setting{"ShardGradOp4", 4, FsdpShardingStrategy::kShardGradOp, FsdpAutoWrapPolicy::kNoWrap},
+                      Setting{"NoShard2Blocks", 2, FsdpShardingStrategy::kNoShard,
+                              FsdpAutoWrapPolicy::kTransformerBasedWrap},
+                      Setting{"NoShard4", 4, FsdpShardingStrategy::kNoShard, FsdpAutoWrapPolicy::kNoWrap}),
+    [](const ::testing::TestParamInfo<Setting>& info) { return std::string(info.param.name); });
+
+TEST(FullyShardedDataParallel, ParametersAndAdamWStateHoldOnlyThisProcesssRows) {
+  run_accelerators(
+      4,
+      [](const Accelerator& acc, int rank) {
+        Tiny net = make_tiny();
+        auto adamw = std::make_shared<torch::optim::AdamW>(net->parameters(), torch::optim::AdamWOptions(0.05));
+        auto [model, opt] = acc.prepare(net, adamw);
+        // embed.weight is 6 x 5: pieces of 2 rows, the last process has none.
+        EXPECT_EQ(net->embed->weight.sizes(), (rank < 3 ? std::vector<int64_t>{2, 5} : std::vector<int64_t>{0, 5}));
+        EXPECT_EQ(net->head->weight.sizes(), (rank < 3 ? std::vector<int64_t>{1, 6} : std::vector<int64_t>{0, 6}));
+        EXPECT_EQ(net->scale.sizes(), (rank == 0 ? std::vector<int64_t>{1} : std::vector<int64_t>{0}));
+        auto x = batch().narrow(0, rank * 2, 2);
+        acc.backward(torch::nn::functional::cross_entropy(model(x), labels().narrow(0, rank * 2, 2)));
+        EXPECT_EQ(net->embed->weight.grad().sizes(), net->embed->weight.sizes());
+        opt.step();
+        auto& state = adamw->state();
+        ASSERT_FALSE(state.empty());
+        for (const auto& p : net->parameters()) {
+          auto it = state.find(detail::compat::optimizer_state_key(p));
+          ASSERT_NE(it, state.end());
+          auto& adam = static_cast<torch::optim::AdamWParamState&>(*it->second);
+          EXPECT_EQ(adam.exp_avg().sizes(), p.sizes());
+        }
+        int64_t mine = 0;
+        for (const auto& p : net->parameters()) mine += p.numel();
+        auto total = acc.reduce(torch::tensor({mine}), "sum");
+        EXPECT_EQ(total.item<int64_t>(), 36 + 2 * 42 + 21 + 1);  // every parameter once
+      },
+      {.fsdp_plugin = FullyShardedDataParallelPlugin{}});
+}
+
+TEST(FullyShardedDataParallel, AccumulationOverTwoBatchesEqualsTheSingleProcessRun) {
+  const auto expected = reference(2, /*micro=*/2);
+  AcceleratorOptions options;
+  options.gradient_accumulation_steps = 2;
+  options.fsdp_plugin = FullyShardedDataParallelPlugin{.auto_wrap_policy = FsdpAutoWrapPolicy::kTransformerBasedWrap,
+                                                       .transformer_cls_names_to_wrap = {"Block"}};
+  run_accelerators(
+      2,
+      [&](const Accelerator& acc, int rank) {
+        Tiny net = make_tiny();
+        auto [model, opt] =
+            acc.prepare(net, std::make_shared<torch::optim::AdamW>(net->parameters(), torch::optim::AdamWOptions(0.05)));
+        for (int b = 0; b < 4; ++b) {
+          auto guard = acc.accumulate(model);
+          EXPECT_EQ(acc.sync_gradients(), b % 2 == 1);
+          auto x = (batch() * (1 + 0.5 * b)).narrow(0, rank * 4, 4);
+          acc.backward(torch::nn::functional::cross_entropy(model(x), labels().narrow(0, rank * 4, 4)));
+          if (b == 0) {
+            // Nothing reduced yet: the shards have no gradient.
+            EXPECT_FALSE(net->embed->weight.grad().defined());
+          }
+          opt.step();
+          opt.zero_grad();
+        }
+        expect_close(as_map(acc.get_state_dict(model)), expected);
+      },
+      options);
+}
+
+TEST(FullyShardedDataParallel, ClipGradNormClipsByTheNormOverAllShards) {
+  Tiny ref = make_tiny();
+  torch::nn::functional::cross_entropy(ref(batch()), labels()).backward();
+  const double expected_norm = torch::nn::utils::clip_grad_norm_(ref->parameters(), 0.01);
+  std::map<std::string, torch::Tensor> expected;
+  for (const auto& item : ref->named_parameters()) expected[item.key()] = item.value().grad().clone();
+  run_accelerators(
+      2,
+      [&](const Accelerator& acc, int rank) {
+        Tiny net = make_tiny();
+        auto model = acc.prepare(net);
+        auto x = batch().narrow(0, rank * 4, 4);
+        acc.backward(torch::nn::functional::cross_entropy(model(x), labels().narrow(0, rank * 4, 4)));
+        const double norm = acc.clip_grad_norm_(net->parameters(), 0.01);
+        EXPECT_NEAR(norm, expected_norm, 1e-5);
+        // This process's rows of the clipped gradients.
+        const auto& want = expected.at("embed.weight");
+        EXPECT_TRUE(torch::allclose(net->embed->weight.grad(), want.narrow(0, rank * 3, 3), 1e-5, 1e-7));
+        const double inf = acc.clip_grad_norm_(net->parameters(), 1e9, std::numeric_limits<double>::infinity());
+        double want_inf = 0;
+        for (const auto& [name, g] : expected) want_inf = std::max(want_inf, g.abs().max().item<double>());
+        EXPECT_NEAR(inf, want_inf, 1e-6);
+      },
+      {.fsdp_plugin = FullyShardedDataParallelPlugin{}});
+}
+
+TEST(FullyShardedDataParallel, FrozenParametersStayAsTheyWereAndTheRestTrainsAsOnOneProcess) {
+  const auto freeze = [](Tiny& net) { net->embed->bias.set_requires_grad(false); };
+  const auto expected = reference(2, 1, freeze);
+  run_accelerators(
+      2,
+      [&](const Accelerator& acc, int rank) {
+        Tiny net = make_tiny();
+        freeze(net);
+        std::vector<torch::Tensor> trainable;
+        for (const auto& p : net->parameters()) {
+          if (p.requires_grad()) trainable.push_back(p);
+        }
+        auto [model, opt] =
+            acc.prepare(net, std::make_shared<torch::optim::AdamW>(trainable, torch::optim::AdamWOptions(0.05)));
+        for (int s = 0; s < 2; ++s) {
+          opt.zero_grad();
+          auto x = (batch() * (1 + 0.5 * s)).narrow(0, rank * 4, 4);
+          acc.backward(torch::nn::functional::cross_entropy(model(x), labels().narrow(0, rank * 4, 4)));
+          opt.step();
+        }
+        EXPECT_FALSE(net->embed->bias.grad().defined());
+        expect_close(as_map(acc.get_state_dict(model)), expected);
+      },
+      {.fsdp_plugin = FullyShardedDataParallelPlugin{}});
+}
+
+TEST(FullyShardedDataParallel, EvaluationWithoutGradientsGivesTheWholeModelsOutputAndLeavesShards) {
+  Tiny ref = make_tiny();
+  torch::NoGradGuard outer;
+  const auto expected = ref(batch());
+  run_accelerators(
+      2,
+      [&](const Accelerator& acc, int rank) {
+        Tiny net = make_tiny();
+        auto model = acc.prepare(net);
+        torch::NoGradGuard no_grad;
+        EXPECT_TRUE(torch::allclose(model(batch()), expected, 1e-6, 1e-7));
+        EXPECT_EQ(net->blocks->ptr(0)->as<BlockImpl>()->fc->weight.size(0), 3);
+        (void)rank;
+      },
+      {.fsdp_plugin = FullyShardedDataParallelPlugin{.auto_wrap_policy = FsdpAutoWrapPolicy::kTransformerBasedWrap,
+                                                     .transformer_cls_names_to_wrap = {"Block"}}});
+}
+
+TEST(FullyShardedDataParallel, WrappingPoliciesChooseTheirUnits) {
+  run_accelerators(2, [](const Accelerator& acc, int rank) {
+    (void)acc;
+    (void)rank;
+    const auto units = [&](FullyShardedDataParallelPlugin plugin) {
+      Tiny net = make_tiny();
+      detail::FsdpEngine engine(net.ptr(), acc.state().partial_state(),
+                                detail::resolve_fsdp_plugin(plugin, torch::kCPU));
+      return engine.unit_names();
+    };
+    using V = std::vector<std::string>;
+    EXPECT_EQ(units({}), V{""});
+    EXPECT_EQ(units({.auto_wrap_policy = FsdpAutoWrapPolicy::kTransformerBasedWrap,
+                     .transformer_cls_names_to_wrap = {"Block"}}),
+              (V{"", "blocks.0", "blocks.1"}));
+    // 42 parameters per block, 36 in the rest: blocks first (post-order), then what is left is too small.
+    EXPECT_EQ(units({.auto_wrap_policy = FsdpAutoWrapPolicy::kSizeBasedWrap, .min_num_params = 40}),
+              (V{"", "blocks.0.fc", "blocks.1.fc"}));
+    EXPECT_EQ(units({.auto_wrap_callable = [](const std::string& name, const torch::nn::Module&, int64_t) {
+                return name == "head";
+              }}),
+              (V{"", "head"}));
+    EXPECT_EQ(units({.auto_wrap_policy = FsdpAutoWrapPolicy::kTransformerBasedWrap,
+                     .transformer_cls_names_to_wrap = {"Block"},
+                     .ignored_modules = {"blocks.1"}}),
+              (V{"", "blocks.0"}));
+  });
+}
+
+TEST(FullyShardedDataParallel, IgnoredModulesStayWholeAndAreNotReduced) {
+  run_accelerators(
+      2,
+      [](const Accelerator& acc, int rank) {
+        Tiny net = make_tiny();
+        auto model = acc.prepare(net);
+        EXPECT_EQ(net->head->weight.sizes(), (std::vector<int64_t>{3, 6}));
+        EXPECT_EQ(net->embed->weight.size(0), 3);
+        auto x = batch().narrow(0, rank * 4, 4);
+        acc.backward(torch::nn::functional::cross_entropy(model(x), labels().narrow(0, rank * 4, 4)));
+        // Each process keeps its own gradient of the ignored module.
+        auto all = acc.gather(net->head->weight.grad().reshape({1, -1}).contiguous());
+        EXPECT_FALSE(torch::equal(all[0], all[1]));
+      },
+      {.fsdp_plugin = FullyShardedDataParallelPlugin{.ignored_modules = {"head"}}});
+}
+
+TEST(FullyShardedDataParallel, SaveModelWritesTheWholeModel) {
+  TempDir dir;
+  run_accelerators(
+      2,
+      [&](const Accelerator& acc, int rank) {
+        Tiny net = make_tiny();
+        auto model = acc.prepare(net);
+        (void)rank;
+        acc.save_model(model, dir.path().string());
+      },
+      {.fsdp_plugin = FullyShardedDataParallelPlugin{}});
+  Tiny fresh;
+  load_checkpoint_in_model(*fresh, (dir.path() / "model.safetensors").string(), {.strict = true});
+  expect_close(as_map(fresh->named_parameters()), as_map(make_tiny()->named_parameters()));
+}
+
+TEST(FullyShardedDataParallel, ParsesUpstreamsSpellingsAndNumbers) {
+  EXPECT_EQ(parse_fsdp_sharding_strategy("full_shard"), FsdpShardingStrategy::kFullShard);
+  EXPECT_EQ(parse_fsdp_sharding_strategy("2"), FsdpShardingStrategy::kShardGradOp);
+  EXPECT_EQ(parse_fsdp_sharding_strategy("NO_SHARD"), FsdpShardingStrategy::kNoShard);
+  EXPECT_EQ(to_string(FsdpShardingStrategy::kHybridShardZero2), "_HYBRID_SHARD_ZERO2");
+  EXPECT_EQ(parse_fsdp_state_dict_type("3"), FsdpStateDictType::kShardedStateDict);
+  EXPECT_EQ(parse_fsdp_auto_wrap_policy("transformer_based_wrap"), FsdpAutoWrapPolicy::kTransformerBasedWrap);
+  EXPECT_EQ(parse_fsdp_backward_prefetch("NO_PREFETCH"), FsdpBackwardPrefetch::kNoPrefetch);
+  EXPECT_THROWS_WITH(parse_fsdp_sharding_strategy("6"), "expected one of FULL_SHARD");
+  EXPECT_THROWS_WITH(parse_fsdp_auto_wrap_policy("1"), "got '1'");
+}
+
+TEST(FullyShardedDataParallel, TheEnvironmentFillsTheFieldsLeftEmpty) {
+  auto env = patch_environment({{"FSDP_SHARDING_STRATEGY", "SHARD_GRAD_OP"}, {"FSDP_AUTO_WRAP_POLICY", "TRANSFORMER_BASED_WRAP"},
+                 {"FSDP_TRANSFORMER_CLS_TO_WRAP", "Block, Other"}, {"FSDP_VERSION", "2"}});
+  auto s = detail::resolve_fsdp_plugin({}, torch::kCPU);
+  EXPECT_EQ(s.sharding_strategy, FsdpShardingStrategy::kShardGradOp);
+  EXPECT_FALSE(s.reshard_after_forward);
+  EXPECT_EQ(s.fsdp_version, 2);
+  EXPECT_EQ(s.transformer_cls_names_to_wrap, (std::vector<std::string>{"Block", "Other"}));
+  // What the user set wins over the environment.
+  auto given = detail::resolve_fsdp_plugin({.reshard_after_forward = true, .auto_wrap_policy = FsdpAutoWrapPolicy::kNoWrap},
+                                           torch::kCPU);
+  EXPECT_EQ(given.sharding_strategy, FsdpShardingStrategy::kFullShard);
+  EXPECT_EQ(given.auto_wrap_policy, FsdpAutoWrapPolicy::kNoWrap);
+}
+
+TEST(FullyShardedDataParallel, UseFsdpInTheEnvironmentShardsPreparedModels) {
+  auto env = patch_environment({{"ACCELERATE_USE_FSDP", "true"}, {"FSDP_RESHARD_AFTER_FORWARD", "false"}});
+  run_accelerators(2, [](const Accelerator& acc, int rank) {
+    (void)rank;
+    ASSERT_TRUE(acc.fsdp_plugin().has_value());
+    auto model = acc.prepare(make_tiny());
+    EXPECT_TRUE(model.ddp().is_fully_sharded());
+    EXPECT_EQ(detail::fsdp_engine(model.ddp())->settings().sharding_strategy, FsdpShardingStrategy::kShardGradOp);
+  });
+}
+
+TEST(FullyShardedDataParallel, UnsupportedOrContradictorySettingsAreRefusedByName) {
+  const auto refuse = [](FullyShardedDataParallelPlugin plugin, const std::string& message) {
+    EXPECT_THROWS_WITH(detail::resolve_fsdp_plugin(plugin, torch::kCPU), message);
+  };
+  refuse({.fsdp_version = 3}, "fsdp_version must be 1 or 2, got 3");
+  refuse({.sharding_strategy = FsdpShardingStrategy::kHybridShard}, "HYBRID_SHARD is not supported yet");
+  refuse({.sharding_strategy = FsdpShardingStrategy::kFullShard, .reshard_after_forward = false}, "contradict");
+  refuse({.backward_prefetch = FsdpBackwardPrefetch::kBackwardPre}, "backward_prefetch BACKWARD_PRE is not supported");
+  refuse({.forward_prefetch = true}, "forward_prefetch is not supported yet");
+  refuse({.mixed_precision_policy = {.param_dtype = "bf16"}}, "mixed_precision_policy is not supported yet");
+  refuse({.auto_wrap_policy = FsdpAutoWrapPolicy::kTransformerBasedWrap}, "needs transformer_cls_names_to_wrap");
+  refuse({.min_num_params = 0}, "min_num_params must be positive");
+  refuse({.state_dict_type = FsdpStateDictType::kShardedStateDict}, "SHARDED_STATE_DICT is not supported yet");
+  refuse({.sync_module_states = false, .cpu_ram_efficient_loading = true}, "needs sync_module_states");
+  refuse({.activation_checkpointing = true}, "activation_checkpointing is not supported yet");
+  refuse({.use_orig_params = false}, "use_orig_params=false");
+  EXPECT_THROWS_WITH(detail::resolve_fsdp_plugin({.cpu_offload = true}, c10::Device(c10::kCUDA, 0)),
+                     "cpu_offload on cuda:0 is not supported yet");
+}
+
+TEST(FullyShardedDataParallel, ParallelismConfigSizesAreCheckedAgainstTheProcesses) {
+  const auto refused = [](ParallelismConfig config, const std::string& message) {
+    Store store = Store::in_memory();
+    run_threads(2, [&](int rank) {
+      AcceleratorOptions options;
+      options.parallelism_config = config;
+      options.standalone_state = rank_options(PartialStateOptions{}, rank, 2, store);
+      EXPECT_THROWS_WITH((void)Accelerator(options), message);
+    });
+  };
+  refused({.tp_size = 2}, "tensor parallelism (tp_size 2) is not supported yet");
+  refused({.cp_size = 2}, "context parallelism (cp_size 2) is not supported yet");
+  refused({.dp_replicate_size = 2, .dp_shard_size = 2}, "must equal the number of processes, 2");
+  run_accelerators(
+      2, [](const Accelerator& acc, int) { EXPECT_TRUE(acc.fsdp_plugin().has_value()); },
+      {.parallelism_config = ParallelismConfig{.dp_shard_size = 2}});
+  run_accelerators(
+      2, [](const Accelerator& acc, int) { EXPECT_FALSE(acc.fsdp_plugin().has_value()); },
+      {.parallelism_config = ParallelismConfig{.dp_replicate_size = 2}});
+}
+
+TEST(FullyShardedDataParallel, DifferentModelsOnTheProcessesAreRefusedNamingTheFirstDifference) {
+  run_accelerators(
+      2,
+      [](const Accelerator& acc, int rank) {
+        if (rank == 0) {
+          EXPECT_THROWS_WITH(acc.prepare(make_tiny()), "every process must prepare the same model");
+        } else {
+          EXPECT_THROWS_WITH(acc.prepare(torch::nn::Linear(5, 6)), "every process must prepare the same model");
+        }
+      },
+      {.fsdp_plugin = FullyShardedDataParallelPlugin{}});
+}
+
+TEST(FullyShardedDataParallel, SaveStateIsRefusedUntilShardedCheckpointsExist) {
+  TempDir dir;
+  run_accelerators(
+      2,
+      [&](const Accelerator& acc, int) {
+        auto model = acc.prepare(make_tiny());
+        EXPECT_THROWS_WITH(acc.save_state((dir.path() / "c").string()),
+                           "checkpoints of fully sharded models are not supported yet");
+      },
+      {.fsdp_plugin = FullyShardedDataParallelPlugin{}});
+}
+
+}  // namespace
+}  // namespace accelerate::testing
