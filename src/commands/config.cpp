@@ -19,6 +19,66 @@ namespace {
 
 namespace fs = std::filesystem;
 
+}  // namespace
+
+const std::vector<std::pair<std::string, std::string>>& fsdp_config_keys() {
+  static const std::vector<std::pair<std::string, std::string>> keys = {
+      {"fsdp_version", "FSDP_VERSION"},
+      {"fsdp_sharding_strategy", "FSDP_SHARDING_STRATEGY"},
+      {"fsdp_reshard_after_forward", "FSDP_RESHARD_AFTER_FORWARD"},
+      {"fsdp_offload_params", "FSDP_OFFLOAD_PARAMS"},
+      {"fsdp_min_num_params", "FSDP_MIN_NUM_PARAMS"},
+      {"fsdp_auto_wrap_policy", "FSDP_AUTO_WRAP_POLICY"},
+      {"fsdp_transformer_layer_cls_to_wrap", "FSDP_TRANSFORMER_CLS_TO_WRAP"},
+      {"fsdp_backward_prefetch", "FSDP_BACKWARD_PREFETCH"},
+      {"fsdp_state_dict_type", "FSDP_STATE_DICT_TYPE"},
+      {"fsdp_forward_prefetch", "FSDP_FORWARD_PREFETCH"},
+      {"fsdp_use_orig_params", "FSDP_USE_ORIG_PARAMS"},
+      {"fsdp_cpu_ram_efficient_loading", "FSDP_CPU_RAM_EFFICIENT_LOADING"},
+      {"fsdp_sync_module_states", "FSDP_SYNC_MODULE_STATES"},
+      {"fsdp_activation_checkpointing", "FSDP_ACTIVATION_CHECKPOINTING"},
+      {"fsdp_limit_all_gathers", "FSDP_LIMIT_ALL_GATHERS"},
+  };
+  return keys;
+}
+
+void check_fsdp_value(const std::string& key, const std::string& value, const std::string& where) {
+  try {
+    if (key == "fsdp_sharding_strategy") {
+      (void)parse_fsdp_sharding_strategy(value);
+    } else if (key == "fsdp_auto_wrap_policy") {
+      (void)parse_fsdp_auto_wrap_policy(value);
+    } else if (key == "fsdp_backward_prefetch") {
+      (void)parse_fsdp_backward_prefetch(value);
+    } else if (key == "fsdp_state_dict_type") {
+      (void)parse_fsdp_state_dict_type(value);
+    } else if (key == "fsdp_reshard_after_forward") {
+      // A boolean (version 2) or a sharding strategy (version 1 configurations).
+      try {
+        (void)str_to_bool(value);
+      } catch (const std::exception&) {
+        (void)parse_fsdp_sharding_strategy(value);
+      }
+    } else if (key == "fsdp_version" || key == "fsdp_min_num_params") {
+      size_t used = 0;
+      long long number = 0;
+      try {
+        number = std::stoll(value, &used);
+      } catch (const std::exception&) {
+        used = 0;
+      }
+      ACCELERATE_CHECK_VALUE(used == value.size() && !value.empty() && number > 0, "expected a positive integer, got '",
+                             value, "'");
+    } else if (key != "fsdp_transformer_layer_cls_to_wrap") {
+      (void)str_to_bool(value);
+    }
+  } catch (const std::exception& e) {
+    detail::raise_value_error(detail::concat("[", where, "] ", key, ": ", detail::error_text(e)));
+  }
+}
+
+namespace {
+
 // Every key of upstream's ClusterConfig/BaseConfig, plus older spellings converted on load.
 const std::set<std::string>& known_keys() {
   static const std::set<std::string> keys = {
@@ -151,7 +211,12 @@ ClusterConfig load_config_from_file(const std::string& path) {
   ACCELERATE_CHECK_VALUE(has("distributed_type"), "[load_config_from_file] ", path,
                          ": a `distributed_type` must be specified (NO, MULTI_CPU or MULTI_GPU)");
   try {
-    config.distributed_type = parse_distributed_type(r.text("distributed_type", root["distributed_type"]));
+    const std::string type = r.text("distributed_type", root["distributed_type"]);
+    config.use_fsdp = type == "FSDP";
+    // FSDP runs on the processes of a multi-GPU (or, with use_cpu, multi-CPU) job.
+    const bool cpu = has("use_cpu") && r.boolean("use_cpu", root["use_cpu"]);
+    config.distributed_type = config.use_fsdp ? (cpu ? DistributedType::kMultiCpu : DistributedType::kMultiGpu)
+                                              : parse_distributed_type(type);
   } catch (const std::exception& e) {
     detail::raise_value_error(detail::concat("[load_config_from_file] ", path, ": ", detail::error_text(e)));
   }
@@ -190,7 +255,23 @@ ClusterConfig load_config_from_file(const std::string& path) {
   ACCELERATE_CHECK_VALUE(config.rdzv_backend == "static" || config.rdzv_backend == "c10d", "[load_config_from_file] ",
                          path, ": rdzv_backend '", config.rdzv_backend, "' is not supported; use 'static' or 'c10d'");
 
-  for (const char* key : {"deepspeed_config", "fsdp_config", "megatron_lm_config", "fp8_config", "parallelism_config",
+  if (root["fsdp_config"] && root["fsdp_config"].IsMap() && root["fsdp_config"].size() > 0) {
+    for (const auto& entry : root["fsdp_config"]) {
+      const std::string key = entry.first.as<std::string>();
+      const bool known = std::any_of(fsdp_config_keys().begin(), fsdp_config_keys().end(),
+                                     [&](const auto& k) { return k.first == key; });
+      ACCELERATE_CHECK_VALUE(known, "[load_config_from_file] ", path, ": fsdp_config has an unknown key '", key, "'");
+      std::string value;
+      if (entry.second.IsSequence()) {  // a list of class names
+        for (const auto& item : entry.second) value += (value.empty() ? "" : ",") + item.as<std::string>();
+      } else {
+        value = r.text("fsdp_config." + key, entry.second);
+      }
+      check_fsdp_value(key, value, path + ": fsdp_config");
+      config.fsdp_config[key] = value;
+    }
+  }
+  for (const char* key : {"deepspeed_config", "megatron_lm_config", "fp8_config", "parallelism_config",
                           "ipex_config", "tpu_name", "tpu_use_cluster", "command_file", "commands"}) {
     const bool asked = std::string(key) == "ipex_config" ? Reader::turns_on(root[key]) : Reader::requests(root[key]);
     ACCELERATE_CHECK_VALUE(!asked, "[load_config_from_file] ", path, ": '", key,
@@ -222,7 +303,7 @@ void save_config_file(const ClusterConfig& config, const std::string& path) {
     // nlohmann's objects keep their keys sorted, as `json.dumps(sort_keys=True)` does.
     nlohmann::json json = {{"compute_environment", config.compute_environment},
                            {"debug", config.debug},
-                           {"distributed_type", to_string(config.distributed_type)},
+                           {"distributed_type", config.use_fsdp ? "FSDP" : to_string(config.distributed_type)},
                            {"downcast_bf16", config.downcast_bf16},
                            {"enable_cpu_affinity", config.enable_cpu_affinity},
                            {"machine_rank", config.machine_rank},
@@ -240,6 +321,7 @@ void save_config_file(const ClusterConfig& config, const std::string& path) {
     if (config.main_process_ip) json["main_process_ip"] = *config.main_process_ip;
     if (config.main_process_port) json["main_process_port"] = *config.main_process_port;
     if (config.mpirun_hostfile) json["mpirun_config"] = {{"mpirun_hostfile", *config.mpirun_hostfile}};
+    if (!config.fsdp_config.empty()) json["fsdp_config"] = config.fsdp_config;
     text = json.dump(2) + "\n";
   } else {
     YAML::Emitter out;
@@ -256,9 +338,14 @@ void save_config_file(const ClusterConfig& config, const std::string& path) {
     // Keys in sorted order, as upstream writes them.
     quoted("compute_environment", config.compute_environment);
     out << YAML::Key << "debug" << YAML::Value << config.debug;
-    quoted("distributed_type", to_string(config.distributed_type));
+    quoted("distributed_type", config.use_fsdp ? "FSDP" : to_string(config.distributed_type));
     out << YAML::Key << "downcast_bf16" << YAML::Value << config.downcast_bf16;
     out << YAML::Key << "enable_cpu_affinity" << YAML::Value << config.enable_cpu_affinity;
+    if (!config.fsdp_config.empty()) {
+      out << YAML::Key << "fsdp_config" << YAML::Value << YAML::BeginMap;
+      for (const auto& [key, value] : config.fsdp_config) quoted(key.c_str(), value);
+      out << YAML::EndMap;
+    }
     if (config.gpu_ids) quoted("gpu_ids", *config.gpu_ids);
     out << YAML::Key << "machine_rank" << YAML::Value << config.machine_rank;
     if (config.main_process_ip) quoted("main_process_ip", *config.main_process_ip);

@@ -83,6 +83,13 @@ struct LaunchCli {
     add_optional(app, args.log_dir, "log_dir", "Write each worker's output to files in this folder");
     add_optional(app, args.tee, "tee",
                  "With --log_dir, streams also shown on the console: 0 none, 1 stdout, 2 stderr, 3 both", "-t");
+    app.add_flag(spellings("use_fsdp"), args.use_fsdp, "Shard prepared models over the processes (FSDP)");
+    for (const auto& [key, variable] : fsdp_config_keys()) {
+      const std::string name = key;
+      app.add_option_function<std::string>(
+          spellings(key), [this, name](const std::string& value) { args.fsdp[name] = value; },
+          "FSDP setting (sets " + variable + "; see FullyShardedDataParallelPlugin)");
+    }
     app.add_flag(spellings("no_python"), args.no_python, "Run the program directly, even a .py file");
     app.add_flag(spellings("module", "-m"), args.module, "Run the program as a Python module (python3 -m)");
     app.add_flag(spellings("quiet", "-q"), args.quiet, "Only print the launcher's own errors");
@@ -218,7 +225,7 @@ LaunchArgs parse_launch_args(const std::vector<std::string>& argv) {
   if (!rest.empty()) {
     static const std::vector<std::pair<std::string, std::string>> python_only = {
         {"--use_deepspeed", "DeepSpeed"},   {"--deepspeed_", "DeepSpeed"},     {"--zero_stage", "DeepSpeed"},
-        {"--use_fsdp", "FSDP"},             {"--fsdp_", "FSDP"},               {"--use_megatron_lm", "Megatron-LM"},
+        {"--use_megatron_lm", "Megatron-LM"},
         {"--megatron_lm_", "Megatron-LM"},  {"--dynamo_", "TorchDynamo"},      {"--tpu", "XLA/TPU"},
         {"--use_xpu", "XPU"},               {"--ipex", "IPEX"},                {"--fp8_", "FP8 recipes"},
         {"--use_parallelism_config", "parallelism_config"},                    {"--parallelism_config_", "parallelism_config"}};
@@ -282,6 +289,18 @@ LaunchPlan resolve_launch(const LaunchArgs& args) {
   // ACCELERATE_BACKEND, which the workers read too, is the default of --backend.
   plan.backend = args.backend.value_or(get_env("ACCELERATE_BACKEND").value_or(""));
   plan.quiet = args.quiet;
+  plan.use_fsdp = args.use_fsdp || !args.fsdp.empty() || (config && config->use_fsdp);
+  if (plan.use_fsdp) {
+    std::map<std::string, std::string> settings = config ? config->fsdp_config : std::map<std::string, std::string>{};
+    for (const auto& [key, value] : args.fsdp) {
+      check_fsdp_value(key, value, "launch");
+      settings[key] = value;
+    }
+    for (const auto& [key, variable] : fsdp_config_keys()) {
+      auto it = settings.find(key);
+      if (it != settings.end()) plan.fsdp_environment[variable] = it->second;
+    }
+  }
 
   ACCELERATE_CHECK_VALUE(plan.num_processes >= 1, "[launch] --num_processes must be at least 1, got ",
                          plan.num_processes);
@@ -414,6 +433,10 @@ std::map<std::string, std::string> worker_environment(const LaunchPlan& plan, in
     env["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] = std::to_string(*plan.gradient_accumulation_steps);
   }
   if (plan.enable_cpu_affinity) env["ACCELERATE_CPU_AFFINITY"] = "1";
+  if (plan.use_fsdp) {
+    env["ACCELERATE_USE_FSDP"] = "true";
+    for (const auto& [variable, value] : plan.fsdp_environment) env[variable] = value;
+  }
   if (!plan.backend.empty()) env["ACCELERATE_BACKEND"] = plan.backend;
   if (plan.gpu_ids && *plan.gpu_ids != "all") env["CUDA_VISIBLE_DEVICES"] = *plan.gpu_ids;
   return env;

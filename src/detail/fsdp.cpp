@@ -705,6 +705,26 @@ FsdpEngine::FsdpEngine(std::shared_ptr<torch::nn::Module> module, const PartialS
   for (size_t i = 1; i < e.units.size(); ++i) {
     add_hook_to_module(*e.units[i].module, std::make_shared<UnitHook>(impl_, i), /*append=*/true);
   }
+  // A gradient reaching a unit that was not gathered for its backward means its forward ran past
+  // the unit's hook: the gradient would be neither reduced nor sharded. Say so instead.
+  std::weak_ptr<FsdpEngineImpl> weak = impl_;
+  for (size_t i = 0; i < e.units.size(); ++i) {
+    for (auto& p : e.units[i].params) {
+      if (!p.param.requires_grad()) continue;
+      p.param.register_hook([weak, i](const at::Tensor& grad) {
+        auto engine = weak.lock();
+        if (!engine || engine->units[i].backward_armed) return grad;
+        const auto& name = engine->units[i].name;
+        TORCH_CHECK(!name.empty(), "[", kApi, "] a parameter of the model got a gradient that did not come "
+                    "through the output of the prepared model's call: compute the loss from what the prepared "
+                    "model returns");
+        TORCH_CHECK(false, "[", kApi, "] the parameters of unit ", name, " got gradients, but its forward ran "
+                    "without the unit's hook: its module was called directly (", name, "(x) or ->forward(x)); "
+                    "call it as accelerate::forward(module, x), or choose units whose callers do");
+        return grad;
+      });
+    }
+  }
 }
 
 FsdpEngine::~FsdpEngine() {

@@ -174,11 +174,25 @@ TEST(LoadConfigFromFile, DeepSpeedIsRefused) {
                      "got 'DEEPSPEED'");
 }
 
-TEST(LoadConfigFromFile, ANonEmptyFsdpConfigIsRefused) {
+TEST(LoadConfigFromFile, AnFsdpConfigIsReadCheckedAndWrittenBack) {
   TempDir dir;
-  const std::string text = "distributed_type: MULTI_GPU\nfsdp_config:\n  fsdp_sharding_strategy: FULL_SHARD\n";
-  EXPECT_THROWS_WITH(load_config_from_file(write_file(dir, "c.yaml", text)),
-                     "'fsdp_config' configures a Python-only integration");
+  const std::string text = "distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: FULL_SHARD\n"
+                           "  fsdp_transformer_layer_cls_to_wrap: [Block, Head]\n  fsdp_offload_params: false\n";
+  const ClusterConfig config = load_config_from_file(write_file(dir, "c.yaml", text));
+  EXPECT_TRUE(config.use_fsdp);
+  EXPECT_EQ(config.distributed_type, DistributedType::kMultiGpu);
+  EXPECT_EQ(config.fsdp_config.at("fsdp_transformer_layer_cls_to_wrap"), "Block,Head");
+  const auto path = (dir.path() / "back.yaml").string();
+  save_config_file(config, path);
+  const ClusterConfig again = load_config_from_file(path);
+  EXPECT_TRUE(again.use_fsdp);
+  EXPECT_EQ(again.fsdp_config, config.fsdp_config);
+  EXPECT_THROWS_WITH(load_config_from_file(write_file(dir, "d.yaml", "distributed_type: FSDP\nfsdp_config:\n"
+                                                                    "  fsdp_sharding_strategy: HALF\n")),
+                     "fsdp_config] fsdp_sharding_strategy: [parse_fsdp_sharding_strategy] expected one of");
+  EXPECT_THROWS_WITH(load_config_from_file(write_file(dir, "e.yaml", "distributed_type: FSDP\nfsdp_config:\n"
+                                                                    "  fsdp_sharding: FULL_SHARD\n")),
+                     "fsdp_config has an unknown key 'fsdp_sharding'");
 }
 
 TEST(LoadConfigFromFile, EmptyIntegrationSectionsAreAccepted) {

@@ -87,9 +87,8 @@ TEST_F(ParseLaunchArgs, AnUnknownFlagIsRefusedNamingIt) {
   // Upstream's flags of Python-only integrations are named as such.
   EXPECT_THROWS_WITH(parse_launch_args({"--use_deepspeed", "/bin/true"}),
                      "'--use_deepspeed' configures DeepSpeed, a Python-only integration");
-  EXPECT_THROWS_WITH(parse_launch_args({"--use-fsdp", "/bin/true"}), "'--use-fsdp' configures FSDP");
-  EXPECT_THROWS_WITH(parse_launch_args({"--fsdp_sharding_strategy=FULL_SHARD", "/bin/true"}),
-                     "'--fsdp_sharding_strategy' configures FSDP");
+  EXPECT_THROWS_WITH(parse_launch_args({"--fsdp_shardingstrategy=FULL_SHARD", "/bin/true"}),
+                     "unknown flag '--fsdp_shardingstrategy=FULL_SHARD'");
   EXPECT_THROWS_WITH(parse_launch_args({"--dynamo_backend", "inductor", "/bin/true"}), "configures TorchDynamo");
   EXPECT_THROWS_WITH(parse_launch_args({"--use_megatron_lm", "/bin/true"}), "configures Megatron-LM");
   EXPECT_THROWS_WITH(parse_launch_args({"--tpu", "/bin/true"}), "configures XLA/TPU");
@@ -117,6 +116,31 @@ TEST_F(ParseLaunchArgs, HelpIsRecognised) {
 }
 
 // ---- resolve_launch -------------------------------------------------------------------------
+
+TEST_F(ParseLaunchArgs, FsdpFlagsBecomeTheWorkersFsdpVariablesOverTheConfigFile) {
+  const std::string config = write_config("fsdp.yaml", "distributed_type: FSDP\nuse_cpu: true\nnum_processes: 2\n"
+                                          "fsdp_config:\n  fsdp_sharding_strategy: SHARD_GRAD_OP\n"
+                                          "  fsdp_min_num_params: 1000\n");
+  const LaunchPlan plan = resolve({"--config_file", config, "--fsdp-sharding-strategy", "NO_SHARD",
+                                   "--fsdp_transformer_layer_cls_to_wrap", "Block", "/bin/true"});
+  EXPECT_TRUE(plan.use_fsdp);
+  EXPECT_TRUE(plan.use_cpu);
+  const auto env = worker_environment(plan, 0, 29500, 0);
+  EXPECT_EQ(env.at("ACCELERATE_USE_FSDP"), "true");
+  EXPECT_EQ(env.at("FSDP_SHARDING_STRATEGY"), "NO_SHARD");
+  EXPECT_EQ(env.at("FSDP_MIN_NUM_PARAMS"), "1000");
+  EXPECT_EQ(env.at("FSDP_TRANSFORMER_CLS_TO_WRAP"), "Block");
+  EXPECT_FALSE(worker_environment(resolve({"/bin/true"}), 0, 29500, 0).count("ACCELERATE_USE_FSDP"));
+  EXPECT_TRUE(resolve({"--use_fsdp", "/bin/true"}).use_fsdp);
+}
+
+TEST_F(ParseLaunchArgs, AnFsdpFlagWithAWrongValueIsRefusedNamingIt) {
+  EXPECT_THROWS_WITH(resolve({"--fsdp_sharding_strategy", "HALF_SHARD", "/bin/true"}),
+                     "[launch] fsdp_sharding_strategy: [parse_fsdp_sharding_strategy] expected one of FULL_SHARD");
+  EXPECT_THROWS_WITH(resolve({"--fsdp_offload_params", "maybe", "/bin/true"}), "fsdp_offload_params");
+  EXPECT_THROWS_WITH(resolve({"--fsdp_min_num_params", "1e8x", "/bin/true"}),
+                     "fsdp_min_num_params: expected a positive integer, got '1e8x'");
+}
 
 TEST_F(ResolveLaunch, WithoutFlagsOrConfigOneLocalProcessRuns) {
   const LaunchPlan plan = resolve({"/bin/true", "a", "b"});

@@ -15,6 +15,7 @@
 #include "accelerate/utils/dataclasses.h"
 
 #include <iosfwd>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -41,9 +42,23 @@ struct ClusterConfig {
   bool downcast_bf16 = false;
   /// `mpirun_config.mpirun_hostfile`, for the MPI back-end.
   std::optional<std::string> mpirun_hostfile;
+  /// `distributed_type: FSDP` (read back as MULTI_GPU, or MULTI_CPU with `use_cpu`): models are
+  /// fully sharded.
+  bool use_fsdp = false;
+  /// The `fsdp_config` section: upstream's keys (`fsdp_sharding_strategy`, …) and their values
+  /// as written.
+  std::map<std::string, std::string> fsdp_config;
   /// Keys present in the file (so callers can tell a default from a value that was written).
   std::vector<std::string> keys_present;
 };
+
+/// The keys of upstream's `fsdp_config` section (the `--fsdp_*` flags of `accelerate launch`), each
+/// with the environment variable it sets for the workers (`fsdp_sharding_strategy` →
+/// `FSDP_SHARDING_STRATEGY`).
+const std::vector<std::pair<std::string, std::string>>& fsdp_config_keys();
+/// Checks a value given for `key` of `fsdp_config_keys()` (an enum name, a boolean, a number);
+/// throws `c10::ValueError` naming the key and `where` it was given otherwise.
+void check_fsdp_value(const std::string& key, const std::string& value, const std::string& where);
 
 /// The default configuration file path, following upstream's location rules.
 std::string default_config_file();

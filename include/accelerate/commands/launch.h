@@ -40,6 +40,8 @@ struct LaunchArgs {
   std::optional<std::string> backend;
   std::optional<std::string> mpirun_hostfile;  ///< machines for `--backend mpi` (mpirun's --hostfile)
   std::optional<std::string> rdzv_secret_file;  ///< file holding the job's rendezvous secret
+  bool use_fsdp = false;                      ///< --use_fsdp: prepared models are fully sharded
+  std::map<std::string, std::string> fsdp;    ///< the --fsdp_* flags, by key (`fsdp_sharding_strategy`)
   bool no_python = false;
   bool module = false;
   bool quiet = false;            ///< silence the launcher's informational lines (errors still show)
@@ -86,6 +88,9 @@ struct LaunchPlan {
   /// ACCELERATE_RDZV_SECRET (required on several machines); empty on one machine, where
   /// `launch_command` makes a fresh one.
   std::string rdzv_secret;
+  bool use_fsdp = false;
+  /// The `FSDP_*` variables of the workers (flags over the config file's `fsdp_config`).
+  std::map<std::string, std::string> fsdp_environment;
   bool quiet = false;
   std::vector<std::string> command;  ///< the program and its arguments
 };

@@ -1,0 +1,89 @@
+// Fully sharded training in real processes started by `accelerate launch` (on MPI, and again on
+// Gloo with the tier's second run): every sharding strategy at 2 and 4 processes, gradient
+// accumulation, bf16 autocast and a config file with `distributed_type: FSDP` end where one
+// process ends on the whole batches; a wrong setting fails the launch naming it.
+#include "support/commands.h"
+#include "support/process.h"
+#include "support/test_support.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+namespace accelerate::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+struct Job {
+  const char* name;
+  std::vector<std::string> flags;
+};
+
+void PrintTo(const Job& job, std::ostream* out) { *out << job.name; }
+
+class FsdpLaunch : public ::testing::TestWithParam<Job> {};
+
+TEST_P(FsdpLaunch, EndsWhereOneProcessEndsOnTheWholeBatches) {
+  TempDir dir;
+  std::vector<std::string> argv = {accelerate_bin(), "launch", "--main_process_port", "0"};
+  argv.insert(argv.end(), GetParam().flags.begin(), GetParam().flags.end());
+  argv.push_back(built("tests/mp_fsdp"));
+  argv.push_back((dir.path() / "model").string());
+  auto r = run(argv, 240);
+  ASSERT_EQ(r->exit_code(), 0) << r->out << r->err;
+  EXPECT_THAT(r->out, HasSubstr("[rank0]: fsdp: OK")) << r->out;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Jobs, FsdpLaunch,
+    ::testing::Values(
+        Job{"FullShardTwoBlocks", {"-n", "2", "--use_fsdp", "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP",
+                                   "--fsdp_transformer_layer_cls_to_wrap", "Block"}},
+        Job{"FullShardFourProcesses", {"-n", "4", "--use_fsdp", "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP",
+                                       "--fsdp_transformer_layer_cls_to_wrap", "Block"}},
+        Job{"ShardGradOpFourProcesses", {"-n", "4", "--fsdp_sharding_strategy", "SHARD_GRAD_OP"}},
+        Job{"NoShardTwoProcesses", {"-n", "2", "--fsdp_sharding_strategy", "NO_SHARD", "--fsdp_auto_wrap_policy",
+                                    "SIZE_BASED_WRAP", "--fsdp_min_num_params", "700"}},
+        Job{"Version2Accumulation", {"-n", "2", "--use_fsdp", "--fsdp_version", "2", "--fsdp_reshard_after_forward",
+                                     "true", "--gradient_accumulation_steps", "2", "--fsdp_auto_wrap_policy",
+                                     "TRANSFORMER_BASED_WRAP", "--fsdp_transformer_layer_cls_to_wrap", "Block"}},
+        Job{"Bf16Autocast", {"-n", "2", "--use_fsdp", "--mixed_precision", "bf16", "--fsdp_auto_wrap_policy",
+                             "TRANSFORMER_BASED_WRAP", "--fsdp_transformer_layer_cls_to_wrap", "Block"}}),
+    [](const ::testing::TestParamInfo<Job>& info) { return std::string(info.param.name); });
+
+TEST(FsdpLaunch, AConfigFileWithDistributedTypeFsdpShardsTheModel) {
+  TempDir dir;
+  const auto config = write_file(dir, "fsdp.yaml",
+             "distributed_type: FSDP\nuse_cpu: true\nnum_processes: 2\nfsdp_config:\n"
+             "  fsdp_sharding_strategy: FULL_SHARD\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
+             "  fsdp_transformer_layer_cls_to_wrap: Block\n");
+  auto r = run({accelerate_bin(), "launch", "--config_file", config, "--main_process_port", "0",
+                built("tests/mp_fsdp"), (dir.path() / "model").string()},
+               240);
+  ASSERT_EQ(r->exit_code(), 0) << r->out << r->err;
+  EXPECT_THAT(r->out, HasSubstr("[rank0]: fsdp: OK (FULL_SHARD, 2 processes")) << r->out;
+}
+
+TEST(FsdpLaunch, ASettingTheEngineDoesNotHaveFailsTheLaunchNamingIt) {
+  TempDir dir;
+  auto r = run({accelerate_bin(), "launch", "-n", "2", "--main_process_port", "0", "--use_fsdp",
+                "--fsdp_backward_prefetch", "BACKWARD_PRE", built("tests/mp_fsdp"), (dir.path() / "model").string()},
+               120);
+  EXPECT_NE(r->exit_code(), 0);
+  EXPECT_THAT(r->err, HasSubstr("backward_prefetch BACKWARD_PRE is not supported yet")) << r->err;
+}
+
+TEST(FsdpLaunch, AUnitWhoseModuleIsCalledDirectlyFailsTheBackwardNamingIt) {
+  // 500 makes each block's Linear a unit, which the block calls as fc(x), past its hook.
+  TempDir dir;
+  auto r = run({accelerate_bin(), "launch", "-n", "2", "--main_process_port", "0", "--fsdp_sharding_strategy",
+                "NO_SHARD", "--fsdp_auto_wrap_policy", "SIZE_BASED_WRAP", "--fsdp_min_num_params", "500",
+                built("tests/mp_fsdp"), (dir.path() / "model").string()},
+               120);
+  EXPECT_NE(r->exit_code(), 0);
+  EXPECT_THAT(r->err, HasSubstr("the parameters of unit blocks.2.fc got gradients")) << r->err;
+  EXPECT_THAT(r->err, HasSubstr("accelerate::forward")) << r->err;
+}
+
+}  // namespace
+}  // namespace accelerate::testing

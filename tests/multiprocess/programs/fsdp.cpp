@@ -1,0 +1,141 @@
+// A program for the fully sharded launcher tests. It reads its settings from the environment that
+// `accelerate launch --use_fsdp --fsdp_* [--gradient_accumulation_steps N] [--mixed_precision
+// bf16]` gives it, trains a small model of two blocks with AdamW through the Accelerator — every
+// process on its own rows of each batch — and checks it ends where one process ends when it
+// trains the same model on the whole batches (the same accumulation, the same autocast). It also
+// checks that the processes hold only shards (unless NO_SHARD) and that save_model writes the
+// whole model. Prints "fsdp: OK" on the main process; anything else throws.
+//
+//   mp_fsdp OUTPUT_FOLDER
+#include "accelerate/accelerate.h"
+
+#include <torch/torch.h>
+
+#include <cmath>
+#include <iostream>
+#include <map>
+#include <string>
+
+namespace acc = accelerate;
+
+namespace {
+
+struct BlockImpl : torch::nn::Module {
+  BlockImpl() : fc(register_module("fc", torch::nn::Linear(24, 24))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return torch::tanh(fc(x)) + x; }
+  torch::nn::Linear fc;
+};
+TORCH_MODULE(Block);
+
+// Row counts that 2 and 4 processes do not divide evenly (24 and 5 rows, 21 and 3 in the biases).
+struct NetImpl : torch::nn::Module {
+  NetImpl()
+      : embed(register_module("embed", torch::nn::Linear(7, 24))),
+        blocks(register_module("blocks", torch::nn::Sequential(Block(), Block(), Block()))),
+        head(register_module("head", torch::nn::Linear(24, 5))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return head(acc::forward(blocks, embed(x))); }
+  torch::nn::Linear embed;
+  torch::nn::Sequential blocks;
+  torch::nn::Linear head;
+};
+TORCH_MODULE(Net);
+
+Net make_net() {
+  Net net;
+  torch::NoGradGuard no_grad;
+  int i = 0;
+  for (auto& p : net->parameters()) p.copy_(torch::sin(torch::arange(p.numel()).reshape(p.sizes()) * 0.37 + i++) * 0.3);
+  return net;
+}
+
+constexpr int64_t kPerProcess = 4;
+constexpr int kSteps = 4;
+
+// Batch `b` of the whole job (all processes' rows).
+std::pair<torch::Tensor, torch::Tensor> whole_batch(int b, int processes) {
+  const int64_t rows = kPerProcess * processes;
+  auto x = torch::cos(torch::arange(rows * 7, torch::kFloat).reshape({rows, 7}) * (0.11 + 0.01 * b));
+  auto y = torch::remainder(torch::arange(rows) * 3 + b, 5);
+  return {x, y};
+}
+
+std::map<std::string, torch::Tensor> named(const acc::StateDictMap& state) {
+  std::map<std::string, torch::Tensor> out;
+  for (const auto& item : state) out[item.key()] = item.value().detach().clone();
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  TORCH_CHECK(argc == 2, "usage: mp_fsdp OUTPUT_FOLDER");
+  acc::Accelerator accelerator;
+  TORCH_CHECK(accelerator.fsdp_plugin().has_value(), "the job was not launched with --use_fsdp");
+  const int n = accelerator.num_processes();
+  const int rank = accelerator.process_index();
+  const int micro = accelerator.gradient_accumulation_steps();
+  const bool bf16 = accelerator.mixed_precision() == "bf16";
+
+  // One process on the whole batches.
+  Net baseline = make_net();
+  torch::optim::AdamW baseline_opt(baseline->parameters(), torch::optim::AdamWOptions(0.02));
+  for (int step = 0; step < kSteps; ++step) {
+    baseline_opt.zero_grad();
+    for (int m = 0; m < micro; ++m) {
+      auto [x, y] = whole_batch(step * micro + m, n);
+      // As a prepared model does: the forward under autocast, its output in fp32.
+      auto out = [&] {
+        auto guard = accelerator.autocast();
+        return baseline(x);
+      }();
+      (torch::nn::functional::cross_entropy(out.to(torch::kFloat), y) / micro).backward();
+    }
+    baseline_opt.step();
+  }
+
+  Net net = make_net();
+  int64_t whole = 0;
+  for (const auto& p : net->parameters()) whole += p.numel();
+  auto adamw = std::make_shared<torch::optim::AdamW>(net->parameters(), torch::optim::AdamWOptions(0.02));
+  auto [model, optimizer] = accelerator.prepare(net, adamw);
+  int64_t mine = 0;
+  for (const auto& p : net->parameters()) mine += p.numel();
+  const auto strategy = acc::get_env("FSDP_SHARDING_STRATEGY").value_or("FULL_SHARD");
+  if (strategy == "NO_SHARD") {
+    TORCH_CHECK(mine == whole, "NO_SHARD: process ", rank, " holds ", mine, " of ", whole, " parameters");
+  } else {
+    TORCH_CHECK(mine < whole, strategy, ": process ", rank, " holds ", mine, " of ", whole,
+                " parameters: nothing was sharded");
+  }
+  for (int b = 0; b < kSteps * micro; ++b) {
+    auto guard = accelerator.accumulate(model);
+    auto [x, y] = whole_batch(b, n);
+    auto loss = torch::nn::functional::cross_entropy(model(x.narrow(0, rank * kPerProcess, kPerProcess)),
+                                                     y.narrow(0, rank * kPerProcess, kPerProcess));
+    accelerator.backward(loss);
+    optimizer.step();
+    optimizer.zero_grad();
+  }
+
+  const auto got = named(accelerator.get_state_dict(model));
+  const auto want = named(baseline->named_parameters());
+  // bf16 rounds the gradients; AdamW turns the rounding of tiny ones into steps of up to the
+  // learning rate (4 steps of 0.02 at most): the bf16 bound only rules out a different training.
+  const double tolerance = bf16 ? 4e-2 : 1e-5;
+  for (const auto& [name, value] : want) {
+    TORCH_CHECK(got.count(name), "the whole state dict has no ", name);
+    const double diff = (got.at(name) - value).abs().max().item<double>();
+    TORCH_CHECK(diff <= tolerance + 1e-5 * value.abs().max().item<double>(), name, " differs from one process's by ",
+                diff);
+  }
+  accelerator.save_model(model, argv[1]);
+  accelerator.wait_for_everyone();
+  Net reloaded;
+  acc::load_checkpoint_in_model(*reloaded, std::string(argv[1]) + "/model.safetensors", {.strict = true});
+  for (const auto& [name, value] : named(reloaded->named_parameters())) {
+    TORCH_CHECK(torch::equal(value, got.at(name)), "save_model wrote another ", name);
+  }
+  accelerator.print("fsdp: OK (" + strategy + ", " + std::to_string(n) + " processes, " + std::to_string(mine) +
+                    " of " + std::to_string(whole) + " parameters on the main process)");
+  return 0;
+}
