@@ -33,6 +33,45 @@ DataLoaderState sampler_state(const DataLoader& loader) {
   return state;
 }
 
+// The fully sharded engine that holds the parameters of `optimizer`, if any.
+detail::FsdpEngine* sharding_engine(const std::vector<DistributedDataParallel>& models,
+                                    const torch::optim::Optimizer& optimizer) {
+  for (const auto& model : models) {
+    auto* engine = detail::fsdp_engine(model);
+    if (!engine) continue;
+    for (const auto& group : optimizer.param_groups()) {
+      for (const auto& p : group.params()) {
+        if (engine->manages(p)) return engine;
+      }
+    }
+  }
+  return nullptr;
+}
+
+bool sharded_state(detail::FsdpEngine* engine) {
+  return engine->settings().state_dict_type != FsdpStateDictType::kFullStateDict;
+}
+bool local_state(detail::FsdpEngine* engine) {
+  return engine->settings().state_dict_type == FsdpStateDictType::kLocalStateDict;
+}
+
+// The parameters of an optimizer in the numbering of `optimizer_state_dict`.
+std::vector<at::Tensor> optimizer_params(const torch::optim::Optimizer& optimizer) {
+  std::vector<at::Tensor> params;
+  for (const auto& group : optimizer.param_groups()) {
+    for (const auto& p : group.params()) params.push_back(p);
+  }
+  return params;
+}
+
+// The parameter number in an optimizer state tensor's name, "state.<index>.<name>".
+size_t state_param_index(const std::string& key) {
+  const auto dot = key.find('.', 6);
+  TORCH_CHECK_VALUE(key.rfind("state.", 0) == 0 && dot != std::string::npos, "unexpected optimizer state tensor '",
+                    key, "'");
+  return static_cast<size_t>(std::stoull(key.substr(6, dot - 6)));
+}
+
 std::string loader_file(const DataLoader& loader, size_t i) {
   return numbered(loader.use_stateful_dataloader() ? "dl_state_dict" : "sampler", i, ".json");
 }
@@ -178,26 +217,80 @@ std::string Accelerator::save_state(const std::string& output_dir) const {
   });
 
   const auto [models, optimizers, schedulers, loaders, custom, save_hooks, load_hooks, step] = snapshot(*impl_);
-  for (const auto& model : models) {
-    TORCH_CHECK_VALUE(!model.is_fully_sharded(), "[Accelerator::save_state] checkpoints of fully sharded models are "
-                                                 "not supported yet; save the weights with save_model");
-  }
+  // Fully sharded models, and the optimizers over their parameters (Note [Sharded checkpoint layout]).
+  std::vector<detail::FsdpEngine*> model_engines, optimizer_engines;
+  for (const auto& model : models) model_engines.push_back(detail::fsdp_engine(model));
+  for (const auto& optimizer : optimizers) optimizer_engines.push_back(sharding_engine(models, *optimizer.optimizer()));
   detail::CheckpointCommit commit(partial(), target, project.save_on_each_node, project.automatic_checkpoint_naming);
   const fs::path folder = commit.staging();
   const auto written = [&] { detail::checkpoint_file_written(partial()); };
   const auto path = commit.commit([&] {
     std::vector<StateDictMap> weights;
-    for (const auto& model : models) weights.push_back(accelerate::get_state_dict(*model.module()));
+    for (size_t i = 0; i < models.size(); ++i) {
+      auto* engine = model_engines[i];
+      if (!engine) {
+        weights.push_back(accelerate::get_state_dict(*models[i].module()));
+        continue;
+      }
+      StateDictMap state;
+      for (auto& [name, tensor] : sharded_state(engine) ? engine->local_state_dict() : engine->full_state_dict()) {
+        state.insert(name, tensor);
+      }
+      weights.push_back(std::move(state));
+    }
     for (const auto& hook : save_hooks) hook(models, weights, folder.string());
+    // Sharded states: every process writes its own part.
+    for (size_t i = 0; i < weights.size() && i < models.size(); ++i) {
+      auto* engine = model_engines[i];
+      if (!engine || !sharded_state(engine)) continue;
+      std::map<std::string, at::Tensor> tensors;
+      std::map<std::string, std::vector<int64_t>> whole;
+      std::map<std::string, at::Tensor> params;
+      for (const auto& item : models[i].module()->named_parameters()) params.emplace(item.key(), item.value());
+      for (const auto& item : weights[i]) {
+        tensors.emplace(item.key(), item.value());
+        auto it = params.find(item.key());
+        if (it != params.end() && engine->is_sharded(it->second)) whole[item.key()] = engine->whole_shape(it->second);
+      }
+      detail::save_sharded_state(partial(), (folder / ("pytorch_model_fsdp_" + std::to_string(i))).string(),
+                                 {{"model", i}}, tensors, whole);
+      written();
+    }
+    std::vector<std::optional<StateDict>> optimizer_states(optimizers.size());
+    for (size_t i = 0; i < optimizers.size(); ++i) {
+      auto* engine = optimizer_engines[i];
+      if (!engine) continue;
+      StateDict state = optimizer_state_dict(*optimizers[i].optimizer());
+      const auto params = optimizer_params(*optimizers[i].optimizer());
+      std::map<std::string, std::vector<int64_t>> whole;
+      for (auto& [key, tensor] : state.tensors) {
+        const auto& param = params.at(state_param_index(key));
+        if (!engine->is_sharded(param) || tensor.sizes() != param.sizes()) continue;
+        if (sharded_state(engine)) {
+          whole[key] = engine->whole_shape(param);
+        } else {
+          tensor = engine->whole_rows(param, tensor);  // a collective, in the same order everywhere
+        }
+      }
+      if (sharded_state(engine)) {
+        detail::save_sharded_state(partial(), (folder / ("optimizer_" + std::to_string(i))).string(), state.values,
+                                   state.tensors, whole);
+        written();
+      } else {
+        optimizer_states[i] = std::move(state);
+      }
+    }
     if (commit.writes_shared_files()) {
       for (size_t i = 0; i < weights.size(); ++i) {
+        if (i < models.size() && model_engines[i] && sharded_state(model_engines[i])) continue;
         TensorMap tensors;
         for (const auto& item : clean_state_dict_for_safetensors(weights[i])) tensors.emplace(item.key(), item.value());
         save_file(tensors, (folder / numbered("model", i, ".safetensors")).string(), {{"format", "pt"}});
         written();
       }
       for (size_t i = 0; i < optimizers.size(); ++i) {
-        save_state_dict_file(optimizer_state_dict(*optimizers[i].optimizer()),
+        if (optimizer_engines[i] && !optimizer_states[i]) continue;  // sharded, written above
+        save_state_dict_file(optimizer_states[i] ? *optimizer_states[i] : optimizer_state_dict(*optimizers[i].optimizer()),
                              (folder / numbered("optimizer", i, ".safetensors")).string());
         written();
       }
@@ -258,10 +351,9 @@ void Accelerator::load_state(const std::string& input_dir) const {
   }
 
   auto [models, optimizers, schedulers, loaders, custom, save_hooks, load_hooks, step] = snapshot(*impl_);
-  for (const auto& model : models) {
-    TORCH_CHECK_VALUE(!model.is_fully_sharded(), "[Accelerator::load_state] checkpoints of fully sharded models are "
-                                                 "not supported yet");
-  }
+  std::vector<detail::FsdpEngine*> model_engines, optimizer_engines;
+  for (const auto& model : models) model_engines.push_back(detail::fsdp_engine(model));
+  for (const auto& optimizer : optimizers) optimizer_engines.push_back(sharding_engine(models, *optimizer.optimizer()));
   detail::run_agreed(partial(), "[Accelerator::load_state] loading " + folder.string(), [&] {
     for (const auto& hook : load_hooks) hook(models, folder.string());
     const auto require = [&](const std::string& name) {
@@ -271,12 +363,45 @@ void Accelerator::load_state(const std::string& input_dir) const {
     };
     // Everything is read and checked first, then applied.
     std::vector<std::string> model_files;
-    for (size_t i = 0; i < models.size(); ++i) model_files.push_back(require(numbered("model", i, ".safetensors")));
+    std::vector<std::optional<StateDict>> sharded_models(models.size());
+    for (size_t i = 0; i < models.size(); ++i) {
+      const auto sharded_folder = folder / ("pytorch_model_fsdp_" + std::to_string(i));
+      if (model_engines[i] && fs::is_directory(sharded_folder)) {
+        sharded_models[i] = detail::load_sharded_state(partial(), sharded_folder.string(), local_state(model_engines[i]));
+        model_files.emplace_back();
+        continue;
+      }
+      model_files.push_back(require(numbered("model", i, ".safetensors")));
+    }
     std::vector<StateDict> optimizer_states, scheduler_states, loader_states, custom_states;
-    std::vector<SafetensorsFile> optimizer_files;  // read into the optimizers once everything is checked
+    // Read into the optimizers once everything is checked (null: the state is in memory, for
+    // optimizers over sharded parameters).
+    std::vector<std::unique_ptr<SafetensorsFile>> optimizer_files;
     for (size_t i = 0; i < optimizers.size(); ++i) {
-      optimizer_files.emplace_back(require(numbered("optimizer", i, ".safetensors")));
-      optimizer_states.push_back(detail::state_dict_views(optimizer_files.back()));
+      auto* engine = optimizer_engines[i];
+      const auto sharded_folder = folder / ("optimizer_" + std::to_string(i));
+      if (engine && fs::is_directory(sharded_folder)) {
+        optimizer_states.push_back(detail::load_sharded_state(partial(), sharded_folder.string(), local_state(engine)));
+        optimizer_files.emplace_back();
+        continue;
+      }
+      auto file = std::make_unique<SafetensorsFile>(require(numbered("optimizer", i, ".safetensors")));
+      optimizer_states.push_back(detail::state_dict_views(*file));
+      if (engine) {
+        // A whole state: this process's rows of each sharded parameter's tensors.
+        const auto params = optimizer_params(*optimizers[i].optimizer());
+        for (auto& [key, tensor] : optimizer_states.back().tensors) {
+          const size_t index = state_param_index(key);
+          TORCH_CHECK_VALUE(index < params.size(), "the optimizer state names parameter ", index, " of ",
+                            params.size());
+          const auto& param = params[index];
+          if (engine->is_sharded(param) && tensor.sizes().vec() == engine->whole_shape(param)) {
+            tensor = engine->local_rows(param, tensor).clone();
+          }
+        }
+        file.reset();
+      }
+      optimizer_files.push_back(std::move(file));
     }
     for (size_t i = 0; i < schedulers.size(); ++i) {
       scheduler_states.push_back(load_state_dict_file(require(numbered("scheduler", i, ".json"))));
@@ -313,10 +438,23 @@ void Accelerator::load_state(const std::string& input_dir) const {
     }
 
     for (size_t i = 0; i < models.size(); ++i) {
-      load_checkpoint_in_model(*models[i].module(), model_files[i], {.strict = true});
+      if (sharded_models[i]) {
+        model_engines[i]->load_local_state_dict({sharded_models[i]->tensors.begin(), sharded_models[i]->tensors.end()});
+      } else if (model_engines[i]) {
+        SafetensorsFile file(model_files[i]);
+        std::vector<std::pair<std::string, at::Tensor>> values;
+        for (const auto& name : file.keys()) values.emplace_back(name, file.get_tensor(name));
+        model_engines[i]->load_full_state_dict(values, /*strict=*/true);
+      } else {
+        load_checkpoint_in_model(*models[i].module(), model_files[i], {.strict = true});
+      }
     }
     for (size_t i = 0; i < optimizers.size(); ++i) {
-      detail::load_optimizer_state_from_file(*optimizers[i].optimizer(), optimizer_states[i], optimizer_files[i]);
+      if (optimizer_files[i]) {
+        detail::load_optimizer_state_from_file(*optimizers[i].optimizer(), optimizer_states[i], *optimizer_files[i]);
+      } else {
+        load_optimizer_state_dict(*optimizers[i].optimizer(), optimizer_states[i]);
+      }
     }
     for (size_t i = 0; i < schedulers.size(); ++i) schedulers[i].scheduler()->load_state_dict(scheduler_states[i].values);
     for (size_t i = 0; i < loaders.size(); ++i) loaders[i].load_state_dict(loader_positions[i]);

@@ -382,7 +382,6 @@ TEST(FullyShardedDataParallel, UnsupportedOrContradictorySettingsAreRefusedByNam
   refuse({.mixed_precision_policy = {.param_dtype = "bf16"}}, "mixed_precision_policy is not supported yet");
   refuse({.auto_wrap_policy = FsdpAutoWrapPolicy::kTransformerBasedWrap}, "needs transformer_cls_names_to_wrap");
   refuse({.min_num_params = 0}, "min_num_params must be positive");
-  refuse({.state_dict_type = FsdpStateDictType::kShardedStateDict}, "SHARDED_STATE_DICT is not supported yet");
   refuse({.sync_module_states = false, .cpu_ram_efficient_loading = true}, "needs sync_module_states");
   refuse({.activation_checkpointing = true}, "activation_checkpointing is not supported yet");
   refuse({.use_orig_params = false}, "use_orig_params=false");
@@ -424,16 +423,124 @@ TEST(FullyShardedDataParallel, DifferentModelsOnTheProcessesAreRefusedNamingTheF
       {.fsdp_plugin = FullyShardedDataParallelPlugin{}});
 }
 
-TEST(FullyShardedDataParallel, SaveStateIsRefusedUntilShardedCheckpointsExist) {
-  TempDir dir;
+// AdamW steps [first, last) of the whole-batch run, each process on its rows.
+template <typename Model, typename Optimizer>
+void train_steps(const Accelerator& acc, Model& model, Optimizer& opt, int first, int last) {
+  const int64_t per = kRows / acc.num_processes(), rank = acc.process_index();
+  for (int s = first; s < last; ++s) {
+    opt.zero_grad();
+    auto x = (batch() * (1 + 0.5 * s)).narrow(0, rank * per, per);
+    acc.backward(torch::nn::functional::cross_entropy(model(x), labels().narrow(0, rank * per, per)));
+    opt.step();
+  }
+}
+
+AcceleratorOptions sharded_with(FsdpStateDictType type) {
+  AcceleratorOptions options;
+  options.fsdp_plugin = FullyShardedDataParallelPlugin{.auto_wrap_policy = FsdpAutoWrapPolicy::kTransformerBasedWrap,
+                                                       .transformer_cls_names_to_wrap = {"Block"},
+                                                       .state_dict_type = type};
+  return options;
+}
+
+// Saves after 2 of 4 steps with `save_ranks` processes, resumes with `load_ranks`; returns the
+// whole model after the resumed run, and (through `uninterrupted`) after 4 steps without a break.
+std::map<std::string, torch::Tensor> save_and_resume(FsdpStateDictType save_type, int save_ranks,
+                                                     FsdpStateDictType load_type, int load_ranks,
+                                                     const std::string& folder,
+                                                     std::map<std::string, torch::Tensor>* uninterrupted = nullptr) {
   run_accelerators(
-      2,
+      save_ranks,
       [&](const Accelerator& acc, int) {
-        auto model = acc.prepare(make_tiny());
-        EXPECT_THROWS_WITH(acc.save_state((dir.path() / "c").string()),
-                           "checkpoints of fully sharded models are not supported yet");
+        Tiny net = make_tiny();
+        auto [model, opt] =
+            acc.prepare(net, std::make_shared<torch::optim::AdamW>(net->parameters(), torch::optim::AdamWOptions(0.05)));
+        train_steps(acc, model, opt, 0, 2);
+        acc.save_state(folder);
+        train_steps(acc, model, opt, 2, 4);
+        auto whole = as_map(acc.get_state_dict(model));
+        if (uninterrupted && acc.is_main_process()) *uninterrupted = whole;
       },
-      {.fsdp_plugin = FullyShardedDataParallelPlugin{}});
+      sharded_with(save_type));
+  std::map<std::string, torch::Tensor> resumed;
+  run_accelerators(
+      load_ranks,
+      [&](const Accelerator& acc, int) {
+        Tiny net;  // other values than the checkpoint's, on purpose
+        auto [model, opt] =
+            acc.prepare(net, std::make_shared<torch::optim::AdamW>(net->parameters(), torch::optim::AdamWOptions(0.05)));
+        acc.load_state(folder);
+        train_steps(acc, model, opt, 2, 4);
+        auto whole = as_map(acc.get_state_dict(model));
+        if (acc.is_main_process()) resumed = whole;
+      },
+      sharded_with(load_type));
+  return resumed;
+}
+
+void expect_equal(const std::map<std::string, torch::Tensor>& got, const std::map<std::string, torch::Tensor>& want) {
+  ASSERT_EQ(got.size(), want.size());
+  for (const auto& [name, value] : want) EXPECT_TRUE(torch::equal(got.at(name), value)) << name;
+}
+
+TEST(FullyShardedCheckpoint, AFullStateResumesBitForBitAtTheSameNumberOfProcesses) {
+  TempDir dir;
+  std::map<std::string, torch::Tensor> uninterrupted;
+  const auto resumed = save_and_resume(FsdpStateDictType::kFullStateDict, 2, FsdpStateDictType::kFullStateDict, 2,
+                                       (dir.path() / "c").string(), &uninterrupted);
+  expect_equal(resumed, uninterrupted);
+  // The whole model and optimizer, as a DDP job writes them.
+  EXPECT_TRUE(std::filesystem::is_regular_file(dir.path() / "c" / "model.safetensors"));
+  EXPECT_TRUE(std::filesystem::is_regular_file(dir.path() / "c" / "optimizer.safetensors"));
+  Tiny whole;
+  load_checkpoint_in_model(*whole, (dir.path() / "c" / "model.safetensors").string(), {.strict = true});
+  EXPECT_EQ(whole->embed->weight.sizes(), (std::vector<int64_t>{6, 5}));
+}
+
+TEST(FullyShardedCheckpoint, AShardedStateResumesBitForBitAtTheSameNumberOfProcesses) {
+  TempDir dir;
+  std::map<std::string, torch::Tensor> uninterrupted;
+  const auto resumed = save_and_resume(FsdpStateDictType::kShardedStateDict, 2, FsdpStateDictType::kShardedStateDict,
+                                       2, (dir.path() / "c").string(), &uninterrupted);
+  expect_equal(resumed, uninterrupted);
+  const auto folder = dir.path() / "c";
+  for (const char* name : {"pytorch_model_fsdp_0/index.json", "pytorch_model_fsdp_0/shard-0-of-2.safetensors",
+                           "pytorch_model_fsdp_0/shard-1-of-2.safetensors", "optimizer_0/index.json",
+                           "optimizer_0/shard-1-of-2.safetensors"}) {
+    EXPECT_TRUE(std::filesystem::is_regular_file(folder / name)) << name;
+  }
+  EXPECT_FALSE(std::filesystem::exists(folder / "model.safetensors"));
+  // Each file holds its process's rows.
+  SafetensorsFile shard((folder / "pytorch_model_fsdp_0" / "shard-1-of-2.safetensors").string());
+  EXPECT_EQ(shard.get_tensor("embed.weight").sizes(), (std::vector<int64_t>{3, 5}));
+}
+
+TEST(FullyShardedCheckpoint, AShardedStateReshardsOntoAnotherNumberOfProcesses) {
+  const auto expected = reference(4);
+  for (auto [from, to] : {std::pair{4, 2}, std::pair{2, 4}}) {
+    TempDir dir;
+    const auto resumed = save_and_resume(FsdpStateDictType::kShardedStateDict, from,
+                                         FsdpStateDictType::kShardedStateDict, to, (dir.path() / "c").string());
+    expect_close(resumed, expected);
+  }
+}
+
+TEST(FullyShardedCheckpoint, AFullStateLoadsIntoAnotherNumberOfProcessesAndAnotherStateDictType) {
+  TempDir dir;
+  const auto resumed = save_and_resume(FsdpStateDictType::kFullStateDict, 2, FsdpStateDictType::kShardedStateDict, 4,
+                                       (dir.path() / "c").string());
+  expect_close(resumed, reference(4));
+}
+
+TEST(FullyShardedCheckpoint, ALocalStateOnlyLoadsOnAsManyProcesses) {
+  TempDir dir;
+  std::map<std::string, torch::Tensor> uninterrupted;
+  const auto resumed = save_and_resume(FsdpStateDictType::kLocalStateDict, 2, FsdpStateDictType::kLocalStateDict, 2,
+                                       (dir.path() / "c").string(), &uninterrupted);
+  expect_equal(resumed, uninterrupted);
+  EXPECT_THROWS_WITH(save_and_resume(FsdpStateDictType::kLocalStateDict, 2, FsdpStateDictType::kLocalStateDict, 4,
+                                     (dir.path() / "d").string()),
+                     "was saved by 2 processes as a LOCAL_STATE_DICT, which only loads on as many; this job has 4");
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 
 #include "accelerate/hooks.h"
 #include "accelerate/utils/environment.h"
+#include "accelerate/utils/safetensors.h"
 #include "detail/collectives.h"
 #include "detail/env.h"
 #include "detail/state_impl.h"
@@ -16,6 +17,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <map>
 #include <set>
 #include <sstream>
@@ -159,9 +161,6 @@ FsdpSettings resolve_fsdp_plugin(const FullyShardedDataParallelPlugin& plugin, c
   } else if (auto v = env("FSDP_STATE_DICT_TYPE")) {
     s.state_dict_type = parse_fsdp_state_dict_type(*v);
   }
-  TORCH_CHECK_VALUE(s.state_dict_type == FsdpStateDictType::kFullStateDict,
-                    "[FullyShardedDataParallelPlugin] state_dict_type ", to_string(s.state_dict_type),
-                    " is not supported yet; use FULL_STATE_DICT");
   s.sync_module_states = flag(plugin.sync_module_states, "FSDP_SYNC_MODULE_STATES", true);
   s.param_init_fn = plugin.param_init_fn;
   s.cpu_ram_efficient_loading = flag(plugin.cpu_ram_efficient_loading, "FSDP_CPU_RAM_EFFICIENT_LOADING", false);
@@ -198,6 +197,16 @@ struct ShardedParam {
 int64_t rows_of(const ShardedParam& p, int rank) {
   return std::clamp<int64_t>(p.rows - rank * p.shard_rows, 0, p.shard_rows);
 }
+
+}  // namespace
+
+std::pair<int64_t, int64_t> rows_held(int64_t rows, int world, int rank) {
+  const int64_t each = (rows + world - 1) / world;
+  const int64_t first = std::min(rows, rank * each);
+  return {first, std::clamp<int64_t>(rows - rank * each, 0, each)};
+}
+
+namespace {
 
 struct DtypeGroup {
   at::ScalarType dtype;
@@ -822,6 +831,58 @@ void FsdpEngine::load_full_state_dict(const std::vector<std::pair<std::string, a
   }
 }
 
+bool FsdpEngine::manages(const at::Tensor& param) const { return impl_->where.count(param.unsafeGetTensorImpl()); }
+
+std::vector<int64_t> FsdpEngine::whole_shape(const at::Tensor& param) const {
+  auto it = impl_->where.find(param.unsafeGetTensorImpl());
+  if (it == impl_->where.end()) return param.sizes().vec();
+  return impl_->units[it->second.first].params[it->second.second].shape;
+}
+
+at::Tensor FsdpEngine::local_rows(const at::Tensor& param, const at::Tensor& whole) const {
+  if (!is_sharded(param)) return whole;
+  const auto& [u, i] = impl_->where.at(param.unsafeGetTensorImpl());
+  const auto& p = impl_->units[u].params[i];
+  TORCH_CHECK_VALUE(whole.sizes().vec() == p.shape, "[", kApi, "] ", p.name, ": expected a tensor of shape ",
+                    c10::IntArrayRef(p.shape), ", got ", whole.sizes());
+  const auto [first, n] = rows_held(p.rows, impl_->world, impl_->rank);
+  std::vector<int64_t> shape = p.shard.sizes().vec();
+  return whole.reshape({p.rows, p.row_numel}).narrow(0, first, n).reshape(shape);
+}
+
+at::Tensor FsdpEngine::whole_rows(const at::Tensor& param, const at::Tensor& local) {
+  if (!is_sharded(param)) return local;
+  const auto& [u, i] = impl_->where.at(param.unsafeGetTensorImpl());
+  ShardedParam view = impl_->units[u].params[i];
+  view.shard = local;
+  return impl_->whole_value(view, impl_->units[u]);
+}
+
+std::vector<std::pair<std::string, at::Tensor>> FsdpEngine::local_state_dict() const {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& item : impl_->module->named_parameters()) out.emplace_back(item.key(), item.value().detach());
+  for (const auto& item : impl_->module->named_buffers()) out.emplace_back(item.key(), item.value().detach());
+  return out;
+}
+
+void FsdpEngine::load_local_state_dict(const std::map<std::string, at::Tensor>& values) {
+  torch::NoGradGuard no_grad;
+  std::set<std::string> used;
+  const auto take = [&](const std::string& name, const at::Tensor& target) {
+    auto it = values.find(name);
+    TORCH_CHECK_VALUE(it != values.end(), "[", kApi, "] the checkpoint has no '", name, "'");
+    TORCH_CHECK_VALUE(it->second.sizes() == target.sizes(), "[", kApi, "] '", name, "' has shape ",
+                      it->second.sizes(), " in the checkpoint, this process holds ", target.sizes());
+    target.copy_(it->second);
+    used.insert(name);
+  };
+  for (const auto& item : impl_->module->named_parameters()) take(item.key(), item.value());
+  for (const auto& item : impl_->module->named_buffers()) take(item.key(), item.value());
+  for (const auto& [name, value] : values) {
+    TORCH_CHECK_VALUE(used.count(name), "[", kApi, "] the checkpoint has '", name, "', which the model has not");
+  }
+}
+
 bool FsdpEngine::is_sharded(const at::Tensor& param) const {
   return impl_->shard && impl_->where.count(param.unsafeGetTensorImpl());
 }
@@ -840,6 +901,104 @@ double FsdpEngine::total_grad_norm(const std::vector<at::Tensor>& params, double
   sharded = all_reduce(impl_->state, t, inf ? Reduction::kMax : Reduction::kSum, kApi).cpu().item<double>();
   if (inf) return std::max(sharded, local);
   return std::pow(sharded + local, 1.0 / norm_type);
+}
+
+}  // namespace accelerate::detail
+
+namespace accelerate::detail {
+
+// Note [Sharded checkpoint layout]
+// A sharded state (SHARDED_STATE_DICT or LOCAL_STATE_DICT) is a folder of its own inside the
+// checkpoint: `pytorch_model_fsdp_<i>` for the i-th model, `optimizer_<i>` for the i-th optimizer
+// (upstream's names for its sharded folders). In it:
+// - `shard-<r>-of-<n>.safetensors`, one per process r of the n that saved: that process's tensors
+//   under their global names (for a row-sharded tensor, its rows, as `rows_held` says: pieces of
+//   ceil(rows / n) rows, the last ones shorter or empty), and the state's JSON values in the
+//   metadata (as `save_state_dict_file` writes them);
+// - `index.json`: {"format": "accelerate-cpp sharded state", "version": 1, "world_size": n,
+//   "sharded": {name: whole shape}} — which tensors are split by rows, and their whole shapes.
+// A tensor not in "sharded" is whole in every file. Loading with m processes gives each the rows
+// `rows_held(rows, m, rank)` of every sharded tensor, copied from whichever files hold them (all
+// of them at once when m = n: its own file), and its own file's (else the first file's) values
+// and whole tensors. `accelerate merge-weights` joins the rows of every file into whole tensors.
+
+namespace {
+
+constexpr const char* kShardedFormat = "accelerate-cpp sharded state";
+
+std::string shard_file(int rank, int world) {
+  return "shard-" + std::to_string(rank) + "-of-" + std::to_string(world) + ".safetensors";
+}
+
+}  // namespace
+
+void save_sharded_state(const PartialState& state, const std::string& folder, const nlohmann::json& values,
+                        const std::map<std::string, at::Tensor>& tensors,
+                        const std::map<std::string, std::vector<int64_t>>& sharded) {
+  const int world = state.num_processes();
+  std::filesystem::create_directories(folder);
+  StateDict mine{values, {}};
+  for (const auto& [name, t] : tensors) mine.tensors.emplace(name, t.detach().contiguous());
+  save_state_dict_file(mine, (std::filesystem::path(folder) / shard_file(state.process_index(), world)).string());
+  if (state.process_index() == 0) {
+    nlohmann::json index = {{"format", kShardedFormat}, {"version", 1}, {"world_size", world}};
+    index["sharded"] = nlohmann::json::object();
+    for (const auto& [name, shape] : sharded) index["sharded"][name] = shape;
+    save_state_dict_file(StateDict{index, {}}, (std::filesystem::path(folder) / "index.json").string());
+  }
+}
+
+StateDict load_sharded_state(const PartialState& state, const std::string& folder, bool same_world) {
+  const std::filesystem::path root(folder);
+  const auto index_path = (root / "index.json").string();
+  TORCH_CHECK_VALUE(std::filesystem::is_regular_file(index_path), "[load_state] ", folder, " has no index.json");
+  const auto index = load_state_dict_file(index_path).values;
+  TORCH_CHECK_VALUE(index.value("format", "") == kShardedFormat && index.contains("world_size") &&
+                        index["world_size"].is_number_integer() && index["world_size"].get<int64_t>() >= 1 &&
+                        index.contains("sharded") && index["sharded"].is_object(),
+                    "[load_state] ", index_path, " is not the index of a sharded state");
+  const int saved = index["world_size"].get<int>();
+  const int world = state.num_processes();
+  const int rank = state.process_index();
+  TORCH_CHECK_VALUE(!same_world || saved == world, "[load_state] ", folder, " was saved by ", saved,
+                    " processes as a LOCAL_STATE_DICT, which only loads on as many; this job has ", world,
+                    " (SHARDED_STATE_DICT reshards)");
+  const auto path_of = [&](int r) {
+    const auto path = (root / shard_file(r, saved)).string();
+    TORCH_CHECK_VALUE(std::filesystem::is_regular_file(path), "[load_state] ", folder, " has no ", shard_file(r, saved),
+                      " (saved by ", saved, " processes)");
+    return path;
+  };
+  StateDict own = load_state_dict_file(path_of(rank < saved ? rank : 0));
+  if (saved == world) return own;
+  std::map<int, std::unique_ptr<SafetensorsFile>> files;
+  for (const auto& [name, shape_json] : index["sharded"].items()) {
+    const auto shape = shape_json.get<std::vector<int64_t>>();
+    const int64_t rows = shape.empty() ? 1 : shape[0];
+    int64_t row_numel = 1;
+    for (size_t d = 1; d < shape.size(); ++d) row_numel *= shape[d];
+    const auto [first, count] = rows_held(rows, world, rank);
+    std::vector<int64_t> local_shape = shape.empty() ? std::vector<int64_t>{count} : shape;
+    if (!shape.empty()) local_shape[0] = count;
+    at::Tensor out;
+    for (int j = 0; j < saved; ++j) {
+      const auto [their_first, their_count] = rows_held(rows, saved, j);
+      const int64_t begin = std::max(first, their_first), end = std::min(first + count, their_first + their_count);
+      auto& file = files[j];
+      if (!file) file = std::make_unique<SafetensorsFile>(path_of(j));
+      TORCH_CHECK_VALUE(file->contains(name), "[load_state] ", path_of(j), " has no ", name);
+      auto theirs = file->get_tensor(name);
+      TORCH_CHECK_VALUE(theirs.numel() == their_count * row_numel, "[load_state] ", path_of(j), ": ", name, " holds ",
+                        theirs.numel(), " values where ", their_count, " rows of ", row_numel, " were expected");
+      if (!out.defined()) out = at::empty({count, row_numel}, theirs.options());
+      if (end > begin) {
+        out.narrow(0, begin - first, end - begin)
+            .copy_(theirs.reshape({their_count, row_numel}).narrow(0, begin - their_first, end - begin));
+      }
+    }
+    own.tensors[name] = out.reshape(local_shape);
+  }
+  return own;
 }
 
 }  // namespace accelerate::detail

@@ -4,6 +4,7 @@
 // a parameter moves between its shard and its full form.
 #pragma once
 
+#include "accelerate/checkpointing.h"
 #include "accelerate/distributed.h"
 #include "accelerate/state.h"
 #include "accelerate/utils/dataclasses.h"
@@ -12,6 +13,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/nn/module.h>
 
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -53,6 +55,20 @@ class FsdpEngine;
 /// The fully sharded engine of a prepared model, or null.
 FsdpEngine* fsdp_engine(const DistributedDataParallel& model);
 
+/// The first of the rows (of `rows`) that process `rank` of `world` holds, and how many.
+std::pair<int64_t, int64_t> rows_held(int64_t rows, int world, int rank);
+
+/// Writes this process's part of a sharded state into `folder` (Note [Sharded checkpoint
+/// layout]): `tensors` by name, `values` (JSON), and for each row-sharded tensor its whole shape
+/// in `sharded`. Process 0 also writes the folder's index. Every process must call it.
+void save_sharded_state(const PartialState& state, const std::string& folder, const nlohmann::json& values,
+                        const std::map<std::string, at::Tensor>& tensors,
+                        const std::map<std::string, std::vector<int64_t>>& sharded);
+/// What this process holds of a folder written by `save_sharded_state`, at the current number of
+/// processes (rows of sharded tensors come from whichever files hold them); with `same_world`,
+/// refuses a folder written by another number of processes.
+StateDict load_sharded_state(const PartialState& state, const std::string& folder, bool same_world = false);
+
 /// Shards a module's parameters over the processes of a group and runs the gathers and
 /// reductions around its forward and backward passes. One per prepared model.
 class FsdpEngine {
@@ -84,6 +100,20 @@ class FsdpEngine {
   void load_full_state_dict(const std::vector<std::pair<std::string, at::Tensor>>& values, bool strict);
   /// Whether `param` is one of the sharded parameters (NO_SHARD shards nothing).
   bool is_sharded(const at::Tensor& param) const;
+  /// Whether `param` is one of this engine's parameters (sharded or not).
+  bool manages(const at::Tensor& param) const;
+  /// The shape `param` stands for (its own shape when it is not sharded).
+  std::vector<int64_t> whole_shape(const at::Tensor& param) const;
+  /// This process's rows of `whole`, a tensor of `param`'s whole shape (`whole` itself when
+  /// `param` is not sharded).
+  at::Tensor local_rows(const at::Tensor& param, const at::Tensor& whole) const;
+  /// The whole tensor of which `local` holds this process's rows of `param` (a collective when
+  /// `param` is sharded: every process must call it for the same parameter).
+  at::Tensor whole_rows(const at::Tensor& param, const at::Tensor& local);
+  /// This process's parameters and buffers by name, as they are (shards).
+  std::vector<std::pair<std::string, at::Tensor>> local_state_dict() const;
+  /// Copies this process's rows of a checkpoint into the shards (names and shapes checked).
+  void load_local_state_dict(const std::map<std::string, at::Tensor>& values);
   /// The total `norm_type` norm of the gradients of `params` (shards of this engine or ordinary
   /// tensors), over all processes.
   double total_grad_norm(const std::vector<at::Tensor>& params, double norm_type);
