@@ -3,6 +3,7 @@
 // shards, gradient accumulation, the global gradient norm, frozen parameters, the whole state
 // dict, and every setting that is refused.
 #include "accelerate/accelerator.h"
+#include "accelerate/commands/merge.h"
 #include "accelerate/hooks.h"
 #include "accelerate/utils/environment.h"
 #include "detail/fsdp.h"
@@ -448,7 +449,8 @@ AcceleratorOptions sharded_with(FsdpStateDictType type) {
 std::map<std::string, torch::Tensor> save_and_resume(FsdpStateDictType save_type, int save_ranks,
                                                      FsdpStateDictType load_type, int load_ranks,
                                                      const std::string& folder,
-                                                     std::map<std::string, torch::Tensor>* uninterrupted = nullptr) {
+                                                     std::map<std::string, torch::Tensor>* uninterrupted = nullptr,
+                                                     std::map<std::string, torch::Tensor>* at_save = nullptr) {
   run_accelerators(
       save_ranks,
       [&](const Accelerator& acc, int) {
@@ -457,6 +459,8 @@ std::map<std::string, torch::Tensor> save_and_resume(FsdpStateDictType save_type
             acc.prepare(net, std::make_shared<torch::optim::AdamW>(net->parameters(), torch::optim::AdamWOptions(0.05)));
         train_steps(acc, model, opt, 0, 2);
         acc.save_state(folder);
+        auto saved = as_map(acc.get_state_dict(model));
+        if (at_save && acc.is_main_process()) *at_save = saved;
         train_steps(acc, model, opt, 2, 4);
         auto whole = as_map(acc.get_state_dict(model));
         if (uninterrupted && acc.is_main_process()) *uninterrupted = whole;
@@ -499,10 +503,15 @@ TEST(FullyShardedCheckpoint, AFullStateResumesBitForBitAtTheSameNumberOfProcesse
 
 TEST(FullyShardedCheckpoint, AShardedStateResumesBitForBitAtTheSameNumberOfProcesses) {
   TempDir dir;
-  std::map<std::string, torch::Tensor> uninterrupted;
+  std::map<std::string, torch::Tensor> uninterrupted, at_save;
   const auto resumed = save_and_resume(FsdpStateDictType::kShardedStateDict, 2, FsdpStateDictType::kShardedStateDict,
-                                       2, (dir.path() / "c").string(), &uninterrupted);
+                                       2, (dir.path() / "c").string(), &uninterrupted, &at_save);
   expect_equal(resumed, uninterrupted);
+  // merge-weights joins the shards into the whole model as it was saved.
+  const auto merged = commands::merge_weights((dir.path() / "c").string(), (dir.path() / "merged").string());
+  Tiny whole;
+  load_checkpoint_in_model(*whole, merged, {.strict = true});
+  expect_equal(as_map(whole->named_parameters()), at_save);
   const auto folder = dir.path() / "c";
   for (const char* name : {"pytorch_model_fsdp_0/index.json", "pytorch_model_fsdp_0/shard-0-of-2.safetensors",
                            "pytorch_model_fsdp_0/shard-1-of-2.safetensors", "optimizer_0/index.json",

@@ -3,6 +3,7 @@
 
 #include "accelerate/utils/safetensors.h"
 #include "detail/checkpoint_index.h"
+#include "detail/fsdp.h"
 #include "detail/cli.h"
 
 #include <c10/util/Exception.h>
@@ -10,6 +11,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <map>
+#include <optional>
 #include <ostream>
 #include <set>
 
@@ -36,9 +38,15 @@ std::string merge_weights(const std::string& checkpoint_directory, const std::st
   const fs::path input(checkpoint_directory);
   TORCH_CHECK_VALUE(fs::is_directory(input), "[merge_weights] ", checkpoint_directory,
                     " is not a folder; pass the folder holding model.safetensors.index.json and its shards");
-  const auto index = detail::find_checkpoint_index(input, "merge_weights");
-  TORCH_CHECK_VALUE(index.has_value(), "[merge_weights] ", checkpoint_directory,
-                    " holds no `.index.json` file, so it is not a sharded safetensors checkpoint",
+  // A fully sharded model's folder (Note [Sharded checkpoint layout]), or a checkpoint holding one.
+  std::optional<fs::path> sharded;
+  for (const auto& candidate : {input, input / "pytorch_model_fsdp_0"}) {
+    if (!sharded && fs::is_regular_file(candidate / "index.json")) sharded = candidate;
+  }
+  const auto index = sharded ? std::nullopt : detail::find_checkpoint_index(input, "merge_weights");
+  TORCH_CHECK_VALUE(sharded || index.has_value(), "[merge_weights] ", checkpoint_directory,
+                    " holds no `.index.json` file, so it is not a sharded safetensors checkpoint (nor a fully "
+                    "sharded model's folder with an index.json)",
                     fs::exists(input / "model.safetensors") ? " (it already holds a single model.safetensors)" : "");
   const fs::path output(output_path);
   TORCH_CHECK_VALUE(fs::weakly_canonical(output) != fs::weakly_canonical(input), "[merge_weights] the output folder ",
@@ -49,6 +57,17 @@ std::string merge_weights(const std::string& checkpoint_directory, const std::st
   TORCH_CHECK_VALUE(!fs::exists(output) || fs::is_directory(output), "[merge_weights] the output path ", output_path,
                     " exists and is not a folder");
 
+  if (sharded) {
+    TensorMap merged = detail::merge_sharded_state(sharded->string());
+    fs::create_directories(output);
+    const std::string target = (output / "model.safetensors").string();
+    save_file(merged, target, {{"format", "pt"}});
+    if (options.remove_checkpoint_dir) {
+      merged.clear();
+      fs::remove_all(input);
+    }
+    return target;
+  }
   const auto layout = detail::read_checkpoint_index(*index, "merge_weights");
   TORCH_CHECK_VALUE(!layout.weight_map.empty(), "[merge_weights] the index ", index->string(), " lists no tensors");
   std::vector<std::string> missing;

@@ -948,15 +948,65 @@ void save_sharded_state(const PartialState& state, const std::string& folder, co
   }
 }
 
-StateDict load_sharded_state(const PartialState& state, const std::string& folder, bool same_world) {
-  const std::filesystem::path root(folder);
+namespace {
+
+nlohmann::json read_sharded_index(const std::filesystem::path& root, const char* api) {
   const auto index_path = (root / "index.json").string();
-  TORCH_CHECK_VALUE(std::filesystem::is_regular_file(index_path), "[load_state] ", folder, " has no index.json");
+  TORCH_CHECK_VALUE(std::filesystem::is_regular_file(index_path), "[", api, "] ", root.string(), " has no index.json");
   const auto index = load_state_dict_file(index_path).values;
   TORCH_CHECK_VALUE(index.value("format", "") == kShardedFormat && index.contains("world_size") &&
                         index["world_size"].is_number_integer() && index["world_size"].get<int64_t>() >= 1 &&
-                        index.contains("sharded") && index["sharded"].is_object(),
-                    "[load_state] ", index_path, " is not the index of a sharded state");
+                        index["world_size"].get<int64_t>() <= 1000000 && index.contains("sharded") &&
+                        index["sharded"].is_object(),
+                    "[", api, "] ", index_path, " is not the index of a sharded state");
+  for (const auto& [name, shape] : index["sharded"].items()) {
+    bool valid = shape.is_array();
+    for (const auto& d : shape) valid = valid && d.is_number_integer() && d.get<int64_t>() >= 0;
+    TORCH_CHECK_VALUE(valid, "[", api, "] ", index_path, ": the shape of ", name, " is not a list of sizes");
+  }
+  return index;
+}
+
+}  // namespace
+
+TensorMap merge_sharded_state(const std::string& folder) {
+  const std::filesystem::path root(folder);
+  const auto index = read_sharded_index(root, "merge_weights");
+  const int saved = index["world_size"].get<int>();
+  std::vector<std::unique_ptr<SafetensorsFile>> files;
+  for (int r = 0; r < saved; ++r) {
+    const auto path = root / shard_file(r, saved);
+    TORCH_CHECK_VALUE(std::filesystem::is_regular_file(path), "[merge_weights] ", folder, " has no ",
+                      shard_file(r, saved), " (saved by ", saved, " processes)");
+    files.push_back(std::make_unique<SafetensorsFile>(path.string()));
+  }
+  TensorMap out;
+  for (const auto& name : files[0]->keys()) {
+    if (!index["sharded"].contains(name)) {
+      out.emplace(name, files[0]->get_tensor(name).clone());
+      continue;
+    }
+    const auto shape = index["sharded"][name].get<std::vector<int64_t>>();
+    const int64_t rows = shape.empty() ? 1 : shape[0];
+    int64_t row_numel = 1;
+    for (size_t d = 1; d < shape.size(); ++d) row_numel *= shape[d];
+    std::vector<at::Tensor> pieces;
+    for (int r = 0; r < saved; ++r) {
+      TORCH_CHECK_VALUE(files[r]->contains(name), "[merge_weights] ", shard_file(r, saved), " has no ", name);
+      auto piece = files[r]->get_tensor(name);
+      const int64_t count = rows_held(rows, saved, r).second;
+      TORCH_CHECK_VALUE(piece.numel() == count * row_numel, "[merge_weights] ", shard_file(r, saved), ": ", name,
+                        " holds ", piece.numel(), " values where ", count, " rows of ", row_numel, " were expected");
+      pieces.push_back(piece.reshape({count, row_numel}));
+    }
+    out.emplace(name, at::cat(pieces).reshape(shape));
+  }
+  return out;
+}
+
+StateDict load_sharded_state(const PartialState& state, const std::string& folder, bool same_world) {
+  const std::filesystem::path root(folder);
+  const auto index = read_sharded_index(root, "load_state");
   const int saved = index["world_size"].get<int>();
   const int world = state.num_processes();
   const int rank = state.process_index();

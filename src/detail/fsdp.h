@@ -68,6 +68,9 @@ void save_sharded_state(const PartialState& state, const std::string& folder, co
 /// processes (rows of sharded tensors come from whichever files hold them); with `same_world`,
 /// refuses a folder written by another number of processes.
 StateDict load_sharded_state(const PartialState& state, const std::string& folder, bool same_world = false);
+/// The whole tensors of a folder written by `save_sharded_state` (what `accelerate
+/// merge-weights` writes); raises naming a missing file or a tensor of the wrong size.
+TensorMap merge_sharded_state(const std::string& folder);
 
 /// Shards a module's parameters over the processes of a group and runs the gathers and
 /// reductions around its forward and backward passes. One per prepared model.

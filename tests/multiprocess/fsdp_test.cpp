@@ -28,7 +28,7 @@ TEST_P(FsdpLaunch, EndsWhereOneProcessEndsOnTheWholeBatches) {
   std::vector<std::string> argv = {accelerate_bin(), "launch", "--main_process_port", "0"};
   argv.insert(argv.end(), GetParam().flags.begin(), GetParam().flags.end());
   argv.push_back(built("tests/mp_fsdp"));
-  argv.push_back((dir.path() / "model").string());
+  argv.push_back(dir.str());
   auto r = run(argv, 240);
   ASSERT_EQ(r->exit_code(), 0) << r->out << r->err;
   EXPECT_THAT(r->out, HasSubstr("[rank0]: fsdp: OK")) << r->out;
@@ -58,16 +58,36 @@ TEST(FsdpLaunch, AConfigFileWithDistributedTypeFsdpShardsTheModel) {
              "  fsdp_sharding_strategy: FULL_SHARD\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
              "  fsdp_transformer_layer_cls_to_wrap: Block\n");
   auto r = run({accelerate_bin(), "launch", "--config_file", config, "--main_process_port", "0",
-                built("tests/mp_fsdp"), (dir.path() / "model").string()},
+                built("tests/mp_fsdp"), dir.str()},
                240);
   ASSERT_EQ(r->exit_code(), 0) << r->out << r->err;
   EXPECT_THAT(r->out, HasSubstr("[rank0]: fsdp: OK (FULL_SHARD, 2 processes")) << r->out;
 }
 
+TEST(FsdpLaunch, AShardedCheckpointOfFourProcessesResumesOnTwo) {
+  TempDir dir;
+  const std::vector<std::string> fsdp = {"--main_process_port", "0", "--use_fsdp", "--fsdp_state_dict_type",
+                                         "SHARDED_STATE_DICT", "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP",
+                                         "--fsdp_transformer_layer_cls_to_wrap", "Block"};
+  const auto launch = [&](const char* n, const char* mode) {
+    std::vector<std::string> argv = {accelerate_bin(), "launch", "-n", n};
+    argv.insert(argv.end(), fsdp.begin(), fsdp.end());
+    argv.insert(argv.end(), {built("tests/mp_fsdp"), dir.str(), mode});
+    return run(argv, 240);
+  };
+  auto saved = launch("4", "save");
+  ASSERT_EQ(saved->exit_code(), 0) << saved->out << saved->err;
+  EXPECT_TRUE(std::filesystem::is_regular_file(dir.path() / "checkpoint" / "pytorch_model_fsdp_0" /
+                                               "shard-3-of-4.safetensors"));
+  auto resumed = launch("2", "resume");
+  ASSERT_EQ(resumed->exit_code(), 0) << resumed->out << resumed->err;
+  EXPECT_THAT(resumed->out, HasSubstr("[rank0]: fsdp: OK (FULL_SHARD, 2 processes")) << resumed->out;
+}
+
 TEST(FsdpLaunch, ASettingTheEngineDoesNotHaveFailsTheLaunchNamingIt) {
   TempDir dir;
   auto r = run({accelerate_bin(), "launch", "-n", "2", "--main_process_port", "0", "--use_fsdp",
-                "--fsdp_backward_prefetch", "BACKWARD_PRE", built("tests/mp_fsdp"), (dir.path() / "model").string()},
+                "--fsdp_backward_prefetch", "BACKWARD_PRE", built("tests/mp_fsdp"), dir.str()},
                120);
   EXPECT_NE(r->exit_code(), 0);
   EXPECT_THAT(r->err, HasSubstr("backward_prefetch BACKWARD_PRE is not supported yet")) << r->err;
@@ -78,7 +98,7 @@ TEST(FsdpLaunch, AUnitWhoseModuleIsCalledDirectlyFailsTheBackwardNamingIt) {
   TempDir dir;
   auto r = run({accelerate_bin(), "launch", "-n", "2", "--main_process_port", "0", "--fsdp_sharding_strategy",
                 "NO_SHARD", "--fsdp_auto_wrap_policy", "SIZE_BASED_WRAP", "--fsdp_min_num_params", "500",
-                built("tests/mp_fsdp"), (dir.path() / "model").string()},
+                built("tests/mp_fsdp"), dir.str()},
                120);
   EXPECT_NE(r->exit_code(), 0);
   EXPECT_THAT(r->err, HasSubstr("the parameters of unit blocks.2.fc got gradients")) << r->err;

@@ -4,9 +4,12 @@
 // process on its own rows of each batch — and checks it ends where one process ends when it
 // trains the same model on the whole batches (the same accumulation, the same autocast). It also
 // checks that the processes hold only shards (unless NO_SHARD) and that save_model writes the
-// whole model. Prints "fsdp: OK" on the main process; anything else throws.
+// whole model. With "save" it also saves the state halfway (OUTPUT_FOLDER/checkpoint) and goes
+// on; with "resume" it starts from that checkpoint instead — possibly with another number of
+// processes — and must end at the same place. Prints "fsdp: OK" on the main process; anything
+// else throws.
 //
-//   mp_fsdp OUTPUT_FOLDER
+//   mp_fsdp OUTPUT_FOLDER [save|resume]
 #include "accelerate/accelerate.h"
 
 #include <torch/torch.h>
@@ -48,12 +51,12 @@ Net make_net() {
   return net;
 }
 
-constexpr int64_t kPerProcess = 4;
+constexpr int64_t kRows = 16;  // of every batch, split over the processes
 constexpr int kSteps = 4;
 
 // Batch `b` of the whole job (all processes' rows).
-std::pair<torch::Tensor, torch::Tensor> whole_batch(int b, int processes) {
-  const int64_t rows = kPerProcess * processes;
+std::pair<torch::Tensor, torch::Tensor> whole_batch(int b) {
+  const int64_t rows = kRows;
   auto x = torch::cos(torch::arange(rows * 7, torch::kFloat).reshape({rows, 7}) * (0.11 + 0.01 * b));
   auto y = torch::remainder(torch::arange(rows) * 3 + b, 5);
   return {x, y};
@@ -68,7 +71,9 @@ std::map<std::string, torch::Tensor> named(const acc::StateDictMap& state) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  TORCH_CHECK(argc == 2, "usage: mp_fsdp OUTPUT_FOLDER");
+  TORCH_CHECK(argc == 2 || argc == 3, "usage: mp_fsdp OUTPUT_FOLDER [save|resume]");
+  const std::string mode = argc == 3 ? argv[2] : "";
+  const std::string checkpoint = std::string(argv[1]) + "/checkpoint";
   acc::Accelerator accelerator;
   TORCH_CHECK(accelerator.fsdp_plugin().has_value(), "the job was not launched with --use_fsdp");
   const int n = accelerator.num_processes();
@@ -82,7 +87,7 @@ int main(int argc, char** argv) {
   for (int step = 0; step < kSteps; ++step) {
     baseline_opt.zero_grad();
     for (int m = 0; m < micro; ++m) {
-      auto [x, y] = whole_batch(step * micro + m, n);
+      auto [x, y] = whole_batch(step * micro + m);
       // As a prepared model does: the forward under autocast, its output in fp32.
       auto out = [&] {
         auto guard = accelerator.autocast();
@@ -93,7 +98,7 @@ int main(int argc, char** argv) {
     baseline_opt.step();
   }
 
-  Net net = make_net();
+  Net net = mode == "resume" ? Net() : make_net();  // a resumed job starts from other values
   int64_t whole = 0;
   for (const auto& p : net->parameters()) whole += p.numel();
   auto adamw = std::make_shared<torch::optim::AdamW>(net->parameters(), torch::optim::AdamWOptions(0.02));
@@ -107,11 +112,15 @@ int main(int argc, char** argv) {
     TORCH_CHECK(mine < whole, strategy, ": process ", rank, " holds ", mine, " of ", whole,
                 " parameters: nothing was sharded");
   }
-  for (int b = 0; b < kSteps * micro; ++b) {
+  TORCH_CHECK(kRows % n == 0, "run with a number of processes that divides ", kRows);
+  const int64_t per = kRows / n;
+  const int half = kSteps / 2 * micro;
+  if (mode == "resume") accelerator.load_state(checkpoint);
+  for (int b = mode == "resume" ? half : 0; b < kSteps * micro; ++b) {
+    if (mode == "save" && b == half) accelerator.save_state(checkpoint);
     auto guard = accelerator.accumulate(model);
-    auto [x, y] = whole_batch(b, n);
-    auto loss = torch::nn::functional::cross_entropy(model(x.narrow(0, rank * kPerProcess, kPerProcess)),
-                                                     y.narrow(0, rank * kPerProcess, kPerProcess));
+    auto [x, y] = whole_batch(b);
+    auto loss = torch::nn::functional::cross_entropy(model(x.narrow(0, rank * per, per)), y.narrow(0, rank * per, per));
     accelerator.backward(loss);
     optimizer.step();
     optimizer.zero_grad();
@@ -128,10 +137,10 @@ int main(int argc, char** argv) {
     TORCH_CHECK(diff <= tolerance + 1e-5 * value.abs().max().item<double>(), name, " differs from one process's by ",
                 diff);
   }
-  accelerator.save_model(model, argv[1]);
+  accelerator.save_model(model, std::string(argv[1]) + "/model");
   accelerator.wait_for_everyone();
   Net reloaded;
-  acc::load_checkpoint_in_model(*reloaded, std::string(argv[1]) + "/model.safetensors", {.strict = true});
+  acc::load_checkpoint_in_model(*reloaded, std::string(argv[1]) + "/model/model.safetensors", {.strict = true});
   for (const auto& [name, value] : named(reloaded->named_parameters())) {
     TORCH_CHECK(torch::equal(value, got.at(name)), "save_model wrote another ", name);
   }
