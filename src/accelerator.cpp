@@ -228,7 +228,17 @@ DistributedDataParallel Accelerator::prepare_module(const std::shared_ptr<torch:
                     "[Accelerator.prepare_model] you can't train a model that has been dispatched over several devices "
                     "(a device map such as device_map=\"auto\") in any distributed mode; run it with one process "
                     "(--num_processes 1), or set ACCELERATE_BYPASS_DEVICE_MAP=true to prepare it anyway");
-  if (device_placement.value_or(impl_->options.device_placement) && !split) module->to(state_.device());
+  // A model on the meta device (cpu_ram_efficient_loading) is materialised by the sharded engine.
+  const auto on_meta = [&] {
+    for (const auto& p : module->parameters()) {
+      if (p.is_meta()) return true;
+    }
+    return false;
+  };
+  const bool materialised_later = impl_->fsdp && use_distributed() && !evaluation_mode && on_meta();
+  if (device_placement.value_or(impl_->options.device_placement) && !split && !materialised_later) {
+    module->to(state_.device());
+  }
   ForwardOptions forward{state_.mixed_precision(), impl_->options.autocast_kwargs};
   // Evaluation-only models are not synchronised: a one-process engine does no communication.
   DistributedDataParallel ddp = evaluation_mode

@@ -4,12 +4,15 @@
 // dict, and every setting that is refused.
 #include "accelerate/accelerator.h"
 #include "accelerate/commands/merge.h"
+#include "accelerate/big_modeling.h"
 #include "accelerate/hooks.h"
 #include "accelerate/utils/environment.h"
 #include "detail/fsdp.h"
 #include "detail/torch_compat.h"
 #include "support/accelerators.h"
 #include "support/test_support.h"
+
+#include <atomic>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -269,6 +272,41 @@ TEST(FullyShardedDataParallel, EvaluationWithoutGradientsGivesTheWholeModelsOutp
       },
       {.fsdp_plugin = FullyShardedDataParallelPlugin{.auto_wrap_policy = FsdpAutoWrapPolicy::kTransformerBasedWrap,
                                                      .transformer_cls_names_to_wrap = {"Block"}}});
+}
+
+TEST(FullyShardedDataParallel, ProcessesWithAMetaDeviceModelGetProcessZerosValues) {
+  const auto expected = as_map(make_tiny()->named_parameters());
+  for (bool with_init_fn : {false, true}) {
+    std::atomic<int> initialised{0};
+    FullyShardedDataParallelPlugin plugin{.cpu_ram_efficient_loading = true};
+    if (with_init_fn) {
+      plugin.param_init_fn = [&](torch::nn::Module& m) {
+        ++initialised;
+        for (const auto& item : m.named_parameters(/*recurse=*/false)) {
+          set_module_tensor_to_device(m, item.key(), torch::kCPU, torch::zeros(item.value().sizes()));
+        }
+      };
+    }
+    run_accelerators(
+        2,
+        [&](const Accelerator& acc, int rank) {
+          Tiny net = rank == 0 ? make_tiny() : init_empty_weights([] { return Tiny(); });
+          auto model = acc.prepare(net);
+          expect_close(as_map(acc.get_state_dict(model)), expected);
+        },
+        {.fsdp_plugin = plugin});
+    // Process 1's modules that hold parameters: embed, the two blocks' fc, head, and the root (scale).
+    EXPECT_EQ(initialised.load(), with_init_fn ? 5 : 0);
+  }
+  run_accelerators(
+      2,
+      [&](const Accelerator& acc, int rank) {
+        Tiny net = rank == 0 ? Tiny() : init_empty_weights([] { return Tiny(); });
+        // Process 0 has nothing on the meta device, and fails with its peer instead of waiting for it.
+        EXPECT_THROWS_WITH(acc.prepare(net),
+                           "process 1: the model has tensors on the meta device: set sync_module_states");
+      },
+      {.fsdp_plugin = FullyShardedDataParallelPlugin{.sync_module_states = false}});
 }
 
 TEST(FullyShardedDataParallel, WrappingPoliciesChooseTheirUnits) {

@@ -28,7 +28,8 @@ struct MLPImpl : torch::nn::Module {
                           torch::nn::Sequential(torch::nn::Linear(2, 64), torch::nn::ReLU(), torch::nn::Linear(64, 64),
                                                 torch::nn::ReLU(), torch::nn::Linear(64, 2)));
   }
-  torch::Tensor forward(const torch::Tensor& x) { return net->forward(x); }
+  // Through accelerate::forward, so that hooks on the layers run (fully sharded units, offloading).
+  torch::Tensor forward(const torch::Tensor& x) { return accelerate::forward(net, x); }
   torch::nn::Sequential net{nullptr};
 };
 TORCH_MODULE(MLP);

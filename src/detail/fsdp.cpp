@@ -2,8 +2,10 @@
 #include "detail/fsdp.h"
 
 #include "accelerate/hooks.h"
+#include "accelerate/utils/device_map.h"
 #include "accelerate/utils/environment.h"
 #include "accelerate/utils/safetensors.h"
+#include "detail/check.h"
 #include "detail/collectives.h"
 #include "detail/env.h"
 #include "detail/state_impl.h"
@@ -549,31 +551,43 @@ FsdpEngine::FsdpEngine(std::shared_ptr<torch::nn::Module> module, const PartialS
   e.shard = e.settings.sharding_strategy != FsdpShardingStrategy::kNoShard;
   auto& root = *e.module;
 
-  // Materialise meta-device tensors (cpu_ram_efficient_loading, or a model built on meta).
-  bool meta = false;
-  for (const auto& item : root.named_modules()) {
-    bool here = false;
-    for (const auto& t : item.value()->parameters(false)) here = here || t.is_meta();
-    for (const auto& t : item.value()->buffers(false)) here = here || t.is_meta();
-    if (!here) continue;
-    meta = true;
-    if (e.settings.param_init_fn) {
-      e.settings.param_init_fn(*item.value());
-    } else {
-      torch::NoGradGuard no_grad;
-      for (auto& t : item.value()->parameters(false)) {
-        if (t.is_meta()) t.set_data(at::empty(t.sizes(), t.options().device(state.device())));
+  // Materialise meta-device tensors (cpu_ram_efficient_loading, or a model built on meta). A
+  // process that cannot tells the others, so that every process fails alike instead of waiting.
+  std::string problem;
+  try {
+    bool meta = false;
+    for (const auto& item : root.named_modules()) {
+      bool here = false;
+      for (const auto& t : item.value()->parameters(false)) here = here || t.is_meta();
+      for (const auto& t : item.value()->buffers(false)) here = here || t.is_meta();
+      if (!here) continue;
+      meta = true;
+      if (e.settings.param_init_fn) {
+        e.settings.param_init_fn(*item.value());
+        continue;
       }
-      for (auto& t : item.value()->buffers(false)) {
-        if (t.is_meta()) t.set_data(at::empty(t.sizes(), t.options().device(state.device())));
+      // Uninitialised: process 0's values arrive with sync_module_states.
+      for (const auto& [name, t] : named_module_tensors(*item.value(), /*include_buffers=*/true, /*recurse=*/false)) {
+        if (t.is_meta()) {
+          set_module_tensor_to_device(*item.value(), name, state.device(),
+                                      at::empty(t.sizes(), t.options().device(state.device())));
+        }
       }
     }
+    TORCH_CHECK_VALUE(!meta || e.settings.sync_module_states || e.settings.param_init_fn,
+                      "the model has tensors on the meta device: set sync_module_states (process 0's values are "
+                      "copied to the others) or give param_init_fn");
+    for (const auto& t : root.parameters()) {
+      TORCH_CHECK_VALUE(!t.is_meta(), "param_init_fn left a parameter on the meta device");
+    }
+  } catch (const std::exception& error) {
+    problem = error_text(error);
   }
-  TORCH_CHECK_VALUE(!meta || e.settings.sync_module_states || e.settings.param_init_fn, "[", kApi,
-                    "] the model has tensors on the meta device: set sync_module_states (process 0's values are "
-                    "copied to the others) or give param_init_fn");
-  for (const auto& t : root.parameters()) {
-    TORCH_CHECK_VALUE(!t.is_meta(), "[", kApi, "] param_init_fn left a parameter on the meta device");
+  {
+    auto all = all_gather_bytes(state, std::vector<char>(problem.begin(), problem.end()), kApi);
+    for (size_t r = 0; r < all.size(); ++r) {
+      TORCH_CHECK_VALUE(all[r].empty(), "[", kApi, "] process ", r, ": ", std::string(all[r].begin(), all[r].end()));
+    }
   }
 
   // Every process must shard the same model the same way.

@@ -116,6 +116,21 @@ TEST(ByFeatureExamples, GradientAccumulationLearnsTheSpirals) {
   EXPECT_GT(accuracy.back(), 0.9) << r->out;
 }
 
+TEST(ByFeatureExamples, FsdpLearnsTheSpiralsWithEachProcessHoldingHalfTheParameters) {
+  TempDir dir;
+  auto r = launch_example("by_feature/fsdp", {"--output_dir", dir.str()});
+  ASSERT_EQ(r->exit_code(), 0) << r->out << r->err;
+  // 4482 parameters: Linear(2, 64), Linear(64, 64), Linear(64, 2) split by rows over 2 processes.
+  EXPECT_THAT(r->out, HasSubstr("[rank0]: process 0 holds 2241 of 4482 parameters")) << r->out;
+  EXPECT_THAT(r->out, HasSubstr("[rank1]: process 1 holds 2241 of 4482 parameters")) << r->out;
+  const auto accuracy = numbers_after(r->out, "accuracy");
+  ASSERT_EQ(accuracy.size(), 8u) << r->out;
+  EXPECT_GT(accuracy.back(), 0.9) << r->out;
+  EXPECT_TRUE(std::filesystem::is_regular_file(dir.path() / "checkpoint" / "pytorch_model_fsdp_0" /
+                                               "shard-1-of-2.safetensors"));
+  EXPECT_TRUE(std::filesystem::is_regular_file(dir.path() / "model" / "model.safetensors"));
+}
+
 TEST(ByFeatureExamples, CheckpointingResumesMidEpochExactlyWhereTheRunStopped) {
   TempDir dir;
   const std::string whole = (dir.path() / "whole").string(), parts = (dir.path() / "parts").string();
