@@ -1,6 +1,6 @@
 """Turns the JSON lines the benchmark programs and their twins print into rows of the schema
 documented in bench/summarize.py (one sample per repetition and side), with each workload's
-targets and physical limit. Usage: rows.py training|collectives|checkpoint|data_loader|offload raw.jsonl
+targets and physical limit. Usage: rows.py training|collectives|checkpoint|data_loader|offload|fsdp raw.jsonl
 (prints rows on stdout; the bench/run_* scripts append them to their rows file)."""
 import json
 import sys
@@ -144,11 +144,40 @@ def offload(raw):
     return out
 
 
+def fsdp(raw):
+    """bench/fsdp.cpp: per repetition and number of processes, DDP then FULL_SHARD then SHARD_GRAD_OP.
+    Throughput rows take DDP's samples/s of the same repetition as the limit; memory rows take
+    the process's memory before the model plus DDP's model memory / N plus the largest unit."""
+    out = []
+    ddp = None
+    for r in raw:
+        n = r["processes"]
+        size = f"{r['params'] / 1e6:.0f}M"
+        if r["mode"] == "ddp":
+            ddp = r
+            continue
+        name = {"full_shard": "FULL_SHARD", "shard_grad_op": "SHARD_GRAD_OP"}[r["mode"]]
+        case = f"blocks {size}, {name}, {n} processes"
+        targets = [{"side": "cpp", "vs": "limit", "op": ">=", "ratio": 0.8}] if n == 2 and name == "FULL_SHARD" else None
+        out.append(row("W9", case, "samples/s", "higher", "cpp", r["samples_per_s"], loss=r["last_loss"], targets=targets))
+        mem_targets = [{"side": "cpp", "vs": "limit", "op": "<=", "ratio": 1.2}]
+        out.append(row("W9", case, "peak MiB", "lower", "cpp", r["peak_mib"], targets=mem_targets,
+                       detail={"base_mib": r["base_mib"], "largest_unit_mib": r["largest_unit_mib"]}))
+        if ddp is not None and ddp["processes"] == n:
+            out.append(row("W9", case, "samples/s", "higher", "limit", ddp["samples_per_s"], limit="C++ DDP",
+                           loss=ddp["last_loss"]))
+            model = ddp["peak_mib"] - ddp["base_mib"]
+            out.append(row("W9", case, "peak MiB", "lower", "limit",
+                           r["base_mib"] + model / n + r["largest_unit_mib"], limit="base + DDP model / N + unit"))
+            out.append(row("W9", case, "peak MiB", "lower", "cpp-ddp", ddp["peak_mib"]))
+    return out
+
+
 def main():
     kind, path = sys.argv[1], sys.argv[2]
     raw = [json.loads(line) for line in open(path) if line.startswith("{")]
     for r in {"training": training, "collectives": collectives, "checkpoint": checkpoint,
-              "data_loader": data_loader, "offload": offload}[kind](raw):
+              "data_loader": data_loader, "offload": offload, "fsdp": fsdp}[kind](raw):
         print(json.dumps(r))
 
 

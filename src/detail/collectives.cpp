@@ -192,21 +192,32 @@ void all_gather_into(const PartialState& state, at::Tensor& output, at::Tensor& 
   wait(state, pg->allgather(outputs, inputs), api);
 }
 
-void reduce_scatter_sum(const PartialState& state, at::Tensor& output, at::Tensor& input, const char* api) {
+PendingCollective reduce_scatter_sum_async(const PartialState& state, at::Tensor& output, at::Tensor& input,
+                                           const char* api) {
   if (!state.use_distributed()) {
     output.copy_(input);
-    return;
+    return {};
   }
   verify_collective(state, api, input, ShapeCheck::kExact);
   auto pg = process_group(state, api);
-  if (compat::has_flat_collectives(*pg)) {
-    wait(state, compat::reduce_scatter_single(*pg, output, input), api);
-    return;
-  }
+  if (compat::has_flat_collectives(*pg)) return {compat::reduce_scatter_single(*pg, output, input), nullptr};
   // An allreduce of the whole input, of which this process keeps its piece: the same sums.
   std::vector<at::Tensor> tensors{input};
-  wait(state, pg->allreduce(tensors), api);
-  output.copy_(input.narrow(0, static_cast<int64_t>(state.process_index()) * output.numel(), output.numel()));
+  const int64_t offset = static_cast<int64_t>(state.process_index()) * output.numel();
+  return {pg->allreduce(tensors), [output, input, offset]() mutable {
+            output.copy_(input.narrow(0, offset, output.numel()));
+          }};
+}
+
+void wait_collective(const PartialState& state, PendingCollective& pending, const char* api) {
+  if (pending.work) wait(state, pending.work, api);
+  if (pending.finish) pending.finish();
+  pending = {};
+}
+
+void reduce_scatter_sum(const PartialState& state, at::Tensor& output, at::Tensor& input, const char* api) {
+  auto pending = reduce_scatter_sum_async(state, output, input, api);
+  wait_collective(state, pending, api);
 }
 
 std::vector<std::vector<char>> all_gather_bytes(const PartialState& state, const std::vector<char>& bytes,

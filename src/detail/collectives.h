@@ -9,7 +9,9 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -50,6 +52,18 @@ void all_gather_into(const PartialState& state, at::Tensor& output, at::Tensor& 
 /// Sums the flat `input` (`num_processes()` equal pieces) over the processes and writes this
 /// process's piece of the sum into `output`. `input` may be overwritten.
 void reduce_scatter_sum(const PartialState& state, at::Tensor& output, at::Tensor& input, const char* api);
+
+/// A collective started and not yet waited for.
+struct PendingCollective {
+  c10::intrusive_ptr<c10d::Work> work;
+  std::function<void()> finish;  ///< runs after the wait (copies out of a fallback's buffer)
+};
+/// `reduce_scatter_sum`, started: `output` holds the result once `wait_collective` returned.
+/// `input` must stay alive and untouched until then.
+PendingCollective reduce_scatter_sum_async(const PartialState& state, at::Tensor& output, at::Tensor& input,
+                                           const char* api);
+/// Waits for `pending`, with the state's timeout and an error that names `api`.
+void wait_collective(const PartialState& state, PendingCollective& pending, const char* api);
 
 /// Every process's bytes, of any length, in process order.
 std::vector<std::vector<char>> all_gather_bytes(const PartialState& state, const std::vector<char>& bytes,

@@ -238,6 +238,14 @@ struct FsdpEngineImpl : std::enable_shared_from_this<FsdpEngineImpl> {
   int rank = 0;
   bool callback_queued = false;
   bool require_sync = true;  // false inside no_sync
+  struct InFlight {
+    Unit* unit;
+    DtypeGroup* group;
+    at::Tensor mine;   // this process's piece of the sum, once waited for
+    at::Tensor input;  // the whole gradients, alive until then
+    PendingCollective pending;
+  };
+  std::vector<InFlight> in_flight;  // reductions started and not finished
   std::unordered_map<const void*, std::pair<size_t, size_t>> where;  // parameter → (unit, index)
 
   explicit FsdpEngineImpl(const PartialState& s) : state(s) {}
@@ -248,6 +256,7 @@ struct FsdpEngineImpl : std::enable_shared_from_this<FsdpEngineImpl> {
   void post_backward(size_t unit);
   void end_of_backward();
   void reduce(Unit& unit);
+  void finish_reductions();
   at::Tensor whole_value(const ShardedParam& p, const Unit& unit);
 };
 
@@ -398,11 +407,13 @@ void FsdpEngineImpl::gather(Unit& unit) {
   if (!shard) return;
   for (auto& group : unit.groups) {
     auto options = at::TensorOptions().dtype(group.dtype).device(state.device());
-    auto piece = at::zeros({group.piece}, options);
+    auto piece = at::empty({group.piece}, options);
     for (size_t i : group.params) {
       const auto& p = unit.params[i];
       const int64_t n = rows_of(p, rank) * p.row_numel;
       if (n > 0) piece.narrow(0, p.offset, n).copy_(p.shard.reshape({-1}));
+      const int64_t padding = p.shard_rows * p.row_numel - n;
+      if (padding > 0) piece.narrow(0, p.offset + n, padding).zero_();
     }
     auto all = at::empty({group.piece * world}, options);
     all_gather_into(state, all, piece, kApi);
@@ -463,6 +474,7 @@ void FsdpEngineImpl::end_of_backward() {
     post_backward(i);
     reshard(units[i]);
   }
+  finish_reductions();
 }
 
 void FsdpEngineImpl::reduce(Unit& unit) {
@@ -481,13 +493,29 @@ void FsdpEngineImpl::reduce(Unit& unit) {
     for (auto& p : unit.params) p.param.mutable_grad() = p.grad_at_rest, p.grad_at_rest = at::Tensor();
     return;
   }
+  // One unit's reduction travels while the backward pass goes on to the next unit; the one
+  // before it is finished first, so at most one unit's whole gradients wait in a buffer.
+  finish_reductions();
   for (auto& group : unit.groups) {
     auto options = at::TensorOptions().dtype(group.dtype).device(state.device());
     bool any = false;
     for (size_t i : group.params) any = any || unit.params[i].param.requires_grad();
     if (!any) continue;
-    auto input = at::zeros({shard ? group.piece * world : group.piece}, options);
+    // Zeros only where nothing is written: the padding rows, and parameters without a gradient.
+    bool complete = true;
+    for (size_t i : group.params) complete = complete && unit.params[i].pending_grad.defined();
+    auto input = complete ? at::empty({shard ? group.piece * world : group.piece}, options)
+                          : at::zeros({shard ? group.piece * world : group.piece}, options);
     auto by_rank = input.view({shard ? world : 1, group.piece});
+    if (complete && shard) {
+      for (size_t i : group.params) {
+        const auto& p = unit.params[i];
+        for (int r = 0; r < world; ++r) {
+          const int64_t n = rows_of(p, r);
+          if (n < p.shard_rows) by_rank[r].narrow(0, p.offset + n * p.row_numel, (p.shard_rows - n) * p.row_numel).zero_();
+        }
+      }
+    }
     for (size_t i : group.params) {
       auto& p = unit.params[i];
       if (!p.pending_grad.defined()) continue;
@@ -503,20 +531,30 @@ void FsdpEngineImpl::reduce(Unit& unit) {
         }
       }
     }
-    at::Tensor mine;
+    for (size_t i : group.params) unit.params[i].pending_grad = at::Tensor();  // `input` holds them now
+    InFlight reduction{&unit, &group, at::Tensor(), input, {}};
     if (shard) {
-      mine = at::empty({group.piece}, options);
-      reduce_scatter_sum(state, mine, input, kApi);
+      reduction.mine = at::empty({group.piece}, options);
+      reduction.pending = reduce_scatter_sum_async(state, reduction.mine, reduction.input, kApi);
     } else {
-      mine = all_reduce(state, input, Reduction::kSum, kApi);
+      reduction.mine = all_reduce(state, input, Reduction::kSum, kApi);
     }
-    mine.div_(world);
-    for (size_t i : group.params) {
-      auto& p = unit.params[i];
+    in_flight.push_back(std::move(reduction));
+  }
+}
+
+void FsdpEngineImpl::finish_reductions() {
+  torch::NoGradGuard no_grad;
+  auto done = std::move(in_flight);
+  in_flight.clear();
+  for (auto& r : done) {
+    wait_collective(state, r.pending, kApi);
+    r.mine.div_(world);
+    for (size_t i : r.group->params) {
+      auto& p = r.unit->params[i];
       if (!p.param.requires_grad()) continue;
       const int64_t n = shard ? rows_of(p, rank) : p.rows;
-      auto reduced = mine.narrow(0, p.offset, n * p.row_numel).view(p.shard.sizes());
-      p.pending_grad = at::Tensor();
+      auto reduced = r.mine.narrow(0, p.offset, n * p.row_numel).view(p.shard.sizes());
       if (p.grad_at_rest.defined()) {
         p.grad_at_rest.add_(reduced);
         p.param.mutable_grad() = p.grad_at_rest;
@@ -615,7 +653,9 @@ FsdpEngine::FsdpEngine(std::shared_ptr<torch::nn::Module> module, const PartialS
     auto buffers = root.buffers();
     tensors.insert(tensors.end(), buffers.begin(), buffers.end());
     torch::NoGradGuard no_grad;
-    c10d::broadcast_coalesced(process_group(state, kApi), tensors, 250u * 1024 * 1024, 0);
+    // Small buckets: the flat copies of a large bucket would add the whole model again to the
+    // peak memory that sharding is there to cut.
+    c10d::broadcast_coalesced(process_group(state, kApi), tensors, 16u * 1024 * 1024, 0);
   }
 
   std::set<std::string> ignored(e.settings.ignored_modules.begin(), e.settings.ignored_modules.end());
