@@ -228,7 +228,25 @@ struct Unit {
 
 }  // namespace
 
+// Buffers the engine frees and allocates again unit after unit (Note [Reusing the engine's buffers]).
+struct BufferPool {
+  std::multimap<size_t, at::DataPtr> free;
+  size_t held = 0;
+  size_t cap = 0;
+  at::DataPtr take(size_t bytes, at::Allocator* allocator);
+  void give(size_t bytes, at::DataPtr data);
+  // Frees the bytes of `t`'s storage into the pool (the tensor keeps its shape, with no data).
+  void free_storage(const at::Tensor& t);
+  // Gives `t`'s storage its bytes again.
+  void allocate_storage(const at::Tensor& t);
+  // A flat tensor of `numel` uninitialised elements.
+  at::Tensor empty(int64_t numel, const at::TensorOptions& options);
+  // Gives a tensor from `empty` back, when nothing else holds it.
+  void release(at::Tensor& t);
+};
+
 struct FsdpEngineImpl : std::enable_shared_from_this<FsdpEngineImpl> {
+  BufferPool pool;
   FsdpSettings settings;
   PartialState state;
   std::shared_ptr<torch::nn::Module> module;
@@ -264,20 +282,62 @@ namespace {
 
 constexpr const char* kApi = "FullyShardedDataParallel";
 
-void free_storage(const at::Tensor& t) {
+}  // namespace
+
+// Note [Reusing the engine's buffers]
+// Every unit's whole parameters, and the flat buffers of its gathers and reductions, are needed
+// for a moment and then freed, unit after unit, several times a step. Given back to malloc,
+// buffers of this size end up kept in its heap (glibc raises its mmap threshold to the size of
+// the first ones freed) and the process's resident memory grows well past what is in use. The
+// engine keeps them instead: a freed buffer goes to a pool by byte size, bounded by a few units'
+// worth, and the next buffer of that size comes from there.
+at::DataPtr BufferPool::take(size_t bytes, at::Allocator* allocator) {
+  auto it = free.find(bytes);
+  if (it == free.end()) return allocator->allocate(bytes);
+  at::DataPtr out = std::move(it->second);
+  free.erase(it);
+  held -= bytes;
+  return out;
+}
+
+void BufferPool::give(size_t bytes, at::DataPtr data) {
+  if (!data || bytes == 0 || held + bytes > cap) return;  // freed here
+  held += bytes;
+  free.emplace(bytes, std::move(data));
+}
+
+void BufferPool::free_storage(const at::Tensor& t) {
   auto* storage = t.storage().unsafeGetStorageImpl();
-  if (storage->nbytes() == 0) return;
-  storage->set_data_ptr_noswap(at::DataPtr(nullptr, t.device()));
+  const size_t bytes = storage->nbytes();
+  if (bytes == 0) return;
+  give(bytes, storage->set_data_ptr(at::DataPtr(nullptr, t.device())));
   storage->set_nbytes(0);
 }
 
-void allocate_storage(const at::Tensor& t) {
+void BufferPool::allocate_storage(const at::Tensor& t) {
   auto* storage = t.storage().unsafeGetStorageImpl();
   const size_t bytes = static_cast<size_t>(t.numel()) * t.element_size();
   if (storage->nbytes() == bytes) return;
-  storage->set_data_ptr_noswap(storage->allocator()->allocate(bytes));
+  storage->set_data_ptr_noswap(take(bytes, storage->allocator()));
   storage->set_nbytes(bytes);
 }
+
+at::Tensor BufferPool::empty(int64_t numel, const at::TensorOptions& options) {
+  at::Tensor out = at::empty({0}, options);
+  auto* storage = out.storage().unsafeGetStorageImpl();
+  const size_t bytes = static_cast<size_t>(numel) * out.element_size();
+  storage->set_data_ptr_noswap(take(bytes, storage->allocator()));
+  storage->set_nbytes(bytes);
+  out.unsafeGetTensorImpl()->set_sizes_contiguous({numel});
+  return out;
+}
+
+void BufferPool::release(at::Tensor& t) {
+  if (t.defined() && t.use_count() == 1 && t.storage().use_count() == 1) free_storage(t);
+  t = at::Tensor();
+}
+
+namespace {
 
 // Marks the backward end of a unit: an identity on its inputs whose backward runs once the
 // gradients of everything the unit computed from them are known.
@@ -407,7 +467,7 @@ void FsdpEngineImpl::gather(Unit& unit) {
   if (!shard) return;
   for (auto& group : unit.groups) {
     auto options = at::TensorOptions().dtype(group.dtype).device(state.device());
-    auto piece = at::empty({group.piece}, options);
+    auto piece = pool.empty(group.piece, options);
     for (size_t i : group.params) {
       const auto& p = unit.params[i];
       const int64_t n = rows_of(p, rank) * p.row_numel;
@@ -415,12 +475,13 @@ void FsdpEngineImpl::gather(Unit& unit) {
       const int64_t padding = p.shard_rows * p.row_numel - n;
       if (padding > 0) piece.narrow(0, p.offset + n, padding).zero_();
     }
-    auto all = at::empty({group.piece * world}, options);
+    auto all = pool.empty(group.piece * world, options);
     all_gather_into(state, all, piece, kApi);
-    auto by_rank = all.view({world, group.piece});
+    pool.release(piece);
     for (size_t i : group.params) {
       auto& p = unit.params[i];
-      allocate_storage(p.full);
+      auto by_rank = all.view({world, group.piece});
+      pool.allocate_storage(p.full);
       auto rows = p.full.view({p.rows, p.row_numel});
       for (int r = 0; r < world; ++r) {
         const int64_t n = rows_of(p, r);
@@ -429,6 +490,7 @@ void FsdpEngineImpl::gather(Unit& unit) {
       }
       p.param.set_data(p.full);
     }
+    pool.release(all);
   }
 }
 
@@ -438,7 +500,7 @@ void FsdpEngineImpl::reshard(Unit& unit) {
   if (!shard) return;
   for (auto& p : unit.params) {
     p.param.set_data(p.shard);
-    free_storage(p.full);
+    pool.free_storage(p.full);
   }
 }
 
@@ -504,8 +566,8 @@ void FsdpEngineImpl::reduce(Unit& unit) {
     // Zeros only where nothing is written: the padding rows, and parameters without a gradient.
     bool complete = true;
     for (size_t i : group.params) complete = complete && unit.params[i].pending_grad.defined();
-    auto input = complete ? at::empty({shard ? group.piece * world : group.piece}, options)
-                          : at::zeros({shard ? group.piece * world : group.piece}, options);
+    auto input = pool.empty(shard ? group.piece * world : group.piece, options);
+    if (!complete) input.zero_();
     auto by_rank = input.view({shard ? world : 1, group.piece});
     if (complete && shard) {
       for (size_t i : group.params) {
@@ -534,7 +596,7 @@ void FsdpEngineImpl::reduce(Unit& unit) {
     for (size_t i : group.params) unit.params[i].pending_grad = at::Tensor();  // `input` holds them now
     InFlight reduction{&unit, &group, at::Tensor(), input, {}};
     if (shard) {
-      reduction.mine = at::empty({group.piece}, options);
+      reduction.mine = pool.empty(group.piece, options);
       reduction.pending = reduce_scatter_sum_async(state, reduction.mine, reduction.input, kApi);
     } else {
       reduction.mine = all_reduce(state, input, Reduction::kSum, kApi);
@@ -563,6 +625,8 @@ void FsdpEngineImpl::finish_reductions() {
       }
       p.grad_at_rest = at::Tensor();
     }
+    pool.release(r.input);
+    if (shard) pool.release(r.mine);
   }
 }
 
@@ -756,7 +820,7 @@ FsdpEngine::FsdpEngine(std::shared_ptr<torch::nn::Module> module, const PartialS
         shard_shape[0] = n;
         p.shard = rows.reshape(shard_shape).clone();
         p.full = at::empty(p.shape, p.param.options().requires_grad(false));
-        free_storage(p.full);
+        e.pool.free_storage(p.full);
         p.param.set_data(p.shard);
       } else {
         p.shard = whole;
@@ -764,6 +828,14 @@ FsdpEngine::FsdpEngine(std::shared_ptr<torch::nn::Module> module, const PartialS
       }
     }
     unit.gathered = !e.shard;
+  }
+  // The pool holds at most a few units' worth: whole parameters, a gather and a reduction buffer.
+  for (const auto& unit : e.units) {
+    size_t bytes = 0;
+    for (const auto& group : unit.groups) {
+      bytes += static_cast<size_t>(group.piece * e.world) * c10::elementSize(group.dtype);
+    }
+    e.pool.cap = std::max(e.pool.cap, 3 * bytes);
   }
   for (size_t i = 1; i < e.units.size(); ++i) {
     add_hook_to_module(*e.units[i].module, std::make_shared<UnitHook>(impl_, i), /*append=*/true);
