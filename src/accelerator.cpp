@@ -143,6 +143,7 @@ Accelerator::Accelerator(const AcceleratorOptions& options)
   if (impl_->fsdp) (void)detail::resolve_fsdp_plugin(*impl_->fsdp, state_.device());  // refuse bad settings now
   if (state_.mixed_precision() == PrecisionType::kFp16 && state_.device().is_cuda()) {
     impl_->scaler = get_grad_scaler(distributed_type(), options.scaler_kwargs);
+    if (impl_->fsdp) detail::share_inf_checks(*impl_->scaler, partial());
   }
 }
 

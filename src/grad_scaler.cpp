@@ -1,6 +1,9 @@
 // Dynamic loss scaling; see include/accelerate/grad_scaler.h.
 #include "accelerate/grad_scaler.h"
 
+#include "detail/collectives.h"
+#include "detail/fsdp.h"
+
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
@@ -9,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <mutex>
+#include <optional>
 #include <unordered_map>
 
 namespace accelerate {
@@ -28,7 +32,11 @@ struct GradScalerImpl {
   int64_t growth_tracker = 0;
   std::mutex mutex;
   std::unordered_map<const torch::optim::Optimizer*, OptimizerRecord> optimizers;
+  // With sharded gradients each process checks only its rows: the processes agree on overflow.
+  std::optional<PartialState> shared_checks;
 };
+
+void share_inf_checks(const GradScaler& scaler, const PartialState& state) { scaler.impl()->shared_checks = state; }
 
 }  // namespace detail
 
@@ -118,6 +126,12 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) const {
               "[GradScaler.unscale_] unscale_() is being called after step() without an update() in between");
   auto grads = gradients_of(optimizer);
   record.found_inf = unscale_and_check(grads, impl_->scale);
+  if (impl_->shared_checks && impl_->shared_checks->use_distributed()) {
+    // Every process unscales at the same step (a sharded model's optimizer steps together).
+    auto flag = at::tensor({record.found_inf ? 1.0f : 0.0f});
+    record.found_inf =
+        detail::all_reduce(*impl_->shared_checks, flag, detail::Reduction::kMax, "GradScaler.unscale_").item<float>() > 0;
+  }
   record.stage = detail::ScalerStage::kUnscaled;
 }
 

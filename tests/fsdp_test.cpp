@@ -13,6 +13,7 @@
 #include "support/test_support.h"
 
 #include <atomic>
+#include <limits>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -369,6 +370,25 @@ TEST(FullyShardedDataParallel, SaveModelWritesTheWholeModel) {
   Tiny fresh;
   load_checkpoint_in_model(*fresh, (dir.path() / "model.safetensors").string(), {.strict = true});
   expect_close(as_map(fresh->named_parameters()), as_map(make_tiny()->named_parameters()));
+}
+
+TEST(FullyShardedDataParallel, TheLossScalerSkipsTheStepOnEveryProcessWhenOneProcessesRowsOverflow) {
+  for (bool shared : {false, true}) {
+    std::vector<int> stepped(2, -1);
+    run_accelerators(2, [&](const Accelerator& acc, int rank) {
+      GradScaler scaler({.init_scale = 8.0});
+      if (shared) detail::share_inf_checks(scaler, acc.state().partial_state());
+      auto weight = torch::ones({2}, torch::requires_grad());
+      torch::optim::SGD sgd({weight}, 0.1);
+      // Process 1's rows overflowed; process 0's did not.
+      weight.mutable_grad() = rank == 1 ? torch::tensor({1.f, std::numeric_limits<float>::infinity()})
+                                        : torch::tensor({1.f, 2.f});
+      stepped[rank] = scaler.step(sgd) ? 1 : 0;
+      scaler.update();
+      EXPECT_EQ(scaler.get_scale(), shared || rank == 1 ? 4.0 : 8.0);
+    });
+    EXPECT_EQ(stepped, (shared ? std::vector<int>{0, 0} : std::vector<int>{1, 0}));
+  }
 }
 
 TEST(FullyShardedDataParallel, ParsesUpstreamsSpellingsAndNumbers) {

@@ -70,6 +70,9 @@ class GradScaler {
   /// Restores `state_dict()`'s output; raises a ValueError naming a missing or ill-typed key.
   void load_state_dict(const nlohmann::json& state) const;
 
+  /// Implementation access for the library itself.
+  const std::shared_ptr<detail::GradScalerImpl>& impl() const { return impl_; }
+
  private:
   std::shared_ptr<detail::GradScalerImpl> impl_;
 };

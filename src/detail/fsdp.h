@@ -6,6 +6,7 @@
 
 #include "accelerate/checkpointing.h"
 #include "accelerate/distributed.h"
+#include "accelerate/grad_scaler.h"
 #include "accelerate/state.h"
 #include "accelerate/utils/dataclasses.h"
 
@@ -54,6 +55,11 @@ class FsdpEngine;
 
 /// The fully sharded engine of a prepared model, or null.
 FsdpEngine* fsdp_engine(const DistributedDataParallel& model);
+
+/// Makes `scaler`'s overflow checks agree over the processes of `state` (the sharded scaler of
+/// upstream's FSDP): with sharded gradients each process sees only its rows' infinities, and a
+/// step skipped on one process must be skipped on all.
+void share_inf_checks(const GradScaler& scaler, const PartialState& state);
 
 /// The first of the rows (of `rows`) that process `rank` of `world` holds, and how many.
 std::pair<int64_t, int64_t> rows_held(int64_t rows, int world, int rank);
