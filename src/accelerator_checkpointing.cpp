@@ -11,6 +11,8 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+#include <cctype>
 #include <filesystem>
 #include <regex>
 
@@ -67,8 +69,10 @@ std::vector<at::Tensor> optimizer_params(const torch::optim::Optimizer& optimize
 // The parameter number in an optimizer state tensor's name, "state.<index>.<name>".
 size_t state_param_index(const std::string& key) {
   const auto dot = key.find('.', 6);
-  TORCH_CHECK_VALUE(key.rfind("state.", 0) == 0 && dot != std::string::npos, "unexpected optimizer state tensor '",
-                    key, "'");
+  const bool numbered = key.rfind("state.", 0) == 0 && dot != std::string::npos && dot > 6 &&
+                        std::all_of(key.begin() + 6, key.begin() + static_cast<std::ptrdiff_t>(dot),
+                                    [](unsigned char c) { return std::isdigit(c); });
+  TORCH_CHECK_VALUE(numbered, "expected optimizer state tensors named 'state.<index>.<name>', got '", key, "'");
   return static_cast<size_t>(std::stoull(key.substr(6, dot - 6)));
 }
 

@@ -404,8 +404,10 @@ TEST(FullyShardedDataParallel, ParsesUpstreamsSpellingsAndNumbers) {
 }
 
 TEST(FullyShardedDataParallel, TheEnvironmentFillsTheFieldsLeftEmpty) {
-  auto env = patch_environment({{"FSDP_SHARDING_STRATEGY", "SHARD_GRAD_OP"}, {"FSDP_AUTO_WRAP_POLICY", "TRANSFORMER_BASED_WRAP"},
-                 {"FSDP_TRANSFORMER_CLS_TO_WRAP", "Block, Other"}, {"FSDP_VERSION", "2"}});
+  auto env = patch_environment({{"FSDP_SHARDING_STRATEGY", "SHARD_GRAD_OP"},
+                                {"FSDP_AUTO_WRAP_POLICY", "TRANSFORMER_BASED_WRAP"},
+                                {"FSDP_TRANSFORMER_CLS_TO_WRAP", "Block, Other"},
+                                {"FSDP_VERSION", "2"}});
   auto s = detail::resolve_fsdp_plugin({}, torch::kCPU);
   EXPECT_EQ(s.sharding_strategy, FsdpShardingStrategy::kShardGradOp);
   EXPECT_FALSE(s.reshard_after_forward);
@@ -444,6 +446,9 @@ TEST(FullyShardedDataParallel, UnsupportedOrContradictorySettingsAreRefusedByNam
   refuse({.sync_module_states = false, .cpu_ram_efficient_loading = true}, "needs sync_module_states");
   refuse({.activation_checkpointing = true}, "activation_checkpointing is not supported yet");
   refuse({.use_orig_params = false}, "use_orig_params=false");
+  refuse({.auto_wrap_policy = FsdpAutoWrapPolicy::kNoWrap,
+          .auto_wrap_callable = [](const std::string&, const torch::nn::Module&, int64_t) { return false; }},
+         "give either auto_wrap_policy or auto_wrap_callable, not both");
   EXPECT_THROWS_WITH(detail::resolve_fsdp_plugin({.cpu_offload = true}, c10::Device(c10::kCUDA, 0)),
                      "cpu_offload on cuda:0 is not supported yet");
 }
@@ -467,6 +472,34 @@ TEST(FullyShardedDataParallel, ParallelismConfigSizesAreCheckedAgainstTheProcess
   run_accelerators(
       2, [](const Accelerator& acc, int) { EXPECT_FALSE(acc.fsdp_plugin().has_value()); },
       {.parallelism_config = ParallelismConfig{.dp_replicate_size = 2}});
+}
+
+TEST(FullyShardedDataParallel, AnIgnoredModuleThatIsNotInTheModelAndJoiningAreRefused) {
+  run_accelerators(
+      2,
+      [](const Accelerator& acc, int) {
+        EXPECT_THROWS_WITH(acc.prepare(make_tiny()), "ignored_modules names 'blocks.9', which is not a submodule");
+      },
+      {.fsdp_plugin = FullyShardedDataParallelPlugin{.ignored_modules = {"blocks.9"}}});
+  run_accelerators(
+      2,
+      [](const Accelerator& acc, int) {
+        auto model = acc.prepare(make_tiny());
+        EXPECT_THROWS_WITH(model.ddp().join([] {}), "joining uneven inputs is not supported for fully sharded models");
+      },
+      {.fsdp_plugin = FullyShardedDataParallelPlugin{}});
+}
+
+TEST(FullyShardedDataParallel, APluginWithNothingToShardIsRefused) {
+  Store store = Store::in_memory();
+  run_threads(2, [&](int rank) {
+    AcceleratorOptions options;
+    options.fsdp_plugin = FullyShardedDataParallelPlugin{};
+    options.parallelism_config = ParallelismConfig{.dp_replicate_size = 2};
+    options.standalone_state = rank_options(PartialStateOptions{}, rank, 2, store);
+    EXPECT_THROWS_WITH((void)Accelerator(options),
+                       "dp_shard_size is 1, so nothing is sharded, but an fsdp_plugin was given");
+  });
 }
 
 TEST(FullyShardedDataParallel, DifferentModelsOnTheProcessesAreRefusedNamingTheFirstDifference) {
@@ -597,6 +630,35 @@ TEST(FullyShardedCheckpoint, AFullStateLoadsIntoAnotherNumberOfProcessesAndAnoth
   const auto resumed = save_and_resume(FsdpStateDictType::kFullStateDict, 2, FsdpStateDictType::kShardedStateDict, 4,
                                        (dir.path() / "c").string());
   expect_close(resumed, reference(4));
+}
+
+TEST(FullyShardedCheckpoint, AMissingShardOrABrokenIndexIsNamedWhenLoadingAndMerging) {
+  TempDir dir;
+  const auto folder = (dir.path() / "c").string();
+  run_accelerators(
+      2,
+      [&](const Accelerator& acc, int) {
+        auto model = acc.prepare(make_tiny());
+        acc.save_state(folder);
+      },
+      sharded_with(FsdpStateDictType::kShardedStateDict));
+  const auto load_on_four = [&](const std::string& message) {
+    run_accelerators(
+        4,
+        [&](const Accelerator& acc, int) {
+          auto model = acc.prepare(make_tiny());
+          EXPECT_THROWS_WITH(acc.load_state(folder), message);
+        },
+        sharded_with(FsdpStateDictType::kShardedStateDict));
+  };
+  const auto model_folder = dir.path() / "c" / "pytorch_model_fsdp_0";
+  std::filesystem::rename(model_folder / "shard-1-of-2.safetensors", dir.path() / "kept.safetensors");
+  load_on_four("has no shard-1-of-2.safetensors (saved by 2 processes)");
+  EXPECT_THROWS_WITH(commands::merge_weights(model_folder.string(), (dir.path() / "out").string()),
+                     "has no shard-1-of-2.safetensors (saved by 2 processes)");
+  std::filesystem::rename(dir.path() / "kept.safetensors", model_folder / "shard-1-of-2.safetensors");
+  save_state_dict_file({{{"format", "something else"}}, {}}, (model_folder / "index.json").string());
+  load_on_four("index.json is not the index of a sharded state");
 }
 
 TEST(FullyShardedCheckpoint, ALocalStateOnlyLoadsOnAsManyProcesses) {

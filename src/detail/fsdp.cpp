@@ -275,7 +275,7 @@ struct FsdpEngineImpl : std::enable_shared_from_this<FsdpEngineImpl> {
   void end_of_backward();
   void reduce(Unit& unit);
   void finish_reductions();
-  at::Tensor whole_value(const ShardedParam& p, const Unit& unit);
+  at::Tensor whole_value(const ShardedParam& p);
 };
 
 namespace {
@@ -630,8 +630,7 @@ void FsdpEngineImpl::finish_reductions() {
   }
 }
 
-at::Tensor FsdpEngineImpl::whole_value(const ShardedParam& p, const Unit& unit) {
-  (void)unit;
+at::Tensor FsdpEngineImpl::whole_value(const ShardedParam& p) {
   torch::NoGradGuard no_grad;
   if (!shard) return p.shard.clone();
   auto options = p.shard.options();
@@ -814,8 +813,8 @@ FsdpEngine::FsdpEngine(std::shared_ptr<torch::nn::Module> module, const PartialS
     for (auto& p : unit.params) {
       at::Tensor whole = p.param.detach();
       if (e.shard) {
-        const int64_t n = rows_of(p, e.rank);
-        auto rows = whole.reshape({p.rows, p.row_numel}).narrow(0, std::min(e.rank * p.shard_rows, p.rows), n);
+        const auto [first, n] = rows_held(p.rows, e.world, e.rank);
+        auto rows = whole.reshape({p.rows, p.row_numel}).narrow(0, first, n);
         std::vector<int64_t> shard_shape = p.shape.empty() ? std::vector<int64_t>{1} : p.shape;
         shard_shape[0] = n;
         p.shard = rows.reshape(shard_shape).clone();
@@ -900,9 +899,7 @@ std::vector<std::pair<std::string, at::Tensor>> FsdpEngine::full_state_dict() {
       out.emplace_back(item.key(), item.value().detach());
       continue;
     }
-    const auto& unit = e.units[it->second.first];
-    const auto& p = unit.params[it->second.second];
-    out.emplace_back(item.key(), e.whole_value(p, unit));
+    out.emplace_back(item.key(), e.whole_value(e.units[it->second.first].params[it->second.second]));
   }
   for (const auto& item : e.module->named_buffers()) out.emplace_back(item.key(), item.value().detach());
   return out;
@@ -911,49 +908,39 @@ std::vector<std::pair<std::string, at::Tensor>> FsdpEngine::full_state_dict() {
 void FsdpEngine::load_full_state_dict(const std::vector<std::pair<std::string, at::Tensor>>& values, bool strict) {
   auto& e = *impl_;
   std::map<std::string, at::Tensor> given(values.begin(), values.end());
-  torch::NoGradGuard no_grad;
+  // Everything is checked before anything is written.
+  std::vector<std::pair<at::Tensor, at::Tensor>> copies;  // (the model's tensor, the whole value)
   std::set<std::string> used;
-  for (const auto& item : e.module->named_parameters()) {
-    auto found = given.find(item.key());
+  const auto plan = [&](const std::string& name, const at::Tensor& target) {
+    auto found = given.find(name);
     if (found == given.end()) {
-      TORCH_CHECK_VALUE(!strict, "[", kApi, "] the state dict has no '", item.key(), "'");
-      continue;
+      TORCH_CHECK_VALUE(!strict, "[", kApi, "] the state dict has no '", name, "'");
+      return;
     }
-    used.insert(item.key());
-    const at::Tensor& value = found->second;
-    auto it = e.where.find(item.value().unsafeGetTensorImpl());
-    if (it == e.where.end()) {
-      TORCH_CHECK_VALUE(value.sizes() == item.value().sizes(), "[", kApi, "] '", item.key(), "' has shape ",
-                        value.sizes(), ", the model's is ", item.value().sizes());
-      item.value().copy_(value);
-      continue;
-    }
-    auto& unit = e.units[it->second.first];
-    auto& p = unit.params[it->second.second];
-    TORCH_CHECK_VALUE(value.sizes().vec() == p.shape, "[", kApi, "] '", item.key(), "' has shape ", value.sizes(),
-                      ", the model's is ", c10::IntArrayRef(p.shape));
-    if (!e.shard) {
-      p.shard.copy_(value);
-      continue;
-    }
-    const int64_t n = rows_of(p, e.rank);
-    auto rows = value.reshape({p.rows, p.row_numel}).narrow(0, std::min(e.rank * p.shard_rows, p.rows), n);
-    p.shard.copy_(rows.reshape(p.shard.sizes()));
-    if (unit.gathered) p.full.copy_(value);
-  }
-  for (const auto& item : e.module->named_buffers()) {
-    auto found = given.find(item.key());
-    if (found == given.end()) {
-      TORCH_CHECK_VALUE(!strict, "[", kApi, "] the state dict has no '", item.key(), "'");
-      continue;
-    }
-    used.insert(item.key());
-    item.value().copy_(found->second);
-  }
+    used.insert(name);
+    const auto expected = whole_shape(target);
+    TORCH_CHECK_VALUE(found->second.sizes().vec() == expected, "[", kApi, "] '", name, "' has shape ",
+                      found->second.sizes(), " in the state dict, the model's is ", c10::IntArrayRef(expected));
+    copies.emplace_back(target, found->second);
+  };
+  for (const auto& item : e.module->named_parameters()) plan(item.key(), item.value());
+  for (const auto& item : e.module->named_buffers()) plan(item.key(), item.value());
   if (strict) {
     for (const auto& [name, value] : given) {
       TORCH_CHECK_VALUE(used.count(name), "[", kApi, "] the state dict has '", name, "', which the model has not");
     }
+  }
+  torch::NoGradGuard no_grad;
+  for (auto& [target, value] : copies) {
+    auto it = e.where.find(target.unsafeGetTensorImpl());
+    if (it == e.where.end()) {
+      target.copy_(value);
+      continue;
+    }
+    auto& unit = e.units[it->second.first];
+    auto& p = unit.params[it->second.second];
+    p.shard.copy_(local_rows(target, value));  // what the parameter holds at rest (all of it under NO_SHARD)
+    if (unit.gathered && e.shard) p.full.copy_(value);
   }
 }
 
@@ -981,7 +968,7 @@ at::Tensor FsdpEngine::whole_rows(const at::Tensor& param, const at::Tensor& loc
   const auto& [u, i] = impl_->where.at(param.unsafeGetTensorImpl());
   ShardedParam view = impl_->units[u].params[i];
   view.shard = local;
-  return impl_->whole_value(view, impl_->units[u]);
+  return impl_->whole_value(view);
 }
 
 std::vector<std::pair<std::string, at::Tensor>> FsdpEngine::local_state_dict() const {
@@ -1015,18 +1002,24 @@ bool FsdpEngine::is_sharded(const at::Tensor& param) const {
 
 double FsdpEngine::total_grad_norm(const std::vector<at::Tensor>& params, double norm_type) {
   const bool inf = std::isinf(norm_type);
-  double sharded = 0, local = 0;
+  // Each parameter's share (its max, or its norm to the power p), for the shards and for the rest.
+  std::vector<at::Tensor> sharded, local;
   for (const auto& p : params) {
     const auto& g = p.grad();
     if (!g.defined() || g.numel() == 0) continue;
-    const double v = inf ? g.abs().max().item<double>() : g.norm(norm_type).pow(norm_type).item<double>();
-    double& into = is_sharded(p) ? sharded : local;
-    into = inf ? std::max(into, v) : into + v;
+    auto share = inf ? g.abs().max() : g.norm(norm_type).pow(norm_type);
+    (is_sharded(p) ? sharded : local).push_back(share.to(at::kDouble).reshape({1}));
   }
-  auto t = at::tensor({sharded}, at::kDouble).to(impl_->state.device());
-  sharded = all_reduce(impl_->state, t, inf ? Reduction::kMax : Reduction::kSum, kApi).cpu().item<double>();
-  if (inf) return std::max(sharded, local);
-  return std::pow(sharded + local, 1.0 / norm_type);
+  const auto combine = [&](const std::vector<at::Tensor>& shares) {
+    if (shares.empty()) return at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(impl_->state.device()));
+    auto all = at::cat(shares);
+    return (inf ? all.max() : all.sum()).reshape({1}).to(impl_->state.device());
+  };
+  const double over_processes =
+      all_reduce(impl_->state, combine(sharded), inf ? Reduction::kMax : Reduction::kSum, kApi).item<double>();
+  const double here = combine(local).item<double>();
+  if (inf) return std::max(over_processes, here);
+  return std::pow(over_processes + here, 1.0 / norm_type);
 }
 
 }  // namespace accelerate::detail
