@@ -54,7 +54,8 @@
 # failed and the build goes on without NCCL). Each choice is made by compiling the header once
 # and is printed in the configure log (the compiler's output in build/gpu/probe/).
 #
-# Environment: PYTHON (default python3, the one with torch), JOBS (default nproc), CXX, and
+# Environment: PYTHON (default python3, the one with torch), JOBS (default nproc), CXX, CXXFLAGS
+# (added to the flags the configure step chooses; "-g1" gives backtraces function names), and
 # CUDA_VISIBLE_DEVICES (the single-GPU steps use its first entry, else GPU 0). HF_HOME is set to
 # build/gpu/hf_home, so that no `accelerate config` file of the machine's changes the jobs.
 set -euo pipefail
@@ -286,7 +287,7 @@ step_configure() {
   cmake -S "$root_dir" -B "$BUILD" -G Ninja \
     -DCMAKE_BUILD_TYPE=Release \
     -DCMAKE_PREFIX_PATH="$TORCH_PREFIX;$prefix;$DEPS/root/usr" \
-    -DCMAKE_CXX_FLAGS="$EXTRA_CXX_FLAGS" \
+    -DCMAKE_CXX_FLAGS="$EXTRA_CXX_FLAGS ${CXXFLAGS:-}" \
     -DCMAKE_CUDA_COMPILER="$NVCC" -DCMAKE_CUDA_ARCHITECTURES="${TORCH_ARCH/./}" \
     -DCMAKE_POLICY_VERSION_MINIMUM=3.5 \
     -Dyaml-cpp_DIR="$(config_dir "$prefix" yaml-cpp-config.cmake)" \

@@ -15,7 +15,9 @@
 
 #include <torch/torch.h>
 
+#include <cerrno>
 #include <filesystem>
+#include <fstream>
 
 namespace accelerate::testing {
 namespace {
@@ -533,6 +535,28 @@ TEST(Save, WritesTensorsAndJsonAndSaveModelShardsAPreparedModel) {
     EXPECT_TRUE(torch::equal(copy->weight, model->weight));
     EXPECT_THROWS_WITH(acc.save_model(model, dir.str() + "/meta.json"), "should be a directory, not a file");
   });
+}
+
+TEST(RemoveTree, RemovesAFolderWithEverythingInItButNotWhatALinkPointsTo) {
+  TempDir dir;
+  const auto tree = dir.path() / "tree";
+  std::filesystem::create_directories(tree / "a" / "b");
+  std::ofstream(tree / "a" / "b" / "file") << "x";
+  std::ofstream(tree / "top") << "y";
+  const auto outside = dir.path() / "outside";
+  std::filesystem::create_directories(outside);
+  std::ofstream(outside / "kept") << "z";
+  std::filesystem::create_directory_symlink(outside, tree / "a" / "link");
+  detail::remove_tree(tree);
+  EXPECT_FALSE(std::filesystem::exists(tree));
+  EXPECT_TRUE(std::filesystem::is_regular_file(outside / "kept")) << "the link was followed";
+  // A missing path is no error; a path that cannot be one names itself and the reason.
+  EXPECT_NO_THROW(detail::remove_tree(tree));
+  EXPECT_EQ(detail::try_remove_tree(tree), 0);
+  const auto below_a_file = outside / "kept" / "child";
+  EXPECT_THAT(error_of([&] { detail::remove_tree(below_a_file); }),
+              HasSubstr("cannot remove " + below_a_file.string() + ": Not a directory"));
+  EXPECT_EQ(detail::try_remove_tree(below_a_file), ENOTDIR);
 }
 
 }  // namespace

@@ -662,8 +662,7 @@ int launch_command(const LaunchPlan& given) {
     if (!plan.quiet) std::cerr << "accelerate launch: restarting all " << plan.local_num_processes << " worker(s) (restart "
               << attempt + 1 << " of " << plan.max_restarts << ")" << std::endl;
   }
-  std::error_code ignored;
-  fs::remove_all(scratch, ignored);
+  (void)detail::try_remove_tree(scratch);
   return exit_code;
 }
 

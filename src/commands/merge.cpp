@@ -5,6 +5,7 @@
 #include "detail/checkpoint_index.h"
 #include "detail/fsdp.h"
 #include "detail/cli.h"
+#include "detail/files.h"
 
 #include <c10/util/Exception.h>
 
@@ -64,7 +65,7 @@ std::string merge_weights(const std::string& checkpoint_directory, const std::st
     save_file(merged, target, {{"format", "pt"}});
     if (options.remove_checkpoint_dir) {
       merged.clear();
-      fs::remove_all(input);
+      detail::remove_tree(input);
     }
     return target;
   }
@@ -109,7 +110,7 @@ std::string merge_weights(const std::string& checkpoint_directory, const std::st
   save_file(merged, target, {{"format", "pt"}});
   if (options.remove_checkpoint_dir) {
     merged.clear();  // release the mappings before the files go
-    fs::remove_all(input);
+    detail::remove_tree(input);
   }
   return target;
 }

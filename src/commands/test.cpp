@@ -5,6 +5,7 @@
 #include "accelerate/commands/launch.h"
 #include "accelerate/utils/environment.h"
 #include "detail/errors.h"
+#include "detail/files.h"
 
 #include <CLI/CLI.hpp>
 #include <torch/torch.h>
@@ -235,12 +236,11 @@ void run_test_checks() {
       accelerator.print("  check", check_name + ":", "ok");
     }
   } catch (...) {
-    std::error_code ignored;
-    fs::remove_all(scratch, ignored);
+    (void)detail::try_remove_tree(scratch);
     throw;
   }
   accelerator.wait_for_everyone();
-  if (accelerator.is_local_main_process()) fs::remove_all(scratch);
+  if (accelerator.is_local_main_process()) detail::remove_tree(scratch);
 }
 
 int test_main(const std::vector<std::string>& argv, const std::string& accelerate_program) {

@@ -35,12 +35,12 @@ fs::path deleting_of(const fs::path& final_dir) { return final_dir.parent_path()
 void remove_leftovers(const fs::path& final_dir, bool all) {
   const auto parent = final_dir.parent_path();
   if (!all) {
-    for (const auto& p : {staging_of(final_dir), replaced_of(final_dir), deleting_of(final_dir)}) fs::remove_all(p);
+    for (const auto& p : {staging_of(final_dir), replaced_of(final_dir), deleting_of(final_dir)}) detail::remove_tree(p);
     return;
   }
   static const std::regex leftover(R"(\..+\.(partial|old|deleting))");
   for (const auto& entry : fs::directory_iterator(parent)) {
-    if (std::regex_match(entry.path().filename().string(), leftover)) fs::remove_all(entry.path());
+    if (std::regex_match(entry.path().filename().string(), leftover)) detail::remove_tree(entry.path());
   }
 }
 
@@ -76,17 +76,17 @@ void publish(const fs::path& staging, const fs::path& final_dir) {
     return;
   }
   if (::syscall(SYS_renameat2, AT_FDCWD, staging.c_str(), AT_FDCWD, final_dir.c_str(), RENAME_EXCHANGE) == 0) {
-    fs::remove_all(staging);  // now the old checkpoint
+    detail::remove_tree(staging);  // now the old checkpoint
     return;
   }
   if (errno != EINVAL && errno != ENOSYS) {
     throw std::runtime_error("cannot replace " + final_dir.string() + ": " + std::strerror(errno));
   }
   const auto replaced = replaced_of(final_dir);
-  fs::remove_all(replaced);
+  detail::remove_tree(replaced);
   fs::rename(final_dir, replaced);
   fs::rename(staging, final_dir);
-  fs::remove_all(replaced);
+  detail::remove_tree(replaced);
 }
 
 }  // namespace
@@ -148,8 +148,7 @@ fs::path CheckpointCommit::commit(const std::function<void()>& write) {
     run_agreed(state_, "saving the checkpoint " + final_.string(), write);
   } catch (...) {
     if (owner_) {
-      std::error_code ignored;
-      fs::remove_all(staging_, ignored);
+      (void)detail::try_remove_tree(staging_);
     }
     throw;
   }
@@ -184,11 +183,11 @@ void prune_checkpoints(const fs::path& folder, int total_limit) {
   const size_t excess = checkpoints.size() - static_cast<size_t>(total_limit);
   for (size_t i = 0; i < excess; ++i) {
     const auto deleting = deleting_of(checkpoints[i].second);
-    fs::remove_all(deleting);
+    detail::remove_tree(deleting);
     fs::rename(checkpoints[i].second, deleting);
   }
   fsync_directory(folder.string());
-  for (size_t i = 0; i < excess; ++i) fs::remove_all(deleting_of(checkpoints[i].second));
+  for (size_t i = 0; i < excess; ++i) detail::remove_tree(deleting_of(checkpoints[i].second));
 }
 
 void checkpoint_file_written(const PartialState& state) {

@@ -4,6 +4,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <dirent.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
@@ -126,6 +128,57 @@ void fsync_file(const std::string& path) {
   Fd f{::open(path.c_str(), O_RDONLY | O_CLOEXEC)};
   if (f.fd < 0) fail("open", path, errno);
   if (::fsync(f.fd) != 0) fail("flush", path, errno);
+}
+
+// Note [Removing a tree]
+// PyTorch's pip wheels (seen with 2.11, CUDA 13) export from libtorch.so their own copy of
+// std::filesystem::remove_all, and the dynamic linker binds this library's calls to it; that copy
+// jumps to a null address. Every folder this project removes (checkpoint staging and rotation,
+// scratch folders, merged inputs, the tests' temporary folders) therefore goes through
+// remove_tree: unlinkat on each entry, depth first, through descriptors, so that a symbolic link
+// is removed and never followed.
+
+namespace {
+
+// Removes `name` in the folder `parent` (a descriptor, or AT_FDCWD) with everything under it;
+// 0 or the system's error number.
+int remove_entry(int parent, const char* name) {
+  if (::unlinkat(parent, name, 0) == 0 || errno == ENOENT) return 0;
+  if (errno != EISDIR && errno != EPERM) return errno;  // Linux answers EISDIR for a folder
+  const int fd = ::openat(parent, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) return errno == ENOENT ? 0 : errno;
+  DIR* dir = ::fdopendir(fd);
+  if (dir == nullptr) {
+    const int error = errno;
+    ::close(fd);
+    return error;
+  }
+  int error = 0;
+  while (error == 0) {
+    errno = 0;
+    const dirent* entry = ::readdir(dir);
+    if (entry == nullptr) {
+      error = errno;
+      break;
+    }
+    if (std::strcmp(entry->d_name, ".") == 0 || std::strcmp(entry->d_name, "..") == 0) continue;
+    error = remove_entry(::dirfd(dir), entry->d_name);
+  }
+  ::closedir(dir);
+  if (error != 0) return error;
+  if (::unlinkat(parent, name, AT_REMOVEDIR) != 0 && errno != ENOENT) return errno;
+  return 0;
+}
+
+}  // namespace
+
+int try_remove_tree(const std::filesystem::path& path) noexcept {
+  if (path.empty()) return ENOENT;
+  return remove_entry(AT_FDCWD, path.c_str());
+}
+
+void remove_tree(const std::filesystem::path& path) {
+  if (const int error = try_remove_tree(path)) fail("remove", path.string(), error);
 }
 
 }  // namespace accelerate::detail

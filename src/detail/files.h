@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <filesystem>
 #include <functional>
 #include <string>
 
@@ -48,5 +49,12 @@ void write_all(int fd, const char* data, size_t size, const std::string& path);
 void fsync_directory(const std::string& path);
 /// Flushes the data of the existing file `path` to the disk.
 void fsync_file(const std::string& path);
+
+/// Removes `path` and everything under it, as std::filesystem::remove_all does: symbolic links
+/// are removed, never followed, and a missing path is no error. Raises naming the path that could
+/// not be removed. See Note [Removing a tree] for why this is not std::filesystem::remove_all.
+void remove_tree(const std::filesystem::path& path);
+/// The same without raising: 0 when `path` is gone, else the system's error number.
+int try_remove_tree(const std::filesystem::path& path) noexcept;
 
 }  // namespace accelerate::detail

@@ -144,7 +144,7 @@ Rendezvous rendezvous(const RendezvousConfig& config) {
     options->devices.push_back(gloo_device(topo));
     out.process_group = compat::as_process_group(
         c10::make_intrusive<c10d::ProcessGroupGloo>(pg_store, topo.rank, topo.world_size, options), pg_store, "gloo",
-        c10::kCPU);
+        {c10::kCPU, c10::kCUDA});  // Gloo also serves CUDA tensors (staged through host memory)
 #else
     C10_THROW_ERROR(Error, c10::str("[PartialState] this LibTorch was built without Gloo; use backend \"nccl\" or \"mpi\""));
 #endif
@@ -154,7 +154,7 @@ Rendezvous rendezvous(const RendezvousConfig& config) {
     options->timeout = config.collective_timeout;
     out.process_group = compat::as_process_group(
         c10::make_intrusive<c10d::ProcessGroupNCCL>(pg_store, topo.rank, topo.world_size, options), pg_store, "nccl",
-        c10::kCUDA);
+        {c10::kCUDA});
 #else
     C10_THROW_ERROR(Error, c10::str("[PartialState] backend \"nccl\" needs a LibTorch built with CUDA and NCCL; this one has none "
                        "(use \"gloo\")"));

@@ -849,7 +849,7 @@ c10::intrusive_ptr<c10d::ProcessGroup> make_mpi_process_group(const Topology& to
                     topology.world_size, "; leave RANK/WORLD_SIZE unset under mpirun");
   return compat::as_process_group(
       c10::make_intrusive<ProcessGroupMPI>(std::move(runtime), topology.rank, topology.world_size, timeout),
-      store ? store : c10::intrusive_ptr<c10d::Store>(c10::make_intrusive<c10d::HashStore>()), "mpi", c10::kCPU);
+      store ? store : c10::intrusive_ptr<c10d::Store>(c10::make_intrusive<c10d::HashStore>()), "mpi", {c10::kCPU});
 }
 
 }  // namespace accelerate::detail

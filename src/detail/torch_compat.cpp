@@ -15,17 +15,18 @@ namespace accelerate::detail::compat {
 
 c10::intrusive_ptr<c10d::ProcessGroup> as_process_group(c10::intrusive_ptr<BackendBase> backend,
                                                         const c10::intrusive_ptr<c10d::Store>& store,
-                                                        const std::string& name, c10::DeviceType device) {
+                                                        const std::string& name,
+                                                        std::initializer_list<c10::DeviceType> devices) {
 #if TORCH_VERSION_MAJOR >= 2
   auto group = c10::make_intrusive<c10d::ProcessGroup>(store, backend->getRank(), backend->getSize());
   const auto type = c10d::ProcessGroup::strToBackendType(name);
-  group->setBackend(device, type, backend);
+  for (const auto device : devices) group->setBackend(device, type, backend);
   group->setDefaultBackend(type);
   return group;
 #else
   (void)store;
   (void)name;
-  (void)device;
+  (void)devices;
   return backend;
 #endif
 }

@@ -31,6 +31,7 @@
 #endif
 
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <string>
 #include <unordered_map>
@@ -53,10 +54,12 @@ using BackendBase = c10d::ProcessGroup;
 #endif
 
 /// The process group that c10d's users (the Reducer, collectives) hold, over `backend`, which
-/// serves tensors on `device`. `name` is c10d's name of the back-end ("gloo", "nccl", "mpi").
+/// serves tensors on each of `devices` (LibTorch 2.x refuses a collective on tensors of a device
+/// type the group has no back-end for). `name` is c10d's name of the back-end ("gloo", "nccl", "mpi").
 c10::intrusive_ptr<c10d::ProcessGroup> as_process_group(c10::intrusive_ptr<BackendBase> backend,
                                                         const c10::intrusive_ptr<c10d::Store>& store,
-                                                        const std::string& name, c10::DeviceType device);
+                                                        const std::string& name,
+                                                        std::initializer_list<c10::DeviceType> devices);
 
 /// Gathers every rank's `input` into the flat `output` (c10d's `_allgather_base`, renamed
 /// `all_gather_single` by 2.14) and reduce-scatters the flat `input` into `output` (sum).

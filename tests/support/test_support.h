@@ -5,6 +5,7 @@
 #include "accelerate/logging.h"
 #include "accelerate/state.h"
 #include "detail/errors.h"
+#include "detail/files.h"
 
 #include <gtest/gtest.h>
 
@@ -27,10 +28,7 @@ class TempDir {
     std::string tmpl = (std::filesystem::temp_directory_path() / "accelerate-test-XXXXXX").string();
     path_ = ::mkdtemp(tmpl.data());
   }
-  ~TempDir() {
-    std::error_code ignored;
-    std::filesystem::remove_all(path_, ignored);
-  }
+  ~TempDir() { (void)detail::try_remove_tree(path_); }
   TempDir(const TempDir&) = delete;
   TempDir& operator=(const TempDir&) = delete;
   const std::filesystem::path& path() const { return path_; }

@@ -1,0 +1,64 @@
+// Fully sharded data parallelism on CUDA tensors, in real processes started by `accelerate
+// launch` (tests/multiprocess/programs/fsdp.cpp): two processes shard the model on the GPU and
+// end where one process ends on the whole batches, in fp32 and with bf16 autocast, and a sharded
+// checkpoint of GPU shards resumes. With one GPU both processes share it over Gloo (NCCL refuses
+// two ranks on one device); with two or more each has its own, over NCCL. Ranks as threads cannot
+// do this on one GPU: autograd runs every CUDA backward of a process on one thread per device, so
+// the second rank's backward waits behind the first's gather.
+#include "support/gpu.h"
+#include "support/process.h"
+#include "support/test_support.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+namespace accelerate::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+auto launch_fsdp(const TempDir& dir, std::vector<std::string> flags, const std::string& mode = "") {
+  std::vector<std::string> argv = {accelerate_bin(), "launch", "-n", "2", "--main_process_port", "0", "--use_fsdp",
+                                   "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP",
+                                   "--fsdp_transformer_layer_cls_to_wrap", "Block"};
+  if (cuda_device_count() < 2) flags.insert(flags.begin(), {"--backend", "gloo"});
+  argv.insert(argv.end(), flags.begin(), flags.end());
+  argv.push_back(built("tests/mp_fsdp"));
+  argv.push_back(dir.str());
+  if (!mode.empty()) argv.push_back(mode);
+  return run(argv, 240);
+}
+
+TEST(CudaFsdp, TwoGpuProcessesEndWhereOneProcessEndsInFp32AndBf16) {
+  SKIP_WITHOUT_GPUS(1);
+  for (const char* precision : {"no", "bf16"}) {
+    TempDir dir;
+    auto r = launch_fsdp(dir, {"--mixed_precision", precision});
+    ASSERT_EQ(r->exit_code(), 0) << precision << "\n" << r->out << r->err;
+    EXPECT_THAT(r->out, HasSubstr("[rank0]: fsdp: OK (FULL_SHARD, 2 processes")) << r->out;
+  }
+}
+
+TEST(CudaFsdp, Fp16LossScalingOfGpuShardsEndsWhereOneProcessEnds) {
+  SKIP_WITHOUT_GPUS(1);
+  // Each process sees only its rows' gradients; the processes agree on overflow before stepping.
+  TempDir dir;
+  auto r = launch_fsdp(dir, {"--mixed_precision", "fp16"});
+  ASSERT_EQ(r->exit_code(), 0) << r->out << r->err;
+  EXPECT_THAT(r->out, HasSubstr("[rank0]: fsdp: OK (FULL_SHARD, 2 processes")) << r->out;
+}
+
+TEST(CudaFsdp, AShardedCheckpointOfGpuShardsResumes) {
+  SKIP_WITHOUT_GPUS(1);
+  TempDir dir;
+  const std::vector<std::string> sharded = {"--fsdp_state_dict_type", "SHARDED_STATE_DICT"};
+  auto saved = launch_fsdp(dir, sharded, "save");
+  ASSERT_EQ(saved->exit_code(), 0) << saved->out << saved->err;
+  EXPECT_TRUE(std::filesystem::is_regular_file(dir.path() / "checkpoint" / "pytorch_model_fsdp_0" / "index.json"));
+  auto resumed = launch_fsdp(dir, sharded, "resume");
+  ASSERT_EQ(resumed->exit_code(), 0) << resumed->out << resumed->err;
+  EXPECT_THAT(resumed->out, HasSubstr("[rank0]: fsdp: OK")) << resumed->out;
+}
+
+}  // namespace
+}  // namespace accelerate::testing
