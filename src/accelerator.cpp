@@ -140,6 +140,15 @@ Accelerator::Accelerator(const AcceleratorOptions& options)
   if (impl_->project.logging_dir.empty()) impl_->project.logging_dir = impl_->project.project_dir;
   impl_->log_with = detail::filter_trackers(options.log_with, impl_->project.logging_dir, "Accelerator");
   impl_->fsdp = fsdp_plugin_of(options, state_.num_processes());
+  // As upstream's set_mixed_precision: a plugin without a policy computes, reduces and keeps its
+  // buffers in the Accelerator's mixed precision (its autocast stays on as well).
+  if (impl_->fsdp && state_.mixed_precision() != PrecisionType::kNo) {
+    auto& policy = impl_->fsdp->mixed_precision_policy;
+    if (policy.param_dtype.empty() && policy.reduce_dtype.empty() && policy.buffer_dtype.empty()) {
+      const std::string dtype = to_string(state_.mixed_precision());
+      policy = FsdpMixedPrecisionPolicy{dtype, dtype, dtype};
+    }
+  }
   if (impl_->fsdp) (void)detail::resolve_fsdp_plugin(*impl_->fsdp, state_.device());  // refuse bad settings now
   if (state_.mixed_precision() == PrecisionType::kFp16 && state_.device().is_cuda()) {
     impl_->scaler = get_grad_scaler(distributed_type(), options.scaler_kwargs);

@@ -385,6 +385,9 @@ DistributedDataParallel DistributedDataParallel::local(std::shared_ptr<torch::nn
 const std::shared_ptr<torch::nn::Module>& DistributedDataParallel::module() const { return impl_->module; }
 bool DistributedDataParallel::is_distributed() const { return impl_->reducer != nullptr || impl_->fsdp != nullptr; }
 bool DistributedDataParallel::is_fully_sharded() const { return impl_->fsdp != nullptr; }
+at::Tensor DistributedDataParallel::cast_forward_input(const at::Tensor& input) const {
+  return impl_->fsdp ? impl_->fsdp->cast_forward_input(input) : input;
+}
 
 namespace detail {
 FsdpEngine* fsdp_engine(const DistributedDataParallel& model) { return model.impl()->fsdp.get(); }

@@ -391,6 +391,220 @@ TEST(FullyShardedDataParallel, TheLossScalerSkipsTheStepOnEveryProcessWhenOnePro
   }
 }
 
+// Two units that share one weight (tied parameters): the shared weight belongs to the root.
+struct TiedBlockImpl : torch::nn::Module {
+  explicit TiedBlockImpl(torch::Tensor shared) {
+    weight = register_parameter("weight", std::move(shared));
+    bias = register_parameter("bias", torch::zeros({6}));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return torch::tanh(torch::nn::functional::linear(x, weight, bias)) + x; }
+  torch::Tensor weight, bias;
+};
+TORCH_MODULE(TiedBlock);
+
+struct TiedImpl : torch::nn::Module {
+  TiedImpl() : embed(register_module("embed", torch::nn::Linear(5, 6))), head(register_module("head", torch::nn::Linear(6, 3))) {
+    auto shared = torch::linspace(-0.3, 0.3, 36).reshape({6, 6});
+    blocks = register_module("blocks", torch::nn::Sequential(TiedBlock(shared), TiedBlock(shared)));
+    torch::NoGradGuard no_grad;
+    int i = 0;
+    for (auto& p : parameters()) p.copy_(torch::linspace(-0.4, 0.6, p.numel()).reshape(p.sizes()) * (1 + 0.1 * i++));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return head(accelerate::forward(blocks, embed(x))); }
+  torch::nn::Linear embed, head;
+  torch::nn::Sequential blocks{nullptr};
+};
+TORCH_MODULE(Tied);
+
+// Each parameter once (LibTorch's `parameters()` lists a tied one under each of its names).
+std::vector<torch::Tensor> unique_parameters(const torch::nn::Module& m) {
+  std::vector<torch::Tensor> out;
+  for (const auto& p : m.parameters()) {
+    const bool seen = std::any_of(out.begin(), out.end(), [&](const torch::Tensor& q) { return q.is_same(p); });
+    if (!seen) out.push_back(p);
+  }
+  return out;
+}
+
+TEST(FullyShardedDataParallel, AWeightTiedBetweenTwoUnitsTrainsAsOnOneProcessAndStaysTied) {
+  Tied single;
+  ASSERT_EQ(unique_parameters(*single).size(), 7u) << "the two blocks must share one weight";
+  torch::optim::AdamW reference_opt(unique_parameters(*single), torch::optim::AdamWOptions(0.05));
+  for (int s = 0; s < 3; ++s) {
+    reference_opt.zero_grad();
+    torch::nn::functional::cross_entropy(single(batch() * (1 + 0.5 * s)), labels()).backward();
+    reference_opt.step();
+  }
+  const auto expected = as_map(single->named_parameters());
+  AcceleratorOptions options;
+  options.fsdp_plugin = FullyShardedDataParallelPlugin{.auto_wrap_policy = FsdpAutoWrapPolicy::kTransformerBasedWrap,
+                                                       .transformer_cls_names_to_wrap = {"TiedBlock"}};
+  run_accelerators(
+      2,
+      [&](const Accelerator& acc, int rank) {
+        Tied net;
+        auto [model, opt] = acc.prepare(
+            net, std::make_shared<torch::optim::AdamW>(unique_parameters(*net), torch::optim::AdamWOptions(0.05)));
+        EXPECT_EQ(detail::fsdp_engine(model.ddp())->unit_names().size(), 3u);
+        for (int s = 0; s < 3; ++s) {
+          opt.zero_grad();
+          auto x = (batch() * (1 + 0.5 * s)).narrow(0, rank * 4, 4);
+          acc.backward(torch::nn::functional::cross_entropy(model(x), labels().narrow(0, rank * 4, 4)));
+          opt.step();
+        }
+        const auto got = as_map(acc.get_state_dict(model));
+        expect_close(got, expected);
+        // Both names of the tied weight hold the same values after training.
+        EXPECT_TRUE(torch::equal(net->blocks[0]->as<TiedBlockImpl>()->weight, net->blocks[1]->as<TiedBlockImpl>()->weight));
+      },
+      options);
+}
+
+// A unit that records the dtypes it computes in.
+struct ProbeImpl : torch::nn::Module {
+  ProbeImpl() : fc(register_module("fc", torch::nn::Linear(6, 6))) { offset = register_buffer("offset", torch::full({6}, 0.25)); }
+  torch::Tensor forward(const torch::Tensor& x) {
+    input_dtype = x.scalar_type();
+    weight_dtype = fc->weight.scalar_type();
+    buffer_dtype = offset.scalar_type();
+    return torch::tanh(fc(x)) + x + offset;
+  }
+  torch::nn::Linear fc;
+  torch::Tensor offset;
+  c10::ScalarType input_dtype = c10::kLong, weight_dtype = c10::kLong, buffer_dtype = c10::kLong;
+};
+TORCH_MODULE(Probe);
+
+struct ProbedImpl : torch::nn::Module {
+  ProbedImpl()
+      : embed(register_module("embed", torch::nn::Linear(5, 6))),
+        blocks(register_module("blocks", torch::nn::Sequential(Probe(), Probe()))),
+        head(register_module("head", torch::nn::Linear(6, 3))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    root_input_dtype = x.scalar_type();
+    return head(accelerate::forward(blocks, embed(x)));
+  }
+  torch::nn::Linear embed;
+  torch::nn::Sequential blocks;
+  torch::nn::Linear head;
+  c10::ScalarType root_input_dtype = c10::kLong;
+};
+TORCH_MODULE(Probed);
+
+Probed make_probed() {
+  Probed net;
+  torch::NoGradGuard no_grad;
+  int i = 0;
+  for (auto& p : net->parameters()) p.copy_(torch::linspace(-0.4, 0.6, p.numel()).reshape(p.sizes()) * (1 + 0.1 * i++));
+  return net;
+}
+
+// Three SGD steps of the probed model, on one process or sharded over `ranks`; the whole model after.
+std::map<std::string, torch::Tensor> probed_run(int ranks, FullyShardedDataParallelPlugin plugin,
+                                                std::function<void(const Accelerator&, Probed&)> check = {}) {
+  std::map<std::string, torch::Tensor> out;
+  AcceleratorOptions options;
+  options.fsdp_plugin = plugin;
+  run_accelerators(
+      ranks,
+      [&](const Accelerator& acc, int rank) {
+        Probed net = make_probed();
+        auto [model, opt] = acc.prepare(net, std::make_shared<torch::optim::SGD>(net->parameters(), 0.1));
+        const int64_t per = kRows / ranks;
+        for (int s = 0; s < 3; ++s) {
+          opt.zero_grad();
+          auto x = (batch() * (1 + 0.5 * s)).narrow(0, rank * per, per);
+          auto logits = model(x).to(torch::kFloat);
+          acc.backward(torch::nn::functional::cross_entropy(logits, labels().narrow(0, rank * per, per)));
+          opt.step();
+        }
+        if (check) check(acc, net);
+        auto whole = as_map(acc.get_state_dict(model));
+        if (rank == 0) out = whole;
+      },
+      options);
+  return out;
+}
+
+TEST(FullyShardedMixedPrecision, UnitsComputeInTheParamDtypeWhileShardsGradientsAndBuffersKeepTheirOwn) {
+  const auto fp32 = probed_run(2, {.auto_wrap_policy = FsdpAutoWrapPolicy::kTransformerBasedWrap,
+                                   .transformer_cls_names_to_wrap = {"Probe"}});
+  for (auto strategy : {FsdpShardingStrategy::kFullShard, FsdpShardingStrategy::kNoShard}) {
+    SCOPED_TRACE(to_string(strategy));
+    FullyShardedDataParallelPlugin plugin{.sharding_strategy = strategy,
+                                          .mixed_precision_policy = {"bf16", "", "bf16"},
+                                          .auto_wrap_policy = FsdpAutoWrapPolicy::kTransformerBasedWrap,
+                                          .transformer_cls_names_to_wrap = {"Probe"}};
+    const auto got = probed_run(2, plugin, [](const Accelerator&, Probed& net) {
+      EXPECT_EQ(net->root_input_dtype, c10::kBFloat16) << "the model's call did not cast its input";
+      for (const auto& block : *net->blocks) {
+        const auto& probe = *block.ptr()->as<ProbeImpl>();
+        EXPECT_EQ(probe.input_dtype, c10::kBFloat16);
+        EXPECT_EQ(probe.weight_dtype, c10::kBFloat16);
+        EXPECT_EQ(probe.buffer_dtype, c10::kBFloat16);
+      }
+      // At rest: the shards, their gradients (what SGD stepped) and the root's in their own dtype.
+      for (const auto& p : net->parameters()) {
+        EXPECT_EQ(p.scalar_type(), c10::kFloat);
+        EXPECT_EQ(p.grad().scalar_type(), c10::kFloat);
+      }
+    });
+    ASSERT_EQ(got.size(), fp32.size());
+    bool all_equal = true;
+    for (const auto& [name, value] : fp32) {
+      EXPECT_EQ(got.at(name).scalar_type(), c10::kFloat) << name;  // buffers too, as saved
+      // bf16 rounds the forward and backward passes; SGD's steps stay close to fp32's.
+      EXPECT_TRUE(torch::allclose(got.at(name), value, 0, 2e-2)) << name << "\n" << got.at(name) << "\n" << value;
+      all_equal = all_equal && torch::equal(got.at(name), value);
+    }
+    EXPECT_FALSE(all_equal) << "bf16 computed exactly what fp32 did: the policy had no effect";
+  }
+}
+
+TEST(FullyShardedMixedPrecision, AReduceDtypeOfFp16OverflowsWhereTheParametersOwnDtypeDoesNot) {
+  for (const char* reduce : {"", "fp16"}) {
+    std::vector<int> finite(2, -1);
+    AcceleratorOptions options;
+    options.fsdp_plugin = FullyShardedDataParallelPlugin{.mixed_precision_policy = {.reduce_dtype = reduce}};
+    run_accelerators(
+        2,
+        [&](const Accelerator& acc, int rank) {
+          Tiny net = make_tiny();
+          auto [model, opt] = acc.prepare(net, std::make_shared<torch::optim::SGD>(net->parameters(), 0.1));
+          auto x = batch().narrow(0, rank * 4, 4);
+          // Gradients of about 1e6: beyond fp16's largest value, 65504.
+          acc.backward(1e6 * torch::nn::functional::cross_entropy(model(x), labels().narrow(0, rank * 4, 4)));
+          bool ok = true;
+          for (const auto& p : net->parameters()) {
+            EXPECT_EQ(p.grad().scalar_type(), c10::kFloat);
+            ok = ok && torch::isfinite(p.grad()).all().item<bool>();
+          }
+          finite[rank] = ok ? 1 : 0;
+        },
+        options);
+    EXPECT_EQ(finite, (std::string(reduce).empty() ? std::vector<int>{1, 1} : std::vector<int>{0, 0}))
+        << "reduce_dtype \"" << reduce << "\"";
+  }
+}
+
+TEST(FullyShardedMixedPrecision, TheAcceleratorsMixedPrecisionFillsAnEmptyPolicyAndLeavesAGivenOne) {
+  std::vector<FsdpMixedPrecisionPolicy> seen(2);
+  for (bool given : {false, true}) {
+    AcceleratorOptions options;
+    options.mixed_precision = "bf16";
+    options.fsdp_plugin = FullyShardedDataParallelPlugin{};
+    if (given) options.fsdp_plugin->mixed_precision_policy.param_dtype = "fp32";
+    run_accelerators(
+        2, [&](const Accelerator& acc, int rank) { seen[rank] = acc.fsdp_plugin()->mixed_precision_policy; },
+        options);
+    for (const auto& policy : seen) {
+      EXPECT_EQ(policy.param_dtype, given ? "fp32" : "bf16");
+      EXPECT_EQ(policy.reduce_dtype, given ? "" : "bf16");
+      EXPECT_EQ(policy.buffer_dtype, given ? "" : "bf16");
+    }
+  }
+}
+
 TEST(FullyShardedDataParallel, ParsesUpstreamsSpellingsAndNumbers) {
   EXPECT_EQ(parse_fsdp_sharding_strategy("full_shard"), FsdpShardingStrategy::kFullShard);
   EXPECT_EQ(parse_fsdp_sharding_strategy("2"), FsdpShardingStrategy::kShardGradOp);
@@ -440,7 +654,9 @@ TEST(FullyShardedDataParallel, UnsupportedOrContradictorySettingsAreRefusedByNam
   refuse({.sharding_strategy = FsdpShardingStrategy::kFullShard, .reshard_after_forward = false}, "contradict");
   refuse({.backward_prefetch = FsdpBackwardPrefetch::kBackwardPre}, "backward_prefetch BACKWARD_PRE is not supported");
   refuse({.forward_prefetch = true}, "forward_prefetch is not supported yet");
-  refuse({.mixed_precision_policy = {.param_dtype = "bf16"}}, "mixed_precision_policy is not supported yet");
+  refuse({.mixed_precision_policy = {.reduce_dtype = "int8"}},
+         "mixed_precision_policy.reduce_dtype must be one of fp32, bf16, fp16 or fp64 (or empty for the "
+         "parameters' own dtype), got \"int8\"");
   refuse({.auto_wrap_policy = FsdpAutoWrapPolicy::kTransformerBasedWrap}, "needs transformer_cls_names_to_wrap");
   refuse({.min_num_params = 0}, "min_num_params must be positive");
   refuse({.sync_module_states = false, .cpu_ram_efficient_loading = true}, "needs sync_module_states");

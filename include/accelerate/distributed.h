@@ -77,6 +77,9 @@ class DistributedDataParallel {
   bool is_distributed() const;
   /// Whether the model is fully sharded (`fully_sharded` with more than one process).
   bool is_fully_sharded() const;
+  /// `input` as the model's call passes it on: a floating tensor in the param_dtype of a fully
+  /// sharded model's mixed-precision policy (upstream casts the root's inputs too); else `input`.
+  at::Tensor cast_forward_input(const at::Tensor& input) const;
   /// The DDP settings.
   const DistributedDataParallelKwargs& kwargs() const;
   /// The forward-pass settings.
@@ -239,11 +242,11 @@ class PreparedModel {
     using Out = std::decay_t<decltype(std::declval<M&>()->forward(std::forward<Args>(args)...))>;
     if constexpr (std::is_void_v<Out>) {
       DistributedDataParallel::ForwardScope scope(ddp_);
-      module_->forward(std::forward<Args>(args)...);
+      module_->forward(input(std::forward<Args>(args))...);
     } else {
       Out output = [&] {
         DistributedDataParallel::ForwardScope scope(ddp_);
-        return module_->forward(std::forward<Args>(args)...);
+        return module_->forward(input(std::forward<Args>(args))...);
       }();
       return ddp_.finish_forward(std::move(output));
     }
@@ -263,6 +266,17 @@ class PreparedModel {
   const DistributedDataParallel& ddp() const { return ddp_; }
 
  private:
+  // A tensor argument as the engine passes it on (DistributedDataParallel::cast_forward_input);
+  // every other argument as it is.
+  template <typename A>
+  decltype(auto) input(A&& arg) const {
+    if constexpr (std::is_same_v<std::decay_t<A>, at::Tensor>) {
+      return ddp_.cast_forward_input(arg);
+    } else {
+      return std::forward<A>(arg);
+    }
+  }
+
   // A handle: calling through a const PreparedModel still runs (and may change) the module,
   // as calling through a const std::shared_ptr does.
   mutable M module_;

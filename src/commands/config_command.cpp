@@ -14,6 +14,8 @@
 #include <functional>
 #include <iostream>
 #include <istream>
+#include <limits>
+#include <map>
 #include <ostream>
 #include <unistd.h>
 
@@ -142,6 +144,57 @@ class Prompter {
   QuestionnaireOptions options_;
 };
 
+// The fully sharded questions (upstream's, less the settings accelerate-cpp does not support yet),
+// answered into `fsdp`, the config file's `fsdp_config` section.
+void ask_fsdp(Prompter& ask, std::map<std::string, std::string>& fsdp) {
+  const int version = ask.integer("What should be your FSDP version (1 or 2)? [2]: ", 1, 2, 2);
+  fsdp["fsdp_version"] = std::to_string(version);
+  if (version == 1) {
+    static const std::array<const char*, 3> strategies = {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"};
+    const int strategy = ask.choose("What should be your sharding strategy? (hybrid sharding is not supported yet)",
+                                    {{"FULL_SHARD"}, {"SHARD_GRAD_OP"}, {"NO_SHARD"}});
+    fsdp["fsdp_sharding_strategy"] = strategies[strategy];
+  } else {
+    const bool reshard = ask.yes_no(
+        "Do you want to free each unit's gathered parameters after its forward, gathering them again for its "
+        "backward (reshard_after_forward)? [YES/no]: ",
+        true);
+    fsdp["fsdp_reshard_after_forward"] = reshard ? "true" : "false";
+  }
+  static const std::array<const char*, 3> policies = {"TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"};
+  const int policy = ask.choose("What should be your auto wrap policy?",
+                                {{"TRANSFORMER_BASED_WRAP"}, {"SIZE_BASED_WRAP"}, {"NO_WRAP"}});
+  fsdp["fsdp_auto_wrap_policy"] = policies[policy];
+  if (policy == 0) {
+    fsdp["fsdp_transformer_layer_cls_to_wrap"] = ask.ask<std::string>(
+        "Specify the comma-separated list of module class names to wrap, each block of your model a unit "
+        "(e.g. `Block` for TORCH_MODULE(Block)): ",
+        [](const std::string& answer) { return answer; }, std::nullopt);  // required: no default
+  } else if (policy == 1) {
+    fsdp["fsdp_min_num_params"] = std::to_string(
+        ask.integer("What should be the minimum number of parameters of a unit? [100000000]: ", 1,
+                    std::numeric_limits<int>::max(), 100000000));
+  }
+  static const std::array<const char*, 3> types = {"FULL_STATE_DICT", "LOCAL_STATE_DICT", "SHARDED_STATE_DICT"};
+  const int type = ask.choose("What should be your FSDP's state dict type?",
+                              {{"FULL_STATE_DICT"}, {"LOCAL_STATE_DICT"}, {"SHARDED_STATE_DICT"}});
+  fsdp["fsdp_state_dict_type"] = types[type];
+  const bool efficient = ask.yes_no(
+      "Do you want to enable CPU RAM efficient model loading (process 0 holds the values, the others build the "
+      "model on the meta device)? [yes/NO]: ",
+      false);
+  fsdp["fsdp_cpu_ram_efficient_loading"] = efficient ? "true" : "false";
+  // Efficient loading needs process 0's values broadcast, as upstream sets it.
+  const bool sync = efficient || ask.yes_no(
+                                     "Do you want each process to start from process 0's parameters and buffers "
+                                     "(sync_module_states)? [YES/no]: ",
+                                     true);
+  fsdp["fsdp_sync_module_states"] = sync ? "true" : "false";
+  ask.say(
+      "Not asked: CPU offload, backward and forward prefetching, activation checkpointing and use_orig_params=false "
+      "are not supported yet by accelerate-cpp.");
+}
+
 }  // namespace
 
 ClusterConfig get_user_input(std::istream& in, std::ostream& out, const QuestionnaireOptions& options) {
@@ -186,6 +239,8 @@ ClusterConfig get_user_input(std::istream& in, std::ostream& out, const Question
         "Should distributed operations be checked while running for errors? This can avoid timeout issues but will "
         "be slower. [yes/NO]: ",
         false);
+    config.use_fsdp = ask.yes_no("Do you want to use FullyShardedDataParallel? [yes/NO]: ", false);
+    if (config.use_fsdp) ask_fsdp(ask, config.fsdp_config);
   }
 
   if (config.distributed_type == DistributedType::kNo) {
@@ -196,7 +251,7 @@ ClusterConfig get_user_input(std::istream& in, std::ostream& out, const Question
   }
 
   ask.say(
-      "Not asked: launching through mpirun, TorchDynamo, DeepSpeed, FullyShardedDataParallel, Megatron-LM and TPU "
+      "Not asked: launching through mpirun, TorchDynamo, DeepSpeed, Megatron-LM and TPU "
       "settings are Python-only integrations that accelerate-cpp does not support.");
 
   if (multi) {

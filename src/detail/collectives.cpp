@@ -180,17 +180,38 @@ void all_gather_into(const PartialState& state, at::Tensor& output, at::Tensor& 
   }
   verify_collective(state, api, input, ShapeCheck::kExact);
   auto pg = process_group(state, api);
+  // Gathering moves bits: bf16 values travel as fp16 ones of the same bits, which every back-end
+  // moves (Gloo of LibTorch 1.13 refuses bf16, and 16-bit integers too).
+  const bool as_bits = input.scalar_type() == at::kBFloat16;
+  at::Tensor in = as_bits ? input.view(at::kHalf) : input;
+  at::Tensor out = as_bits ? output.view(at::kHalf) : output;
   if (compat::has_flat_collectives(*pg)) {
-    wait(state, compat::all_gather_single(*pg, output, input), api);
+    wait(state, compat::all_gather_single(*pg, out, in), api);
     return;
   }
   // The list form, into views of `output` (Note [LibTorch releases]).
   std::vector<std::vector<at::Tensor>> outputs(1);
-  const int64_t n = input.numel();
-  for (int r = 0; r < state.num_processes(); ++r) outputs[0].push_back(output.narrow(0, r * n, n));
-  std::vector<at::Tensor> inputs{input};
+  const int64_t n = in.numel();
+  for (int r = 0; r < state.num_processes(); ++r) outputs[0].push_back(out.narrow(0, r * n, n));
+  std::vector<at::Tensor> inputs{in};
   wait(state, pg->allgather(outputs, inputs), api);
 }
+
+namespace {
+
+// Starts the sum of `input` over the processes, this process's piece into `output`.
+PendingCollective start_reduce_scatter(const PartialState& state, const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
+                                       at::Tensor& output, at::Tensor& input) {
+  if (compat::has_flat_collectives(*pg)) return {compat::reduce_scatter_single(*pg, output, input), nullptr};
+  // An allreduce of the whole input, of which this process keeps its piece: the same sums.
+  std::vector<at::Tensor> tensors{input};
+  const int64_t offset = static_cast<int64_t>(state.process_index()) * output.numel();
+  return {pg->allreduce(tensors), [output, input, offset]() mutable {
+            output.copy_(input.narrow(0, offset, output.numel()));
+          }};
+}
+
+}  // namespace
 
 PendingCollective reduce_scatter_sum_async(const PartialState& state, at::Tensor& output, at::Tensor& input,
                                            const char* api) {
@@ -200,13 +221,18 @@ PendingCollective reduce_scatter_sum_async(const PartialState& state, at::Tensor
   }
   verify_collective(state, api, input, ShapeCheck::kExact);
   auto pg = process_group(state, api);
-  if (compat::has_flat_collectives(*pg)) return {compat::reduce_scatter_single(*pg, output, input), nullptr};
-  // An allreduce of the whole input, of which this process keeps its piece: the same sums.
-  std::vector<at::Tensor> tensors{input};
-  const int64_t offset = static_cast<int64_t>(state.process_index()) * output.numel();
-  return {pg->allreduce(tensors), [output, input, offset]() mutable {
-            output.copy_(input.narrow(0, offset, output.numel()));
-          }};
+  if (needs_float_path(input) && pg->getBackendName() == "gloo") {
+    // Gloo does not sum half-precision types on every release: the sum runs in fp32 and is
+    // rounded once into `output` (as our MPI group does inside its reductions).
+    at::Tensor wide_input = input.to(at::kFloat);
+    at::Tensor wide_output = at::empty(output.sizes(), output.options().dtype(at::kFloat));
+    auto pending = start_reduce_scatter(state, pg, wide_output, wide_input);
+    return {pending.work, [finish = std::move(pending.finish), output, wide_output, wide_input]() mutable {
+              if (finish) finish();
+              output.copy_(wide_output);
+            }};
+  }
+  return start_reduce_scatter(state, pg, output, input);
 }
 
 void wait_collective(const PartialState& state, PendingCollective& pending, const char* api) {

@@ -49,6 +49,22 @@ namespace accelerate::detail {
 // backward pass. Inside `no_sync` the whole gradients accumulate and the reduction waits for the
 // synchronising pass. NO_SHARD keeps every parameter whole and averages gradients per unit.
 
+namespace {
+
+// A dtype of the mixed-precision policy by upstream's names, or none for an empty one.
+c10::optional<at::ScalarType> policy_dtype(const char* field, const std::string& name) {
+  if (name.empty()) return c10::nullopt;
+  if (name == "fp32" || name == "float32" || name == "float") return at::kFloat;
+  if (name == "bf16" || name == "bfloat16") return at::kBFloat16;
+  if (name == "fp16" || name == "float16" || name == "half") return at::kHalf;
+  if (name == "fp64" || name == "float64" || name == "double") return at::kDouble;
+  TORCH_CHECK_VALUE(false, "[FullyShardedDataParallelPlugin] mixed_precision_policy.", field, " must be one of fp32, ",
+                    "bf16, fp16 or fp64 (or empty for the parameters' own dtype), got \"", name, "\"");
+  return c10::nullopt;
+}
+
+}  // namespace
+
 FsdpSettings resolve_fsdp_plugin(const FullyShardedDataParallelPlugin& plugin, c10::Device device) {
   const auto env = [](const char* name) { return get_env(name); };
   const auto flag = [&](const std::optional<bool>& given, const char* name, bool fallback) {
@@ -119,9 +135,9 @@ FsdpSettings resolve_fsdp_plugin(const FullyShardedDataParallelPlugin& plugin, c
   s.limit_all_gathers = flag(plugin.limit_all_gathers, "FSDP_LIMIT_ALL_GATHERS", true);
 
   const auto& mp = plugin.mixed_precision_policy;
-  TORCH_CHECK_VALUE(mp.param_dtype.empty() && mp.reduce_dtype.empty() && mp.buffer_dtype.empty(),
-                    "[FullyShardedDataParallelPlugin] mixed_precision_policy is not supported yet; use the "
-                    "Accelerator's mixed_precision (autocast) instead");
+  s.param_dtype = policy_dtype("param_dtype", mp.param_dtype);
+  s.reduce_dtype = policy_dtype("reduce_dtype", mp.reduce_dtype);
+  s.buffer_dtype = policy_dtype("buffer_dtype", mp.buffer_dtype);
 
   if (plugin.auto_wrap_policy) {
     s.auto_wrap_policy = *plugin.auto_wrap_policy;
@@ -211,9 +227,11 @@ std::pair<int64_t, int64_t> rows_held(int64_t rows, int world, int rank) {
 namespace {
 
 struct DtypeGroup {
-  at::ScalarType dtype;
+  at::ScalarType dtype;        // of the shards (what the optimizer steps)
   std::vector<size_t> params;  // indices into the unit's params
   int64_t piece = 0;           // elements of one process's padded piece
+  at::ScalarType compute;      // of the whole parameters: the policy's param_dtype, else `dtype`
+  at::ScalarType reduce;       // of the gradients' reduction: reduce_dtype, else `compute`
 };
 
 struct Unit {
@@ -252,6 +270,8 @@ struct FsdpEngineImpl : std::enable_shared_from_this<FsdpEngineImpl> {
   std::shared_ptr<torch::nn::Module> module;
   std::vector<Unit> units;  // root first
   bool shard = true;        // false for NO_SHARD
+  bool cast = false;        // whole parameters in another dtype than the shards (param_dtype)
+  std::unordered_map<const void*, at::ScalarType> buffer_dtypes;  // buffers cast by buffer_dtype: their own dtype
   int world = 1;
   int rank = 0;
   bool callback_queued = false;
@@ -276,6 +296,16 @@ struct FsdpEngineImpl : std::enable_shared_from_this<FsdpEngineImpl> {
   void reduce(Unit& unit);
   void finish_reductions();
   at::Tensor whole_value(const ShardedParam& p);
+  // A buffer as state dicts hold it: in its own dtype when buffer_dtype cast it.
+  at::Tensor buffer_as_saved(const at::Tensor& b) const {
+    auto it = buffer_dtypes.find(b.unsafeGetTensorImpl());
+    return it == buffer_dtypes.end() ? b.detach() : b.detach().to(it->second);
+  }
+  // A floating input of a unit (or of the root) in the dtype the unit computes in.
+  at::Tensor cast_input(const at::Tensor& t) const {
+    if (!settings.param_dtype || !t.defined() || !at::isFloatingType(t.scalar_type())) return t;
+    return t.to(*settings.param_dtype);
+  }
 };
 
 namespace {
@@ -383,6 +413,7 @@ class UnitHook final : public ModelHook {
     if (!e) return;
     auto& u = e->units[unit_];
     e->gather(u);
+    for (auto& input : inputs) input = e->cast_input(input);
     if (!at::GradMode::is_enabled()) return;
     std::vector<size_t> positions;
     std::vector<at::Tensor> differentiable;
@@ -464,9 +495,19 @@ void FsdpEngineImpl::gather(Unit& unit) {
   if (unit.gathered) return;
   unit.gathered = true;
   torch::NoGradGuard no_grad;
-  if (!shard) return;
+  if (!shard) {
+    // NO_SHARD with a param_dtype: the whole parameters in that dtype, cast from the whole shards.
+    for (auto& p : unit.params) {
+      if (p.full.scalar_type() == p.shard.scalar_type()) continue;
+      pool.allocate_storage(p.full);
+      p.full.copy_(p.shard);
+      p.param.set_data(p.full);
+    }
+    return;
+  }
   for (auto& group : unit.groups) {
-    auto options = at::TensorOptions().dtype(group.dtype).device(state.device());
+    // Gathered in the compute dtype: the cast happens on the shards, and half the bytes travel.
+    auto options = at::TensorOptions().dtype(group.compute).device(state.device());
     auto piece = pool.empty(group.piece, options);
     for (size_t i : group.params) {
       const auto& p = unit.params[i];
@@ -497,8 +538,8 @@ void FsdpEngineImpl::gather(Unit& unit) {
 void FsdpEngineImpl::reshard(Unit& unit) {
   if (!unit.gathered) return;
   unit.gathered = false;
-  if (!shard) return;
   for (auto& p : unit.params) {
+    if (!shard && p.full.scalar_type() == p.shard.scalar_type()) continue;  // NO_SHARD: nothing to free
     p.param.set_data(p.shard);
     pool.free_storage(p.full);
   }
@@ -559,7 +600,7 @@ void FsdpEngineImpl::reduce(Unit& unit) {
   // before it is finished first, so at most one unit's whole gradients wait in a buffer.
   finish_reductions();
   for (auto& group : unit.groups) {
-    auto options = at::TensorOptions().dtype(group.dtype).device(state.device());
+    auto options = at::TensorOptions().dtype(group.reduce).device(state.device());
     bool any = false;
     for (size_t i : group.params) any = any || unit.params[i].param.requires_grad();
     if (!any) continue;
@@ -621,7 +662,8 @@ void FsdpEngineImpl::finish_reductions() {
         p.grad_at_rest.add_(reduced);
         p.param.mutable_grad() = p.grad_at_rest;
       } else {
-        p.param.mutable_grad() = reduced.clone();
+        // In the shards' dtype, which the optimizer steps (a copy either way: `mine` goes back to the pool).
+        p.param.mutable_grad() = reduced.to(p.shard.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
       }
       p.grad_at_rest = at::Tensor();
     }
@@ -803,7 +845,11 @@ FsdpEngine::FsdpEngine(std::shared_ptr<torch::nn::Module> module, const PartialS
       auto it = std::find_if(unit.groups.begin(), unit.groups.end(),
                              [&](const DtypeGroup& g) { return g.dtype == p.param.scalar_type(); });
       if (it == unit.groups.end()) {
-        unit.groups.push_back(DtypeGroup{p.param.scalar_type(), {}, 0});
+        const auto dtype = p.param.scalar_type();
+        const bool floating = at::isFloatingType(dtype);
+        const auto compute = floating && e.settings.param_dtype ? *e.settings.param_dtype : dtype;
+        const auto reduce = floating && e.settings.reduce_dtype ? *e.settings.reduce_dtype : compute;
+        unit.groups.push_back(DtypeGroup{dtype, {}, 0, compute, reduce});
         it = std::prev(unit.groups.end());
       }
       it->params.push_back(i);
@@ -812,21 +858,42 @@ FsdpEngine::FsdpEngine(std::shared_ptr<torch::nn::Module> module, const PartialS
     }
     for (auto& p : unit.params) {
       at::Tensor whole = p.param.detach();
+      const auto compute = std::find_if(unit.groups.begin(), unit.groups.end(), [&](const DtypeGroup& g) {
+                             return g.dtype == p.param.scalar_type();
+                           })->compute;
+      e.cast = e.cast || compute != p.param.scalar_type();
       if (e.shard) {
         const auto [first, n] = rows_held(p.rows, e.world, e.rank);
         auto rows = whole.reshape({p.rows, p.row_numel}).narrow(0, first, n);
         std::vector<int64_t> shard_shape = p.shape.empty() ? std::vector<int64_t>{1} : p.shape;
         shard_shape[0] = n;
         p.shard = rows.reshape(shard_shape).clone();
-        p.full = at::empty(p.shape, p.param.options().requires_grad(false));
+        p.full = at::empty(p.shape, p.param.options().dtype(compute).requires_grad(false));
         e.pool.free_storage(p.full);
         p.param.set_data(p.shard);
+      } else if (compute != p.param.scalar_type()) {
+        p.shard = whole;  // the whole parameter, kept in its dtype; `full` is its cast while gathered
+        p.full = at::empty(p.shape, p.param.options().dtype(compute).requires_grad(false));
+        e.pool.free_storage(p.full);
       } else {
         p.shard = whole;
         p.full = whole;
       }
     }
-    unit.gathered = !e.shard;
+    unit.gathered = !e.shard && !e.cast;
+  }
+  // buffer_dtype: floating buffers live in it from now on (upstream's buffers are cast once too),
+  // outside ignored modules; state dicts give them back in their own dtype.
+  if (e.settings.buffer_dtype) {
+    for (const auto& item : root.named_modules()) {
+      if (!owner(item.key())) continue;
+      for (const auto& b : item.value()->buffers(/*recurse=*/false)) {
+        if (!b.defined() || !at::isFloatingType(b.scalar_type()) || b.scalar_type() == *e.settings.buffer_dtype) continue;
+        e.buffer_dtypes[b.unsafeGetTensorImpl()] = b.scalar_type();
+        at::Tensor handle = b;
+        handle.set_data(b.detach().to(*e.settings.buffer_dtype));
+      }
+    }
   }
   // The pool holds at most a few units' worth: whole parameters, a gather and a reduction buffer.
   for (const auto& unit : e.units) {
@@ -874,6 +941,8 @@ void FsdpEngine::set_require_backward_grad_sync(bool sync) { impl_->require_sync
 
 void FsdpEngine::root_pre_forward() { impl_->gather(impl_->units[0]); }
 
+at::Tensor FsdpEngine::cast_forward_input(const at::Tensor& input) const { return impl_->cast_input(input); }
+
 void FsdpEngine::root_post_forward(const std::vector<at::Tensor>& outputs) {
   if (!at::GradMode::is_enabled()) {
     for (auto& unit : impl_->units) impl_->reshard(unit);
@@ -901,7 +970,7 @@ std::vector<std::pair<std::string, at::Tensor>> FsdpEngine::full_state_dict() {
     }
     out.emplace_back(item.key(), e.whole_value(e.units[it->second.first].params[it->second.second]));
   }
-  for (const auto& item : e.module->named_buffers()) out.emplace_back(item.key(), item.value().detach());
+  for (const auto& item : e.module->named_buffers()) out.emplace_back(item.key(), e.buffer_as_saved(item.value()));
   return out;
 }
 
@@ -940,7 +1009,7 @@ void FsdpEngine::load_full_state_dict(const std::vector<std::pair<std::string, a
     auto& unit = e.units[it->second.first];
     auto& p = unit.params[it->second.second];
     p.shard.copy_(local_rows(target, value));  // what the parameter holds at rest (all of it under NO_SHARD)
-    if (unit.gathered && e.shard) p.full.copy_(value);
+    if (unit.gathered && (e.shard || p.full.scalar_type() != p.shard.scalar_type())) p.full.copy_(value);
   }
 }
 
@@ -974,7 +1043,9 @@ at::Tensor FsdpEngine::whole_rows(const at::Tensor& param, const at::Tensor& loc
 std::vector<std::pair<std::string, at::Tensor>> FsdpEngine::local_state_dict() const {
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (const auto& item : impl_->module->named_parameters()) out.emplace_back(item.key(), item.value().detach());
-  for (const auto& item : impl_->module->named_buffers()) out.emplace_back(item.key(), item.value().detach());
+  for (const auto& item : impl_->module->named_buffers()) {
+    out.emplace_back(item.key(), impl_->buffer_as_saved(item.value()));
+  }
   return out;
 }
 

@@ -89,6 +89,8 @@ class FsdpEngine {
 
   /// Before the root module's forward: gathers the root unit's parameters.
   void root_pre_forward();
+  /// A floating input of the model's call in the policy's param_dtype (itself without one).
+  at::Tensor cast_forward_input(const at::Tensor& input) const;
   /// After it: arms the backward pass (pre-backward hooks on `outputs`), or reshards everything
   /// when no backward pass can follow (gradients off).
   void root_post_forward(const std::vector<at::Tensor>& outputs);

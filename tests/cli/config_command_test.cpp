@@ -12,6 +12,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <sstream>
 
 namespace accelerate::testing {
@@ -29,8 +30,9 @@ CommandOutcome run_config(const std::vector<std::string>& args, const std::strin
   return run_command(config_main, args, input);
 }
 
-// Answers: multi-CPU, 1 machine (default), no debug (default), 4 processes, bf16 by name.
-constexpr const char* kMultiCpuAnswers = "1\n\n\n4\nbf16\n";
+// Answers: multi-CPU, 1 machine (default), no debug (default), no FSDP (default), 4 processes,
+// bf16 by name.
+constexpr const char* kMultiCpuAnswers = "1\n\n\n\n4\nbf16\n";
 
 constexpr const char* kMultiCpuYaml = R"(compute_environment: LOCAL_MACHINE
 debug: false
@@ -87,7 +89,7 @@ TEST(ConfigQuestionnaire, EmptyAnswersTakeTheDefaults) {
 
 TEST(ConfigQuestionnaire, ChoicesAreAcceptedByNumberAndByName) {
   for (const std::string type : {"1", "multi-CPU", "MULTI_CPU", "Multi-cpu"}) {
-    std::istringstream in(type + "\n\n\n2\n2\n");
+    std::istringstream in(type + "\n\n\n\n2\n2\n");
     std::ostringstream out;
     const ClusterConfig config = get_user_input(in, out);
     EXPECT_EQ(config.distributed_type, DistributedType::kMultiCpu) << type;
@@ -98,7 +100,7 @@ TEST(ConfigQuestionnaire, ChoicesAreAcceptedByNumberAndByName) {
 
 TEST(ConfigQuestionnaire, AnInvalidAnswerIsAskedAgainWithAMessage) {
   // "x" and "7" are not machine types, "two" not a number, "maybe" not yes/no, "fp8" not offered.
-  std::istringstream in("x\n7\n1\n\nmaybe\nno\ntwo\n0\n3\nfp8\nbf16\n");
+  std::istringstream in("x\n7\n1\n\nmaybe\nno\n\ntwo\n0\n3\nfp8\nbf16\n");
   std::ostringstream out;
   const ClusterConfig config = get_user_input(in, out);
   EXPECT_EQ(config.distributed_type, DistributedType::kMultiCpu);
@@ -123,10 +125,10 @@ TEST(ConfigQuestionnaire, AnInvalidAnswerIsAskedAgainWithAMessage) {
 TEST(ConfigQuestionnaire, MultiMachineAnswersAreAllRecorded) {
   TempDir dir;
   const std::string path = (dir.path() / "c.yaml").string();
-  // multi-GPU, 2 machines, rank 1, address, port, other networks, c10d, debug, 8 GPUs, ids 0,1,
+  // multi-GPU, 2 machines, rank 1, address, port, other networks, c10d, debug, no FSDP, 8 GPUs, ids 0,1,
   // no NUMA binding, fp16.
   const CommandOutcome outcome =
-      run_config({"--config_file", path}, "2\n2\n1\n10.0.0.1\n29500\nno\nc10d\nyes\n8\n0,1\nno\nfp16\n");
+      run_config({"--config_file", path}, "2\n2\n1\n10.0.0.1\n29500\nno\nc10d\nyes\nno\n8\n0,1\nno\nfp16\n");
   ASSERT_EQ(outcome.code, 0) << outcome.err;
   EXPECT_EQ(read_file(path), R"(compute_environment: LOCAL_MACHINE
 debug: true
@@ -153,8 +155,49 @@ use_cpu: false
   EXPECT_EQ(loaded.gpu_ids, std::optional<std::string>("0,1"));
 }
 
+TEST(ConfigQuestionnaire, FullyShardedAnswersWriteAnFsdpConfigThatLoadsBack) {
+  TempDir dir;
+  // multi-CPU, defaults, FSDP: version 1, SHARD_GRAD_OP, transformer-based units of Block, sharded
+  // state dicts, no efficient loading, synchronised states (default); 4 processes, bf16.
+  const std::string path = (dir.path() / "fsdp.yaml").string();
+  const CommandOutcome outcome = run_config(
+      {"--config_file", path}, "1\n\n\nyes\n1\nSHARD_GRAD_OP\n0\nBlock\n2\n\n\n4\nbf16\n");
+  ASSERT_EQ(outcome.code, 0) << outcome.err;
+  EXPECT_THAT(read_file(path), HasSubstr("distributed_type: FSDP\n"));
+  const ClusterConfig loaded = load_config_from_file(path);
+  EXPECT_TRUE(loaded.use_fsdp);
+  EXPECT_EQ(loaded.num_processes, 4);
+  EXPECT_EQ(loaded.fsdp_config, (std::map<std::string, std::string>{
+                                    {"fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP"},
+                                    {"fsdp_cpu_ram_efficient_loading", "false"},
+                                    {"fsdp_sharding_strategy", "SHARD_GRAD_OP"},
+                                    {"fsdp_state_dict_type", "SHARDED_STATE_DICT"},
+                                    {"fsdp_sync_module_states", "true"},
+                                    {"fsdp_transformer_layer_cls_to_wrap", "Block"},
+                                    {"fsdp_version", "1"}}));
+
+  // Version 2 (the default): reshard_after_forward instead of a strategy; size-based units;
+  // efficient loading implies synchronised states without asking; an empty class list is refused.
+  std::istringstream in("1\n\n\nyes\n\nno\nSIZE_BASED_WRAP\n5000\n\nyes\n2\nno\n");
+  std::ostringstream out;
+  const ClusterConfig second = get_user_input(in, out);
+  EXPECT_EQ(second.fsdp_config.at("fsdp_version"), "2");
+  EXPECT_EQ(second.fsdp_config.at("fsdp_reshard_after_forward"), "false");
+  EXPECT_EQ(second.fsdp_config.count("fsdp_sharding_strategy"), 0u);
+  EXPECT_EQ(second.fsdp_config.at("fsdp_min_num_params"), "5000");
+  EXPECT_EQ(second.fsdp_config.at("fsdp_state_dict_type"), "FULL_STATE_DICT");
+  EXPECT_EQ(second.fsdp_config.at("fsdp_sync_module_states"), "true");
+  EXPECT_THAT(out.str(), Not(HasSubstr("sync_module_states)?")));
+  EXPECT_EQ(second.num_processes, 2);
+
+  std::istringstream empty_classes("1\n\n\nyes\n\n\n0\n\nBlock\n\n\n\n2\nno\n");
+  std::ostringstream asked_again;
+  EXPECT_EQ(get_user_input(empty_classes, asked_again).fsdp_config.at("fsdp_transformer_layer_cls_to_wrap"), "Block");
+  EXPECT_THAT(asked_again.str(), HasSubstr("An answer is required."));
+}
+
 TEST(ConfigQuestionnaire, AMachineRankOutsideTheMachinesIsAskedAgain) {
-  std::istringstream in("1\n2\n2\n1\n10.0.0.1\n0\n29500\n\n\n4\n\n");
+  std::istringstream in("1\n2\n2\n1\n10.0.0.1\n0\n29500\n\n\n\n4\n\n");
   std::ostringstream out;
   const ClusterConfig config = get_user_input(in, out);
   EXPECT_EQ(config.machine_rank, 1);
@@ -167,7 +210,7 @@ TEST(ConfigQuestionnaire, PythonOnlyIntegrationsAreNotAskedAndSaidSo) {
   std::istringstream in(kMultiCpuAnswers);
   std::ostringstream out;
   (void)get_user_input(in, out);
-  EXPECT_THAT(out.str(), HasSubstr("DeepSpeed, FullyShardedDataParallel, Megatron-LM and TPU"));
+  EXPECT_THAT(out.str(), HasSubstr("DeepSpeed, Megatron-LM and TPU"));
   EXPECT_THAT(out.str(), HasSubstr("not supported"));
   EXPECT_THAT(out.str(), Not(HasSubstr("Do you want to use DeepSpeed")));
 }
@@ -192,7 +235,7 @@ TEST(ConfigQuestionnaire, TheBinaryWithNoInputFailsInsteadOfWaiting) {
 }
 
 TEST(ConfigQuestionnaire, OneGpuOnOneMachineIsRefusedAsUpstreamDoes) {
-  const CommandOutcome outcome = run_config({"--config_file", "unused.yaml"}, "2\n\n\n1\n");
+  const CommandOutcome outcome = run_config({"--config_file", "unused.yaml"}, "2\n\n\n\n1\n");
   EXPECT_EQ(outcome.code, 1);
   EXPECT_THAT(outcome.err, HasSubstr("MULTI_GPU was chosen with a single GPU on a single machine"));
 }

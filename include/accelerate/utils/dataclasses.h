@@ -278,10 +278,19 @@ using FsdpWrapCallable = std::function<bool(const std::string& name, const torch
                                             int64_t unwrapped_params)>;
 
 /// The dtypes a fully sharded model computes, reduces and keeps buffers in (upstream:
-/// `MixedPrecisionPolicy`): "fp32", "bf16", "fp16", or empty for the parameters' own dtype.
+/// `MixedPrecision` / `MixedPrecisionPolicy`): "fp32", "bf16", "fp16", "fp64" (or "float32",
+/// "bfloat16", "float16", "float64"), or empty. Only floating-point tensors are cast. Left wholly
+/// empty while the Accelerator has a `mixed_precision`, all three take that precision (upstream's
+/// `set_mixed_precision`).
 struct FsdpMixedPrecisionPolicy {
+  /// The whole parameters, gathered in this dtype for the forward and backward passes, and the
+  /// floating inputs of the model's call and of every unit (upstream's cast_forward_inputs). The
+  /// shards, their gradients and the optimizer stay in the parameters' own dtype. Empty: their own.
   std::string param_dtype{};
+  /// The gradients' reduction over the processes. Empty: param_dtype.
   std::string reduce_dtype{};
+  /// Floating buffers, cast once when the model is prepared; state dicts and checkpoints hold them
+  /// in their own dtype. Empty: not cast.
   std::string buffer_dtype{};
 };
 
