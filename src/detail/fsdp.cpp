@@ -270,7 +270,6 @@ struct FsdpEngineImpl : std::enable_shared_from_this<FsdpEngineImpl> {
   std::shared_ptr<torch::nn::Module> module;
   std::vector<Unit> units;  // root first
   bool shard = true;        // false for NO_SHARD
-  bool cast = false;        // whole parameters in another dtype than the shards (param_dtype)
   std::unordered_map<const void*, at::ScalarType> buffer_dtypes;  // buffers cast by buffer_dtype: their own dtype
   int world = 1;
   int rank = 0;
@@ -839,6 +838,10 @@ FsdpEngine::FsdpEngine(std::shared_ptr<torch::nn::Module> module, const PartialS
 
   // Flat pieces per dtype, then this process's shards.
   torch::NoGradGuard no_grad;
+  // The dtype a parameter computes in: the policy's param_dtype for floating ones.
+  const auto compute_dtype = [&](at::ScalarType dtype) {
+    return at::isFloatingType(dtype) && e.settings.param_dtype ? *e.settings.param_dtype : dtype;
+  };
   for (auto& unit : e.units) {
     for (size_t i = 0; i < unit.params.size(); ++i) {
       auto& p = unit.params[i];
@@ -846,9 +849,8 @@ FsdpEngine::FsdpEngine(std::shared_ptr<torch::nn::Module> module, const PartialS
                              [&](const DtypeGroup& g) { return g.dtype == p.param.scalar_type(); });
       if (it == unit.groups.end()) {
         const auto dtype = p.param.scalar_type();
-        const bool floating = at::isFloatingType(dtype);
-        const auto compute = floating && e.settings.param_dtype ? *e.settings.param_dtype : dtype;
-        const auto reduce = floating && e.settings.reduce_dtype ? *e.settings.reduce_dtype : compute;
+        const auto compute = compute_dtype(dtype);
+        const auto reduce = at::isFloatingType(dtype) && e.settings.reduce_dtype ? *e.settings.reduce_dtype : compute;
         unit.groups.push_back(DtypeGroup{dtype, {}, 0, compute, reduce});
         it = std::prev(unit.groups.end());
       }
@@ -856,12 +858,11 @@ FsdpEngine::FsdpEngine(std::shared_ptr<torch::nn::Module> module, const PartialS
       p.offset = it->piece;
       it->piece += e.shard ? p.shard_rows * p.row_numel : p.rows * p.row_numel;
     }
+    bool cast = false;  // a parameter computes in another dtype than it is kept in
     for (auto& p : unit.params) {
       at::Tensor whole = p.param.detach();
-      const auto compute = std::find_if(unit.groups.begin(), unit.groups.end(), [&](const DtypeGroup& g) {
-                             return g.dtype == p.param.scalar_type();
-                           })->compute;
-      e.cast = e.cast || compute != p.param.scalar_type();
+      const auto compute = compute_dtype(p.param.scalar_type());
+      cast = cast || compute != p.param.scalar_type();
       if (e.shard) {
         const auto [first, n] = rows_held(p.rows, e.world, e.rank);
         auto rows = whole.reshape({p.rows, p.row_numel}).narrow(0, first, n);
@@ -880,7 +881,7 @@ FsdpEngine::FsdpEngine(std::shared_ptr<torch::nn::Module> module, const PartialS
         p.full = whole;
       }
     }
-    unit.gathered = !e.shard && !e.cast;
+    unit.gathered = !e.shard && !cast;
   }
   // buffer_dtype: floating buffers live in it from now on (upstream's buffers are cast once too),
   // outside ignored modules; state dicts give them back in their own dtype.
