@@ -61,7 +61,10 @@ void check_options(const AcceleratorOptions& options) {
 
 // Whether prepared models are sharded, and with which plugin: the given one, or the defaults
 // under ACCELERATE_USE_FSDP, or under a parallelism_config whose dp_shard_size is above 1.
-std::optional<FullyShardedDataParallelPlugin> fsdp_plugin_of(const AcceleratorOptions& options, int num_processes) {
+// `dp_shard_size` receives the size of a parallelism_config's shard groups (0 without one).
+std::optional<FullyShardedDataParallelPlugin> fsdp_plugin_of(const AcceleratorOptions& options, int num_processes,
+                                                             int& dp_shard_size) {
+  dp_shard_size = 0;
   std::optional<FullyShardedDataParallelPlugin> plugin = options.fsdp_plugin;
   if (!plugin) {
     if (auto use = get_env("ACCELERATE_USE_FSDP"); use && str_to_bool(*use)) plugin = FullyShardedDataParallelPlugin{};
@@ -92,13 +95,12 @@ std::optional<FullyShardedDataParallelPlugin> fsdp_plugin_of(const AcceleratorOp
   TORCH_CHECK_VALUE(replicate * shard == num_processes, "[Accelerator] parallelism_config: dp_replicate_size (",
                     replicate, ") x dp_shard_size (", shard, ") x tp_size (1) x cp_size (1) must equal the number of "
                     "processes, ", num_processes);
-  TORCH_CHECK_VALUE(replicate == 1 || shard == 1, "[Accelerator] parallelism_config: hybrid sharding (dp_replicate_size ",
-                    replicate, " x dp_shard_size ", shard, ") is not supported yet");
   if (shard > 1 && !plugin) plugin = FullyShardedDataParallelPlugin{};
   TORCH_CHECK_VALUE(shard > 1 || !options.fsdp_plugin || num_processes == 1,
                     "[Accelerator] parallelism_config: dp_shard_size is 1, so nothing is sharded, but an fsdp_plugin "
                     "was given");
   if (shard == 1) plugin.reset();
+  if (plugin) dp_shard_size = shard;
   return plugin;
 }
 
@@ -139,7 +141,7 @@ Accelerator::Accelerator(const AcceleratorOptions& options)
   if (impl_->project.project_dir.empty()) impl_->project.project_dir = options.project_dir;
   if (impl_->project.logging_dir.empty()) impl_->project.logging_dir = impl_->project.project_dir;
   impl_->log_with = detail::filter_trackers(options.log_with, impl_->project.logging_dir, "Accelerator");
-  impl_->fsdp = fsdp_plugin_of(options, state_.num_processes());
+  impl_->fsdp = fsdp_plugin_of(options, state_.num_processes(), impl_->dp_shard_size);
   // As upstream's set_mixed_precision: a plugin without a policy computes, reduces and keeps its
   // buffers in the Accelerator's mixed precision (its autocast stays on as well).
   if (impl_->fsdp && state_.mixed_precision() != PrecisionType::kNo) {
@@ -169,6 +171,10 @@ bool Accelerator::optimizer_step_was_skipped() const {
 }
 
 std::optional<FullyShardedDataParallelPlugin> Accelerator::fsdp_plugin() const { return impl_->fsdp; }
+DistributedType Accelerator::distributed_type() const {
+  return impl_->fsdp && state_.distributed_type() != DistributedType::kNo ? DistributedType::kFsdp
+                                                                          : state_.distributed_type();
+}
 bool Accelerator::is_fsdp2() const {
   return impl_->fsdp && detail::resolve_fsdp_plugin(*impl_->fsdp, state_.device()).fsdp_version == 2;
 }
@@ -253,7 +259,8 @@ DistributedDataParallel Accelerator::prepare_module(const std::shared_ptr<torch:
   // Evaluation-only models are not synchronised: a one-process engine does no communication.
   DistributedDataParallel ddp = evaluation_mode
                                     ? DistributedDataParallel::local(module, state_.device(), forward)
-                                    : impl_->fsdp ? DistributedDataParallel::fully_sharded(module, partial(), *impl_->fsdp, forward)
+                                    : impl_->fsdp ? DistributedDataParallel::fully_sharded(module, partial(), *impl_->fsdp, forward,
+                                                                                           impl_->dp_shard_size)
                                                   : DistributedDataParallel(module, partial(), impl_->options.ddp_kwargs, forward);
   std::lock_guard<std::mutex> lock(impl_->mutex);
   impl_->models.push_back(ddp);

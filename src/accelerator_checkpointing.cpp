@@ -256,7 +256,8 @@ std::string Accelerator::save_state(const std::string& output_dir) const {
         auto it = params.find(item.key());
         if (it != params.end() && engine->is_sharded(it->second)) whole[item.key()] = engine->whole_shape(it->second);
       }
-      detail::save_sharded_state(partial(), (folder / ("pytorch_model_fsdp_" + std::to_string(i))).string(),
+      if (engine->replica_index() != 0) continue;  // hybrid sharding: the first replica writes the shards
+      detail::save_sharded_state(engine->shard_group(), (folder / ("pytorch_model_fsdp_" + std::to_string(i))).string(),
                                  {{"model", i}}, tensors, whole);
       written();
     }
@@ -277,8 +278,9 @@ std::string Accelerator::save_state(const std::string& output_dir) const {
         }
       }
       if (sharded_state(engine)) {
-        detail::save_sharded_state(partial(), (folder / ("optimizer_" + std::to_string(i))).string(), state.values,
-                                   state.tensors, whole);
+        if (engine->replica_index() != 0) continue;
+        detail::save_sharded_state(engine->shard_group(), (folder / ("optimizer_" + std::to_string(i))).string(),
+                                   state.values, state.tensors, whole);
         written();
       } else {
         optimizer_states[i] = std::move(state);
@@ -371,7 +373,8 @@ void Accelerator::load_state(const std::string& input_dir) const {
     for (size_t i = 0; i < models.size(); ++i) {
       const auto sharded_folder = folder / ("pytorch_model_fsdp_" + std::to_string(i));
       if (model_engines[i] && fs::is_directory(sharded_folder)) {
-        sharded_models[i] = detail::load_sharded_state(partial(), sharded_folder.string(), local_state(model_engines[i]));
+        sharded_models[i] = detail::load_sharded_state(model_engines[i]->shard_group(), sharded_folder.string(),
+                                                       local_state(model_engines[i]));
         model_files.emplace_back();
         continue;
       }
@@ -385,7 +388,8 @@ void Accelerator::load_state(const std::string& input_dir) const {
       auto* engine = optimizer_engines[i];
       const auto sharded_folder = folder / ("optimizer_" + std::to_string(i));
       if (engine && fs::is_directory(sharded_folder)) {
-        optimizer_states.push_back(detail::load_sharded_state(partial(), sharded_folder.string(), local_state(engine)));
+        optimizer_states.push_back(
+            detail::load_sharded_state(engine->shard_group(), sharded_folder.string(), local_state(engine)));
         optimizer_files.emplace_back();
         continue;
       }

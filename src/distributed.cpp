@@ -348,8 +348,10 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
 DistributedDataParallel DistributedDataParallel::fully_sharded(std::shared_ptr<torch::nn::Module> module,
                                                                const PartialState& state,
                                                                const FullyShardedDataParallelPlugin& plugin,
-                                                               const ForwardOptions& forward) {
+                                                               const ForwardOptions& forward, int dp_shard_size) {
   TORCH_CHECK_VALUE(module != nullptr, "[FullyShardedDataParallel] expected a module, got null");
+  TORCH_CHECK_VALUE(dp_shard_size >= 0, "[FullyShardedDataParallel] dp_shard_size must not be negative, got ",
+                    dp_shard_size);
   auto settings = detail::resolve_fsdp_plugin(plugin, state.device());
   auto impl = std::make_shared<detail::DistributedDataParallelImpl>();
   impl->module = module;
@@ -360,7 +362,7 @@ DistributedDataParallel DistributedDataParallel::fully_sharded(std::shared_ptr<t
     impl->process_group = detail::process_group(state, "FullyShardedDataParallel");
     impl->timeout = state.timeout();
     impl->device = state.device();
-    impl->fsdp = std::make_shared<detail::FsdpEngine>(std::move(module), state, std::move(settings));
+    impl->fsdp = std::make_shared<detail::FsdpEngine>(std::move(module), state, std::move(settings), dp_shard_size);
   }
   return DistributedDataParallel(std::move(impl));
 }

@@ -16,6 +16,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <exception>
 #include <mutex>
@@ -297,6 +298,14 @@ bool PartialState::check_trigger() const {
 }
 
 void PartialState::destroy_process_group() const {
+  {
+    std::lock_guard<std::mutex> lock(impl_->groups_mutex);
+    for (auto& [tag, group] : impl_->groups) {
+      std::lock_guard<std::mutex> group_lock(group->mutex);
+      group->process_group.reset();
+    }
+    impl_->groups.clear();
+  }
   std::lock_guard<std::mutex> lock(impl_->mutex);
   impl_->process_group.reset();
 }
@@ -309,6 +318,64 @@ c10::intrusive_ptr<c10d::ProcessGroup> process_group(const PartialState& state, 
   TORCH_CHECK(state.use_distributed(), "[", api, "] needs several processes, but this job has one");
   TORCH_CHECK(impl.process_group, "[", api, "] the process group was destroyed (destroy_process_group)");
   return impl.process_group;
+}
+
+PartialState split_state(const PartialState& state, const std::vector<std::vector<int>>& groups,
+                         const std::string& tag) {
+  auto& parent = *state.impl();
+  const Topology& topo = parent.topology;
+  std::string layout = tag;
+  std::vector<int> seen(topo.world_size, 0);
+  int color = -1;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    layout += g == 0 ? ":" : "|";
+    for (size_t i = 0; i < groups[g].size(); ++i) {
+      const int r = groups[g][i];
+      TORCH_CHECK(r >= 0 && r < topo.world_size && !seen[r]++, "[split_state] ", tag, ": process ", r,
+                  " is outside the job or in two groups");
+      layout += (i == 0 ? "" : ",") + std::to_string(r);
+      if (r == topo.rank) color = static_cast<int>(g);
+    }
+  }
+  TORCH_CHECK(color >= 0, "[split_state] ", tag, ": no group holds process ", topo.rank);
+  std::lock_guard<std::mutex> lock(parent.groups_mutex);
+  if (auto it = parent.groups.find(layout); it != parent.groups.end()) return PartialState::from_impl(it->second);
+
+  const auto& members = groups[color];
+  auto impl = std::make_shared<PartialStateImpl>();
+  impl->device = parent.device;
+  impl->backend = parent.backend;
+  impl->cpu = parent.cpu;
+  impl->debug = parent.debug;
+  impl->timeout = parent.timeout;
+  impl->store = parent.store;
+  Topology& sub = impl->topology;
+  sub = topo;
+  sub.world_size = static_cast<int>(members.size());
+  sub.rank = static_cast<int>(std::find(members.begin(), members.end(), topo.rank) - members.begin());
+  // The members on this machine (machines hold consecutive ranks, as every launcher numbers them).
+  const int machine = topo.rank / topo.local_world_size;
+  sub.local_rank = 0;
+  sub.local_world_size = 0;
+  for (int r : members) {
+    if (r / topo.local_world_size != machine) continue;
+    if (r < topo.rank) ++sub.local_rank;
+    ++sub.local_world_size;
+  }
+  for (int r : members) {
+    if (static_cast<size_t>(r) < parent.addresses.size()) impl->addresses.push_back(parent.addresses[r]);
+  }
+  if (members.size() > 1) {
+    TORCH_CHECK(parent.process_group, "[split_state] the process group was destroyed (destroy_process_group)");
+    impl->distributed_type = parent.distributed_type;
+    impl->process_group = make_subgroup(parent.backend, parent.store, topo, members, color,
+                                        "group/" + layout + "/" + std::to_string(color), parent.timeout);
+  } else if (parent.backend == "mpi" && topo.world_size > 1) {
+    // MPI's split is a collective of every process, one-process groups included.
+    (void)make_subgroup(parent.backend, parent.store, topo, members, color, "", parent.timeout);
+  }
+  parent.groups.emplace(layout, impl);
+  return PartialState::from_impl(impl);
 }
 
 std::string collective_error_text(const PartialState& state, const std::exception& e) {

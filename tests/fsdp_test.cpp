@@ -650,7 +650,6 @@ TEST(FullyShardedDataParallel, UnsupportedOrContradictorySettingsAreRefusedByNam
     EXPECT_THROWS_WITH(detail::resolve_fsdp_plugin(plugin, torch::kCPU), message);
   };
   refuse({.fsdp_version = 3}, "fsdp_version must be 1 or 2, got 3");
-  refuse({.sharding_strategy = FsdpShardingStrategy::kHybridShard}, "HYBRID_SHARD is not supported yet");
   refuse({.sharding_strategy = FsdpShardingStrategy::kFullShard, .reshard_after_forward = false}, "contradict");
   refuse({.backward_prefetch = FsdpBackwardPrefetch::kBackwardPre}, "backward_prefetch BACKWARD_PRE is not supported");
   refuse({.forward_prefetch = true}, "forward_prefetch is not supported yet");
@@ -753,8 +752,8 @@ AcceleratorOptions sharded_with(FsdpStateDictType type) {
 
 // Saves after 2 of 4 steps with `save_ranks` processes, resumes with `load_ranks`; returns the
 // whole model after the resumed run, and (through `uninterrupted`) after 4 steps without a break.
-std::map<std::string, torch::Tensor> save_and_resume(FsdpStateDictType save_type, int save_ranks,
-                                                     FsdpStateDictType load_type, int load_ranks,
+std::map<std::string, torch::Tensor> save_and_resume(const AcceleratorOptions& save_options, int save_ranks,
+                                                     const AcceleratorOptions& load_options, int load_ranks,
                                                      const std::string& folder,
                                                      std::map<std::string, torch::Tensor>* uninterrupted = nullptr,
                                                      std::map<std::string, torch::Tensor>* at_save = nullptr) {
@@ -772,7 +771,7 @@ std::map<std::string, torch::Tensor> save_and_resume(FsdpStateDictType save_type
         auto whole = as_map(acc.get_state_dict(model));
         if (uninterrupted && acc.is_main_process()) *uninterrupted = whole;
       },
-      sharded_with(save_type));
+      save_options);
   std::map<std::string, torch::Tensor> resumed;
   run_accelerators(
       load_ranks,
@@ -785,8 +784,17 @@ std::map<std::string, torch::Tensor> save_and_resume(FsdpStateDictType save_type
         auto whole = as_map(acc.get_state_dict(model));
         if (acc.is_main_process()) resumed = whole;
       },
-      sharded_with(load_type));
+      load_options);
   return resumed;
+}
+
+std::map<std::string, torch::Tensor> save_and_resume(FsdpStateDictType save_type, int save_ranks,
+                                                     FsdpStateDictType load_type, int load_ranks,
+                                                     const std::string& folder,
+                                                     std::map<std::string, torch::Tensor>* uninterrupted = nullptr,
+                                                     std::map<std::string, torch::Tensor>* at_save = nullptr) {
+  return save_and_resume(sharded_with(save_type), save_ranks, sharded_with(load_type), load_ranks, folder,
+                         uninterrupted, at_save);
 }
 
 void expect_equal(const std::map<std::string, torch::Tensor>& got, const std::map<std::string, torch::Tensor>& want) {
@@ -886,6 +894,132 @@ TEST(FullyShardedCheckpoint, ALocalStateOnlyLoadsOnAsManyProcesses) {
   EXPECT_THROWS_WITH(save_and_resume(FsdpStateDictType::kLocalStateDict, 2, FsdpStateDictType::kLocalStateDict, 4,
                                      (dir.path() / "d").string()),
                      "was saved by 2 processes as a LOCAL_STATE_DICT, which only loads on as many; this job has 4");
+}
+
+// ---- Hybrid sharding ---------------------------------------------------------------------------
+
+AcceleratorOptions hybrid_2x2(FsdpStateDictType type = FsdpStateDictType::kFullStateDict) {
+  AcceleratorOptions options = sharded_with(type);
+  options.parallelism_config = ParallelismConfig{.dp_replicate_size = 2, .dp_shard_size = 2};
+  return options;
+}
+
+TEST(FullyShardedHybrid, TwoReplicasOfTwoShardsTrainAsOneProcessAndTheReplicasHoldTheSameRows) {
+  const auto expected = reference(3);
+  Tiny ref = make_tiny();
+  torch::nn::functional::cross_entropy(ref(batch()), labels()).backward();
+  const double expected_norm = torch::nn::utils::clip_grad_norm_(ref->parameters(), 1e9);
+  run_accelerators(
+      4,
+      [&](const Accelerator& acc, int rank) {
+        EXPECT_EQ(acc.distributed_type(), DistributedType::kFsdp);
+        Tiny net = make_tiny();
+        auto [model, opt] =
+            acc.prepare(net, std::make_shared<torch::optim::AdamW>(net->parameters(), torch::optim::AdamWOptions(0.05)));
+        auto* engine = detail::fsdp_engine(model.ddp());
+        EXPECT_EQ(engine->num_replicas(), 2);
+        EXPECT_EQ(engine->replica_index(), rank / 2);
+        EXPECT_EQ(engine->shard_group().num_processes(), 2);
+        EXPECT_EQ(engine->shard_group().process_index(), rank % 2);
+        // 6 rows over the 2 processes of a replica: 3 each.
+        EXPECT_EQ(net->embed->weight.sizes(), (std::vector<int64_t>{3, 5}));
+        for (int s = 0; s < 3; ++s) {
+          opt.zero_grad();
+          auto x = (batch() * (1 + 0.5 * s)).narrow(0, rank * 2, 2);
+          acc.backward(torch::nn::functional::cross_entropy(model(x), labels().narrow(0, rank * 2, 2)));
+          // The norm over one replica's shards (every replica holds the same gradients).
+          if (s == 0) {
+            EXPECT_NEAR(acc.clip_grad_norm_(net->parameters(), 1e9), expected_norm, 1e-5);
+          }
+          opt.step();
+        }
+        // Process r and r + 2 hold the same rows of the same replica's model.
+        auto rows = acc.gather(net->embed->weight.detach().reshape({1, -1}));
+        EXPECT_TRUE(torch::equal(rows[0], rows[2]));
+        EXPECT_TRUE(torch::equal(rows[1], rows[3]));
+        EXPECT_FALSE(torch::equal(rows[0], rows[1]));
+        expect_close(as_map(acc.get_state_dict(model)), expected);
+      },
+      hybrid_2x2());
+}
+
+class HybridStrategy : public ::testing::TestWithParam<FsdpShardingStrategy> {};
+
+TEST_P(HybridStrategy, ShardsWithinEachMachineAndReplicatesAcrossMachines) {
+  const auto expected = reference(3);
+  Store store = Store::in_memory();
+  run_threads(4, [&](int rank) {
+    AcceleratorOptions options = sharded_with(FsdpStateDictType::kFullStateDict);
+    options.fsdp_plugin->sharding_strategy = GetParam();
+    // Two machines of two processes each.
+    PartialStateOptions machine{.local_process_index = rank % 2, .local_num_processes = 2};
+    options.standalone_state = rank_options(machine, rank, 4, store);
+    Accelerator acc(options);
+    Tiny net = make_tiny();
+    auto [model, opt] =
+        acc.prepare(net, std::make_shared<torch::optim::AdamW>(net->parameters(), torch::optim::AdamWOptions(0.05)));
+    auto* engine = detail::fsdp_engine(model.ddp());
+    EXPECT_EQ(engine->shard_group().num_processes(), 2);
+    EXPECT_EQ(engine->num_replicas(), 2);
+    EXPECT_EQ(engine->settings().reshard_after_forward, GetParam() == FsdpShardingStrategy::kHybridShard);
+    EXPECT_EQ(net->head->weight.sizes(), (std::vector<int64_t>{rank % 2 == 0 ? 2 : 1, 6}));
+    train_steps(acc, model, opt, 0, 3);
+    expect_close(as_map(acc.get_state_dict(model)), expected);
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Strategies, HybridStrategy,
+                         ::testing::Values(FsdpShardingStrategy::kHybridShard, FsdpShardingStrategy::kHybridShardZero2),
+                         [](const ::testing::TestParamInfo<FsdpShardingStrategy>& info) {
+                           return info.param == FsdpShardingStrategy::kHybridShard ? "HybridShard" : "HybridShardZero2";
+                         });
+
+TEST(FullyShardedHybrid, MachinesOfUnequalSizesAreRefusedNamingTheStrategy) {
+  Store store = Store::in_memory();
+  run_threads(3, [&](int rank) {
+    AcceleratorOptions options;
+    options.fsdp_plugin = FullyShardedDataParallelPlugin{.sharding_strategy = FsdpShardingStrategy::kHybridShard};
+    PartialStateOptions machine{.local_process_index = rank % 2, .local_num_processes = 2};
+    if (rank == 2) machine = PartialStateOptions{.local_process_index = 0, .local_num_processes = 1};
+    options.standalone_state = rank_options(machine, rank, 3, store);
+    Accelerator acc(options);
+    EXPECT_THROWS_WITH(acc.prepare(make_tiny()), "HYBRID_SHARD shards within each machine and replicates across "
+                                                 "machines, so every machine must run as many processes");
+  });
+}
+
+TEST(FullyShardedHybrid, AShardedStateIsWrittenByTheFirstReplicaAndLoadsIntoEitherLayout) {
+  TempDir dir;
+  std::map<std::string, torch::Tensor> uninterrupted;
+  const auto folder = (dir.path() / "c").string();
+  const auto resumed = save_and_resume(hybrid_2x2(FsdpStateDictType::kShardedStateDict), 4,
+                                       hybrid_2x2(FsdpStateDictType::kShardedStateDict), 4, folder, &uninterrupted);
+  expect_equal(resumed, uninterrupted);
+  // One replica's two shards, not four files.
+  for (const char* sub : {"pytorch_model_fsdp_0", "optimizer_0"}) {
+    EXPECT_TRUE(std::filesystem::is_regular_file(dir.path() / "c" / sub / "shard-1-of-2.safetensors")) << sub;
+    EXPECT_FALSE(std::filesystem::exists(dir.path() / "c" / sub / "shard-0-of-4.safetensors")) << sub;
+    EXPECT_FALSE(std::filesystem::exists(dir.path() / "c" / sub / "shard-2-of-2.safetensors")) << sub;
+  }
+  // Into 2 plainly sharded processes and back out of them into the hybrid layout.
+  const auto expected = reference(4);
+  TempDir other;
+  expect_close(save_and_resume(hybrid_2x2(FsdpStateDictType::kShardedStateDict), 4,
+                               sharded_with(FsdpStateDictType::kShardedStateDict), 2, (other.path() / "a").string()),
+               expected);
+  expect_close(save_and_resume(sharded_with(FsdpStateDictType::kShardedStateDict), 4,
+                               hybrid_2x2(FsdpStateDictType::kShardedStateDict), 4, (other.path() / "b").string()),
+               expected);
+}
+
+TEST(FullyShardedHybrid, AFullStateIsGatheredWithinAReplicaAndResumesBitForBit) {
+  TempDir dir;
+  std::map<std::string, torch::Tensor> uninterrupted;
+  const auto resumed = save_and_resume(hybrid_2x2(), 4, hybrid_2x2(), 4, (dir.path() / "c").string(), &uninterrupted);
+  expect_equal(resumed, uninterrupted);
+  Tiny whole;
+  load_checkpoint_in_model(*whole, (dir.path() / "c" / "model.safetensors").string(), {.strict = true});
+  EXPECT_EQ(whole->embed->weight.sizes(), (std::vector<int64_t>{6, 5}));
 }
 
 }  // namespace

@@ -184,7 +184,9 @@ class Accelerator {
 
   // Topology, forwarded from `state()`; see `PartialState` for each one.
   c10::Device device() const { return state_.device(); }
-  DistributedType distributed_type() const { return state_.distributed_type(); }
+  /// As the state's, except FSDP for several processes whose models are fully sharded (upstream's
+  /// AcceleratorState under an fsdp_plugin).
+  DistributedType distributed_type() const;
   int num_processes() const { return state_.num_processes(); }
   int process_index() const { return state_.process_index(); }
   int local_process_index() const { return state_.local_process_index(); }

@@ -62,9 +62,13 @@ class DistributedDataParallel {
   /// their gradients reduce-scattered; the module's own parameter objects then hold this
   /// process's shards between steps, which is what the optimizer steps. With one process it
   /// only records the settings, as the DDP engine does.
+  ///
+  /// `dp_shard_size` (a `ParallelismConfig`'s) shards over groups of that many consecutive
+  /// processes and replicates over the groups (hybrid sharding); 0 shards over every process, or
+  /// under HYBRID_SHARD and _HYBRID_SHARD_ZERO2 over the processes of each machine.
   static DistributedDataParallel fully_sharded(std::shared_ptr<torch::nn::Module> module, const PartialState& state,
                                                const FullyShardedDataParallelPlugin& plugin,
-                                               const ForwardOptions& forward = {});
+                                               const ForwardOptions& forward = {}, int dp_shard_size = 0);
 
   /// An engine that never synchronises (models prepared for evaluation only): it keeps the
   /// forward-pass settings for a module living on `device`.

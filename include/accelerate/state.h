@@ -214,6 +214,8 @@ class PartialState {
 
   /// Implementation access for the library itself.
   const std::shared_ptr<detail::PartialStateImpl>& impl() const { return impl_; }
+  /// A handle on `impl` (the library's own states over some processes of the job).
+  static PartialState from_impl(std::shared_ptr<detail::PartialStateImpl> impl) { return PartialState(std::move(impl)); }
 
  private:
   explicit PartialState(std::shared_ptr<detail::PartialStateImpl> impl) : impl_(std::move(impl)) {}

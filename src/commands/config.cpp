@@ -42,6 +42,32 @@ const std::vector<std::pair<std::string, std::string>>& fsdp_config_keys() {
   return keys;
 }
 
+const std::vector<std::pair<std::string, std::string>>& parallelism_config_keys() {
+  static const std::vector<std::pair<std::string, std::string>> keys = {
+      {"parallelism_config_dp_replicate_size", "PARALLELISM_CONFIG_DP_REPLICATE_SIZE"},
+      {"parallelism_config_dp_shard_size", "PARALLELISM_CONFIG_DP_SHARD_SIZE"},
+      {"parallelism_config_tp_size", "PARALLELISM_CONFIG_TP_SIZE"},
+      {"parallelism_config_cp_size", "PARALLELISM_CONFIG_CP_SIZE"},
+  };
+  return keys;
+}
+
+void check_parallelism_value(const std::string& key, const std::string& value, const std::string& where) {
+  size_t used = 0;
+  long long number = 0;
+  try {
+    number = std::stoll(value, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  ACCELERATE_CHECK_VALUE(used == value.size() && !value.empty() && number > 0 && number <= 1000000, "[", where,
+                         "] ", key, ": expected a positive integer, got '", value, "'");
+  const bool tp = key == "parallelism_config_tp_size", cp = key == "parallelism_config_cp_size";
+  ACCELERATE_CHECK_VALUE(!(tp || cp) || number == 1, "[", where, "] ", key, " ", number, ": ",
+                         tp ? "tensor" : "context", " parallelism is not supported yet; only the data-parallel "
+                         "dimensions (dp_replicate_size, dp_shard_size) are");
+}
+
 void check_fsdp_value(const std::string& key, const std::string& value, const std::string& where) {
   try {
     if (key == "fsdp_sharding_strategy") {
@@ -271,7 +297,23 @@ ClusterConfig load_config_from_file(const std::string& path) {
       config.fsdp_config[key] = value;
     }
   }
-  for (const char* key : {"deepspeed_config", "megatron_lm_config", "fp8_config", "parallelism_config",
+  if (root["parallelism_config"] && root["parallelism_config"].IsMap() && root["parallelism_config"].size() > 0) {
+    for (const auto& entry : root["parallelism_config"]) {
+      const std::string key = entry.first.as<std::string>();
+      const bool known = std::any_of(parallelism_config_keys().begin(), parallelism_config_keys().end(),
+                                     [&](const auto& k) { return k.first == key; });
+      ACCELERATE_CHECK_VALUE(known, "[load_config_from_file] ", path, ": parallelism_config has '", key,
+                             "', which accelerate-cpp does not support (it takes parallelism_config_dp_replicate_size, "
+                             "parallelism_config_dp_shard_size, parallelism_config_tp_size and "
+                             "parallelism_config_cp_size)");
+      const std::string value = r.text("parallelism_config." + key, entry.second);
+      check_parallelism_value(key, value, path + ": parallelism_config");
+      config.parallelism_config[key] = value;
+    }
+  } else if (root["parallelism_config"] && !root["parallelism_config"].IsNull() && !root["parallelism_config"].IsMap()) {
+    ACCELERATE_CHECK_VALUE(false, "[load_config_from_file] ", path, ": parallelism_config must be a mapping");
+  }
+  for (const char* key : {"deepspeed_config", "megatron_lm_config", "fp8_config",
                           "ipex_config", "tpu_name", "tpu_use_cluster", "command_file", "commands"}) {
     const bool asked = std::string(key) == "ipex_config" ? Reader::turns_on(root[key]) : Reader::requests(root[key]);
     ACCELERATE_CHECK_VALUE(!asked, "[load_config_from_file] ", path, ": '", key,
@@ -322,6 +364,9 @@ void save_config_file(const ClusterConfig& config, const std::string& path) {
     if (config.main_process_port) json["main_process_port"] = *config.main_process_port;
     if (config.mpirun_hostfile) json["mpirun_config"] = {{"mpirun_hostfile", *config.mpirun_hostfile}};
     if (!config.fsdp_config.empty()) json["fsdp_config"] = config.fsdp_config;
+    if (!config.parallelism_config.empty()) {
+      for (const auto& [key, value] : config.parallelism_config) json["parallelism_config"][key] = std::stoi(value);
+    }
     text = json.dump(2) + "\n";
   } else {
     YAML::Emitter out;
@@ -359,6 +404,11 @@ void save_config_file(const ClusterConfig& config, const std::string& path) {
     }
     out << YAML::Key << "num_machines" << YAML::Value << config.num_machines;
     out << YAML::Key << "num_processes" << YAML::Value << config.num_processes;
+    if (!config.parallelism_config.empty()) {
+      out << YAML::Key << "parallelism_config" << YAML::Value << YAML::BeginMap;
+      for (const auto& [key, value] : config.parallelism_config) out << YAML::Key << key << YAML::Value << std::stoi(value);
+      out << YAML::EndMap;
+    }
     quoted("rdzv_backend", config.rdzv_backend);
     out << YAML::Key << "same_network" << YAML::Value << config.same_network;
     out << YAML::Key << "tpu_env" << YAML::Value << YAML::Flow << YAML::BeginSeq << YAML::EndSeq;

@@ -90,6 +90,14 @@ struct LaunchCli {
           spellings(key), [this, name](const std::string& value) { args.fsdp[name] = value; },
           "FSDP setting (sets " + variable + "; see FullyShardedDataParallelPlugin)");
     }
+    app.add_flag(spellings("use_parallelism_config"), args.use_parallelism_config,
+                 "Give the Accelerator a ParallelismConfig from the --parallelism_config_* flags (needs --use_fsdp)");
+    for (const auto& [key, variable] : parallelism_config_keys()) {
+      const std::string name = key;
+      app.add_option_function<std::string>(
+          spellings(key), [this, name](const std::string& value) { args.parallelism[name] = value; },
+          "ParallelismConfig size (sets " + variable + ")");
+    }
     app.add_flag(spellings("no_python"), args.no_python, "Run the program directly, even a .py file");
     app.add_flag(spellings("module", "-m"), args.module, "Run the program as a Python module (python3 -m)");
     app.add_flag(spellings("quiet", "-q"), args.quiet, "Only print the launcher's own errors");
@@ -228,7 +236,7 @@ LaunchArgs parse_launch_args(const std::vector<std::string>& argv) {
         {"--use_megatron_lm", "Megatron-LM"},
         {"--megatron_lm_", "Megatron-LM"},  {"--dynamo_", "TorchDynamo"},      {"--tpu", "XLA/TPU"},
         {"--use_xpu", "XPU"},               {"--ipex", "IPEX"},                {"--fp8_", "FP8 recipes"},
-        {"--use_parallelism_config", "parallelism_config"},                    {"--parallelism_config_", "parallelism_config"}};
+        {"--parallelism_config_", "parallelism_config's context and sequence parallelism"}};
     const std::string given = rest.front().substr(0, rest.front().find('='));
     std::string flag = given;  // upstream takes --use-deepspeed for --use_deepspeed
     if (flag.rfind("--", 0) == 0) std::replace(flag.begin() + 2, flag.end(), '-', '_');
@@ -302,6 +310,22 @@ LaunchPlan resolve_launch(const LaunchArgs& args) {
     }
   }
 
+  std::map<std::string, std::string> parallelism =
+      config ? config->parallelism_config : std::map<std::string, std::string>{};
+  for (const auto& [key, value] : args.parallelism) {
+    check_parallelism_value(key, value, "launch");
+    parallelism[key] = value;
+  }
+  if (args.use_parallelism_config || !parallelism.empty()) {
+    ACCELERATE_CHECK_VALUE(plan.use_fsdp, "[launch] --use_parallelism_config (and the parallelism_config settings) "
+                           "needs --use_fsdp: its data-parallel sizes shard models");
+    plan.parallelism_environment["ACCELERATE_USE_PARALLELISM_CONFIG"] = "true";
+    for (const auto& [key, variable] : parallelism_config_keys()) {
+      auto it = parallelism.find(key);
+      if (it != parallelism.end()) plan.parallelism_environment[variable] = it->second;
+    }
+  }
+
   ACCELERATE_CHECK_VALUE(plan.num_processes >= 1, "[launch] --num_processes must be at least 1, got ",
                          plan.num_processes);
   ACCELERATE_CHECK_VALUE(plan.num_machines >= 1, "[launch] --num_machines must be at least 1, got ", plan.num_machines);
@@ -311,6 +335,17 @@ LaunchPlan resolve_launch(const LaunchArgs& args) {
                          ", the total over all machines) must be a multiple of --num_machines (", plan.num_machines,
                          ")");
   plan.local_num_processes = plan.num_processes / plan.num_machines;
+  if (!plan.parallelism_environment.empty()) {
+    const auto size = [&](const char* variable, int fallback) {
+      auto it = plan.parallelism_environment.find(variable);
+      return it == plan.parallelism_environment.end() ? fallback : std::stoi(it->second);
+    };
+    const int replicate = size("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", 1);
+    const int shard = size("PARALLELISM_CONFIG_DP_SHARD_SIZE", std::max(1, plan.num_processes / replicate));
+    ACCELERATE_CHECK_VALUE(replicate * shard == plan.num_processes, "[launch] parallelism_config: dp_replicate_size (",
+                           replicate, ") x dp_shard_size (", shard, ") must equal --num_processes (",
+                           plan.num_processes, ")");
+  }
   ACCELERATE_CHECK_VALUE(plan.main_process_port >= 0 && plan.main_process_port <= 65535,
                          "[launch] --main_process_port must be a TCP port (0-65535), got ", plan.main_process_port);
   if (plan.num_machines > 1) {
@@ -437,6 +472,7 @@ std::map<std::string, std::string> worker_environment(const LaunchPlan& plan, in
     env["ACCELERATE_USE_FSDP"] = "true";
     for (const auto& [variable, value] : plan.fsdp_environment) env[variable] = value;
   }
+  for (const auto& [variable, value] : plan.parallelism_environment) env[variable] = value;
   if (!plan.backend.empty()) env["ACCELERATE_BACKEND"] = plan.backend;
   if (plan.gpu_ids && *plan.gpu_ids != "all") env["CUDA_VISIBLE_DEVICES"] = *plan.gpu_ids;
   return env;

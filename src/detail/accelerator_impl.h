@@ -15,6 +15,7 @@ struct AcceleratorImpl {
   bool standalone = false;
   std::optional<GradScaler> scaler;
   std::optional<FullyShardedDataParallelPlugin> fsdp;  // when prepared models are sharded
+  int dp_shard_size = 0;  // a parallelism_config's shard groups (0: the plugin decides)
 
   std::mutex mutex;  // guards everything below
   ProjectConfiguration project;

@@ -115,10 +115,6 @@ FsdpSettings resolve_fsdp_plugin(const FullyShardedDataParallelPlugin& plugin, c
   }
   s.reshard_after_forward = s.sharding_strategy == FsdpShardingStrategy::kFullShard ||
                             s.sharding_strategy == FsdpShardingStrategy::kHybridShard;
-  TORCH_CHECK_VALUE(s.sharding_strategy != FsdpShardingStrategy::kHybridShard &&
-                        s.sharding_strategy != FsdpShardingStrategy::kHybridShardZero2,
-                    "[FullyShardedDataParallelPlugin] sharding_strategy ", to_string(s.sharding_strategy),
-                    " is not supported yet; use FULL_SHARD, SHARD_GRAD_OP or NO_SHARD");
 
   if (plugin.backward_prefetch) {
     s.backward_prefetch = *plugin.backward_prefetch;
@@ -266,7 +262,11 @@ struct BufferPool {
 struct FsdpEngineImpl : std::enable_shared_from_this<FsdpEngineImpl> {
   BufferPool pool;
   FsdpSettings settings;
-  PartialState state;
+  PartialState job;                      // every process
+  PartialState state;                    // the processes this one's shards are split over
+  std::optional<PartialState> replicas;  // hybrid sharding: this shard's holders in every replica
+  int num_replicas = 1;
+  int replica = 0;
   std::shared_ptr<torch::nn::Module> module;
   std::vector<Unit> units;  // root first
   bool shard = true;        // false for NO_SHARD
@@ -285,7 +285,7 @@ struct FsdpEngineImpl : std::enable_shared_from_this<FsdpEngineImpl> {
   std::vector<InFlight> in_flight;  // reductions started and not finished
   std::unordered_map<const void*, std::pair<size_t, size_t>> where;  // parameter → (unit, index)
 
-  explicit FsdpEngineImpl(const PartialState& s) : state(s) {}
+  FsdpEngineImpl(const PartialState& job, const PartialState& shard) : job(job), state(shard) {}
 
   void gather(Unit& unit);
   void reshard(Unit& unit);
@@ -651,7 +651,11 @@ void FsdpEngineImpl::finish_reductions() {
   in_flight.clear();
   for (auto& r : done) {
     wait_collective(state, r.pending, kApi);
-    r.mine.div_(world);
+    if (replicas) {
+      // Hybrid sharding: the same rows of every replica are summed too, then averaged over all.
+      r.mine = all_reduce(*replicas, r.mine, Reduction::kSum, kApi);
+    }
+    r.mine.div_(world * num_replicas);
     for (size_t i : r.group->params) {
       auto& p = r.unit->params[i];
       if (!p.param.requires_grad()) continue;
@@ -683,13 +687,80 @@ at::Tensor FsdpEngineImpl::whole_value(const ShardedParam& p) {
   return all.view({world * p.shard_rows, p.row_numel}).narrow(0, 0, p.rows).reshape(p.shape).clone();
 }
 
-FsdpEngine::FsdpEngine(std::shared_ptr<torch::nn::Module> module, const PartialState& state, FsdpSettings settings)
-    : impl_(std::make_shared<FsdpEngineImpl>(state)) {
+namespace {
+
+// The processes one replica is sharded over (Note [Hybrid sharding]).
+int shard_group_size(const FsdpSettings& settings, const PartialState& state, int dp_shard_size) {
+  const int n = state.num_processes();
+  if (settings.sharding_strategy == FsdpShardingStrategy::kNoShard) return n;
+  if (dp_shard_size > 0) {
+    TORCH_CHECK_VALUE(n % dp_shard_size == 0, "[", kApi, "] dp_shard_size ", dp_shard_size,
+                      " does not divide the number of processes, ", n);
+    return dp_shard_size;
+  }
+  const bool hybrid = settings.sharding_strategy == FsdpShardingStrategy::kHybridShard ||
+                      settings.sharding_strategy == FsdpShardingStrategy::kHybridShardZero2;
+  if (!hybrid) return n;
+  // Every process must find the same groups, so the machines' sizes are compared first.
+  const std::string mine = std::to_string(state.local_num_processes());
+  const auto all = all_gather_bytes(state, std::vector<char>(mine.begin(), mine.end()), kApi);
+  std::string sizes;
+  bool equal = true;
+  for (const auto& theirs : all) {
+    equal = equal && std::string(theirs.begin(), theirs.end()) == mine;
+    sizes += (sizes.empty() ? "" : ", ") + std::string(theirs.begin(), theirs.end());
+  }
+  const int local = state.local_num_processes();
+  TORCH_CHECK_VALUE(equal && n % local == 0, "[", kApi, "] ", to_string(settings.sharding_strategy),
+                    " shards within each machine and replicates across machines, so every machine must run as many "
+                    "processes; the processes' machines run ", sizes, " (use a ParallelismConfig's dp_shard_size to "
+                    "choose the groups)");
+  return local;
+}
+
+// Note [Hybrid sharding]
+// HYBRID_SHARD (and _HYBRID_SHARD_ZERO2, which keeps whole parameters from forward to backward)
+// shards within groups of S consecutive processes and keeps one replica per group, as PyTorch's
+// FSDP does over a 2-D mesh (replicate, shard). S is a ParallelismConfig's dp_shard_size, else the
+// processes of one machine (PyTorch's intra-node groups), so the gathers stay inside a machine.
+// Process r holds shard r % S of replica r / S. Gathers and reduce-scatters run in the shard
+// group; each reduced piece is then summed over the processes holding the same shard in the other
+// replicas (one allreduce per unit and dtype) and divided by the number of processes. State dicts
+// gather within the shard group (every replica holds the whole model); sharded checkpoints are
+// written by the first replica alone, as S shards, and every replica reads them back by shard
+// index; the global gradient norm sums over the shard group only. With one group (S equal to the
+// job) nothing changes; FULL_SHARD and SHARD_GRAD_OP under a ParallelismConfig of both sizes above
+// 1 are hybrid in the same way, as FSDP2 over a 2-D mesh is.
+PartialState shard_state_of(const PartialState& state, int shard_size) {
+  const int n = state.num_processes();
+  if (shard_size == n) return state;
+  std::vector<std::vector<int>> groups(n / shard_size);
+  for (int r = 0; r < n; ++r) groups[r / shard_size].push_back(r);
+  return split_state(state, groups, "fsdp-shard");
+}
+
+}  // namespace
+
+FsdpEngine::FsdpEngine(std::shared_ptr<torch::nn::Module> module, const PartialState& state, FsdpSettings settings,
+                       int dp_shard_size)
+    : impl_(std::make_shared<FsdpEngineImpl>(state,
+                                             shard_state_of(state, shard_group_size(settings, state, dp_shard_size)))) {
   auto& e = *impl_;
+  {
+    const int n = state.num_processes();
+    const int shard_size = e.state.num_processes();
+    e.num_replicas = n / shard_size;
+    e.replica = state.process_index() / shard_size;
+    if (e.num_replicas > 1) {
+      std::vector<std::vector<int>> groups(shard_size);
+      for (int r = 0; r < n; ++r) groups[r % shard_size].push_back(r);
+      e.replicas = split_state(state, groups, "fsdp-replicate");
+    }
+  }
   e.settings = std::move(settings);
   e.module = std::move(module);
-  e.world = state.num_processes();
-  e.rank = state.process_index();
+  e.world = e.state.num_processes();
+  e.rank = e.state.process_index();
   e.shard = e.settings.sharding_strategy != FsdpShardingStrategy::kNoShard;
   auto& root = *e.module;
 
@@ -752,7 +823,7 @@ FsdpEngine::FsdpEngine(std::shared_ptr<torch::nn::Module> module, const PartialS
                         "' where process ", r, " has '", lb, "'");
     }
   }
-  if (e.settings.sync_module_states && e.world > 1) {
+  if (e.settings.sync_module_states && state.num_processes() > 1) {
     std::vector<at::Tensor> tensors = root.parameters();
     auto buffers = root.buffers();
     tensors.insert(tensors.end(), buffers.begin(), buffers.end());
@@ -953,6 +1024,9 @@ void FsdpEngine::root_post_forward(const std::vector<at::Tensor>& outputs) {
 }
 
 const FsdpSettings& FsdpEngine::settings() const { return impl_->settings; }
+const PartialState& FsdpEngine::shard_group() const { return impl_->state; }
+int FsdpEngine::num_replicas() const { return impl_->num_replicas; }
+int FsdpEngine::replica_index() const { return impl_->replica; }
 
 std::vector<std::string> FsdpEngine::unit_names() const {
   std::vector<std::string> names;

@@ -82,7 +82,10 @@ TensorMap merge_sharded_state(const std::string& folder);
 /// reductions around its forward and backward passes. One per prepared model.
 class FsdpEngine {
  public:
-  FsdpEngine(std::shared_ptr<torch::nn::Module> module, const PartialState& state, FsdpSettings settings);
+  /// Shards over groups of `dp_shard_size` consecutive processes of `state` and replicates over
+  /// the groups (0: see `DistributedDataParallel::fully_sharded`).
+  FsdpEngine(std::shared_ptr<torch::nn::Module> module, const PartialState& state, FsdpSettings settings,
+             int dp_shard_size = 0);
   ~FsdpEngine();
   FsdpEngine(const FsdpEngine&) = delete;
   FsdpEngine& operator=(const FsdpEngine&) = delete;
@@ -101,6 +104,13 @@ class FsdpEngine {
 
   /// The settings in force.
   const FsdpSettings& settings() const;
+  /// The processes the parameters are sharded over (the whole job unless sharding is hybrid):
+  /// ranks, numbers of processes and rows held are this group's.
+  const PartialState& shard_group() const;
+  /// How many groups hold a replica each (1 unless sharding is hybrid), and which one this
+  /// process's group is: the first one writes the shards of sharded checkpoints.
+  int num_replicas() const;
+  int replica_index() const;
   /// The number of wrapped units, the root included, and each unit's module name ("" for the root).
   std::vector<std::string> unit_names() const;
   /// The whole value of every parameter and buffer, by name (gathered from every process; every

@@ -191,6 +191,35 @@ Rendezvous rendezvous(const RendezvousConfig& config) {
   return out;
 }
 
+c10::intrusive_ptr<c10d::ProcessGroup> make_subgroup(const std::string& backend,
+                                                     const c10::intrusive_ptr<c10d::Store>& store,
+                                                     const Topology& topology, const std::vector<int>& ranks,
+                                                     int color, const std::string& tag,
+                                                     std::chrono::milliseconds timeout) {
+  const auto found = std::find(ranks.begin(), ranks.end(), topology.rank);
+  TORCH_CHECK(found != ranks.end(), "[process group] process ", topology.rank, " is not one of the group's");
+  const int rank = static_cast<int>(found - ranks.begin());
+  const int size = static_cast<int>(ranks.size());
+  if (backend == "mpi") return make_mpi_subgroup(topology, color, rank, size, timeout);
+  auto group_store = c10::make_intrusive<c10d::PrefixStore>(tag, store);
+  if (backend == "gloo") {
+#ifdef USE_C10D_GLOO
+    auto options = c10d::ProcessGroupGloo::Options::create(timeout);
+    options->devices.push_back(gloo_device(topology));
+    return compat::as_process_group(c10::make_intrusive<c10d::ProcessGroupGloo>(group_store, rank, size, options),
+                                    group_store, "gloo", {c10::kCPU, c10::kCUDA});
+#endif
+  } else if (backend == "nccl") {
+#ifdef USE_C10D_NCCL
+    auto options = c10d::ProcessGroupNCCL::Options::create();
+    options->timeout = timeout;
+    return compat::as_process_group(c10::make_intrusive<c10d::ProcessGroupNCCL>(group_store, rank, size, options),
+                                    group_store, "nccl", {c10::kCUDA});
+#endif
+  }
+  C10_THROW_ERROR(ValueError, c10::str("[process group] cannot make a group of the \"", backend, "\" back-end"));
+}
+
 std::string name_lost_machines(const std::vector<std::string>& addresses, const std::string& error) {
   std::string out;
   std::vector<std::string> named;
@@ -230,6 +259,9 @@ c10::intrusive_ptr<c10d::ProcessGroup> make_mpi_process_group(const Topology&, s
                                                               const c10::intrusive_ptr<c10d::Store>&) {
   C10_THROW_ERROR(ValueError, "[PartialState] the MPI back-end is not available in this build of accelerate-cpp "
                               "(it was built without MPI); use \"gloo\"");
+}
+c10::intrusive_ptr<c10d::ProcessGroup> make_mpi_subgroup(const Topology&, int, int, int, std::chrono::milliseconds) {
+  C10_THROW_ERROR(ValueError, "[process group] the MPI back-end is not available in this build of accelerate-cpp");
 }
 #endif
 

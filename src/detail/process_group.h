@@ -39,6 +39,17 @@ struct Rendezvous {
   std::vector<std::string> addresses;
 };
 
+/// The process group of some processes of a job: `ranks` (global ranks, in the group's order)
+/// of the job `topology`, which must include this process; `color` numbers the group among the
+/// groups made together, `tag` keeps its store keys apart from every other group's. Its members
+/// connect through `store`; on MPI every process of the job must call it at the same point (a
+/// split of MPI's world), with one-process groups too.
+c10::intrusive_ptr<c10d::ProcessGroup> make_subgroup(const std::string& backend,
+                                                     const c10::intrusive_ptr<c10d::Store>& store,
+                                                     const Topology& topology, const std::vector<int>& ranks,
+                                                     int color, const std::string& tag,
+                                                     std::chrono::milliseconds timeout);
+
 /// For an error that names the addresses of peers ("[10.0.0.2]:port", as Gloo writes them), the
 /// processes that ran at each one: "; 10.0.0.2 is the machine of processes 2 and 3". Empty when
 /// the error names none of `addresses` (by rank).

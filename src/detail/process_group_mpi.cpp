@@ -393,16 +393,31 @@ constexpr int64_t kBlockingBytes = 256 * 1024;
 
 class ProcessGroupMPI final : public compat::BackendBase {
  public:
-  ProcessGroupMPI(std::shared_ptr<MpiRuntime> runtime, int rank, int size, std::chrono::milliseconds timeout)
+  // With `color` < 0 the group of every process; else the group of the processes that pass the
+  // same color, numbered by `rank` (a split, which waits for every process of the job).
+  ProcessGroupMPI(std::shared_ptr<MpiRuntime> runtime, int rank, int size, std::chrono::milliseconds timeout,
+                  int color = -1)
       : compat::BackendBase(rank, size), runtime_(std::move(runtime)), timeout_(timeout) {
     // The group's own communicator, so that its collectives never mix with another group's.
     auto comm = std::make_shared<MPI_Comm>(MPI_COMM_NULL);
     comm_ = comm;
-    auto work = submit(c10d::OpType::UNKNOWN, "process-group creation", {}, [comm](MPI_Comm, std::vector<MPI_Request>& r) {
-      r.emplace_back();
-      check_mpi(MPI_Comm_idup(MPI_COMM_WORLD, comm.get(), &r.back()), "process-group creation", "MPI_Comm_idup");
-    }, nullptr, /*world=*/true);
-    work->wait(kNoTimeout);
+    c10::intrusive_ptr<c10d::Work> work;
+    if (color < 0) {
+      work = submit(c10d::OpType::UNKNOWN, "process-group creation", {}, [comm](MPI_Comm, std::vector<MPI_Request>& r) {
+        r.emplace_back();
+        check_mpi(MPI_Comm_idup(MPI_COMM_WORLD, comm.get(), &r.back()), "process-group creation", "MPI_Comm_idup");
+      }, nullptr, /*world=*/true);
+      work->wait(kNoTimeout);
+    } else {
+      // MPI has no non-blocking split: it runs once every process has arrived (Note [Large
+      // collectives block]), so that a missing process fails at the timeout instead of hanging.
+      const int key = rank;
+      work = submit(c10d::OpType::UNKNOWN, "process-group split", {}, [](MPI_Comm, std::vector<MPI_Request>&) {},
+                    nullptr, /*world=*/true, {}, [comm, color, key](MPI_Comm world) {
+                      check_mpi(MPI_Comm_split(world, color, key, comm.get()), "process-group split", "MPI_Comm_split");
+                    }, kBlockingBytes);
+      work->wait(kNoTimeout);
+    }
     MPI_Comm_set_errhandler(*comm_, MPI_ERRORS_RETURN);
   }
 
@@ -834,6 +849,16 @@ class ProcessGroupMPI final : public compat::BackendBase {
 };
 
 }  // namespace
+
+c10::intrusive_ptr<c10d::ProcessGroup> make_mpi_subgroup(const Topology& topology, int color, int rank, int size,
+                                                         std::chrono::milliseconds timeout) {
+  auto runtime = MpiRuntime::get();
+  TORCH_CHECK(runtime->world_size() == topology.world_size, "[process group] MPI's world has ", runtime->world_size(),
+              " processes, the job ", topology.world_size);
+  return compat::as_process_group(
+      c10::make_intrusive<ProcessGroupMPI>(std::move(runtime), rank, size, timeout, color),
+      c10::intrusive_ptr<c10d::Store>(c10::make_intrusive<c10d::HashStore>()), "mpi", {c10::kCPU});
+}
 
 c10::intrusive_ptr<c10d::ProcessGroup> make_mpi_process_group(const Topology& topology,
                                                               std::chrono::milliseconds timeout,

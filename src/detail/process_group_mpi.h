@@ -36,4 +36,10 @@ c10::intrusive_ptr<c10d::ProcessGroup> make_mpi_process_group(const Topology& to
                                                               std::chrono::milliseconds timeout,
                                                               const c10::intrusive_ptr<c10d::Store>& store = {});
 
+/// The process group of the processes that pass the same `color` (numbered by `rank`, of
+/// `size`): a split of MPI's world, so every process of the job calls it at the same point. The
+/// job's group must exist already (MPI is started).
+c10::intrusive_ptr<c10d::ProcessGroup> make_mpi_subgroup(const Topology& topology, int color, int rank, int size,
+                                                         std::chrono::milliseconds timeout);
+
 }  // namespace accelerate::detail

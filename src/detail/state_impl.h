@@ -8,7 +8,11 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <map>
+#include <memory>
 #include <mutex>
+#include <string>
+#include <vector>
 
 namespace accelerate::detail {
 
@@ -29,6 +33,8 @@ struct PartialStateImpl {
   std::vector<std::string> addresses;  // every process's, by rank (Note [Naming the lost machine])
   std::mutex mutex;  // guards trigger and the destroyed process group
   bool trigger = false;
+  std::mutex groups_mutex;
+  std::map<std::string, std::shared_ptr<PartialStateImpl>> groups;  // split_state's, by layout
 };
 
 struct GradientStateImpl {
@@ -42,6 +48,14 @@ struct GradientStateImpl {
 
 /// The process group of a state; throws when it has none (one process) or was destroyed.
 c10::intrusive_ptr<c10d::ProcessGroup> process_group(const PartialState& state, const char* api);
+
+/// A state over the processes of one of `groups` (global ranks; the groups partition the job's
+/// processes): the group that holds this process, its ranks numbered in the group's order. Made
+/// once per `tag` and layout and kept with `state` (until its process group is destroyed). Every
+/// process of the job must ask for it at the same point of the program: making it is a
+/// collective. A group of one process has no process group, as a job of one process.
+PartialState split_state(const PartialState& state, const std::vector<std::vector<int>>& groups,
+                         const std::string& tag);
 
 /// The message of a failed collective `e`, followed by the processes of each machine it names
 /// (Note [Naming the lost machine]).

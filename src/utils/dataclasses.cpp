@@ -145,6 +145,7 @@ std::string to_string(DistributedType type) {
     case DistributedType::kNo: return "NO";
     case DistributedType::kMultiCpu: return "MULTI_CPU";
     case DistributedType::kMultiGpu: return "MULTI_GPU";
+    case DistributedType::kFsdp: return "FSDP";
   }
   detail::raise_error(detail::concat("unknown DistributedType"));
 }
@@ -153,9 +154,10 @@ DistributedType parse_distributed_type(std::string_view text) {
   if (text == "NO") return DistributedType::kNo;
   if (text == "MULTI_CPU") return DistributedType::kMultiCpu;
   if (text == "MULTI_GPU") return DistributedType::kMultiGpu;
+  if (text == "FSDP") return DistributedType::kFsdp;
   detail::raise_value_error(
-      detail::concat("[parse_distributed_type] expected one of NO, MULTI_CPU, MULTI_GPU, got '", text,
-                     "' (DeepSpeed, FSDP, Megatron-LM, XLA and the other Python-only back-ends are not supported)"));
+      detail::concat("[parse_distributed_type] expected one of NO, MULTI_CPU, MULTI_GPU, FSDP, got '", text,
+                     "' (DeepSpeed, Megatron-LM, XLA and the other Python-only back-ends are not supported)"));
 }
 
 std::string to_string(PrecisionType precision) {

@@ -195,10 +195,30 @@ TEST(LoadConfigFromFile, AnFsdpConfigIsReadCheckedAndWrittenBack) {
                      "fsdp_config has an unknown key 'fsdp_sharding'");
 }
 
+TEST(LoadConfigFromFile, AParallelismConfigIsReadCheckedAndWrittenBack) {
+  TempDir dir;
+  const std::string text = "distributed_type: FSDP\nnum_processes: 4\nparallelism_config:\n"
+                           "  parallelism_config_dp_replicate_size: 2\n  parallelism_config_dp_shard_size: 2\n";
+  const ClusterConfig config = load_config_from_file(write_file(dir, "c.yaml", text));
+  EXPECT_EQ(config.parallelism_config.at("parallelism_config_dp_shard_size"), "2");
+  for (const char* name : {"back.yaml", "back.json"}) {
+    const auto path = (dir.path() / name).string();
+    save_config_file(config, path);
+    EXPECT_EQ(load_config_from_file(path).parallelism_config, config.parallelism_config) << name;
+  }
+  EXPECT_THROWS_WITH(load_config_from_file(write_file(dir, "d.yaml", "distributed_type: FSDP\nparallelism_config:\n"
+                                                                    "  parallelism_config_cp_size: 2\n")),
+                     "parallelism_config_cp_size 2: context parallelism is not supported yet");
+  EXPECT_THROWS_WITH(load_config_from_file(write_file(dir, "e.yaml", "distributed_type: FSDP\nparallelism_config:\n"
+                                                                    "  parallelism_config_sp_size: 2\n")),
+                     "parallelism_config has 'parallelism_config_sp_size', which accelerate-cpp does not support");
+}
+
 TEST(LoadConfigFromFile, EmptyIntegrationSectionsAreAccepted) {
   TempDir dir;
   const ClusterConfig config = load_config_from_file(write_file(
-      dir, "c.yaml", "distributed_type: MULTI_CPU\nfsdp_config: {}\nmegatron_lm_config: {}\ndeepspeed_config: {}\n"));
+      dir, "c.yaml", "distributed_type: MULTI_CPU\nfsdp_config: {}\nmegatron_lm_config: {}\ndeepspeed_config: {}\n"
+                 "parallelism_config: {}\n"));
   EXPECT_EQ(config.distributed_type, DistributedType::kMultiCpu);
 }
 

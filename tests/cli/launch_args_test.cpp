@@ -142,6 +142,38 @@ TEST_F(ParseLaunchArgs, AnFsdpFlagWithAWrongValueIsRefusedNamingIt) {
                      "fsdp_min_num_params: expected a positive integer, got '1e8x'");
 }
 
+TEST_F(ParseLaunchArgs, ParallelismConfigFlagsBecomeTheWorkersVariablesOverTheConfigFile) {
+  const std::string config = write_config("hybrid.yaml", "distributed_type: FSDP\nuse_cpu: true\nnum_processes: 4\n"
+                                          "parallelism_config:\n  parallelism_config_dp_replicate_size: 4\n"
+                                          "  parallelism_config_dp_shard_size: 1\n");
+  const LaunchPlan plan = resolve({"--config_file", config, "--parallelism-config-dp-replicate-size", "2",
+                                   "--parallelism_config_dp_shard_size", "2", "/bin/true"});
+  const auto env = worker_environment(plan, 0, 29500, 0);
+  EXPECT_EQ(env.at("ACCELERATE_USE_PARALLELISM_CONFIG"), "true");
+  EXPECT_EQ(env.at("PARALLELISM_CONFIG_DP_REPLICATE_SIZE"), "2");
+  EXPECT_EQ(env.at("PARALLELISM_CONFIG_DP_SHARD_SIZE"), "2");
+  EXPECT_FALSE(env.count("PARALLELISM_CONFIG_TP_SIZE"));
+  // From the file alone.
+  const auto from_file = worker_environment(resolve({"--config_file", config, "/bin/true"}), 0, 29500, 0);
+  EXPECT_EQ(from_file.at("PARALLELISM_CONFIG_DP_REPLICATE_SIZE"), "4");
+  EXPECT_FALSE(worker_environment(resolve({"--use_fsdp", "/bin/true"}), 0, 29500, 0)
+                   .count("ACCELERATE_USE_PARALLELISM_CONFIG"));
+}
+
+TEST_F(ParseLaunchArgs, ParallelismConfigSettingsThatCannotApplyAreRefusedNamingThem) {
+  EXPECT_THROWS_WITH(resolve({"-n", "4", "--use_parallelism_config", "--parallelism_config_dp_shard_size", "2",
+                              "/bin/true"}),
+                     "--use_parallelism_config (and the parallelism_config settings) needs --use_fsdp");
+  EXPECT_THROWS_WITH(resolve({"-n", "4", "--use_fsdp", "--parallelism_config_dp_replicate_size", "3", "/bin/true"}),
+                     "dp_replicate_size (3) x dp_shard_size (1) must equal --num_processes (4)");
+  EXPECT_THROWS_WITH(resolve({"-n", "4", "--use_fsdp", "--parallelism_config_tp_size", "2", "/bin/true"}),
+                     "parallelism_config_tp_size 2: tensor parallelism is not supported yet");
+  EXPECT_THROWS_WITH(resolve({"--use_fsdp", "--parallelism_config_dp_shard_size", "two", "/bin/true"}),
+                     "parallelism_config_dp_shard_size: expected a positive integer, got 'two'");
+  EXPECT_THROWS_WITH(parse_launch_args({"--parallelism_config_cp_backend", "torch", "/bin/true"}),
+                     "configures parallelism_config's context and sequence parallelism");
+}
+
 TEST_F(ResolveLaunch, WithoutFlagsOrConfigOneLocalProcessRuns) {
   const LaunchPlan plan = resolve({"/bin/true", "a", "b"});
   EXPECT_EQ(plan.num_processes, 1);

@@ -17,6 +17,7 @@ using ::testing::HasSubstr;
 struct Job {
   const char* name;
   std::vector<std::string> flags;
+  std::string says = "fsdp: OK";  // what the main process prints
 };
 
 void PrintTo(const Job& job, std::ostream* out) { *out << job.name; }
@@ -31,9 +32,10 @@ TEST_P(FsdpLaunch, EndsWhereOneProcessEndsOnTheWholeBatches) {
   argv.push_back(dir.str());
   auto r = run(argv, 240);
   ASSERT_EQ(r->exit_code(), 0) << r->out << r->err;
-  EXPECT_THAT(r->out, HasSubstr("[rank0]: fsdp: OK")) << r->out;
+  EXPECT_THAT(r->out, HasSubstr("[rank0]: " + GetParam().says)) << r->out;
 }
 
+// Of the model's 2117 parameters, a process sharding over 2 holds 1071 and over 4, 548.
 INSTANTIATE_TEST_SUITE_P(
     Jobs, FsdpLaunch,
     ::testing::Values(
@@ -48,7 +50,18 @@ INSTANTIATE_TEST_SUITE_P(
                                      "true", "--gradient_accumulation_steps", "2", "--fsdp_auto_wrap_policy",
                                      "TRANSFORMER_BASED_WRAP", "--fsdp_transformer_layer_cls_to_wrap", "Block"}},
         Job{"Bf16Autocast", {"-n", "2", "--use_fsdp", "--mixed_precision", "bf16", "--fsdp_auto_wrap_policy",
-                             "TRANSFORMER_BASED_WRAP", "--fsdp_transformer_layer_cls_to_wrap", "Block"}}),
+                             "TRANSFORMER_BASED_WRAP", "--fsdp_transformer_layer_cls_to_wrap", "Block"}},
+        Job{"HybridTwoReplicasOfTwoShards",
+            {"-n", "4", "--use_fsdp", "--use_parallelism_config", "--parallelism_config_dp_replicate_size", "2",
+             "--parallelism_config_dp_shard_size", "2", "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP",
+             "--fsdp_transformer_layer_cls_to_wrap", "Block"},
+            "fsdp: OK (FULL_SHARD, 4 processes, 1071 of 2117 parameters"},
+        Job{"FullShardFourProcessesHoldAQuarter", {"-n", "4", "--use_fsdp"},
+            "fsdp: OK (FULL_SHARD, 4 processes, 548 of 2117 parameters"},
+        Job{"HybridZero2Accumulation",
+            {"-n", "4", "--fsdp_sharding_strategy", "_HYBRID_SHARD_ZERO2", "--parallelism_config_dp_replicate_size",
+             "2", "--gradient_accumulation_steps", "2"},
+            "fsdp: OK (_HYBRID_SHARD_ZERO2, 4 processes, 1071 of 2117 parameters"}),
     [](const ::testing::TestParamInfo<Job>& info) { return std::string(info.param.name); });
 
 TEST(FsdpLaunch, AConfigFileWithDistributedTypeFsdpShardsTheModel) {
@@ -82,6 +95,47 @@ TEST(FsdpLaunch, AShardedCheckpointOfFourProcessesResumesOnTwo) {
   auto resumed = launch("2", "resume");
   ASSERT_EQ(resumed->exit_code(), 0) << resumed->out << resumed->err;
   EXPECT_THAT(resumed->out, HasSubstr("[rank0]: fsdp: OK (FULL_SHARD, 2 processes")) << resumed->out;
+}
+
+TEST(FsdpLaunch, AHybridShardedCheckpointIsWrittenByOneReplicaAndResumesOnTwoProcesses) {
+  TempDir dir;
+  const std::vector<std::string> fsdp = {"--main_process_port", "0", "--use_fsdp", "--fsdp_state_dict_type",
+                                         "SHARDED_STATE_DICT"};
+  std::vector<std::string> save = {accelerate_bin(), "launch", "-n", "4", "--parallelism_config_dp_replicate_size", "2"};
+  save.insert(save.end(), fsdp.begin(), fsdp.end());
+  save.insert(save.end(), {built("tests/mp_fsdp"), dir.str(), "save"});
+  auto saved = run(save, 240);
+  ASSERT_EQ(saved->exit_code(), 0) << saved->out << saved->err;
+  const auto shards = dir.path() / "checkpoint" / "pytorch_model_fsdp_0";
+  EXPECT_TRUE(std::filesystem::is_regular_file(shards / "shard-1-of-2.safetensors"));
+  EXPECT_FALSE(std::filesystem::exists(shards / "shard-0-of-4.safetensors"));
+  std::vector<std::string> resume = {accelerate_bin(), "launch", "-n", "2"};
+  resume.insert(resume.end(), fsdp.begin(), fsdp.end());
+  resume.insert(resume.end(), {built("tests/mp_fsdp"), dir.str(), "resume"});
+  auto resumed = run(resume, 240);
+  ASSERT_EQ(resumed->exit_code(), 0) << resumed->out << resumed->err;
+  EXPECT_THAT(resumed->out, HasSubstr("[rank0]: fsdp: OK (FULL_SHARD, 2 processes")) << resumed->out;
+}
+
+TEST(FsdpLaunch, HybridShardShardsWithinEachOfTwoMachinesAndReplicatesAcrossThem) {
+  // Two launchers, one per machine rank, of two processes each (on Gloo: MPI jobs have one launcher).
+  TempDir dir;
+  const std::string port = std::to_string(free_port());
+  const auto machine = [&](const char* rank) {
+    return std::vector<std::string>{accelerate_bin(), "launch", "--num_processes", "4", "--num_machines", "2",
+                                    "--machine_rank", rank, "--main_process_ip", "127.0.0.1", "--main_process_port",
+                                    port, "--rdzv_timeout", "60", "--backend", "gloo", "--fsdp_sharding_strategy",
+                                    "HYBRID_SHARD", built("tests/mp_fsdp"), dir.str()};
+  };
+  const std::map<std::string, std::string> secret = {{"ACCELERATE_RDZV_SECRET", "0123456789abcdef"}};
+  Running machine0(machine("0"), secret);
+  Running machine1(machine("1"), secret);
+  machine0.wait(240);
+  machine1.wait(240);
+  ASSERT_EQ(machine0.exit_code(), 0) << machine0.out << machine0.err;
+  ASSERT_EQ(machine1.exit_code(), 0) << machine1.out << machine1.err;
+  EXPECT_THAT(machine0.out, HasSubstr("[rank0]: fsdp: OK (HYBRID_SHARD, 4 processes, 1071 of 2117 parameters"))
+      << machine0.out;
 }
 
 TEST(FsdpLaunch, ASettingTheEngineDoesNotHaveFailsTheLaunchNamingIt) {

@@ -48,6 +48,9 @@ struct ClusterConfig {
   /// The `fsdp_config` section: upstream's keys (`fsdp_sharding_strategy`, …) and their values
   /// as written.
   std::map<std::string, std::string> fsdp_config;
+  /// The `parallelism_config` section: upstream's keys (`parallelism_config_dp_shard_size`, …) and
+  /// their values as written; empty when the file has none (or `{}`).
+  std::map<std::string, std::string> parallelism_config;
   /// Keys present in the file (so callers can tell a default from a value that was written).
   std::vector<std::string> keys_present;
 };
@@ -59,6 +62,15 @@ const std::vector<std::pair<std::string, std::string>>& fsdp_config_keys();
 /// Checks a value given for `key` of `fsdp_config_keys()` (an enum name, a boolean, a number);
 /// throws `c10::ValueError` naming the key and `where` it was given otherwise.
 void check_fsdp_value(const std::string& key, const std::string& value, const std::string& where);
+
+/// The keys of upstream's `parallelism_config` section (the `--parallelism_config_*` flags of
+/// `accelerate launch`) that accelerate-cpp takes, each with the environment variable it sets for
+/// the workers (`parallelism_config_dp_shard_size` → `PARALLELISM_CONFIG_DP_SHARD_SIZE`).
+const std::vector<std::pair<std::string, std::string>>& parallelism_config_keys();
+/// Checks a value given for `key` of `parallelism_config_keys()`: a positive integer, and 1 for the
+/// tensor and context parallelism sizes (not supported yet); throws `c10::ValueError` naming the
+/// key and `where` it was given otherwise.
+void check_parallelism_value(const std::string& key, const std::string& value, const std::string& where);
 
 /// The default configuration file path, following upstream's location rules.
 std::string default_config_file();

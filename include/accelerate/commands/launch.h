@@ -42,6 +42,9 @@ struct LaunchArgs {
   std::optional<std::string> rdzv_secret_file;  ///< file holding the job's rendezvous secret
   bool use_fsdp = false;                      ///< --use_fsdp: prepared models are fully sharded
   std::map<std::string, std::string> fsdp;    ///< the --fsdp_* flags, by key (`fsdp_sharding_strategy`)
+  bool use_parallelism_config = false;        ///< --use_parallelism_config
+  /// the --parallelism_config_* flags, by key (`parallelism_config_dp_shard_size`)
+  std::map<std::string, std::string> parallelism;
   bool no_python = false;
   bool module = false;
   bool quiet = false;            ///< silence the launcher's informational lines (errors still show)
@@ -91,6 +94,9 @@ struct LaunchPlan {
   bool use_fsdp = false;
   /// The `FSDP_*` variables of the workers (flags over the config file's `fsdp_config`).
   std::map<std::string, std::string> fsdp_environment;
+  /// The `PARALLELISM_CONFIG_*` variables of the workers (flags over the config file's
+  /// `parallelism_config`); empty without one.
+  std::map<std::string, std::string> parallelism_environment;
   bool quiet = false;
   std::vector<std::string> command;  ///< the program and its arguments
 };

@@ -28,9 +28,10 @@ enum class DistributedType {
   kNo,        ///< a single process
   kMultiCpu,  ///< several CPU processes over Gloo (or MPI)
   kMultiGpu,  ///< several CUDA processes over NCCL
+  kFsdp,      ///< several processes whose models are fully sharded (an Accelerator with an fsdp_plugin)
 };
 
-/// Upstream's spelling of a distributed type: "NO", "MULTI_CPU", "MULTI_GPU".
+/// Upstream's spelling of a distributed type: "NO", "MULTI_CPU", "MULTI_GPU", "FSDP".
 std::string to_string(DistributedType type);
 /// Parses upstream's spelling of a distributed type; throws `c10::ValueError` on anything else.
 DistributedType parse_distributed_type(std::string_view text);
