@@ -145,14 +145,17 @@ class Prompter {
 };
 
 // The fully sharded questions (upstream's, less the settings accelerate-cpp does not support yet),
-// answered into `fsdp`, the config file's `fsdp_config` section.
-void ask_fsdp(Prompter& ask, std::map<std::string, std::string>& fsdp) {
+// answered into `fsdp`, the config file's `fsdp_config` section, and for version 2 the
+// `parallelism` section.
+void ask_fsdp(Prompter& ask, std::map<std::string, std::string>& fsdp, std::map<std::string, std::string>& parallelism) {
   const int version = ask.integer("What should be your FSDP version (1 or 2)? [2]: ", 1, 2, 2);
   fsdp["fsdp_version"] = std::to_string(version);
   if (version == 1) {
-    static const std::array<const char*, 3> strategies = {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"};
-    const int strategy = ask.choose("What should be your sharding strategy? (hybrid sharding is not supported yet)",
-                                    {{"FULL_SHARD"}, {"SHARD_GRAD_OP"}, {"NO_SHARD"}});
+    static const std::array<const char*, 5> strategies = {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD",
+                                                          "_HYBRID_SHARD_ZERO2"};
+    const int strategy = ask.choose("What should be your sharding strategy?",
+                                    {{"FULL_SHARD"}, {"SHARD_GRAD_OP"}, {"NO_SHARD"}, {"HYBRID_SHARD"},
+                                     {"_HYBRID_SHARD_ZERO2", "HYBRID_SHARD_ZERO2"}});
     fsdp["fsdp_sharding_strategy"] = strategies[strategy];
   } else {
     const bool reshard = ask.yes_no(
@@ -190,6 +193,16 @@ void ask_fsdp(Prompter& ask, std::map<std::string, std::string>& fsdp) {
                                      "(sync_module_states)? [YES/no]: ",
                                      true);
   fsdp["fsdp_sync_module_states"] = sync ? "true" : "false";
+  if (version == 2 && ask.yes_no("Do you want to use the parallelism config (replicas of groups that each shard the "
+                                 "model: hybrid sharding)? [yes/NO]: ",
+                                 false)) {
+    parallelism["parallelism_config_dp_replicate_size"] =
+        std::to_string(ask.integer("What is the data parallelism replicate size? [1]: ", 1, 1 << 20, 1));
+    const int shard = ask.integer("What is the FSDP shard size (0: the processes / the replicate size)? [0]: ", 0,
+                                  1 << 20, 0);
+    if (shard > 0) parallelism["parallelism_config_dp_shard_size"] = std::to_string(shard);
+    ask.say("Not asked: tensor and context parallelism sizes, not supported yet by accelerate-cpp.");
+  }
   ask.say(
       "Not asked: CPU offload, backward and forward prefetching, activation checkpointing and use_orig_params=false "
       "are not supported yet by accelerate-cpp.");
@@ -240,7 +253,7 @@ ClusterConfig get_user_input(std::istream& in, std::ostream& out, const Question
         "be slower. [yes/NO]: ",
         false);
     config.use_fsdp = ask.yes_no("Do you want to use FullyShardedDataParallel? [yes/NO]: ", false);
-    if (config.use_fsdp) ask_fsdp(ask, config.fsdp_config);
+    if (config.use_fsdp) ask_fsdp(ask, config.fsdp_config, config.parallelism_config);
   }
 
   if (config.distributed_type == DistributedType::kNo) {

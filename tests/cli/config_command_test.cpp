@@ -178,7 +178,7 @@ TEST(ConfigQuestionnaire, FullyShardedAnswersWriteAnFsdpConfigThatLoadsBack) {
 
   // Version 2 (the default): reshard_after_forward instead of a strategy; size-based units;
   // efficient loading implies synchronised states without asking; an empty class list is refused.
-  std::istringstream in("1\n\n\nyes\n\nno\nSIZE_BASED_WRAP\n5000\n\nyes\n2\nno\n");
+  std::istringstream in("1\n\n\nyes\n\nno\nSIZE_BASED_WRAP\n5000\n\nyes\n\n2\nno\n");
   std::ostringstream out;
   const ClusterConfig second = get_user_input(in, out);
   EXPECT_EQ(second.fsdp_config.at("fsdp_version"), "2");
@@ -189,11 +189,33 @@ TEST(ConfigQuestionnaire, FullyShardedAnswersWriteAnFsdpConfigThatLoadsBack) {
   EXPECT_EQ(second.fsdp_config.at("fsdp_sync_module_states"), "true");
   EXPECT_THAT(out.str(), Not(HasSubstr("sync_module_states)?")));
   EXPECT_EQ(second.num_processes, 2);
+  EXPECT_TRUE(second.parallelism_config.empty());
 
-  std::istringstream empty_classes("1\n\n\nyes\n\n\n0\n\nBlock\n\n\n\n2\nno\n");
+  std::istringstream empty_classes("1\n\n\nyes\n\n\n0\n\nBlock\n\n\n\n\n2\nno\n");
   std::ostringstream asked_again;
   EXPECT_EQ(get_user_input(empty_classes, asked_again).fsdp_config.at("fsdp_transformer_layer_cls_to_wrap"), "Block");
   EXPECT_THAT(asked_again.str(), HasSubstr("An answer is required."));
+}
+
+TEST(ConfigQuestionnaire, HybridShardingAnswersWriteTheStrategyOrTheParallelismConfig) {
+  // Version 1 with HYBRID_SHARD; version 2 with a parallelism config of 2 replicas (shard size left
+  // to the number of processes).
+  std::istringstream v1("1\n\n\nyes\n1\nHYBRID_SHARD\nNO_WRAP\n\n\n\n4\nno\n");
+  std::ostringstream out1;
+  const ClusterConfig first = get_user_input(v1, out1);
+  EXPECT_EQ(first.fsdp_config.at("fsdp_sharding_strategy"), "HYBRID_SHARD");
+  EXPECT_TRUE(first.parallelism_config.empty());
+  EXPECT_THAT(out1.str(), Not(HasSubstr("parallelism config")));
+
+  TempDir dir;
+  const std::string path = (dir.path() / "hybrid.yaml").string();
+  const CommandOutcome outcome =
+      run_config({"--config_file", path}, "1\n\n\nyes\n\n\nNO_WRAP\n\n\n\nyes\n2\n\n4\nno\n");
+  ASSERT_EQ(outcome.code, 0) << outcome.err;
+  const ClusterConfig loaded = load_config_from_file(path);
+  EXPECT_EQ(loaded.parallelism_config,
+            (std::map<std::string, std::string>{{"parallelism_config_dp_replicate_size", "2"}}));
+  EXPECT_EQ(loaded.num_processes, 4);
 }
 
 TEST(ConfigQuestionnaire, AMachineRankOutsideTheMachinesIsAskedAgain) {
