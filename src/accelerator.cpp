@@ -422,6 +422,15 @@ void Accelerator::join_uneven_inputs_erased(std::vector<DistributedDataParallel>
     fn();
     return;
   }
+  if (distributed_type() == DistributedType::kFsdp) {
+    // As upstream: PyTorch's Join needs DDP models, so under FSDP joining is skipped with a warning.
+    detail::warn("accelerate.accelerator",
+                 "[Accelerator.join_uneven_inputs] joining uneven inputs is only supported for DDP models: with "
+                 "fully sharded models it has no effect, so every process must run as many batches (even_batches)",
+                 {.once = true, .state = state().partial_state()});
+    fn();
+    return;
+  }
 
   // Models prepared for evaluation never communicate; the same model listed twice joins once.
   std::vector<DistributedDataParallel> models;

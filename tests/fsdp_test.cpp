@@ -689,6 +689,26 @@ TEST(FullyShardedDataParallel, ParallelismConfigSizesAreCheckedAgainstTheProcess
       {.parallelism_config = ParallelismConfig{.dp_replicate_size = 2}});
 }
 
+TEST(FullyShardedDataParallel, JoinUnevenInputsRunsTheBodyWithoutJoiningAndSaysSoAsUpstream) {
+  CapturedLines captured;
+  std::atomic<int> ran{0};
+  run_accelerators(
+      2,
+      [&](const Accelerator& acc, int rank) {
+        auto model = acc.prepare(make_tiny());
+        const int got = acc.join_uneven_inputs({model.ddp()}, [&] { return ++ran; }, /*even_batches=*/false);
+        EXPECT_GE(got, 1);
+        (void)rank;
+      },
+      {.fsdp_plugin = FullyShardedDataParallelPlugin{}});
+  EXPECT_EQ(ran.load(), 2);
+  bool warned = false;
+  for (const auto& line : captured.lines()) {
+    warned = warned || line.find("with fully sharded models it has no effect") != std::string::npos;
+  }
+  EXPECT_TRUE(warned);
+}
+
 TEST(FullyShardedDataParallel, AnIgnoredModuleThatIsNotInTheModelAndJoiningAreRefused) {
   run_accelerators(
       2,
