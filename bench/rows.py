@@ -145,31 +145,42 @@ def offload(raw):
 
 
 def fsdp(raw):
-    """bench/fsdp.cpp: per repetition and number of processes, DDP then FULL_SHARD then SHARD_GRAD_OP.
-    Throughput rows take DDP's samples/s of the same repetition as the limit; memory rows take
-    the process's memory before the model plus DDP's model memory / N plus the largest unit."""
+    """bench/fsdp.cpp and bench/fsdp_twin.py: per repetition and number of processes, DDP then
+    FULL_SHARD then SHARD_GRAD_OP, each side after the other. Throughput rows take C++ DDP's
+    samples/s of the same repetition as the limit; memory rows take the process's memory before the
+    model plus C++ DDP's model memory / N plus the largest unit. The twin (side "python") is
+    PyTorch's DDP and its own FSDP where that runs on CPU processes."""
     out = []
-    ddp = None
+    ddp = {}  # side -> its last DDP record
     for r in raw:
-        n = r["processes"]
+        n, side = r["processes"], r["side"]
         size = f"{r['params'] / 1e6:.0f}M"
         if r["mode"] == "ddp":
-            ddp = r
+            ddp[side] = r
+            out.append(row("W9", f"blocks {size}, DDP, {n} processes", "samples/s", "higher", side, r["samples_per_s"],
+                           loss=r["last_loss"]))
+            out.append(row("W9", f"blocks {size}, DDP, {n} processes", "peak MiB", "lower", side, r["peak_mib"]))
             continue
         name = {"full_shard": "FULL_SHARD", "shard_grad_op": "SHARD_GRAD_OP"}[r["mode"]]
         case = f"blocks {size}, {name}, {n} processes"
+        if side != "cpp":
+            out.append(row("W9", case, "samples/s", "higher", side, r["samples_per_s"], loss=r["last_loss"]))
+            out.append(row("W9", case, "peak MiB", "lower", side, r["peak_mib"],
+                           detail={"base_mib": r["base_mib"], "torch": r.get("torch")}))
+            continue
         targets = [{"side": "cpp", "vs": "limit", "op": ">=", "ratio": 0.8}] if n == 2 and name == "FULL_SHARD" else None
         out.append(row("W9", case, "samples/s", "higher", "cpp", r["samples_per_s"], loss=r["last_loss"], targets=targets))
         mem_targets = [{"side": "cpp", "vs": "limit", "op": "<=", "ratio": 1.2}]
         out.append(row("W9", case, "peak MiB", "lower", "cpp", r["peak_mib"], targets=mem_targets,
                        detail={"base_mib": r["base_mib"], "largest_unit_mib": r["largest_unit_mib"]}))
-        if ddp is not None and ddp["processes"] == n:
-            out.append(row("W9", case, "samples/s", "higher", "limit", ddp["samples_per_s"], limit="C++ DDP",
-                           loss=ddp["last_loss"]))
-            model = ddp["peak_mib"] - ddp["base_mib"]
+        base = ddp.get("cpp")
+        if base is not None and base["processes"] == n:
+            out.append(row("W9", case, "samples/s", "higher", "limit", base["samples_per_s"], limit="C++ DDP",
+                           loss=base["last_loss"]))
+            model = base["peak_mib"] - base["base_mib"]
             out.append(row("W9", case, "peak MiB", "lower", "limit",
                            r["base_mib"] + model / n + r["largest_unit_mib"], limit="base + DDP model / N + unit"))
-            out.append(row("W9", case, "peak MiB", "lower", "cpp-ddp", ddp["peak_mib"]))
+            out.append(row("W9", case, "peak MiB", "lower", "cpp-ddp", base["peak_mib"]))
     return out
 
 

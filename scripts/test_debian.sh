@@ -2,14 +2,16 @@
 # Runs the project's test command inside a Debian root made with debootstrap, so that the tree is
 # checked against that release's LibTorch, compiler and Open MPI without leaving this machine.
 #
-# Usage: scripts/test_debian.sh SUITE [--cuda] [--dev | --main-job] [-- ARGS...]
+# Usage: scripts/test_debian.sh SUITE [--cuda] [--dev | --main-job | --bench NAME] [-- ARGS...]
 #   SUITE       bookworm (LibTorch 1.13), trixie (2.6) or sid (newest)
 #   --cuda      use the release's CUDA build of LibTorch (libtorch-cuda-dev, in contrib); CUDA code
 #               is compiled and its tests run, those that need a GPU skipping with a reason
 #   --dev       only the dev tier (unit, cli, multiprocess and gpu tests), without the sanitizer
 #               and fuzzer stages of scripts/test.sh
 #   --main-job  the README's other command instead, scripts/run_main_job.sh (ARGS go to the example)
-#   ARGS        passed to ctest (or to the main job)
+#   --bench NAME  a benchmark runner instead, bench/run_NAME, with that release's PyTorch twins
+#               (trixie's PyTorch runs its own FSDP on CPU processes: W9's twin)
+#   ARGS        passed to ctest (or to the main job, or to the runner)
 #
 # The root lives in .cache/debian/SUITE[-cuda] (git-ignored) and is made once; later runs reuse it.
 # Its compiler cache lives outside the checkout, like the native build's ccache, in
@@ -21,7 +23,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '5,12p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '5,14p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 [ $# -ge 1 ] || usage
 suite=$1; shift
 case "$suite" in bookworm|trixie|sid|forky) ;; *) echo "test_debian.sh: unknown suite '$suite'" >&2; usage ;; esac
@@ -31,6 +33,10 @@ while [ $# -gt 0 ]; do
     --cuda) cuda=1 ;;
     --dev) tier=dev ;;
     --main-job) tier=main-job ;;
+    --bench)
+      [ $# -ge 2 ] || usage
+      tier=bench; runner=$2; shift
+      [ -x "bench/run_$runner" ] || { echo "test_debian.sh: no benchmark runner bench/run_$runner" >&2; exit 2; } ;;
     --) shift; ctest_args=("$@"); break ;;
     *) echo "test_debian.sh: unknown option '$1'" >&2; usage ;;
   esac
@@ -119,6 +125,8 @@ if [ $tier = dev ]; then
   inner='scripts/setup.sh && scripts/build.sh dev && ctest --preset dev "$@"'
 elif [ $tier = main-job ]; then
   inner='scripts/run_main_job.sh "$@"'
+elif [ $tier = bench ]; then
+  inner="bench/run_$runner \"\$@\""
 else
   inner='scripts/test.sh "$@"'
 fi
