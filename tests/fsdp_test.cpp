@@ -651,8 +651,6 @@ TEST(FullyShardedDataParallel, UnsupportedOrContradictorySettingsAreRefusedByNam
   };
   refuse({.fsdp_version = 3}, "fsdp_version must be 1 or 2, got 3");
   refuse({.sharding_strategy = FsdpShardingStrategy::kFullShard, .reshard_after_forward = false}, "contradict");
-  refuse({.backward_prefetch = FsdpBackwardPrefetch::kBackwardPre}, "backward_prefetch BACKWARD_PRE is not supported");
-  refuse({.forward_prefetch = true}, "forward_prefetch is not supported yet");
   refuse({.mixed_precision_policy = {.reduce_dtype = "int8"}},
          "mixed_precision_policy.reduce_dtype must be one of fp32, bf16, fp16 or fp64 (or empty for the "
          "parameters' own dtype), got \"int8\"");
@@ -914,6 +912,36 @@ TEST(FullyShardedCheckpoint, ALocalStateOnlyLoadsOnAsManyProcesses) {
   EXPECT_THROWS_WITH(save_and_resume(FsdpStateDictType::kLocalStateDict, 2, FsdpStateDictType::kLocalStateDict, 4,
                                      (dir.path() / "d").string()),
                      "was saved by 2 processes as a LOCAL_STATE_DICT, which only loads on as many; this job has 4");
+}
+
+TEST(FullyShardedDataParallel, PrefetchingGathersTheNextUnitAheadAndTrainsAsWithout) {
+  const auto expected = reference(3);
+  struct Case {
+    FsdpBackwardPrefetch backward;
+    bool forward;
+  };
+  for (const auto& c : {Case{FsdpBackwardPrefetch::kBackwardPre, false}, Case{FsdpBackwardPrefetch::kBackwardPost, false},
+                        Case{FsdpBackwardPrefetch::kNoPrefetch, true}, Case{FsdpBackwardPrefetch::kBackwardPre, true}}) {
+    SCOPED_TRACE(to_string(c.backward) + (c.forward ? " with forward_prefetch" : ""));
+    AcceleratorOptions options = sharded_with(FsdpStateDictType::kFullStateDict);
+    options.fsdp_plugin->backward_prefetch = c.backward;
+    options.fsdp_plugin->forward_prefetch = c.forward;
+    run_accelerators(
+        2,
+        [&](const Accelerator& acc, int) {
+          Tiny net = make_tiny();
+          auto [model, opt] = acc.prepare(
+              net, std::make_shared<torch::optim::AdamW>(net->parameters(), torch::optim::AdamWOptions(0.05)));
+          train_steps(acc, model, opt, 0, 3);
+          // Two blocks: in each forward after the first, block 0 starts block 1's gather; in each
+          // backward, block 1 starts block 0's.
+          const auto [forward, backward] = detail::fsdp_engine(model.ddp())->prefetch_counts();
+          EXPECT_EQ(forward, c.forward ? 2 : 0);
+          EXPECT_EQ(backward, c.backward == FsdpBackwardPrefetch::kNoPrefetch ? 0 : 3);
+          expect_close(as_map(acc.get_state_dict(model)), expected);
+        },
+        options);
+  }
 }
 
 // ---- Hybrid sharding ---------------------------------------------------------------------------

@@ -178,10 +178,20 @@ void ask_fsdp(Prompter& ask, std::map<std::string, std::string>& fsdp, std::map<
         ask.integer("What should be the minimum number of parameters of a unit? [100000000]: ", 1,
                     std::numeric_limits<int>::max(), 100000000));
   }
+  if (version == 1) {  // version 2 prefetches as PyTorch's fully_shard does, without settings
+    static const std::array<const char*, 3> prefetches = {"BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"};
+    const int prefetch = ask.choose("What should be your FSDP's backward prefetch policy?",
+                                    {{"BACKWARD_PRE"}, {"BACKWARD_POST"}, {"NO_PREFETCH"}});
+    fsdp["fsdp_backward_prefetch"] = prefetches[prefetch];
+  }
   static const std::array<const char*, 3> types = {"FULL_STATE_DICT", "LOCAL_STATE_DICT", "SHARDED_STATE_DICT"};
   const int type = ask.choose("What should be your FSDP's state dict type?",
                               {{"FULL_STATE_DICT"}, {"LOCAL_STATE_DICT"}, {"SHARDED_STATE_DICT"}});
   fsdp["fsdp_state_dict_type"] = types[type];
+  if (version == 1) {
+    fsdp["fsdp_forward_prefetch"] =
+        ask.yes_no("Do you want to enable FSDP's forward prefetch policy? [yes/NO]: ", false) ? "true" : "false";
+  }
   const bool efficient = ask.yes_no(
       "Do you want to enable CPU RAM efficient model loading (process 0 holds the values, the others build the "
       "model on the meta device)? [yes/NO]: ",
@@ -204,8 +214,8 @@ void ask_fsdp(Prompter& ask, std::map<std::string, std::string>& fsdp, std::map<
     ask.say("Not asked: tensor and context parallelism sizes, not supported yet by accelerate-cpp.");
   }
   ask.say(
-      "Not asked: CPU offload, backward and forward prefetching, activation checkpointing and use_orig_params=false "
-      "are not supported yet by accelerate-cpp.");
+      "Not asked: CPU offload, activation checkpointing and use_orig_params=false are not supported yet by "
+      "accelerate-cpp.");
 }
 
 }  // namespace

@@ -173,10 +173,11 @@ at::Tensor all_reduce(const PartialState& state, const at::Tensor& tensor, Reduc
   return cast ? out.to(tensor.scalar_type()) : out;
 }
 
-void all_gather_into(const PartialState& state, at::Tensor& output, at::Tensor& input, const char* api) {
+PendingCollective all_gather_into_async(const PartialState& state, at::Tensor& output, at::Tensor& input,
+                                        const char* api) {
   if (!state.use_distributed()) {
     output.copy_(input);
-    return;
+    return {};
   }
   verify_collective(state, api, input, ShapeCheck::kExact);
   auto pg = process_group(state, api);
@@ -185,16 +186,18 @@ void all_gather_into(const PartialState& state, at::Tensor& output, at::Tensor& 
   const bool as_bits = input.scalar_type() == at::kBFloat16;
   at::Tensor in = as_bits ? input.view(at::kHalf) : input;
   at::Tensor out = as_bits ? output.view(at::kHalf) : output;
-  if (compat::has_flat_collectives(*pg)) {
-    wait(state, compat::all_gather_single(*pg, out, in), api);
-    return;
-  }
+  if (compat::has_flat_collectives(*pg)) return {compat::all_gather_single(*pg, out, in), nullptr};
   // The list form, into views of `output` (Note [LibTorch releases]).
   std::vector<std::vector<at::Tensor>> outputs(1);
   const int64_t n = in.numel();
   for (int r = 0; r < state.num_processes(); ++r) outputs[0].push_back(out.narrow(0, r * n, n));
   std::vector<at::Tensor> inputs{in};
-  wait(state, pg->allgather(outputs, inputs), api);
+  return {pg->allgather(outputs, inputs), nullptr};
+}
+
+void all_gather_into(const PartialState& state, at::Tensor& output, at::Tensor& input, const char* api) {
+  auto pending = all_gather_into_async(state, output, input, api);
+  wait_collective(state, pending, api);
 }
 
 namespace {

@@ -58,6 +58,10 @@ struct PendingCollective {
   c10::intrusive_ptr<c10d::Work> work;
   std::function<void()> finish;  ///< runs after the wait (copies out of a fallback's buffer)
 };
+/// `all_gather_into`, started: `output` holds the result once `wait_collective` returned. Both
+/// tensors must stay alive and untouched until then.
+PendingCollective all_gather_into_async(const PartialState& state, at::Tensor& output, at::Tensor& input,
+                                        const char* api);
 /// `reduce_scatter_sum`, started: `output` holds the result once `wait_collective` returned.
 /// `input` must stay alive and untouched until then.
 PendingCollective reduce_scatter_sum_async(const PartialState& state, at::Tensor& output, at::Tensor& input,

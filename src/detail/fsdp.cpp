@@ -21,6 +21,7 @@
 #include <cmath>
 #include <filesystem>
 #include <map>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <unordered_map>
@@ -121,13 +122,8 @@ FsdpSettings resolve_fsdp_plugin(const FullyShardedDataParallelPlugin& plugin, c
   } else if (auto v = env("FSDP_BACKWARD_PREFETCH")) {
     s.backward_prefetch = parse_fsdp_backward_prefetch(*v);
   }
-  TORCH_CHECK_VALUE(s.backward_prefetch == FsdpBackwardPrefetch::kNoPrefetch,
-                    "[FullyShardedDataParallelPlugin] backward_prefetch ", to_string(s.backward_prefetch),
-                    " is not supported yet (each unit is gathered when its backward starts); use NO_PREFETCH");
   s.forward_prefetch = flag(plugin.forward_prefetch, "FSDP_FORWARD_PREFETCH", false);
-  TORCH_CHECK_VALUE(!s.forward_prefetch, "[FullyShardedDataParallelPlugin] forward_prefetch is not supported yet "
-                                         "(each unit is gathered when its forward starts)");
-  // One gather at a time is always in flight, within either setting.
+  // At most one gather is on its way ahead of its unit (Note [Prefetching]), within either setting.
   s.limit_all_gathers = flag(plugin.limit_all_gathers, "FSDP_LIMIT_ALL_GATHERS", true);
 
   const auto& mp = plugin.mixed_precision_policy;
@@ -230,12 +226,21 @@ struct DtypeGroup {
   at::ScalarType reduce;       // of the gradients' reduction: reduce_dtype, else `compute`
 };
 
+// A dtype group's gather, started and not yet waited for.
+struct GatherInFlight {
+  size_t group;
+  at::Tensor piece;  // this process's rows, sent
+  at::Tensor all;    // every process's, received
+  PendingCollective pending;
+};
+
 struct Unit {
   std::string name;  // "" for the root
   torch::nn::Module* module = nullptr;
   std::vector<ShardedParam> params;
   std::vector<DtypeGroup> groups;
   bool gathered = false;
+  std::vector<GatherInFlight> gathering;  // a gather started ahead (prefetch), not finished
   bool backward_armed = false;  // gradients set aside, waiting for the reduction
   int pending_input_nodes = 0;  // forward calls whose input node has not run backward yet
 };
@@ -285,9 +290,23 @@ struct FsdpEngineImpl : std::enable_shared_from_this<FsdpEngineImpl> {
   std::vector<InFlight> in_flight;  // reductions started and not finished
   std::unordered_map<const void*, std::pair<size_t, size_t>> where;  // parameter → (unit, index)
 
+  // Prefetching (Note [Prefetching]): the units (not the root) in the order their forwards ran,
+  // in this pass and in the one before.
+  std::vector<size_t> forward_order, last_forward_order;
+  int64_t forward_prefetches = 0, backward_prefetches = 0;
+
   FsdpEngineImpl(const PartialState& job, const PartialState& shard) : job(job), state(shard) {}
 
   void gather(Unit& unit);
+  // Starts `unit`'s gather without waiting (nothing when it is gathered or on its way, or when
+  // another unit's prefetch is still on its way); true when it started one.
+  bool start_gather(Unit& unit);
+  // Waits for `unit`'s started gather and puts the whole parameters in place.
+  void finish_gather(Unit& unit);
+  // The unit that ran after (`after`) or before `unit` in `order`, if any.
+  static std::optional<size_t> neighbour(const std::vector<size_t>& order, size_t unit, bool after);
+  // Starts the gather of the unit whose backward comes after `index`'s (backward_prefetch).
+  void prefetch_for_backward(size_t index);
   void reshard(Unit& unit);
   void pre_backward(size_t unit);
   void post_backward(size_t unit);
@@ -412,6 +431,14 @@ class UnitHook final : public ModelHook {
     if (!e) return;
     auto& u = e->units[unit_];
     e->gather(u);
+    if (at::GradMode::is_enabled()) {
+      e->forward_order.push_back(unit_);
+      if (e->settings.forward_prefetch) {
+        if (auto next = FsdpEngineImpl::neighbour(e->last_forward_order, unit_, /*after=*/true)) {
+          if (e->start_gather(e->units[*next])) ++e->forward_prefetches;
+        }
+      }
+    }
     for (auto& input : inputs) input = e->cast_input(input);
     if (!at::GradMode::is_enabled()) return;
     std::vector<size_t> positions;
@@ -490,21 +517,26 @@ int64_t choose_units(const FsdpSettings& s, const std::string& name, torch::nn::
 
 }  // namespace
 
-void FsdpEngineImpl::gather(Unit& unit) {
-  if (unit.gathered) return;
-  unit.gathered = true;
-  torch::NoGradGuard no_grad;
-  if (!shard) {
-    // NO_SHARD with a param_dtype: the whole parameters in that dtype, cast from the whole shards.
-    for (auto& p : unit.params) {
-      if (p.full.scalar_type() == p.shard.scalar_type()) continue;
-      pool.allocate_storage(p.full);
-      p.full.copy_(p.shard);
-      p.param.set_data(p.full);
-    }
-    return;
+// Note [Prefetching]
+// Without prefetching a unit's gather starts when its forward (or backward) does, and the
+// computation waits for it. forward_prefetch starts the gather of the unit that ran next in the
+// previous forward pass as soon as a unit's forward begins (PyTorch's FSDP also follows the
+// order of an earlier iteration); backward_prefetch starts the gather of the unit whose backward
+// comes next (the one before in this pass's forward order) when a unit's backward begins
+// (BACKWARD_PRE) or when its gradients are computed, before their reduction (BACKWARD_POST).
+// Both cost one more unit of whole parameters. At most one gather is on its way ahead
+// (limit_all_gathers' rate limit, always on); a unit whose turn comes waits for its own. Every
+// process prefetches alike, since every process runs the same units in the same order, so the
+// collectives keep one order. A gather started ahead and never needed is waited for and freed
+// when the unit is resharded (at the end of the backward pass at the latest).
+bool FsdpEngineImpl::start_gather(Unit& unit) {
+  if (unit.gathered || !unit.gathering.empty() || !shard) return false;
+  for (const auto& other : units) {
+    if (!other.gathering.empty()) return false;
   }
-  for (auto& group : unit.groups) {
+  torch::NoGradGuard no_grad;
+  for (size_t g = 0; g < unit.groups.size(); ++g) {
+    const auto& group = unit.groups[g];
     // Gathered in the compute dtype: the cast happens on the shards, and half the bytes travel.
     auto options = at::TensorOptions().dtype(group.compute).device(state.device());
     auto piece = pool.empty(group.piece, options);
@@ -516,11 +548,24 @@ void FsdpEngineImpl::gather(Unit& unit) {
       if (padding > 0) piece.narrow(0, p.offset + n, padding).zero_();
     }
     auto all = pool.empty(group.piece * world, options);
-    all_gather_into(state, all, piece, kApi);
-    pool.release(piece);
+    auto pending = all_gather_into_async(state, all, piece, kApi);
+    unit.gathering.push_back(GatherInFlight{g, piece, all, std::move(pending)});
+  }
+  return true;
+}
+
+void FsdpEngineImpl::finish_gather(Unit& unit) {
+  torch::NoGradGuard no_grad;
+  auto started = std::move(unit.gathering);
+  unit.gathering.clear();
+  unit.gathered = true;
+  for (auto& flight : started) {
+    wait_collective(state, flight.pending, kApi);
+    pool.release(flight.piece);
+    const auto& group = unit.groups[flight.group];
+    auto by_rank = flight.all.view({world, group.piece});
     for (size_t i : group.params) {
       auto& p = unit.params[i];
-      auto by_rank = all.view({world, group.piece});
       pool.allocate_storage(p.full);
       auto rows = p.full.view({p.rows, p.row_numel});
       for (int r = 0; r < world; ++r) {
@@ -530,11 +575,44 @@ void FsdpEngineImpl::gather(Unit& unit) {
       }
       p.param.set_data(p.full);
     }
-    pool.release(all);
+    pool.release(flight.all);
+  }
+}
+
+std::optional<size_t> FsdpEngineImpl::neighbour(const std::vector<size_t>& order, size_t unit, bool after) {
+  auto it = std::find(order.begin(), order.end(), unit);
+  if (it == order.end()) return std::nullopt;
+  if (after) return std::next(it) == order.end() ? std::nullopt : std::optional<size_t>(*std::next(it));
+  return it == order.begin() ? std::nullopt : std::optional<size_t>(*std::prev(it));
+}
+
+void FsdpEngineImpl::gather(Unit& unit) {
+  if (unit.gathered) return;
+  if (shard) {
+    // Every gather goes through the started form: prefetched, or started and waited for now.
+    if (unit.gathering.empty()) {
+      // Another unit's prefetch may be on its way: it goes first, as on every process.
+      for (auto& other : units) {
+        if (&other != &unit && !other.gathering.empty()) finish_gather(other);
+      }
+      start_gather(unit);
+    }
+    finish_gather(unit);
+    return;
+  }
+  unit.gathered = true;
+  torch::NoGradGuard no_grad;
+  // NO_SHARD with a param_dtype: the whole parameters in that dtype, cast from the whole shards.
+  for (auto& p : unit.params) {
+    if (p.full.scalar_type() == p.shard.scalar_type()) continue;
+    pool.allocate_storage(p.full);
+    p.full.copy_(p.shard);
+    p.param.set_data(p.full);
   }
 }
 
 void FsdpEngineImpl::reshard(Unit& unit) {
+  if (!unit.gathering.empty()) finish_gather(unit);  // a prefetch that was not needed
   if (!unit.gathered) return;
   unit.gathered = false;
   for (auto& p : unit.params) {
@@ -558,12 +636,20 @@ void FsdpEngineImpl::pre_backward(size_t index) {
     p.param.mutable_grad() = at::Tensor();
   }
   unit.backward_armed = true;
+  if (settings.backward_prefetch == FsdpBackwardPrefetch::kBackwardPre) prefetch_for_backward(index);
+}
+
+void FsdpEngineImpl::prefetch_for_backward(size_t index) {
+  if (auto next = neighbour(forward_order, index, /*after=*/false)) {
+    if (!units[*next].backward_armed && start_gather(units[*next])) ++backward_prefetches;
+  }
 }
 
 void FsdpEngineImpl::post_backward(size_t index) {
   auto& unit = units[index];
   if (!unit.backward_armed) return;
   unit.backward_armed = false;
+  if (settings.backward_prefetch == FsdpBackwardPrefetch::kBackwardPost) prefetch_for_backward(index);
   reduce(unit);
   reshard(unit);
 }
@@ -1011,7 +1097,14 @@ FsdpEngine::~FsdpEngine() {
 
 void FsdpEngine::set_require_backward_grad_sync(bool sync) { impl_->require_sync = sync; }
 
-void FsdpEngine::root_pre_forward() { impl_->gather(impl_->units[0]); }
+void FsdpEngine::root_pre_forward() {
+  auto& e = *impl_;
+  if (at::GradMode::is_enabled() && !e.forward_order.empty()) {
+    e.last_forward_order = std::move(e.forward_order);
+    e.forward_order.clear();
+  }
+  e.gather(e.units[0]);
+}
 
 at::Tensor FsdpEngine::cast_forward_input(const at::Tensor& input) const { return impl_->cast_input(input); }
 
@@ -1140,6 +1233,10 @@ void FsdpEngine::load_local_state_dict(const std::map<std::string, at::Tensor>& 
   for (const auto& [name, value] : values) {
     TORCH_CHECK_VALUE(used.count(name), "[", kApi, "] the checkpoint has '", name, "', which the model has not");
   }
+}
+
+std::pair<int64_t, int64_t> FsdpEngine::prefetch_counts() const {
+  return {impl_->forward_prefetches, impl_->backward_prefetches};
 }
 
 bool FsdpEngine::is_sharded(const at::Tensor& param) const {

@@ -119,6 +119,8 @@ class FsdpEngine {
   /// Writes `values` (whole tensors, by name) into this process's shards; refuses unknown or
   /// missing names and wrong shapes.
   void load_full_state_dict(const std::vector<std::pair<std::string, at::Tensor>>& values, bool strict);
+  /// How many gathers forward_prefetch and backward_prefetch started ahead of their units.
+  std::pair<int64_t, int64_t> prefetch_counts() const;
   /// Whether `param` is one of the sharded parameters (NO_SHARD shards nothing).
   bool is_sharded(const at::Tensor& param) const;
   /// Whether `param` is one of this engine's parameters (sharded or not).

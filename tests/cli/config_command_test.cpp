@@ -157,11 +157,12 @@ use_cpu: false
 
 TEST(ConfigQuestionnaire, FullyShardedAnswersWriteAnFsdpConfigThatLoadsBack) {
   TempDir dir;
-  // multi-CPU, defaults, FSDP: version 1, SHARD_GRAD_OP, transformer-based units of Block, sharded
-  // state dicts, no efficient loading, synchronised states (default); 4 processes, bf16.
+  // multi-CPU, defaults, FSDP: version 1, SHARD_GRAD_OP, transformer-based units of Block,
+  // BACKWARD_POST, sharded state dicts, forward prefetch, no efficient loading, synchronised states
+  // (default); 4 processes, bf16.
   const std::string path = (dir.path() / "fsdp.yaml").string();
   const CommandOutcome outcome = run_config(
-      {"--config_file", path}, "1\n\n\nyes\n1\nSHARD_GRAD_OP\n0\nBlock\n2\n\n\n4\nbf16\n");
+      {"--config_file", path}, "1\n\n\nyes\n1\nSHARD_GRAD_OP\n0\nBlock\nBACKWARD_POST\n2\nyes\n\n\n4\nbf16\n");
   ASSERT_EQ(outcome.code, 0) << outcome.err;
   EXPECT_THAT(read_file(path), HasSubstr("distributed_type: FSDP\n"));
   const ClusterConfig loaded = load_config_from_file(path);
@@ -169,7 +170,9 @@ TEST(ConfigQuestionnaire, FullyShardedAnswersWriteAnFsdpConfigThatLoadsBack) {
   EXPECT_EQ(loaded.num_processes, 4);
   EXPECT_EQ(loaded.fsdp_config, (std::map<std::string, std::string>{
                                     {"fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP"},
+                                    {"fsdp_backward_prefetch", "BACKWARD_POST"},
                                     {"fsdp_cpu_ram_efficient_loading", "false"},
+                                    {"fsdp_forward_prefetch", "true"},
                                     {"fsdp_sharding_strategy", "SHARD_GRAD_OP"},
                                     {"fsdp_state_dict_type", "SHARDED_STATE_DICT"},
                                     {"fsdp_sync_module_states", "true"},
@@ -200,10 +203,12 @@ TEST(ConfigQuestionnaire, FullyShardedAnswersWriteAnFsdpConfigThatLoadsBack) {
 TEST(ConfigQuestionnaire, HybridShardingAnswersWriteTheStrategyOrTheParallelismConfig) {
   // Version 1 with HYBRID_SHARD; version 2 with a parallelism config of 2 replicas (shard size left
   // to the number of processes).
-  std::istringstream v1("1\n\n\nyes\n1\nHYBRID_SHARD\nNO_WRAP\n\n\n\n4\nno\n");
+  std::istringstream v1("1\n\n\nyes\n1\nHYBRID_SHARD\nNO_WRAP\n\n\n\n\n\n4\nno\n");
   std::ostringstream out1;
   const ClusterConfig first = get_user_input(v1, out1);
   EXPECT_EQ(first.fsdp_config.at("fsdp_sharding_strategy"), "HYBRID_SHARD");
+  EXPECT_EQ(first.fsdp_config.at("fsdp_backward_prefetch"), "BACKWARD_PRE");
+  EXPECT_EQ(first.fsdp_config.at("fsdp_forward_prefetch"), "false");
   EXPECT_TRUE(first.parallelism_config.empty());
   EXPECT_THAT(out1.str(), Not(HasSubstr("parallelism config")));
 
