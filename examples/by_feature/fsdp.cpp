@@ -7,6 +7,8 @@
 //   accelerate launch -n 2 fsdp --output_dir fsdp_output
 //   accelerate launch -n 2 --fsdp_sharding_strategy SHARD_GRAD_OP fsdp   # the launcher's flags fill
 //                                                                         # what the code leaves empty
+//   accelerate launch -n 4 --use_fsdp --parallelism_config_dp_replicate_size 2 fsdp
+//                                     # hybrid: two replicas, each sharded over two processes
 #include "task.h"
 
 #include <iostream>
