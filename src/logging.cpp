@@ -15,6 +15,7 @@
 #include <map>
 #include <mutex>
 #include <set>
+#include <tuple>
 
 namespace accelerate {
 
@@ -177,17 +178,23 @@ namespace detail {
 void log(LogLevel level, const std::string& name, const std::string& message, const WarnOptions& options) {
   Logger logger = get_logger(name);
   if (!logger.is_enabled_for(level)) return;
-  if (options.once) {
+  // Per writing rank (with ranks as threads, one process holds several).
+  const auto first_time = [&](int rank) {
     static std::mutex mutex;
-    static std::set<std::pair<std::string, std::string>> written;
+    static std::set<std::tuple<std::string, std::string, int>> written;
     std::lock_guard<std::mutex> lock(mutex);
-    if (!written.emplace(name, message).second) return;
-  }
+    return written.emplace(name, message, rank).second;
+  };
   if (options.state.has_value() || (options.use_process_state && PartialState::initialized())) {
-    if (options.state.has_value()) logger = logger.with_state(*options.state);
-    logger.log(level, message, {.main_process_only = !options.every_process});
+    const PartialState state = options.state.has_value() ? *options.state : PartialState();
+    // Only a process that writes the message counts it as written: with ranks as threads of one
+    // process, another rank seeing it first must not silence the main process.
+    if (!options.every_process && !state.is_main_process()) return;
+    if (options.once && !first_time(options.every_process ? state.process_index() : -1)) return;
+    logger.with_state(state).log(level, message, {.main_process_only = !options.every_process});
     return;
   }
+  if (options.once && !first_time(-1)) return;
   emit(level, format_line(level, name, message, std::nullopt));
 }
 
