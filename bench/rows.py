@@ -170,7 +170,9 @@ def fsdp(raw):
             continue
         targets = [{"side": "cpp", "vs": "limit", "op": ">=", "ratio": 0.8}] if n == 2 and name == "FULL_SHARD" else None
         out.append(row("W9", case, "samples/s", "higher", "cpp", r["samples_per_s"], loss=r["last_loss"], targets=targets))
-        mem_targets = [{"side": "cpp", "vs": "limit", "op": "<=", "ratio": 1.2}]
+        # The limit holds one unit whole: FULL_SHARD's bound (SHARD_GRAD_OP keeps every unit whole
+        # from its forward to its backward, by design).
+        mem_targets = [{"side": "cpp", "vs": "limit", "op": "<=", "ratio": 1.2}] if name == "FULL_SHARD" else None
         out.append(row("W9", case, "peak MiB", "lower", "cpp", r["peak_mib"], targets=mem_targets,
                        detail={"base_mib": r["base_mib"], "largest_unit_mib": r["largest_unit_mib"]}))
         base = ddp.get("cpp")
