@@ -52,16 +52,26 @@ const std::vector<std::pair<std::string, std::string>>& parallelism_config_keys(
   return keys;
 }
 
-void check_parallelism_value(const std::string& key, const std::string& value, const std::string& where) {
+namespace {
+
+// `value` as a positive integer, or 0 when it is not one (empty, signed, trailing text, overflow).
+long long positive_integer(const std::string& value) {
   size_t used = 0;
   long long number = 0;
   try {
     number = std::stoll(value, &used);
   } catch (const std::exception&) {
-    used = 0;
+    return 0;
   }
-  ACCELERATE_CHECK_VALUE(used == value.size() && !value.empty() && number > 0 && number <= 1000000, "[", where,
-                         "] ", key, ": expected a positive integer, got '", value, "'");
+  return used == value.size() && number > 0 ? number : 0;
+}
+
+}  // namespace
+
+void check_parallelism_value(const std::string& key, const std::string& value, const std::string& where) {
+  const long long number = positive_integer(value);
+  ACCELERATE_CHECK_VALUE(number > 0 && number <= 1000000, "[", where, "] ", key,
+                         ": expected a positive integer, got '", value, "'");
   const bool tp = key == "parallelism_config_tp_size", cp = key == "parallelism_config_cp_size";
   ACCELERATE_CHECK_VALUE(!(tp || cp) || number == 1, "[", where, "] ", key, " ", number, ": ",
                          tp ? "tensor" : "context", " parallelism is not supported yet; only the data-parallel "
@@ -86,15 +96,7 @@ void check_fsdp_value(const std::string& key, const std::string& value, const st
         (void)parse_fsdp_sharding_strategy(value);
       }
     } else if (key == "fsdp_version" || key == "fsdp_min_num_params") {
-      size_t used = 0;
-      long long number = 0;
-      try {
-        number = std::stoll(value, &used);
-      } catch (const std::exception&) {
-        used = 0;
-      }
-      ACCELERATE_CHECK_VALUE(used == value.size() && !value.empty() && number > 0, "expected a positive integer, got '",
-                             value, "'");
+      ACCELERATE_CHECK_VALUE(positive_integer(value) > 0, "expected a positive integer, got '", value, "'");
     } else if (key != "fsdp_transformer_layer_cls_to_wrap") {
       (void)str_to_bool(value);
     }

@@ -267,7 +267,6 @@ struct BufferPool {
 struct FsdpEngineImpl : std::enable_shared_from_this<FsdpEngineImpl> {
   BufferPool pool;
   FsdpSettings settings;
-  PartialState job;                      // every process
   PartialState state;                    // the processes this one's shards are split over
   std::optional<PartialState> replicas;  // hybrid sharding: this shard's holders in every replica
   int num_replicas = 1;
@@ -295,7 +294,7 @@ struct FsdpEngineImpl : std::enable_shared_from_this<FsdpEngineImpl> {
   std::vector<size_t> forward_order, last_forward_order;
   int64_t forward_prefetches = 0, backward_prefetches = 0;
 
-  FsdpEngineImpl(const PartialState& job, const PartialState& shard) : job(job), state(shard) {}
+  explicit FsdpEngineImpl(const PartialState& shard) : state(shard) {}
 
   void gather(Unit& unit);
   // Starts `unit`'s gather without waiting (nothing when it is gathered or on its way, or when
@@ -829,8 +828,7 @@ PartialState shard_state_of(const PartialState& state, int shard_size) {
 
 FsdpEngine::FsdpEngine(std::shared_ptr<torch::nn::Module> module, const PartialState& state, FsdpSettings settings,
                        int dp_shard_size)
-    : impl_(std::make_shared<FsdpEngineImpl>(state,
-                                             shard_state_of(state, shard_group_size(settings, state, dp_shard_size)))) {
+    : impl_(std::make_shared<FsdpEngineImpl>(shard_state_of(state, shard_group_size(settings, state, dp_shard_size)))) {
   auto& e = *impl_;
   {
     const int n = state.num_processes();
