@@ -7,7 +7,10 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace accelerate::detail {
 
@@ -19,22 +22,32 @@ void write_file(const std::string& path, const std::string& bytes, bool durable 
 /// the folder, so that `path` holds either its old content or all of the new one. Nothing is left
 /// behind on failure.
 void write_file_atomically(const std::string& path, const std::string& bytes);
-/// Writes bytes to a file in order. When `durable`, it asks the kernel to start writing each
-/// 8 MiB to the disk as soon as it is written (see Note [Early write-back]); only fsync makes
-/// them durable.
+/// Writes bytes to a file in order. Pieces are gathered and written in runs that end on multiples
+/// of 8 MiB of the file (Note [Aligned runs]); when `durable`, the kernel is asked to start
+/// writing each run to the disk as soon as it is written (see Note [Early write-back]); only fsync
+/// makes them durable.
 class SequentialWriter {
  public:
   /// `path` names the file in errors; it must outlive the writer.
   SequentialWriter(int fd, const std::string& path, bool durable) : fd_(fd), path_(path), durable_(durable) {}
-  /// Writes all `size` bytes at `data`; an error names the path.
-  void write(const char* data, size_t size);
+  /// Appends the `size` bytes at `data`. They may be written only by a later call or by
+  /// `finish`: they must stay valid until then, which `owner` (when given) guarantees by being
+  /// held until they are written. An error names the path.
+  void write(const char* data, size_t size, std::shared_ptr<const void> owner = nullptr);
+  /// Writes whatever is still pending.
+  void finish();
 
  private:
+  void write_pending();
+
   int fd_;
   const std::string& path_;
   bool durable_;
   uint64_t written_ = 0;    // bytes written so far
   uint64_t submitted_ = 0;  // bytes whose write-back has been started
+  std::vector<std::pair<const char*, size_t>> pending_;  // appended, not yet written
+  uint64_t pending_bytes_ = 0;
+  std::vector<std::shared_ptr<const void>> owners_;  // of pending pieces
 };
 
 /// The same with the content written by `write_content(writer)` onto the temporary file, for

@@ -343,7 +343,8 @@ std::string save(const TensorMap& tensors, const SafetensorsMetadata& metadata) 
 
 void save_file(const TensorMap& tensors, const std::string& path, const SafetensorsMetadata& metadata, bool fsync) {
   Prepared prepared = prepare(tensors, metadata, "save_file");
-  // Tensors are written one after the other, never assembled in memory (see Note [Atomic write]).
+  // Tensors are written one after the other, never assembled in memory (see Note [Atomic write]):
+  // at most one run of 8 MiB of them is held (Note [Aligned runs]).
   try {
     detail::write_file_atomically(
         path,
@@ -351,7 +352,10 @@ void save_file(const TensorMap& tensors, const std::string& path, const Safetens
           writer.write(prepared.layout.prefix.data(), prepared.layout.prefix.size());
           for (const auto& tensor : prepared.tensors) {
             const at::Tensor dense = dense_cpu(tensor);
-            writer.write(static_cast<const char*>(dense.data_ptr()), dense.nbytes());
+            // Held until written (Note [Aligned runs]): a copy made for a GPU or strided tensor
+            // would otherwise be freed first.
+            writer.write(static_cast<const char*>(dense.data_ptr()), dense.nbytes(),
+                         std::make_shared<const at::Tensor>(dense));
           }
         },
         fsync);
