@@ -723,6 +723,18 @@ TEST(FullyShardedDataParallel, AnIgnoredModuleThatIsNotInTheModelAndJoiningAreRe
       {.fsdp_plugin = FullyShardedDataParallelPlugin{}});
 }
 
+TEST(FullyShardedDataParallel, ANullModuleOrANegativeShardSizeIsRefused) {
+  run_accelerators(
+      2,
+      [](const Accelerator& acc, int) {
+        const PartialState& state = acc.state().partial_state();
+        EXPECT_THROWS_WITH(DistributedDataParallel::fully_sharded(make_tiny().ptr(), state, {}, {}, -2),
+                           "dp_shard_size must not be negative, got -2");
+        EXPECT_THROWS_WITH(DistributedDataParallel::fully_sharded(nullptr, state, {}), "expected a module, got null");
+      },
+      {.fsdp_plugin = FullyShardedDataParallelPlugin{}});
+}
+
 TEST(FullyShardedDataParallel, APluginWithNothingToShardIsRefused) {
   Store store = Store::in_memory();
   run_threads(2, [&](int rank) {

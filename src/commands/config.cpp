@@ -298,6 +298,8 @@ ClusterConfig load_config_from_file(const std::string& path) {
       check_fsdp_value(key, value, path + ": fsdp_config");
       config.fsdp_config[key] = value;
     }
+  } else if (root["fsdp_config"] && !root["fsdp_config"].IsNull() && !root["fsdp_config"].IsMap()) {
+    ACCELERATE_CHECK_VALUE(false, "[load_config_from_file] ", path, ": fsdp_config must be a mapping");
   }
   if (root["parallelism_config"] && root["parallelism_config"].IsMap() && root["parallelism_config"].size() > 0) {
     for (const auto& entry : root["parallelism_config"]) {
