@@ -411,6 +411,28 @@ TEST(LoadState, RestoresOptimizerStateIntoTheOptimizersOwnTensors) {
   });
 }
 
+TEST(LoadState, WhenTheModelAndTheOptimizerBothFailTheModelsErrorIsRaised) {
+  // The two load side by side (Note [Loading models and optimizers side by side]): whichever
+  // finishes first, the error is the model's, every time.
+  TempDir dir;
+  run_accelerators(1, [&](const Accelerator& acc, int) {
+    Training t;
+    auto [model, opt, loader] = acc.prepare(t.net, t.adam, t.loader);
+    train_one_pass(acc, model, opt, loader);
+    acc.save_state(dir.str() + "/ckpt");
+    const auto model_file = dir.str() + "/ckpt/model.safetensors";
+    auto weights = load_file(model_file);
+    weights.emplace("extra", at::zeros({2}));
+    save_file(weights, model_file);
+    EXPECT_THROWS_WITH(acc.load_state(dir.str() + "/ckpt"), "unexpected keys [extra]");
+    const auto optimizer_file = dir.str() + "/ckpt/optimizer.safetensors";
+    auto broken = load_state_dict_file(optimizer_file);
+    broken.values["param_groups"][0].erase("eps");
+    save_state_dict_file(broken, optimizer_file);
+    for (int i = 0; i < 5; ++i) EXPECT_THROWS_WITH(acc.load_state(dir.str() + "/ckpt"), "unexpected keys [extra]");
+  });
+}
+
 TEST(LoadState, RefusesADifferentSetOfRegisteredObjects) {
   TempDir dir;
   run_accelerators(1, [&](const Accelerator& acc, int) {
