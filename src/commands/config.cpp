@@ -299,7 +299,7 @@ ClusterConfig load_config_from_file(const std::string& path) {
       config.fsdp_config[key] = value;
     }
   } else if (root["fsdp_config"] && !root["fsdp_config"].IsNull() && !root["fsdp_config"].IsMap()) {
-    ACCELERATE_CHECK_VALUE(false, "[load_config_from_file] ", path, ": fsdp_config must be a mapping");
+    r.fail("fsdp_config", "a mapping", root["fsdp_config"]);
   }
   if (root["parallelism_config"] && root["parallelism_config"].IsMap() && root["parallelism_config"].size() > 0) {
     for (const auto& entry : root["parallelism_config"]) {
@@ -315,7 +315,7 @@ ClusterConfig load_config_from_file(const std::string& path) {
       config.parallelism_config[key] = value;
     }
   } else if (root["parallelism_config"] && !root["parallelism_config"].IsNull() && !root["parallelism_config"].IsMap()) {
-    ACCELERATE_CHECK_VALUE(false, "[load_config_from_file] ", path, ": parallelism_config must be a mapping");
+    r.fail("parallelism_config", "a mapping", root["parallelism_config"]);
   }
   for (const char* key : {"deepspeed_config", "megatron_lm_config", "fp8_config",
                           "ipex_config", "tpu_name", "tpu_use_cluster", "command_file", "commands"}) {

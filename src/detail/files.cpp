@@ -94,8 +94,12 @@ void write_file_atomically(const std::string& path, const std::string& bytes) {
 // runs (writev) that start and end on multiples of 8 MiB of the file, the same file loads at
 // ~20 GB/s on this project's machines. Gathering copies nothing: it holds the pieces until their
 // run is complete.
+namespace {
+// The length of a run (Note [Aligned runs]), which is also how far early write-back trails.
+constexpr uint64_t kRun = uint64_t{8} << 20;
+}  // namespace
+
 void SequentialWriter::write(const char* data, size_t size, std::shared_ptr<const void> owner) {
-  constexpr uint64_t kRun = uint64_t{8} << 20;
   bool held = false;
   while (size > 0) {
     const uint64_t end = written_ + pending_bytes_;
@@ -139,8 +143,7 @@ void SequentialWriter::write_pending() {
   pending_.clear();
   pending_bytes_ = 0;
   owners_.clear();
-  constexpr uint64_t kWriteBackBytes = uint64_t{8} << 20;
-  if (durable_ && written_ - submitted_ >= kWriteBackBytes) {
+  if (durable_ && written_ - submitted_ >= kRun) {
     (void)::sync_file_range(fd_, static_cast<off_t>(submitted_), static_cast<off_t>(written_ - submitted_),
                             SYNC_FILE_RANGE_WRITE);
     submitted_ = written_;

@@ -213,9 +213,9 @@ TEST(LoadConfigFromFile, AParallelismConfigIsReadCheckedAndWrittenBack) {
                                                                     "  parallelism_config_sp_size: 2\n")),
                      "parallelism_config has 'parallelism_config_sp_size', which accelerate-cpp does not support");
   EXPECT_THROWS_WITH(load_config_from_file(write_file(dir, "f.yaml", "distributed_type: FSDP\nparallelism_config: 4\n")),
-                     "parallelism_config must be a mapping");
+                     "key 'parallelism_config' expects a mapping, got '4'");
   EXPECT_THROWS_WITH(load_config_from_file(write_file(dir, "g.yaml", "distributed_type: FSDP\nfsdp_config: [1, 2]\n")),
-                     "fsdp_config must be a mapping");
+                     "key 'fsdp_config' expects a mapping, got a list");
 }
 
 TEST(LoadConfigFromFile, EmptyIntegrationSectionsAreAccepted) {
