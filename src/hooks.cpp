@@ -2,8 +2,12 @@
 
 #include "accelerate/utils/device_map.h"
 #include "detail/module_table.h"
+#include "detail/torch_compat.h"
 
 #include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <c10/util/Exception.h>
 #include <torch/nn/modules/container/any.h>
 
@@ -235,6 +239,10 @@ void SequentialHook::post_forward(torch::nn::Module& module, std::vector<at::Ten
 }
 void SequentialHook::detach_hook(torch::nn::Module& module) {
   for (auto& h : hooks_) h->detach_hook(module);
+}
+
+bool SequentialHook::checkpoints_activations() const {
+  return std::any_of(hooks_.begin(), hooks_.end(), [](const auto& h) { return h->checkpoints_activations(); });
 }
 
 AlignDevicesHook::AlignDevicesHook(AlignDevicesOptions options) : options_(std::move(options)) {}
@@ -484,6 +492,186 @@ void rethrow_forward_error(const torch::nn::Module& module) {
   }
 }
 
+// Note [Activation checkpointing]
+// A checkpointed module runs twice: once in the forward pass, without recording gradients, so
+// that none of its intermediate tensors outlive the call (only its inputs are kept, saved by the
+// autograd node its outputs hang from), and again when the backward pass reaches that node, with
+// gradients recorded, from the saved inputs detached. The node then back-propagates the output
+// gradients through the recomputed graph with a nested backward pass, which accumulates the
+// gradients of the module's parameters (and of any other leaf it used) into their `.grad` as the
+// ordinary graph would, and hands the gradients of the detached inputs on as its own. This is
+// PyTorch's checkpointing; the parameters' gradients arrive through their own hooks, so engines
+// that act on them (the fully sharded engine's reductions) see the same events as without.
+// The recomputation must compute what the first run did: the default random generators of the
+// devices involved are set back to their state before the first run (and restored afterwards),
+// and autocast is set as it was, with its cast cache off so that no cast outlives the recompute.
+// When no input requires a gradient (token ids into an embedding) the node still has to exist
+// for the parameters' sake: an empty leaf that requires a gradient is passed along as an anchor,
+// and receives none.
+namespace {
+
+thread_local int recompute_depth = 0;
+
+struct DeviceRandomState {
+  at::Generator generator;
+  at::Tensor state;
+};
+
+std::vector<DeviceRandomState> random_states(const std::vector<at::Tensor>& inputs) {
+  std::vector<c10::Device> devices{c10::Device(c10::kCPU)};
+  for (const auto& t : inputs) {
+    if (t.defined() && !t.is_cpu() && !t.is_meta() &&
+        std::find(devices.begin(), devices.end(), t.device()) == devices.end()) {
+      devices.push_back(t.device());
+    }
+  }
+  std::vector<DeviceRandomState> states;
+  for (const auto& device : devices) {
+    at::Generator generator = at::globalContext().defaultGenerator(device);
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    states.push_back({generator, generator.get_state()});
+  }
+  return states;
+}
+
+void set_random_states(const std::vector<DeviceRandomState>& states) {
+  for (const auto& s : states) {
+    at::Generator generator = s.generator;
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    generator.set_state(s.state);
+  }
+}
+
+struct AutocastState {
+  bool enabled;
+  c10::ScalarType dtype;
+};
+
+struct Recompute final : torch::CustomClassHolder {
+  FlatForward run;
+  std::vector<DeviceRandomState> random;
+  AutocastState cpu{};
+  AutocastState cuda{};
+};
+
+// Sets the autocast state of a first run for a recomputation and puts the caller's back after.
+class AutocastAsBefore {
+ public:
+  explicit AutocastAsBefore(const Recompute& r)
+      : cpu_{compat::is_autocast_enabled(c10::kCPU), compat::get_autocast_dtype(c10::kCPU)},
+        cuda_{compat::is_autocast_enabled(c10::kCUDA), compat::get_autocast_dtype(c10::kCUDA)},
+        cache_(at::autocast::is_autocast_cache_enabled()) {
+    apply(r.cpu, r.cuda);
+    at::autocast::set_autocast_cache_enabled(false);
+  }
+  ~AutocastAsBefore() {
+    apply(cpu_, cuda_);
+    at::autocast::set_autocast_cache_enabled(cache_);
+  }
+  AutocastAsBefore(const AutocastAsBefore&) = delete;
+  AutocastAsBefore& operator=(const AutocastAsBefore&) = delete;
+
+ private:
+  static void apply(const AutocastState& cpu, const AutocastState& cuda) {
+    compat::set_autocast_enabled(c10::kCPU, cpu.enabled);
+    compat::set_autocast_dtype(c10::kCPU, cpu.dtype);
+    compat::set_autocast_enabled(c10::kCUDA, cuda.enabled);
+    compat::set_autocast_dtype(c10::kCUDA, cuda.dtype);
+  }
+  AutocastState cpu_;
+  AutocastState cuda_;
+  bool cache_;
+};
+
+struct CheckpointNode : torch::autograd::Function<CheckpointNode> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, at::TensorList inputs,
+                                                at::TensorList anchor, c10::intrusive_ptr<Recompute> recompute) {
+    (void)anchor;
+    ctx->save_for_backward(inputs.vec());
+    auto outputs = recompute->run(inputs.vec());
+    ctx->saved_data["recompute"] = c10::IValue::make_capsule(std::move(recompute));
+    return outputs;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    auto recompute = c10::static_intrusive_pointer_cast<Recompute>(ctx->saved_data["recompute"].toCapsule());
+    std::vector<at::Tensor> leaves;
+    leaves.reserve(saved.size());
+    for (const auto& t : saved) {
+      if (!t.defined()) {
+        leaves.emplace_back();
+        continue;
+      }
+      leaves.push_back(t.detach());
+      if (t.requires_grad()) leaves.back().requires_grad_(true);
+    }
+    std::vector<at::Tensor> outputs;
+    {
+      std::vector<DeviceRandomState> callers;
+      for (const auto& before : recompute->random) {
+        at::Generator generator = before.generator;
+        std::lock_guard<std::mutex> lock(generator.mutex());
+        callers.push_back({generator, generator.get_state()});
+      }
+      set_random_states(recompute->random);
+      struct Restore {
+        const std::vector<DeviceRandomState>& states;
+        ~Restore() {
+          set_random_states(states);
+          --recompute_depth;
+        }
+      } restore{callers};
+      ++recompute_depth;
+      AutocastAsBefore autocast(*recompute);
+      at::AutoGradMode record(true);
+      outputs = recompute->run(leaves);
+    }
+    TORCH_CHECK(outputs.size() == grads.size(), "[activation checkpointing] the recomputed forward returned ",
+                outputs.size(), " tensors where the first run returned ", grads.size(),
+                ": a checkpointed module must compute the same thing when it runs again");
+    std::vector<at::Tensor> roots;
+    std::vector<at::Tensor> root_grads;
+    for (size_t i = 0; i < outputs.size(); ++i) {
+      if (outputs[i].defined() && outputs[i].requires_grad() && grads[i].defined()) {
+        roots.push_back(outputs[i]);
+        root_grads.push_back(grads[i]);
+      }
+    }
+    if (!roots.empty()) torch::autograd::backward(roots, root_grads);
+    torch::autograd::variable_list result;
+    result.reserve(leaves.size() + 2);
+    for (const auto& leaf : leaves) result.push_back(leaf.defined() && leaf.requires_grad() ? leaf.grad() : at::Tensor());
+    result.emplace_back();  // the anchor, when there is one (extra undefined gradients are allowed)
+    result.emplace_back();  // the recompute
+    return result;
+  }
+};
+
+}  // namespace
+
+bool should_checkpoint(const ModelHook& hook) { return hook.checkpoints_activations() && at::GradMode::is_enabled(); }
+
+bool recomputing_activations() { return recompute_depth > 0; }
+
+std::vector<at::Tensor> checkpointed_forward(torch::nn::Module& module, std::vector<at::Tensor> inputs,
+                                             FlatForward run) {
+  const bool input_grad = std::any_of(inputs.begin(), inputs.end(),
+                                      [](const at::Tensor& t) { return t.defined() && t.requires_grad(); });
+  bool param_grad = false;
+  for (const auto& p : module.parameters()) param_grad = param_grad || p.requires_grad();
+  if (!input_grad && !param_grad) return run(inputs);
+  auto recompute = c10::make_intrusive<Recompute>();
+  recompute->random = random_states(inputs);
+  recompute->cpu = {compat::is_autocast_enabled(c10::kCPU), compat::get_autocast_dtype(c10::kCPU)};
+  recompute->cuda = {compat::is_autocast_enabled(c10::kCUDA), compat::get_autocast_dtype(c10::kCUDA)};
+  recompute->run = std::move(run);
+  std::vector<at::Tensor> anchor;
+  if (!input_grad) anchor.push_back(at::empty({0}).requires_grad_(true));
+  return CheckpointNode::apply(at::TensorList(inputs), at::TensorList(anchor), std::move(recompute));
+}
+
 at::Tensor forward_sequential(torch::nn::SequentialImpl& sequential, at::Tensor input) {
   auto own = get_hook(sequential);
   std::vector<at::Tensor> io{std::move(input)};
@@ -499,7 +687,14 @@ at::Tensor forward_sequential(torch::nn::SequentialImpl& sequential, at::Tensor 
     }
     std::vector<at::Tensor> inputs{x};
     hook->pre_forward(*child, inputs);
-    std::vector<at::Tensor> outputs{element.forward(inputs.front())};
+    std::vector<at::Tensor> outputs;
+    if (should_checkpoint(*hook)) {
+      outputs = checkpointed_forward(*child, std::move(inputs), [element](const std::vector<at::Tensor>& in) mutable {
+        return std::vector<at::Tensor>{element.forward(in.front())};
+      });
+    } else {
+      outputs = {element.forward(inputs.front())};
+    }
     hook->post_forward(*child, outputs);
     x = outputs.front();
   }

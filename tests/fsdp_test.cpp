@@ -24,9 +24,14 @@ namespace {
 
 constexpr int64_t kRows = 8;  // the whole batch; every rank takes kRows / ranks of it
 
+thread_local int block_forwards = 0;  // ranks are threads: each counts its own
+
 struct BlockImpl : torch::nn::Module {
   BlockImpl() : fc(register_module("fc", torch::nn::Linear(6, 6))) {}
-  torch::Tensor forward(const torch::Tensor& x) { return torch::tanh(fc(x)) + x; }
+  torch::Tensor forward(const torch::Tensor& x) {
+    ++block_forwards;
+    return torch::tanh(fc(x)) + x;
+  }
   torch::nn::Linear fc;
 };
 TORCH_MODULE(Block);
@@ -657,7 +662,6 @@ TEST(FullyShardedDataParallel, UnsupportedOrContradictorySettingsAreRefusedByNam
   refuse({.auto_wrap_policy = FsdpAutoWrapPolicy::kTransformerBasedWrap}, "needs transformer_cls_names_to_wrap");
   refuse({.min_num_params = 0}, "min_num_params must be positive");
   refuse({.sync_module_states = false, .cpu_ram_efficient_loading = true}, "needs sync_module_states");
-  refuse({.activation_checkpointing = true}, "activation_checkpointing is not supported yet");
   refuse({.use_orig_params = false}, "use_orig_params=false");
   refuse({.auto_wrap_policy = FsdpAutoWrapPolicy::kNoWrap,
           .auto_wrap_callable = [](const std::string&, const torch::nn::Module&, int64_t) { return false; }},
@@ -954,6 +958,53 @@ TEST(FullyShardedDataParallel, PrefetchingGathersTheNextUnitAheadAndTrainsAsWith
         },
         options);
   }
+}
+
+TEST(FullyShardedDataParallel, ActivationCheckpointingRunsEachUnitAgainInTheBackwardAndTrainsAsWithout) {
+  const auto expected = reference(3);
+  for (const auto strategy : {FsdpShardingStrategy::kFullShard, FsdpShardingStrategy::kShardGradOp}) {
+    SCOPED_TRACE(to_string(strategy));
+    AcceleratorOptions options = sharded_with(FsdpStateDictType::kFullStateDict);
+    options.fsdp_plugin->sharding_strategy = strategy;
+    options.fsdp_plugin->activation_checkpointing = true;
+    options.fsdp_plugin->backward_prefetch = FsdpBackwardPrefetch::kBackwardPre;
+    options.fsdp_plugin->forward_prefetch = true;
+    run_accelerators(
+        2,
+        [&](const Accelerator& acc, int) {
+          Tiny net = make_tiny();
+          auto [model, opt] = acc.prepare(
+              net, std::make_shared<torch::optim::AdamW>(net->parameters(), torch::optim::AdamWOptions(0.05)));
+          block_forwards = 0;
+          train_steps(acc, model, opt, 0, 3);
+          EXPECT_EQ(block_forwards, 2 * 2 * 3) << "two blocks, each run twice a step, for three steps";
+          // The recomputations are not forwards: prefetching follows the forward order as without
+          // (SHARD_GRAD_OP keeps the units whole from forward to backward: nothing to prefetch).
+          const auto [forward, backward] = detail::fsdp_engine(model.ddp())->prefetch_counts();
+          EXPECT_EQ(forward, 2);
+          EXPECT_EQ(backward, strategy == FsdpShardingStrategy::kFullShard ? 3 : 0) << to_string(strategy);
+          expect_close(as_map(acc.get_state_dict(model)), expected);
+          // Evaluation records no gradient, so nothing runs twice.
+          block_forwards = 0;
+          torch::NoGradGuard no_grad;
+          (void)model(batch());
+          EXPECT_EQ(block_forwards, 2);
+        },
+        options);
+  }
+}
+
+TEST(FullyShardedDataParallel, ActivationCheckpointingWithoutWrappedUnitsIsRefused) {
+  AcceleratorOptions options;
+  options.fsdp_plugin = FullyShardedDataParallelPlugin{.activation_checkpointing = true};
+  run_accelerators(
+      2,
+      [&](const Accelerator& acc, int) {
+        EXPECT_THROWS_WITH((void)acc.prepare(make_tiny()),
+                           "activation_checkpointing recomputes the forward of each unit that auto_wrap_policy "
+                           "wraps, and the policy wraps no submodule of this model");
+      },
+      options);
 }
 
 // ---- Hybrid sharding ---------------------------------------------------------------------------

@@ -58,6 +58,14 @@ class ModelHook {
   }
   /// Runs when the hook is removed, to undo what `init_hook` did.
   virtual void detach_hook(torch::nn::Module& module) { (void)module; }
+  /// Whether the module's activations are recomputed in the backward pass instead of kept
+  /// (activation checkpointing; upstream wraps the module in PyTorch's non-reentrant
+  /// `checkpoint_wrapper`). When true and gradients are recorded, `accelerate::forward` runs the
+  /// module's forward without recording, keeping only its inputs, and runs it again during the
+  /// backward pass, with the random generators and the autocast state of the first run, before
+  /// back-propagating through it. The hook's `pre_forward` and `post_forward` run once, around
+  /// the first run.
+  virtual bool checkpoints_activations() const { return false; }
 };
 
 /// Several hooks run in order (upstream: `SequentialHook`).
@@ -68,6 +76,8 @@ class SequentialHook : public ModelHook {
   void pre_forward(torch::nn::Module& module, std::vector<at::Tensor>& inputs) override;
   void post_forward(torch::nn::Module& module, std::vector<at::Tensor>& outputs) override;
   void detach_hook(torch::nn::Module& module) override;
+  /// True when any of the hooks checkpoints activations.
+  bool checkpoints_activations() const override;
   const std::vector<std::shared_ptr<ModelHook>>& hooks() const { return hooks_; }
 
  private:
@@ -216,6 +226,69 @@ at::Tensor forward_sequential(torch::nn::SequentialImpl& sequential, at::Tensor 
 /// still has tensors on the meta device (an offloaded child ran without its hook).
 [[noreturn]] void rethrow_forward_error(const torch::nn::Module& module);
 
+/// `impl.forward(args...)` with the arguments held in the tuple `args`.
+template <typename Impl, typename Tuple>
+decltype(auto) call_forward(Impl& impl, Tuple& args) {
+  return std::apply([&](auto&... a) { return impl.forward(a...); }, args);
+}
+
+/// A module's forward on flattened input tensors, giving its flattened output tensors.
+using FlatForward = std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)>;
+
+/// Whether `accelerate::forward` should checkpoint the activations of a module with `hook` now
+/// (the hook asks for it and gradients are being recorded).
+bool should_checkpoint(const ModelHook& hook);
+
+/// Runs `run` on `inputs` without recording gradients and returns its outputs attached to an
+/// autograd node that, in the backward pass, runs `run` again with gradients recorded (random
+/// generators and autocast as in the first run) and back-propagates through it (see
+/// `ModelHook::checkpoints_activations`). Where neither an input nor a parameter of `module`
+/// requires a gradient it simply runs `run`.
+std::vector<at::Tensor> checkpointed_forward(torch::nn::Module& module, std::vector<at::Tensor> inputs,
+                                             FlatForward run);
+
+/// Whether the calling thread is running a checkpointed forward again in a backward pass (hooks
+/// use it to tell a recomputation from a new forward).
+bool recomputing_activations();
+
+/// The checkpointed path of `accelerate::forward`: the hook's `pre_forward` has run and replaced
+/// `inputs`; the forward runs through `checkpointed_forward`, then the hook's `post_forward`.
+template <typename Impl, typename Copies>
+auto forward_checkpointed(Impl& impl, ModelHook& hook, const Copies& copies, std::vector<at::Tensor> inputs) {
+  using Output = std::decay_t<decltype(call_forward(impl, std::declval<Copies&>()))>;
+  // What the closure keeps: the arguments' structure without their tensors (the inputs are saved
+  // by the autograd node), the module, and the first run's result until it is handed back here.
+  struct First {
+    std::optional<Output> output;
+    bool taken = false;
+  };
+  auto skeleton = unflatten_tensors(copies, std::vector<at::Tensor>(inputs.size()));
+  auto first = std::make_shared<First>();
+  std::shared_ptr<torch::nn::Module> keep = static_cast<torch::nn::Module&>(impl).weak_from_this().lock();
+  Impl* module = &impl;
+  FlatForward run = [skeleton, first, keep, module](const std::vector<at::Tensor>& in) {
+    auto args = unflatten_tensors(skeleton, in);
+    auto result = [&]() {
+      try {
+        return call_forward(*module, args);
+      } catch (const std::exception&) {
+        rethrow_forward_error(*module);
+      }
+    }();
+    auto flat = flatten_tensors(result);
+    if (!first->taken) {
+      first->output.emplace(std::move(result));
+      first->taken = true;
+    }
+    return flat;
+  };
+  auto outputs = checkpointed_forward(impl, std::move(inputs), std::move(run));
+  Output shape = std::move(*first->output);
+  first->output.reset();
+  run_post_hook(hook, impl, outputs);
+  return unflatten_tensors(shape, outputs);
+}
+
 }  // namespace detail
 
 /// Calls `module->forward(args...)` with `module`'s hook (if any) around it. `module` may be a
@@ -234,6 +307,7 @@ auto forward(M&& module, Args&&... args) {
     std::tuple<std::decay_t<Args>...> copies(std::forward<Args>(args)...);
     auto inputs = flatten_tensors(copies);
     detail::run_pre_hook(*hook, impl, inputs);
+    if (detail::should_checkpoint(*hook)) return detail::forward_checkpointed(impl, *hook, copies, std::move(inputs));
     copies = unflatten_tensors(copies, inputs);
     auto call = [&]() {
       try {

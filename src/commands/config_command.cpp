@@ -203,6 +203,14 @@ void ask_fsdp(Prompter& ask, std::map<std::string, std::string>& fsdp, std::map<
                                      "(sync_module_states)? [YES/no]: ",
                                      true);
   fsdp["fsdp_sync_module_states"] = sync ? "true" : "false";
+  if (policy != 2) {  // activation checkpointing recomputes the wrapped units, so NO_WRAP has none
+    fsdp["fsdp_activation_checkpointing"] =
+        ask.yes_no("Do you want to enable FSDP activation checkpointing (each unit's forward runs again in the "
+                   "backward pass instead of keeping its activations)? [yes/NO]: ",
+                   false)
+            ? "true"
+            : "false";
+  }
   if (version == 2 && ask.yes_no("Do you want to use the parallelism config (replicas of groups that each shard the "
                                  "model: hybrid sharding)? [yes/NO]: ",
                                  false)) {
@@ -214,8 +222,7 @@ void ask_fsdp(Prompter& ask, std::map<std::string, std::string>& fsdp, std::map<
     ask.say("Not asked: tensor and context parallelism sizes, not supported yet by accelerate-cpp.");
   }
   ask.say(
-      "Not asked: CPU offload, activation checkpointing and use_orig_params=false are not supported yet by "
-      "accelerate-cpp.");
+      "Not asked: CPU offload and use_orig_params=false are not supported yet by accelerate-cpp.");
 }
 
 }  // namespace

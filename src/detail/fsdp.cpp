@@ -178,8 +178,6 @@ FsdpSettings resolve_fsdp_plugin(const FullyShardedDataParallelPlugin& plugin, c
                     "[FullyShardedDataParallelPlugin] cpu_ram_efficient_loading needs sync_module_states: the "
                     "processes other than 0 get their weights from process 0");
   s.activation_checkpointing = flag(plugin.activation_checkpointing, "FSDP_ACTIVATION_CHECKPOINTING", false);
-  TORCH_CHECK_VALUE(!s.activation_checkpointing,
-                    "[FullyShardedDataParallelPlugin] activation_checkpointing is not supported yet");
   s.use_orig_params = flag(plugin.use_orig_params, "FSDP_USE_ORIG_PARAMS", true);
   TORCH_CHECK_VALUE(s.use_orig_params, "[FullyShardedDataParallelPlugin] use_orig_params=false (one flat parameter "
                                        "per unit for the optimizer) is not supported: the optimizer always steps "
@@ -430,7 +428,9 @@ class UnitHook final : public ModelHook {
     if (!e) return;
     auto& u = e->units[unit_];
     e->gather(u);
-    if (at::GradMode::is_enabled()) {
+    // A recomputation in the backward pass (Note [Activation checkpointing]) is not a forward:
+    // it neither extends the order that prefetching follows nor prefetches.
+    if (at::GradMode::is_enabled() && !recomputing_activations()) {
       e->forward_order.push_back(unit_);
       if (e->settings.forward_prefetch) {
         if (auto next = FsdpEngineImpl::neighbour(e->last_forward_order, unit_, /*after=*/true)) {
@@ -463,6 +463,13 @@ class UnitHook final : public ModelHook {
     auto& u = e->units[unit_];
     if (at::GradMode::is_enabled()) arm_outputs(e, unit_, outputs);
     if (e->settings.reshard_after_forward || !at::GradMode::is_enabled()) e->reshard(u);
+  }
+
+  // Units other than the root are checkpointed when the plugin asks for it (upstream applies
+  // the checkpoint wrapper to the modules its auto-wrap policy selects).
+  bool checkpoints_activations() const override {
+    auto e = engine_.lock();
+    return e && e->settings.activation_checkpointing;
   }
 
  private:
@@ -934,6 +941,10 @@ FsdpEngine::FsdpEngine(std::shared_ptr<torch::nn::Module> module, const PartialS
   };
   add_unit("", &root);
   for (const auto& [name, m] : chosen) add_unit(name, m);
+  TORCH_CHECK_VALUE(!e.settings.activation_checkpointing || e.units.size() > 1, "[", kApi,
+                    "] activation_checkpointing recomputes the forward of each unit that auto_wrap_policy wraps, "
+                    "and the policy wraps no submodule of this model: choose TRANSFORMER_BASED_WRAP (with "
+                    "transformer_cls_names_to_wrap) or SIZE_BASED_WRAP units");
   // Units by module name, for assigning each parameter to its innermost unit.
   std::map<std::string, size_t> unit_of_module;
   for (size_t i = 1; i < e.units.size(); ++i) unit_of_module[e.units[i].name] = i;

@@ -159,16 +159,17 @@ TEST(ConfigQuestionnaire, FullyShardedAnswersWriteAnFsdpConfigThatLoadsBack) {
   TempDir dir;
   // multi-CPU, defaults, FSDP: version 1, SHARD_GRAD_OP, transformer-based units of Block,
   // BACKWARD_POST, sharded state dicts, forward prefetch, no efficient loading, synchronised states
-  // (default); 4 processes, bf16.
+  // (default), activation checkpointing; 4 processes, bf16.
   const std::string path = (dir.path() / "fsdp.yaml").string();
   const CommandOutcome outcome = run_config(
-      {"--config_file", path}, "1\n\n\nyes\n1\nSHARD_GRAD_OP\n0\nBlock\nBACKWARD_POST\n2\nyes\n\n\n4\nbf16\n");
+      {"--config_file", path}, "1\n\n\nyes\n1\nSHARD_GRAD_OP\n0\nBlock\nBACKWARD_POST\n2\nyes\n\n\nyes\n4\nbf16\n");
   ASSERT_EQ(outcome.code, 0) << outcome.err;
   EXPECT_THAT(read_file(path), HasSubstr("distributed_type: FSDP\n"));
   const ClusterConfig loaded = load_config_from_file(path);
   EXPECT_TRUE(loaded.use_fsdp);
   EXPECT_EQ(loaded.num_processes, 4);
   EXPECT_EQ(loaded.fsdp_config, (std::map<std::string, std::string>{
+                                    {"fsdp_activation_checkpointing", "true"},
                                     {"fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP"},
                                     {"fsdp_backward_prefetch", "BACKWARD_POST"},
                                     {"fsdp_cpu_ram_efficient_loading", "false"},
@@ -181,7 +182,7 @@ TEST(ConfigQuestionnaire, FullyShardedAnswersWriteAnFsdpConfigThatLoadsBack) {
 
   // Version 2 (the default): reshard_after_forward instead of a strategy; size-based units;
   // efficient loading implies synchronised states without asking; an empty class list is refused.
-  std::istringstream in("1\n\n\nyes\n\nno\nSIZE_BASED_WRAP\n5000\n\nyes\n\n2\nno\n");
+  std::istringstream in("1\n\n\nyes\n\nno\nSIZE_BASED_WRAP\n5000\n\nyes\n\n\n2\nno\n");
   std::ostringstream out;
   const ClusterConfig second = get_user_input(in, out);
   EXPECT_EQ(second.fsdp_config.at("fsdp_version"), "2");
@@ -190,11 +191,12 @@ TEST(ConfigQuestionnaire, FullyShardedAnswersWriteAnFsdpConfigThatLoadsBack) {
   EXPECT_EQ(second.fsdp_config.at("fsdp_min_num_params"), "5000");
   EXPECT_EQ(second.fsdp_config.at("fsdp_state_dict_type"), "FULL_STATE_DICT");
   EXPECT_EQ(second.fsdp_config.at("fsdp_sync_module_states"), "true");
+  EXPECT_EQ(second.fsdp_config.at("fsdp_activation_checkpointing"), "false");
   EXPECT_THAT(out.str(), Not(HasSubstr("sync_module_states)?")));
   EXPECT_EQ(second.num_processes, 2);
   EXPECT_TRUE(second.parallelism_config.empty());
 
-  std::istringstream empty_classes("1\n\n\nyes\n\n\n0\n\nBlock\n\n\n\n\n2\nno\n");
+  std::istringstream empty_classes("1\n\n\nyes\n\n\n0\n\nBlock\n\n\n\n\n\n2\nno\n");
   std::ostringstream asked_again;
   EXPECT_EQ(get_user_input(empty_classes, asked_again).fsdp_config.at("fsdp_transformer_layer_cls_to_wrap"), "Block");
   EXPECT_THAT(asked_again.str(), HasSubstr("An answer is required."));
@@ -211,6 +213,8 @@ TEST(ConfigQuestionnaire, HybridShardingAnswersWriteTheStrategyOrTheParallelismC
   EXPECT_EQ(first.fsdp_config.at("fsdp_forward_prefetch"), "false");
   EXPECT_TRUE(first.parallelism_config.empty());
   EXPECT_THAT(out1.str(), Not(HasSubstr("parallelism config")));
+  EXPECT_THAT(out1.str(), Not(HasSubstr("activation checkpointing")));  // NO_WRAP has no units to recompute
+  EXPECT_EQ(first.fsdp_config.count("fsdp_activation_checkpointing"), 0u);
 
   TempDir dir;
   const std::string path = (dir.path() / "hybrid.yaml").string();

@@ -1,7 +1,8 @@
 // Fully sharded training in real processes started by `accelerate launch` (on MPI, and again on
 // Gloo with the tier's second run): every sharding strategy at 2 and 4 processes, gradient
-// accumulation, bf16 autocast and a config file with `distributed_type: FSDP` end where one
-// process ends on the whole batches; a wrong setting fails the launch naming it.
+// accumulation, bf16 autocast, activation checkpointing and a config file with
+// `distributed_type: FSDP` end where one process ends on the whole batches; a wrong setting fails
+// the launch naming it.
 #include "support/commands.h"
 #include "support/process.h"
 #include "support/test_support.h"
@@ -51,6 +52,10 @@ INSTANTIATE_TEST_SUITE_P(
                                      "TRANSFORMER_BASED_WRAP", "--fsdp_transformer_layer_cls_to_wrap", "Block"}},
         Job{"Bf16Autocast", {"-n", "2", "--use_fsdp", "--mixed_precision", "bf16", "--fsdp_auto_wrap_policy",
                              "TRANSFORMER_BASED_WRAP", "--fsdp_transformer_layer_cls_to_wrap", "Block"}},
+        Job{"ActivationCheckpointingBf16Accumulation",
+            {"-n", "2", "--use_fsdp", "--fsdp_activation_checkpointing", "true", "--mixed_precision", "bf16",
+             "--gradient_accumulation_steps", "2", "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP",
+             "--fsdp_transformer_layer_cls_to_wrap", "Block"}},
         Job{"HybridTwoReplicasOfTwoShards",
             {"-n", "4", "--use_fsdp", "--use_parallelism_config", "--parallelism_config_dp_replicate_size", "2",
              "--parallelism_config_dp_shard_size", "2", "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP",
@@ -141,13 +146,14 @@ TEST(FsdpLaunch, HybridShardShardsWithinEachOfTwoMachinesAndReplicatesAcrossThem
       << machine0.out;
 }
 
-TEST(FsdpLaunch, ASettingTheEngineDoesNotHaveFailsTheLaunchNamingIt) {
+TEST(FsdpLaunch, ActivationCheckpointingWithoutWrappedUnitsFailsTheLaunchNamingIt) {
   TempDir dir;
   auto r = run({accelerate_bin(), "launch", "-n", "2", "--main_process_port", "0", "--use_fsdp",
                 "--fsdp_activation_checkpointing", "true", built("tests/mp_fsdp"), dir.str()},
                120);
   EXPECT_NE(r->exit_code(), 0);
-  EXPECT_THAT(r->err, HasSubstr("activation_checkpointing is not supported yet")) << r->err;
+  EXPECT_THAT(r->err, HasSubstr("activation_checkpointing recomputes the forward of each unit that "
+                                "auto_wrap_policy wraps, and the policy wraps no submodule")) << r->err;
 }
 
 TEST(FsdpLaunch, AUnitWhoseModuleIsCalledDirectlyFailsTheBackwardNamingIt) {
