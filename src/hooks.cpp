@@ -8,6 +8,7 @@
 #include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/engine.h>
 #include <c10/util/Exception.h>
 #include <torch/nn/modules/container/any.h>
 
@@ -547,11 +548,39 @@ struct AutocastState {
   c10::ScalarType dtype;
 };
 
+// What a checkpointed call keeps for its recomputation. Undefined tensors (an optional argument
+// left empty, an output that is absent) cannot pass through an autograd function, so the node
+// sees only the defined ones; `inputs_at`/`outputs_at` say where they sit among all of them.
 struct Recompute final : torch::CustomClassHolder {
   FlatForward run;
   std::vector<DeviceRandomState> random;
   AutocastState cpu{};
   AutocastState cuda{};
+  std::vector<size_t> inputs_at;
+  size_t input_count = 0;
+  std::vector<size_t> outputs_at;
+  size_t output_count = 0;
+
+  std::vector<at::Tensor> all_inputs(const std::vector<at::Tensor>& defined) const {
+    std::vector<at::Tensor> all(input_count);
+    for (size_t k = 0; k < defined.size(); ++k) all[inputs_at[k]] = defined[k];
+    return all;
+  }
+};
+
+// Turns autocast's cache of casts off for its lifetime. A cast cached during a run without
+// gradients would carry no history, and a later use of the same weight in the same autocast
+// region, with gradients, would take it and lose its gradient; the recomputation must not leave
+// casts behind either.
+class CastCacheOff {
+ public:
+  CastCacheOff() : was_(at::autocast::is_autocast_cache_enabled()) { at::autocast::set_autocast_cache_enabled(false); }
+  ~CastCacheOff() { at::autocast::set_autocast_cache_enabled(was_); }
+  CastCacheOff(const CastCacheOff&) = delete;
+  CastCacheOff& operator=(const CastCacheOff&) = delete;
+
+ private:
+  bool was_;
 };
 
 // Sets the autocast state of a first run for a recomputation and puts the caller's back after.
@@ -559,15 +588,10 @@ class AutocastAsBefore {
  public:
   explicit AutocastAsBefore(const Recompute& r)
       : cpu_{compat::is_autocast_enabled(c10::kCPU), compat::get_autocast_dtype(c10::kCPU)},
-        cuda_{compat::is_autocast_enabled(c10::kCUDA), compat::get_autocast_dtype(c10::kCUDA)},
-        cache_(at::autocast::is_autocast_cache_enabled()) {
+        cuda_{compat::is_autocast_enabled(c10::kCUDA), compat::get_autocast_dtype(c10::kCUDA)} {
     apply(r.cpu, r.cuda);
-    at::autocast::set_autocast_cache_enabled(false);
   }
-  ~AutocastAsBefore() {
-    apply(cpu_, cuda_);
-    at::autocast::set_autocast_cache_enabled(cache_);
-  }
+  ~AutocastAsBefore() { apply(cpu_, cuda_); }
   AutocastAsBefore(const AutocastAsBefore&) = delete;
   AutocastAsBefore& operator=(const AutocastAsBefore&) = delete;
 
@@ -580,7 +604,36 @@ class AutocastAsBefore {
   }
   AutocastState cpu_;
   AutocastState cuda_;
-  bool cache_;
+};
+
+// The random generators of a first run for a recomputation; the caller's come back after, and
+// the recomputation depth goes down, even when the recomputation throws.
+class RandomAsBefore {
+ public:
+  explicit RandomAsBefore(const Recompute& r) {
+    for (const auto& before : r.random) {
+      at::Generator generator = before.generator;
+      std::lock_guard<std::mutex> lock(generator.mutex());
+      callers_.push_back({generator, generator.get_state()});
+    }
+    ++recompute_depth;
+    try {
+      set_random_states(r.random);
+    } catch (...) {
+      --recompute_depth;
+      set_random_states(callers_);
+      throw;
+    }
+  }
+  ~RandomAsBefore() {
+    --recompute_depth;
+    set_random_states(callers_);
+  }
+  RandomAsBefore(const RandomAsBefore&) = delete;
+  RandomAsBefore& operator=(const RandomAsBefore&) = delete;
+
+ private:
+  std::vector<DeviceRandomState> callers_;
 };
 
 struct CheckpointNode : torch::autograd::Function<CheckpointNode> {
@@ -588,61 +641,70 @@ struct CheckpointNode : torch::autograd::Function<CheckpointNode> {
                                                 at::TensorList anchor, c10::intrusive_ptr<Recompute> recompute) {
     (void)anchor;
     ctx->save_for_backward(inputs.vec());
-    auto outputs = recompute->run(inputs.vec());
+    const auto outputs = recompute->run(recompute->all_inputs(inputs.vec()));
+    recompute->output_count = outputs.size();
+    std::vector<at::Tensor> defined;
+    for (size_t i = 0; i < outputs.size(); ++i) {
+      if (!outputs[i].defined()) continue;
+      recompute->outputs_at.push_back(i);
+      defined.push_back(outputs[i]);
+    }
     ctx->saved_data["recompute"] = c10::IValue::make_capsule(std::move(recompute));
-    return outputs;
+    return defined;
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
+    // The nested backward pass accumulates into `.grad`, as `backward()` does; it cannot serve a
+    // pass that must leave `.grad` alone or build a graph of its own (as PyTorch's reentrant
+    // checkpoint, which refuses the same).
+    TORCH_CHECK(torch::autograd::Engine::get_default_engine().is_checkpoint_valid(),
+                "[activation checkpointing] the gradients of a checkpointed module can only be computed by "
+                "backward() without `inputs`: torch::autograd::grad and backward(..., inputs) are not supported");
+    TORCH_CHECK(!at::GradMode::is_enabled(),
+                "[activation checkpointing] backward with create_graph=true (gradients of gradients) through a "
+                "checkpointed module is not supported");
     const auto saved = ctx->get_saved_variables();
     auto recompute = c10::static_intrusive_pointer_cast<Recompute>(ctx->saved_data["recompute"].toCapsule());
     std::vector<at::Tensor> leaves;
     leaves.reserve(saved.size());
     for (const auto& t : saved) {
-      if (!t.defined()) {
-        leaves.emplace_back();
-        continue;
-      }
       leaves.push_back(t.detach());
       if (t.requires_grad()) leaves.back().requires_grad_(true);
     }
     std::vector<at::Tensor> outputs;
     {
-      std::vector<DeviceRandomState> callers;
-      for (const auto& before : recompute->random) {
-        at::Generator generator = before.generator;
-        std::lock_guard<std::mutex> lock(generator.mutex());
-        callers.push_back({generator, generator.get_state()});
-      }
-      set_random_states(recompute->random);
-      struct Restore {
-        const std::vector<DeviceRandomState>& states;
-        ~Restore() {
-          set_random_states(states);
-          --recompute_depth;
-        }
-      } restore{callers};
-      ++recompute_depth;
+      RandomAsBefore random(*recompute);
       AutocastAsBefore autocast(*recompute);
+      CastCacheOff no_cache;
       at::AutoGradMode record(true);
-      outputs = recompute->run(leaves);
+      outputs = recompute->run(recompute->all_inputs(leaves));
     }
-    TORCH_CHECK(outputs.size() == grads.size(), "[activation checkpointing] the recomputed forward returned ",
-                outputs.size(), " tensors where the first run returned ", grads.size(),
-                ": a checkpointed module must compute the same thing when it runs again");
+    bool same = outputs.size() == recompute->output_count;
+    for (size_t i = 0; same && i < outputs.size(); ++i) {
+      const bool was = std::find(recompute->outputs_at.begin(), recompute->outputs_at.end(), i) !=
+                       recompute->outputs_at.end();
+      same = outputs[i].defined() == was;
+    }
+    TORCH_CHECK(same, "[activation checkpointing] the recomputed forward returned ", outputs.size(),
+                " tensors (", outputs.size() - std::count_if(outputs.begin(), outputs.end(),
+                                                             [](const at::Tensor& t) { return t.defined(); }),
+                " undefined) where the first run returned ", recompute->output_count, " (",
+                recompute->output_count - recompute->outputs_at.size(),
+                " undefined): a checkpointed module must compute the same thing when it runs again");
     std::vector<at::Tensor> roots;
     std::vector<at::Tensor> root_grads;
-    for (size_t i = 0; i < outputs.size(); ++i) {
-      if (outputs[i].defined() && outputs[i].requires_grad() && grads[i].defined()) {
-        roots.push_back(outputs[i]);
-        root_grads.push_back(grads[i]);
+    for (size_t k = 0; k < recompute->outputs_at.size(); ++k) {
+      const auto& out = outputs[recompute->outputs_at[k]];
+      if (out.requires_grad() && grads[k].defined()) {
+        roots.push_back(out);
+        root_grads.push_back(grads[k]);
       }
     }
     if (!roots.empty()) torch::autograd::backward(roots, root_grads);
     torch::autograd::variable_list result;
     result.reserve(leaves.size() + 2);
-    for (const auto& leaf : leaves) result.push_back(leaf.defined() && leaf.requires_grad() ? leaf.grad() : at::Tensor());
+    for (const auto& leaf : leaves) result.push_back(leaf.requires_grad() ? leaf.grad() : at::Tensor());
     result.emplace_back();  // the anchor, when there is one (extra undefined gradients are allowed)
     result.emplace_back();  // the recompute
     return result;
@@ -667,16 +729,28 @@ std::vector<at::Tensor> checkpointed_forward(torch::nn::Module& module, std::vec
   recompute->cpu = {compat::is_autocast_enabled(c10::kCPU), compat::get_autocast_dtype(c10::kCPU)};
   recompute->cuda = {compat::is_autocast_enabled(c10::kCUDA), compat::get_autocast_dtype(c10::kCUDA)};
   recompute->run = std::move(run);
+  recompute->input_count = inputs.size();
+  std::vector<at::Tensor> defined;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (!inputs[i].defined()) continue;
+    recompute->inputs_at.push_back(i);
+    defined.push_back(std::move(inputs[i]));
+  }
   std::vector<at::Tensor> anchor;
   if (!input_grad) anchor.push_back(at::empty({0}).requires_grad_(true));
-  return CheckpointNode::apply(at::TensorList(inputs), at::TensorList(anchor), std::move(recompute));
+  const Recompute& shape = *recompute;
+  std::vector<at::Tensor> outputs;
+  {
+    CastCacheOff no_cache;
+    outputs = CheckpointNode::apply(at::TensorList(defined), at::TensorList(anchor), recompute);
+  }
+  std::vector<at::Tensor> all(shape.output_count);
+  for (size_t k = 0; k < outputs.size(); ++k) all[shape.outputs_at[k]] = std::move(outputs[k]);
+  return all;
 }
 
-at::Tensor forward_sequential(torch::nn::SequentialImpl& sequential, at::Tensor input) {
-  auto own = get_hook(sequential);
-  std::vector<at::Tensor> io{std::move(input)};
-  if (own) own->pre_forward(sequential, io);
-  at::Tensor x = io.front();
+// The elements of a Sequential in turn, each with its hook.
+at::Tensor run_elements(torch::nn::SequentialImpl& sequential, at::Tensor x) {
   for (auto& element : sequential) {
     // (LibTorch's AnyModule cannot hold a Sequential, so elements are never Sequentials.)
     auto child = element.ptr();
@@ -698,12 +772,25 @@ at::Tensor forward_sequential(torch::nn::SequentialImpl& sequential, at::Tensor 
     hook->post_forward(*child, outputs);
     x = outputs.front();
   }
-  if (own) {
-    std::vector<at::Tensor> out{x};
-    own->post_forward(sequential, out);
-    x = out.front();
-  }
   return x;
+}
+
+at::Tensor forward_sequential(torch::nn::SequentialImpl& sequential, at::Tensor input) {
+  auto own = get_hook(sequential);
+  std::vector<at::Tensor> io{std::move(input)};
+  if (!own) return run_elements(sequential, io.front());
+  own->pre_forward(sequential, io);
+  if (should_checkpoint(*own)) {
+    std::shared_ptr<torch::nn::Module> keep = sequential.weak_from_this().lock();
+    auto* seq = &sequential;
+    io = checkpointed_forward(sequential, std::move(io), [keep, seq](const std::vector<at::Tensor>& in) {
+      return std::vector<at::Tensor>{run_elements(*seq, in.front())};
+    });
+  } else {
+    io = {run_elements(sequential, io.front())};
+  }
+  own->post_forward(sequential, io);
+  return io.front();
 }
 
 }  // namespace detail
