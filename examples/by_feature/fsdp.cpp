@@ -9,6 +9,8 @@
 //                                                                         # what the code leaves empty
 //   accelerate launch -n 4 --use_fsdp --parallelism_config_dp_replicate_size 2 fsdp
 //                                     # hybrid: two replicas, each sharded over two processes
+//   accelerate launch -n 2 --fsdp_activation_checkpointing true fsdp
+//                                     # each unit's forward runs again in the backward pass
 #include "task.h"
 
 #include <iostream>
