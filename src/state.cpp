@@ -129,6 +129,7 @@ std::shared_ptr<detail::PartialStateImpl> build_partial_state(const PartialState
     }
     TORCH_CHECK_VALUE(impl->backend != "mpi" || is_mpi_available(),
                       "[PartialState] the MPI backend is not available in this build of accelerate-cpp; use \"gloo\"");
+    if (impl->backend == "mpi") detail::require_started_by_mpirun();
     TORCH_CHECK_VALUE(impl->backend != "nccl" || impl->device.is_cuda(),
                       "[PartialState] backend \"nccl\" needs CUDA devices, but this process runs on ", impl->device,
                       "; use \"gloo\" for CPU processes");

@@ -254,6 +254,13 @@ bool started_by_mpirun() {
   return false;
 }
 
+void require_started_by_mpirun() {
+  // Starting MPI outside an MPI launcher would make this process a job of its own (or hang
+  // looking for one), so that case is refused before MPI is touched.
+  TORCH_CHECK_VALUE(started_by_mpirun(), "[PartialState] backend \"mpi\" needs the processes to be started by mpirun: "
+                    "use `accelerate launch --backend mpi ...` or `mpirun -np N <program>`");
+}
+
 #if !ACCELERATE_HAVE_MPI
 c10::intrusive_ptr<c10d::ProcessGroup> make_mpi_process_group(const Topology&, std::chrono::milliseconds,
                                                               const c10::intrusive_ptr<c10d::Store>&) {

@@ -863,10 +863,7 @@ c10::intrusive_ptr<c10d::ProcessGroup> make_mpi_subgroup(const Topology& topolog
 c10::intrusive_ptr<c10d::ProcessGroup> make_mpi_process_group(const Topology& topology,
                                                               std::chrono::milliseconds timeout,
                                                               const c10::intrusive_ptr<c10d::Store>& store) {
-  // Starting MPI outside an MPI launcher would make this process a job of its own (or hang
-  // looking for one), so that case is refused before MPI is touched.
-  TORCH_CHECK_VALUE(started_by_mpirun(), "[PartialState] backend \"mpi\" needs the processes to be started by mpirun: "
-                    "use `accelerate launch --backend mpi ...` or `mpirun -np N <program>`");
+  require_started_by_mpirun();
   auto runtime = MpiRuntime::get();
   TORCH_CHECK_VALUE(runtime->world_size() == topology.world_size && runtime->world_rank() == topology.rank,
                     "[PartialState] MPI started this process as rank ", runtime->world_rank(), " of ",

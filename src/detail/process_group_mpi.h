@@ -28,6 +28,10 @@ namespace accelerate::detail {
 /// reach (Open MPI's `mpirun` through PMIx, or an MPICH-style PMI one).
 bool started_by_mpirun();
 
+/// Refuses, naming the launchers to use, when this process was not started by an MPI launcher.
+/// Called before any rendezvous, so that it is the error such a job sees, whatever else fails.
+void require_started_by_mpirun();
+
 /// The process group over MPI_COMM_WORLD (duplicated). Fails with a clear error when this build
 /// has no MPI, when the process was not started by `mpirun`, or when MPI's world does not
 /// match `topology`.
