@@ -548,6 +548,24 @@ struct AutocastState {
   c10::ScalarType dtype;
 };
 
+AutocastState autocast_state(c10::DeviceType device) {
+  return {compat::is_autocast_enabled(device), compat::get_autocast_dtype(device)};
+}
+
+void set_autocast_state(c10::DeviceType device, const AutocastState& state) {
+  compat::set_autocast_enabled(device, state.enabled);
+  compat::set_autocast_dtype(device, state.dtype);
+}
+
+// Where the defined tensors of `tensors` sit.
+std::vector<size_t> defined_positions(const std::vector<at::Tensor>& tensors) {
+  std::vector<size_t> at;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (tensors[i].defined()) at.push_back(i);
+  }
+  return at;
+}
+
 // What a checkpointed call keeps for its recomputation. Undefined tensors (an optional argument
 // left empty, an output that is absent) cannot pass through an autograd function, so the node
 // sees only the defined ones; `inputs_at`/`outputs_at` say where they sit among all of them.
@@ -586,22 +604,18 @@ class CastCacheOff {
 // Sets the autocast state of a first run for a recomputation and puts the caller's back after.
 class AutocastAsBefore {
  public:
-  explicit AutocastAsBefore(const Recompute& r)
-      : cpu_{compat::is_autocast_enabled(c10::kCPU), compat::get_autocast_dtype(c10::kCPU)},
-        cuda_{compat::is_autocast_enabled(c10::kCUDA), compat::get_autocast_dtype(c10::kCUDA)} {
-    apply(r.cpu, r.cuda);
+  explicit AutocastAsBefore(const Recompute& r) : cpu_(autocast_state(c10::kCPU)), cuda_(autocast_state(c10::kCUDA)) {
+    set_autocast_state(c10::kCPU, r.cpu);
+    set_autocast_state(c10::kCUDA, r.cuda);
   }
-  ~AutocastAsBefore() { apply(cpu_, cuda_); }
+  ~AutocastAsBefore() {
+    set_autocast_state(c10::kCPU, cpu_);
+    set_autocast_state(c10::kCUDA, cuda_);
+  }
   AutocastAsBefore(const AutocastAsBefore&) = delete;
   AutocastAsBefore& operator=(const AutocastAsBefore&) = delete;
 
  private:
-  static void apply(const AutocastState& cpu, const AutocastState& cuda) {
-    compat::set_autocast_enabled(c10::kCPU, cpu.enabled);
-    compat::set_autocast_dtype(c10::kCPU, cpu.dtype);
-    compat::set_autocast_enabled(c10::kCUDA, cuda.enabled);
-    compat::set_autocast_dtype(c10::kCUDA, cuda.dtype);
-  }
   AutocastState cpu_;
   AutocastState cuda_;
 };
@@ -643,12 +657,9 @@ struct CheckpointNode : torch::autograd::Function<CheckpointNode> {
     ctx->save_for_backward(inputs.vec());
     const auto outputs = recompute->run(recompute->all_inputs(inputs.vec()));
     recompute->output_count = outputs.size();
+    recompute->outputs_at = defined_positions(outputs);
     std::vector<at::Tensor> defined;
-    for (size_t i = 0; i < outputs.size(); ++i) {
-      if (!outputs[i].defined()) continue;
-      recompute->outputs_at.push_back(i);
-      defined.push_back(outputs[i]);
-    }
+    for (const size_t i : recompute->outputs_at) defined.push_back(outputs[i]);
     ctx->saved_data["recompute"] = c10::IValue::make_capsule(std::move(recompute));
     return defined;
   }
@@ -680,16 +691,10 @@ struct CheckpointNode : torch::autograd::Function<CheckpointNode> {
       at::AutoGradMode record(true);
       outputs = recompute->run(recompute->all_inputs(leaves));
     }
-    bool same = outputs.size() == recompute->output_count;
-    for (size_t i = 0; same && i < outputs.size(); ++i) {
-      const bool was = std::find(recompute->outputs_at.begin(), recompute->outputs_at.end(), i) !=
-                       recompute->outputs_at.end();
-      same = outputs[i].defined() == was;
-    }
-    TORCH_CHECK(same, "[activation checkpointing] the recomputed forward returned ", outputs.size(),
-                " tensors (", outputs.size() - std::count_if(outputs.begin(), outputs.end(),
-                                                             [](const at::Tensor& t) { return t.defined(); }),
-                " undefined) where the first run returned ", recompute->output_count, " (",
+    const auto now_at = defined_positions(outputs);
+    TORCH_CHECK(outputs.size() == recompute->output_count && now_at == recompute->outputs_at,
+                "[activation checkpointing] the recomputed forward returned ", outputs.size(), " tensors (",
+                outputs.size() - now_at.size(), " undefined) where the first run returned ", recompute->output_count, " (",
                 recompute->output_count - recompute->outputs_at.size(),
                 " undefined): a checkpointed module must compute the same thing when it runs again");
     std::vector<at::Tensor> roots;
@@ -726,16 +731,13 @@ std::vector<at::Tensor> checkpointed_forward(torch::nn::Module& module, std::vec
   if (!input_grad && !param_grad) return run(inputs);
   auto recompute = c10::make_intrusive<Recompute>();
   recompute->random = random_states(inputs);
-  recompute->cpu = {compat::is_autocast_enabled(c10::kCPU), compat::get_autocast_dtype(c10::kCPU)};
-  recompute->cuda = {compat::is_autocast_enabled(c10::kCUDA), compat::get_autocast_dtype(c10::kCUDA)};
+  recompute->cpu = autocast_state(c10::kCPU);
+  recompute->cuda = autocast_state(c10::kCUDA);
   recompute->run = std::move(run);
   recompute->input_count = inputs.size();
+  recompute->inputs_at = defined_positions(inputs);
   std::vector<at::Tensor> defined;
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    if (!inputs[i].defined()) continue;
-    recompute->inputs_at.push_back(i);
-    defined.push_back(std::move(inputs[i]));
-  }
+  for (const size_t i : recompute->inputs_at) defined.push_back(std::move(inputs[i]));
   std::vector<at::Tensor> anchor;
   if (!input_grad) anchor.push_back(at::empty({0}).requires_grad_(true));
   const Recompute& shape = *recompute;

@@ -1002,7 +1002,7 @@ TEST(FullyShardedDataParallel, ActivationCheckpointingWithoutWrappedUnitsIsRefus
       [&](const Accelerator& acc, int) {
         EXPECT_THROWS_WITH((void)acc.prepare(make_tiny()),
                            "activation_checkpointing recomputes the forward of each unit that auto_wrap_policy "
-                           "wraps, and the policy wraps no submodule of this model");
+                           "wraps, and the policy wraps no submodule of this model (auto_wrap_policy NO_WRAP)");
       },
       options);
 }

@@ -943,8 +943,11 @@ FsdpEngine::FsdpEngine(std::shared_ptr<torch::nn::Module> module, const PartialS
   for (const auto& [name, m] : chosen) add_unit(name, m);
   TORCH_CHECK_VALUE(!e.settings.activation_checkpointing || e.units.size() > 1, "[", kApi,
                     "] activation_checkpointing recomputes the forward of each unit that auto_wrap_policy wraps, "
-                    "and the policy wraps no submodule of this model: choose TRANSFORMER_BASED_WRAP (with "
-                    "transformer_cls_names_to_wrap) or SIZE_BASED_WRAP units");
+                    "and the policy wraps no submodule of this model (",
+                    e.settings.auto_wrap_callable ? std::string("auto_wrap_callable")
+                                                  : "auto_wrap_policy " + to_string(e.settings.auto_wrap_policy),
+                    "): choose TRANSFORMER_BASED_WRAP (with transformer_cls_names_to_wrap) or SIZE_BASED_WRAP units "
+                    "that some submodules meet");
   // Units by module name, for assigning each parameter to its innermost unit.
   std::map<std::string, size_t> unit_of_module;
   for (size_t i = 1; i < e.units.size(); ++i) unit_of_module[e.units[i].name] = i;
