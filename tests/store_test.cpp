@@ -3,6 +3,7 @@
 // client usable, the secret, the address it listens on, and clients that misbehave.
 #include "detail/errors.h"
 #include "detail/network.h"
+#include "detail/process_group.h"
 #include "detail/store_client.h"
 #include "detail/store_protocol.h"
 #include "detail/store_server.h"
@@ -294,6 +295,54 @@ TEST(JobStore, NoServerWithinTheTimeoutIsNamed) {
     EXPECT_THAT(e.what_without_backtrace(),
                 HasSubstr("could not reach the rendezvous store at 127.0.0.1:" + std::to_string(port) + " within 0.3s"));
   }
+}
+
+TEST(Rendezvous, AStoreThatGoesAwayIsNamedAtOnceNotReportedAsATimeout) {
+  // Process 1 of 2 waits in the rendezvous for process 0, whose store then goes away (its process
+  // ended): the wait fails at once, and the rendezvous says what the store said, instead of a
+  // timeout it never reached, and without waiting for the store to come back.
+  auto server = std::make_unique<StoreServer>("127.0.0.1", 0, "k");
+  RendezvousConfig config;
+  config.topology.rank = 1;
+  config.topology.world_size = 2;
+  config.topology.local_world_size = 2;
+  config.topology.master_port = server->port();
+  config.backend = "gloo";
+  config.secret = "k";
+  config.store_hosted = true;
+  config.rdzv_timeout = 60s;
+  std::thread stopper([&] {
+    std::this_thread::sleep_for(300ms);
+    server.reset();
+  });
+  const auto start = std::chrono::steady_clock::now();
+  std::string error;
+  try {
+    (void)rendezvous(config);
+    ADD_FAILURE() << "the rendezvous succeeded without process 0";
+  } catch (const c10::Error& e) {
+    error = e.what_without_backtrace();
+  }
+  stopper.join();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 10s);
+  EXPECT_THAT(error, HasSubstr("rendezvous at 127.0.0.1:" + std::to_string(config.topology.master_port) +
+                               " failed while process 1 of 2 waited for the others"));
+  EXPECT_THAT(error, HasSubstr("lost the connection to the rendezvous store"));
+  EXPECT_THAT(error, ::testing::Not(HasSubstr("timed out")));
+}
+
+TEST(Rendezvous, APeerThatNeverComesIsStillReportedAsATimeoutWithTheCount) {
+  StoreServer server("127.0.0.1", 0, "k");
+  RendezvousConfig config;
+  config.topology.rank = 1;
+  config.topology.world_size = 3;
+  config.topology.local_world_size = 3;
+  config.topology.master_port = server.port();
+  config.backend = "gloo";
+  config.secret = "k";
+  config.store_hosted = true;
+  config.rdzv_timeout = 500ms;
+  EXPECT_THROWS_WITH((void)rendezvous(config), "rendezvous timed out after 0.5s: only 1 of 3 processes joined");
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 #include "detail/process_group.h"
 
 #include "build_config.h"
+#include "detail/check.h"
 #include "detail/errors.h"
 #include "detail/durations.h"
 #include "detail/network.h"
@@ -75,39 +76,59 @@ std::shared_ptr<::gloo::transport::Device> gloo_device(const Topology& topo) {
 #endif
 
 // Every rank adds itself to the counter `key`; the one that completes it releases the others.
-// Returns false when the release does not come within `timeout`, with the count seen then.
-bool store_barrier(const c10::intrusive_ptr<c10d::Store>& store, const std::string& key, int world_size,
-                   std::chrono::milliseconds timeout, int64_t& count) {
-  count = store->add(key, 1);
-  if (count >= world_size) {
+// A barrier that does not complete either timed out (`count` is then the count seen at the end,
+// -1 when even that could not be read) or failed: the store's error, e.g. a lost connection to a
+// store whose process has ended, which is reported as it is and at once. Only a timeout asks the
+// store for the count again, since asking a store that is gone would wait for it to come back.
+struct BarrierResult {
+  bool complete = false;
+  int64_t count = 0;
+  std::string failure;  // the store's error when it failed before the timeout
+};
+
+BarrierResult store_barrier(const c10::intrusive_ptr<c10d::Store>& store, const std::string& key, int world_size,
+                            std::chrono::milliseconds timeout) {
+  BarrierResult out;
+  out.count = store->add(key, 1);
+  if (out.count >= world_size) {
     store->set(key + "/complete", std::vector<uint8_t>{1});
-    return true;
+    out.complete = true;
+    return out;
   }
+  const auto start = std::chrono::steady_clock::now();
   try {
     store->wait({key + "/complete"}, timeout);
-    return true;
-  } catch (const std::exception&) {
-    try {
-      count = store->add(key, 0);
-    } catch (const std::exception&) {
-      count = -1;
+    out.complete = true;
+  } catch (const std::exception& e) {
+    if (std::chrono::steady_clock::now() - start < timeout) {
+      out.failure = error_text(e);
+      return out;
     }
-    return false;
+    try {
+      out.count = store->add(key, 0);
+    } catch (const std::exception&) {
+      out.count = -1;
+    }
   }
+  return out;
 }
 
 void wait_for_all(const c10::intrusive_ptr<c10d::Store>& store, const RendezvousConfig& config) {
   const Topology& topo = config.topology;
-  int64_t joined = 0;
-  const bool complete = store_barrier(store, "joined", topo.world_size, config.rdzv_timeout, joined);
-  TORCH_CHECK(joined <= topo.world_size, "[PartialState] rendezvous saw ", joined, " processes join a job of ",
-              topo.world_size, ": another job is using the same MASTER_ADDR:MASTER_PORT (", topo.master_addr, ":",
-              topo.master_port, ")");
-  if (complete) return;
+  const BarrierResult joined = store_barrier(store, "joined", topo.world_size, config.rdzv_timeout);
+  TORCH_CHECK(joined.count <= topo.world_size, "[PartialState] rendezvous saw ", joined.count,
+              " processes join a job of ", topo.world_size, ": another job is using the same MASTER_ADDR:MASTER_PORT (",
+              topo.master_addr, ":", topo.master_port, ")");
+  if (joined.complete) return;
+  if (!joined.failure.empty()) {
+    C10_THROW_ERROR(Error, c10::str("[PartialState] rendezvous at ", topo.master_addr, ":", topo.master_port,
+                                    " failed while process ", topo.rank, " of ", topo.world_size,
+                                    " waited for the others: ", joined.failure));
+  }
   C10_THROW_ERROR(
       Error, c10::str("[PartialState] rendezvous timed out after ", seconds_text(config.rdzv_timeout), ": only ",
-                      joined < 0 ? std::string("an unknown number") : std::to_string(joined), " of ", topo.world_size,
-                      " processes joined at ", topo.master_addr, ":", topo.master_port,
+                      joined.count < 0 ? std::string("an unknown number") : std::to_string(joined.count), " of ",
+                      topo.world_size, " processes joined at ", topo.master_addr, ":", topo.master_port,
                       " (the others never started, crashed, or point at another address)"));
 }
 
@@ -117,11 +138,18 @@ void wait_for_all(const c10::intrusive_ptr<c10d::Store>& store, const Rendezvous
 // handshake would fail with "Connection closed by peer". So no rank leaves the rendezvous until
 // every rank has built its group.
 void wait_until_every_group_is_built(const c10::intrusive_ptr<c10d::Store>& store, const RendezvousConfig& config) {
-  int64_t built = 0;
-  if (store_barrier(store, "pg_built", config.topology.world_size, config.rdzv_timeout, built)) return;
+  const BarrierResult built = store_barrier(store, "pg_built", config.topology.world_size, config.rdzv_timeout);
+  if (built.complete) return;
+  if (!built.failure.empty()) {
+    C10_THROW_ERROR(Error, c10::str("[PartialState] process ", config.topology.rank, " of ",
+                                    config.topology.world_size,
+                                    " built its process group, but the rendezvous store failed while it waited for the "
+                                    "others: ", built.failure));
+  }
   C10_THROW_ERROR(Error, c10::str("[PartialState] process ", config.topology.rank, " of ", config.topology.world_size,
-                                  " built its process group, but only ", built, " processes did within ",
-                                  seconds_text(config.rdzv_timeout)));
+                                  " built its process group, but only ",
+                                  built.count < 0 ? std::string("an unknown number of") : std::to_string(built.count),
+                                  " processes did within ", seconds_text(config.rdzv_timeout)));
 }
 
 }  // namespace
