@@ -592,6 +592,48 @@ TEST(FullyShardedMixedPrecision, AReduceDtypeOfFp16OverflowsWhereTheParametersOw
   }
 }
 
+// The sum of its weights times its input: the weights' gradient is the input.
+struct WeightedSumImpl : torch::nn::Module {
+  WeightedSumImpl() { w = register_parameter("w", torch::ones({2})); }
+  torch::Tensor forward(const torch::Tensor& x) { return (x * w).sum(); }
+  torch::Tensor w;
+};
+TORCH_MODULE(WeightedSum);
+
+TEST(FullyShardedMixedPrecision, InsideNoSyncGradientsAccumulateInTheReduceDtypeWhenItDiffersFromTheParamDtype) {
+  // Gradients of 256, then 1 four times: bf16 (8 significant bits) cannot hold 257, so summed in
+  // bf16 each 1 is rounded away. With reduce_dtype fp32 the passes accumulate in fp32 (260), as
+  // `fully_shard` does; with reduce_dtype bf16 they accumulate in bf16 as upstream's do (256).
+  for (const std::string reduce : {"fp32", "bf16"}) {
+    SCOPED_TRACE("reduce_dtype " + reduce);
+    std::vector<float> grads(2, -1);
+    AcceleratorOptions options;
+    options.fsdp_plugin = FullyShardedDataParallelPlugin{.mixed_precision_policy = {"bf16", reduce, ""}};
+    run_accelerators(
+        2,
+        [&](const Accelerator& acc, int rank) {
+          WeightedSum net;
+          auto [model, opt] = acc.prepare(net, std::make_shared<torch::optim::SGD>(net->parameters(), 0.1));
+          const auto pass = [&](float x) { acc.backward(model(torch::full({2}, x))); };
+          {
+            auto guard = acc.no_sync(model);
+            pass(256);
+            pass(1);
+            pass(1);
+            pass(1);
+            EXPECT_FALSE(net->w.grad().defined()) << "a pass inside no_sync reduced";
+          }
+          pass(1);
+          ASSERT_EQ(net->w.grad().numel(), 1);
+          EXPECT_EQ(net->w.grad().scalar_type(), c10::kFloat);
+          grads[rank] = net->w.grad().item<float>();
+        },
+        options);
+    const float want = reduce == "fp32" ? 260 : 256;
+    EXPECT_EQ(grads, std::vector<float>(2, want));
+  }
+}
+
 TEST(FullyShardedMixedPrecision, TheAcceleratorsMixedPrecisionFillsAnEmptyPolicyAndLeavesAGivenOne) {
   std::vector<FsdpMixedPrecisionPolicy> seen(2);
   for (bool given : {false, true}) {

@@ -674,13 +674,24 @@ void FsdpEngineImpl::end_of_backward() {
 void FsdpEngineImpl::reduce(Unit& unit) {
   torch::NoGradGuard no_grad;
   const bool sync = require_sync;
-  for (auto& p : unit.params) {
-    at::Tensor whole = p.param.grad();
-    p.param.mutable_grad() = at::Tensor();
-    if (whole.defined() && p.pending_grad.defined()) {
-      p.pending_grad.add_(whole);
-    } else if (whole.defined()) {
-      p.pending_grad = whole;
+  for (auto& group : unit.groups) {
+    // Note [Accumulating inside no_sync]
+    // Inside no_sync the whole gradients accumulate from pass to pass; when the policy reduces in
+    // another dtype than it computes in (param_dtype bf16, reduce_dtype fp32), they accumulate in
+    // the reduction's dtype, as `fully_shard` does, so that the sum of many passes is not rounded
+    // to the compute dtype at every pass. A single pass's gradient is cast when it is copied into
+    // the reduction's buffer. (FSDP1 accumulates in param_dtype; both versions here do this.)
+    const bool upcast = !sync && group.reduce != group.compute;
+    for (size_t i : group.params) {
+      auto& p = unit.params[i];
+      at::Tensor whole = p.param.grad();
+      p.param.mutable_grad() = at::Tensor();
+      if (!whole.defined()) continue;
+      if (p.pending_grad.defined()) {
+        p.pending_grad.add_(whole);
+      } else {
+        p.pending_grad = upcast ? whole.to(group.reduce) : whole;
+      }
     }
   }
   if (!sync) {

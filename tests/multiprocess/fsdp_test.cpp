@@ -19,6 +19,7 @@ struct Job {
   const char* name;
   std::vector<std::string> flags;
   std::string says = "fsdp: OK";  // what the main process prints
+  std::map<std::string, std::string> env = {};
 };
 
 void PrintTo(const Job& job, std::ostream* out) { *out << job.name; }
@@ -31,7 +32,7 @@ TEST_P(FsdpLaunch, EndsWhereOneProcessEndsOnTheWholeBatches) {
   argv.insert(argv.end(), GetParam().flags.begin(), GetParam().flags.end());
   argv.push_back(built("tests/mp_fsdp"));
   argv.push_back(dir.str());
-  auto r = run(argv, 240);
+  auto r = run(argv, 240, GetParam().env);
   ASSERT_EQ(r->exit_code(), 0) << r->out << r->err;
   EXPECT_THAT(r->out, HasSubstr("[rank0]: " + GetParam().says)) << r->out;
 }
@@ -52,6 +53,15 @@ INSTANTIATE_TEST_SUITE_P(
                                      "TRANSFORMER_BASED_WRAP", "--fsdp_transformer_layer_cls_to_wrap", "Block"}},
         Job{"Bf16Autocast", {"-n", "2", "--use_fsdp", "--mixed_precision", "bf16", "--fsdp_auto_wrap_policy",
                              "TRANSFORMER_BASED_WRAP", "--fsdp_transformer_layer_cls_to_wrap", "Block"}},
+        Job{"Bf16Accumulation", {"-n", "2", "--use_fsdp", "--mixed_precision", "bf16", "--gradient_accumulation_steps",
+                                 "2", "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP",
+                                 "--fsdp_transformer_layer_cls_to_wrap", "Block"}},
+        Job{"Bf16ReducedInFp32Accumulation",
+            {"-n", "2", "--use_fsdp", "--mixed_precision", "bf16", "--gradient_accumulation_steps", "2",
+             "--fsdp_activation_checkpointing", "true", "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP",
+             "--fsdp_transformer_layer_cls_to_wrap", "Block"},
+            "fsdp: OK",
+            {{"MP_FSDP_REDUCE_DTYPE", "fp32"}}},
         Job{"ActivationCheckpointingBf16",
             {"-n", "2", "--use_fsdp", "--fsdp_activation_checkpointing", "true", "--mixed_precision", "bf16",
              "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP", "--fsdp_transformer_layer_cls_to_wrap", "Block"}},

@@ -6,7 +6,9 @@
 // checks that the processes hold only shards (unless NO_SHARD) and that save_model writes the
 // whole model. With "save" it also saves the state halfway (OUTPUT_FOLDER/checkpoint) and goes
 // on; with "resume" it starts from that checkpoint instead — possibly with another number of
-// processes — and must end at the same place. On a GPU machine everything trains on the GPU. Prints "fsdp: OK" on the main process; anything else throws.
+// processes — and must end at the same place. On a GPU machine everything trains on the GPU.
+// MP_FSDP_REDUCE_DTYPE=fp32 gives the plugin the policy param_dtype bf16, reduce_dtype fp32.
+// Prints "fsdp: OK" on the main process; anything else throws.
 //
 //   mp_fsdp OUTPUT_FOLDER [save|resume]
 #include "accelerate/accelerate.h"
@@ -73,7 +75,11 @@ int main(int argc, char** argv) {
   TORCH_CHECK(argc == 2 || argc == 3, "usage: mp_fsdp OUTPUT_FOLDER [save|resume]");
   const std::string mode = argc == 3 ? argv[2] : "";
   const std::string checkpoint = std::string(argv[1]) + "/checkpoint";
-  acc::Accelerator accelerator;
+  acc::AcceleratorOptions options;
+  if (auto reduce = acc::get_env("MP_FSDP_REDUCE_DTYPE")) {
+    options.fsdp_plugin = acc::FullyShardedDataParallelPlugin{.mixed_precision_policy = {"bf16", *reduce, "bf16"}};
+  }
+  acc::Accelerator accelerator(options);
   TORCH_CHECK(accelerator.fsdp_plugin().has_value(), "the job was not launched with --use_fsdp");
   const int n = accelerator.num_processes();
   const int rank = accelerator.process_index();
@@ -131,15 +137,26 @@ int main(int argc, char** argv) {
 
   const auto got = named(accelerator.get_state_dict(model));
   const auto want = named(baseline->named_parameters());
-  // bf16 (or fp16) rounds the gradients; AdamW turns the rounding of tiny ones into steps of up to
-  // the learning rate (4 steps of 0.02 at most): this bound only rules out a different training.
-  // On a GPU, sharded products sum in another order than whole ones.
-  const double tolerance = low_precision ? 4e-2 : device.is_cuda() ? 1e-4 : 1e-5;
+  const auto initial = named(make_net()->named_parameters());
   for (const auto& [name, value] : want) {
     TORCH_CHECK(got.count(name), "the whole state dict has no ", name);
-    const double diff = (got.at(name) - value).abs().max().item<double>();
-    TORCH_CHECK(diff <= tolerance + 1e-5 * value.abs().max().item<double>(), name, " differs from one process's by ",
-                diff);
+    const auto diff = got.at(name) - value;
+    if (low_precision) {
+      // bf16 (or fp16) rounds the gradients, and AdamW turns the rounding of a tiny one into a
+      // whole step of the learning rate the other way: single elements may differ by a few steps.
+      // What must agree is where training took each tensor: the difference stays within 10% of
+      // the distance it moved (3% or less in these jobs; 40-70% when a pass's gradients are lost).
+      const double moved = (value - initial.at(name)).norm().item<double>();
+      const double off = diff.norm().item<double>();
+      TORCH_CHECK(off <= 0.1 * moved, name, " differs from one process's by ", off, " (norm), against ", moved,
+                  " that training moved it");
+    } else {
+      // On a GPU, sharded products sum in another order than whole ones.
+      const double tolerance = device.is_cuda() ? 1e-4 : 1e-5;
+      const double largest = diff.abs().max().item<double>();
+      TORCH_CHECK(largest <= tolerance + 1e-5 * value.abs().max().item<double>(), name,
+                  " differs from one process's by ", largest);
+    }
   }
   accelerator.save_model(model, std::string(argv[1]) + "/model");
   accelerator.wait_for_everyone();
