@@ -100,7 +100,9 @@ BarrierResult store_barrier(const c10::intrusive_ptr<c10d::Store>& store, const 
     store->wait({key + "/complete"}, timeout);
     out.complete = true;
   } catch (const std::exception& e) {
-    if (std::chrono::steady_clock::now() - start < timeout) {
+    // A store may give up a little before the whole timeout (its clock rounds): a failure in its
+    // last tenth counts as the timeout.
+    if (std::chrono::steady_clock::now() - start < timeout - timeout / 10) {
       out.failure = error_text(e);
       return out;
     }
