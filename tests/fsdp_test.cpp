@@ -708,8 +708,10 @@ TEST(FullyShardedDataParallel, UnsupportedOrContradictorySettingsAreRefusedByNam
   refuse({.auto_wrap_policy = FsdpAutoWrapPolicy::kNoWrap,
           .auto_wrap_callable = [](const std::string&, const torch::nn::Module&, int64_t) { return false; }},
          "give either auto_wrap_policy or auto_wrap_callable, not both");
-  EXPECT_THROWS_WITH(detail::resolve_fsdp_plugin({.cpu_offload = true}, c10::Device(c10::kCUDA, 0)),
-                     "cpu_offload on cuda:0 is not supported yet");
+  // cpu_offload applies on every device (Note [Offloading to the CPU]); on the CPU it moves nothing.
+  for (const auto& device : {c10::Device(c10::kCUDA, 0), c10::Device(c10::kCPU)}) {
+    EXPECT_TRUE(detail::resolve_fsdp_plugin({.cpu_offload = true}, device).cpu_offload) << device;
+  }
 }
 
 TEST(FullyShardedDataParallel, ParallelismConfigSizesAreCheckedAgainstTheProcesses) {

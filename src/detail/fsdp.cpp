@@ -50,6 +50,18 @@ namespace accelerate::detail {
 // backward pass. Inside `no_sync` the whole gradients accumulate and the reduction waits for the
 // synchronising pass. NO_SHARD keeps every parameter whole and averages gradients per unit.
 
+// Note [Offloading to the CPU]
+// cpu_offload (upstream's CPUOffload(offload_params=True)) keeps what the optimizer steps on the
+// CPU: the shards at rest (under NO_SHARD, the whole parameters), their gradients, and so the
+// optimizer's state and its step. Only units at work occupy the device: a gather copies this
+// process's rows from the CPU (page-locked memory on GPUs) into the device's flat buffer, and a
+// reduction's piece is copied back into the gradient on the CPU. The model arrives on the device
+// (prepare places it there, as for any strategy, which also lets sync_module_states broadcast on
+// it), and sharding moves the rows each process keeps to the CPU, freeing the device's copy.
+// Buffers, ignored modules and activations stay on the device. Collectives always run on the
+// device's tensors (NCCL takes no CPU tensors): state dicts gather there and come back to the CPU.
+// On the CPU itself there is nothing to move, and the setting changes nothing.
+
 namespace {
 
 // A dtype of the mixed-precision policy by upstream's names, or none for an empty one.
@@ -162,9 +174,7 @@ FsdpSettings resolve_fsdp_plugin(const FullyShardedDataParallelPlugin& plugin, c
   TORCH_CHECK_VALUE(s.min_num_params > 0, "[FullyShardedDataParallelPlugin] min_num_params must be positive, got ",
                     s.min_num_params);
 
-  s.cpu_offload = flag(plugin.cpu_offload, "FSDP_OFFLOAD_PARAMS", false);
-  TORCH_CHECK_VALUE(!s.cpu_offload || device.is_cpu(),
-                    "[FullyShardedDataParallelPlugin] cpu_offload on ", device.str(), " is not supported yet");
+  s.cpu_offload = flag(plugin.cpu_offload, "FSDP_OFFLOAD_PARAMS", false);  // Note [Offloading to the CPU]
   s.ignored_modules = plugin.ignored_modules;
   if (plugin.state_dict_type) {
     s.state_dict_type = *plugin.state_dict_type;
@@ -272,6 +282,7 @@ struct FsdpEngineImpl : std::enable_shared_from_this<FsdpEngineImpl> {
   std::shared_ptr<torch::nn::Module> module;
   std::vector<Unit> units;  // root first
   bool shard = true;        // false for NO_SHARD
+  bool offload = false;     // cpu_offload on another device than the CPU (Note [Offloading to the CPU])
   std::unordered_map<const void*, at::ScalarType> buffer_dtypes;  // buffers cast by buffer_dtype: their own dtype
   int world = 1;
   int rank = 0;
@@ -315,6 +326,14 @@ struct FsdpEngineImpl : std::enable_shared_from_this<FsdpEngineImpl> {
   at::Tensor buffer_as_saved(const at::Tensor& b) const {
     auto it = buffer_dtypes.find(b.unsafeGetTensorImpl());
     return it == buffer_dtypes.end() ? b.detach() : b.detach().to(it->second);
+  }
+  // What a parameter holds at rest, from `t` (on the device): a copy of its own, on the CPU when
+  // offloaded (in page-locked memory when the device is a GPU, so that copies to it run at full speed).
+  at::Tensor at_rest(const at::Tensor& t) const {
+    if (!offload) return t.clone();
+    auto out = at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(state.device().is_cuda()));
+    out.copy_(t);
+    return out;
   }
   // A floating input of a unit (or of the root) in the dtype the unit computes in.
   at::Tensor cast_input(const at::Tensor& t) const {
@@ -608,9 +627,10 @@ void FsdpEngineImpl::gather(Unit& unit) {
   }
   unit.gathered = true;
   torch::NoGradGuard no_grad;
-  // NO_SHARD with a param_dtype: the whole parameters in that dtype, cast from the whole shards.
+  // NO_SHARD with a param_dtype or offloaded: the whole parameters in that dtype on the device,
+  // copied from the whole ones at rest.
   for (auto& p : unit.params) {
-    if (p.full.scalar_type() == p.shard.scalar_type()) continue;
+    if (p.full.is_same(p.shard)) continue;
     pool.allocate_storage(p.full);
     p.full.copy_(p.shard);
     p.param.set_data(p.full);
@@ -622,7 +642,7 @@ void FsdpEngineImpl::reshard(Unit& unit) {
   if (!unit.gathered) return;
   unit.gathered = false;
   for (auto& p : unit.params) {
-    if (!shard && p.full.scalar_type() == p.shard.scalar_type()) continue;  // NO_SHARD: nothing to free
+    if (p.full.is_same(p.shard)) continue;  // NO_SHARD in the parameters' own dtype: nothing to free
     p.param.set_data(p.shard);
     pool.free_storage(p.full);
   }
@@ -765,11 +785,13 @@ void FsdpEngineImpl::finish_reductions() {
       const int64_t n = shard ? rows_of(p, rank) : p.rows;
       auto reduced = r.mine.narrow(0, p.offset, n * p.row_numel).view(p.shard.sizes());
       if (p.grad_at_rest.defined()) {
-        p.grad_at_rest.add_(reduced);
+        p.grad_at_rest.add_(reduced.to(p.grad_at_rest.device()));
         p.param.mutable_grad() = p.grad_at_rest;
       } else {
-        // In the shards' dtype, which the optimizer steps (a copy either way: `mine` goes back to the pool).
-        p.param.mutable_grad() = reduced.to(p.shard.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
+        // In the shards' dtype and on their device (the CPU when offloaded), where the optimizer
+        // steps them (a copy either way: `mine` goes back to the pool).
+        p.param.mutable_grad() =
+            reduced.to(p.shard.device(), p.shard.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
       }
       p.grad_at_rest = at::Tensor();
     }
@@ -781,13 +803,17 @@ void FsdpEngineImpl::finish_reductions() {
 at::Tensor FsdpEngineImpl::whole_value(const ShardedParam& p) {
   torch::NoGradGuard no_grad;
   if (!shard) return p.shard.clone();
-  auto options = p.shard.options();
+  // Gathered on the job's device (NCCL takes no CPU tensors), given back where the shard lives.
+  auto options = p.shard.options().device(state.device());
   auto piece = at::zeros({p.shard_rows * p.row_numel}, options);
   const int64_t n = rows_of(p, rank);
   if (n > 0) piece.narrow(0, 0, n * p.row_numel).copy_(p.shard.reshape({-1}));
   auto all = at::empty({piece.numel() * world}, options);
   all_gather_into(state, all, piece, kApi);
-  return all.view({world * p.shard_rows, p.row_numel}).narrow(0, 0, p.rows).reshape(p.shape).clone();
+  return all.view({world * p.shard_rows, p.row_numel})
+      .narrow(0, 0, p.rows)
+      .reshape(p.shape)
+      .to(p.shard.device(), p.shard.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
 }
 
 namespace {
@@ -864,6 +890,7 @@ FsdpEngine::FsdpEngine(std::shared_ptr<torch::nn::Module> module, const PartialS
   e.world = e.state.num_processes();
   e.rank = e.state.process_index();
   e.shard = e.settings.sharding_strategy != FsdpShardingStrategy::kNoShard;
+  e.offload = e.settings.cpu_offload && !state.device().is_cpu();
   auto& root = *e.module;
 
   // Materialise meta-device tensors (cpu_ram_efficient_loading, or a model built on meta). A
@@ -1048,20 +1075,23 @@ FsdpEngine::FsdpEngine(std::shared_ptr<torch::nn::Module> module, const PartialS
         auto rows = whole.reshape({p.rows, p.row_numel}).narrow(0, first, n);
         std::vector<int64_t> shard_shape = p.shape.empty() ? std::vector<int64_t>{1} : p.shape;
         shard_shape[0] = n;
-        p.shard = rows.reshape(shard_shape).clone();
+        p.shard = e.at_rest(rows.reshape(shard_shape));
         p.full = at::empty(p.shape, p.param.options().dtype(compute).requires_grad(false));
         e.pool.free_storage(p.full);
         p.param.set_data(p.shard);
-      } else if (compute != p.param.scalar_type()) {
-        p.shard = whole;  // the whole parameter, kept in its dtype; `full` is its cast while gathered
+      } else if (compute != p.param.scalar_type() || e.offload) {
+        // The whole parameter, kept in its dtype (on the CPU when offloaded); `full` is its copy in
+        // the compute dtype on the device while gathered.
+        p.shard = e.offload ? e.at_rest(whole) : whole;
         p.full = at::empty(p.shape, p.param.options().dtype(compute).requires_grad(false));
         e.pool.free_storage(p.full);
+        if (e.offload) p.param.set_data(p.shard);
       } else {
         p.shard = whole;
         p.full = whole;
       }
     }
-    unit.gathered = !e.shard && !cast;
+    unit.gathered = !e.shard && !cast && !e.offload;
   }
   // buffer_dtype: floating buffers live in it from now on (upstream's buffers are cast once too),
   // outside ignored modules; state dicts give them back in their own dtype.
@@ -1200,7 +1230,7 @@ void FsdpEngine::load_full_state_dict(const std::vector<std::pair<std::string, a
     auto& unit = e.units[it->second.first];
     auto& p = unit.params[it->second.second];
     p.shard.copy_(local_rows(target, value));  // what the parameter holds at rest (all of it under NO_SHARD)
-    if (unit.gathered && (e.shard || p.full.scalar_type() != p.shard.scalar_type())) p.full.copy_(value);
+    if (unit.gathered && !p.full.is_same(p.shard)) p.full.copy_(value);
   }
 }
 

@@ -1,10 +1,11 @@
 // Fully sharded data parallelism on CUDA tensors, in real processes started by `accelerate
 // launch` (tests/multiprocess/programs/fsdp.cpp): two processes shard the model on the GPU and
-// end where one process ends on the whole batches, in fp32 and with bf16 autocast, and a sharded
-// checkpoint of GPU shards resumes. With one GPU both processes share it over Gloo (NCCL refuses
-// two ranks on one device); with two or more each has its own, over NCCL. Ranks as threads cannot
-// do this on one GPU: autograd runs every CUDA backward of a process on one thread per device, so
-// the second rank's backward waits behind the first's gather.
+// end where one process ends on the whole batches, in fp32 and with bf16 autocast; with
+// cpu_offload the shards, their gradients and AdamW's state stay on the CPU; sharded checkpoints
+// of GPU (and offloaded) shards resume. With one GPU both processes share it over Gloo (NCCL
+// refuses two ranks on one device); with two or more each has its own, over NCCL. Ranks as threads
+// cannot do this on one GPU: autograd runs every CUDA backward of a process on one thread per
+// device, so the second rank's backward waits behind the first's gather.
 #include "support/gpu.h"
 #include "support/process.h"
 #include "support/test_support.h"
@@ -46,6 +47,33 @@ TEST(CudaFsdp, Fp16LossScalingOfGpuShardsEndsWhereOneProcessEnds) {
   auto r = launch_fsdp(dir, {"--mixed_precision", "fp16"});
   ASSERT_EQ(r->exit_code(), 0) << r->out << r->err;
   EXPECT_THAT(r->out, HasSubstr("[rank0]: fsdp: OK (FULL_SHARD, 2 processes")) << r->out;
+}
+
+TEST(CudaFsdp, CpuOffloadKeepsShardsGradientsAndAdamWStateOnTheCpuAndEndsWhereOneProcessEnds) {
+  SKIP_WITHOUT_GPUS(1);
+  // The program checks where the shards, their gradients and AdamW's state are (the CPU) after
+  // training on the GPU; FULL_SHARD with bf16, and NO_SHARD with accumulation.
+  const std::vector<std::vector<std::string>> settings = {
+      {"--fsdp_offload_params", "true", "--mixed_precision", "bf16"},
+      {"--fsdp_offload_params", "true", "--fsdp_sharding_strategy", "NO_SHARD", "--gradient_accumulation_steps", "2"}};
+  for (const auto& flags : settings) {
+    TempDir dir;
+    auto r = launch_fsdp(dir, flags);
+    ASSERT_EQ(r->exit_code(), 0) << flags[3] << "\n" << r->out << r->err;
+    EXPECT_THAT(r->out, HasSubstr("[rank0]: fsdp: OK (")) << r->out;
+  }
+}
+
+TEST(CudaFsdp, ACpuOffloadedShardedCheckpointResumes) {
+  SKIP_WITHOUT_GPUS(1);
+  TempDir dir;
+  const std::vector<std::string> sharded = {"--fsdp_state_dict_type", "SHARDED_STATE_DICT", "--fsdp_offload_params",
+                                            "true"};
+  auto saved = launch_fsdp(dir, sharded, "save");
+  ASSERT_EQ(saved->exit_code(), 0) << saved->out << saved->err;
+  auto resumed = launch_fsdp(dir, sharded, "resume");
+  ASSERT_EQ(resumed->exit_code(), 0) << resumed->out << resumed->err;
+  EXPECT_THAT(resumed->out, HasSubstr("[rank0]: fsdp: OK")) << resumed->out;
 }
 
 TEST(CudaFsdp, AShardedCheckpointOfGpuShardsResumes) {

@@ -135,6 +135,25 @@ int main(int argc, char** argv) {
     optimizer.zero_grad();
   }
 
+  if (acc::get_env("FSDP_OFFLOAD_PARAMS").value_or("false") == "true") {
+    // cpu_offload: the shards, their gradients and AdamW's state live on the CPU between steps,
+    // whatever device computes.
+    auto last = model(torch::zeros({2, 7}).to(device)).sum();
+    accelerator.backward(last);
+    for (const auto& item : net->named_parameters()) {
+      TORCH_CHECK(item.value().is_cpu(), "cpu_offload: ", item.key(), " is on ", item.value().device());
+      TORCH_CHECK(item.value().grad().is_cpu(), "cpu_offload: the gradient of ", item.key(), " is on ",
+                  item.value().grad().device());
+    }
+    TORCH_CHECK(adamw->state().size() == net->parameters().size(), "AdamW holds state for ", adamw->state().size(),
+                " of ", net->parameters().size(), " parameters");
+    for (const auto& entry : adamw->state()) {
+      const auto& moments = static_cast<const torch::optim::AdamWParamState&>(*entry.second);
+      TORCH_CHECK(moments.exp_avg().is_cpu() && moments.exp_avg_sq().is_cpu(), "cpu_offload: AdamW's state is on ",
+                  moments.exp_avg().device());
+    }
+    optimizer.zero_grad();
+  }
   const auto got = named(accelerator.get_state_dict(model));
   const auto want = named(baseline->named_parameters());
   const auto initial = named(make_net()->named_parameters());
