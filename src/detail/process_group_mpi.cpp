@@ -810,7 +810,11 @@ class ProcessGroupMPI final : public compat::BackendBase {
     }, [s, reduce_op, size] {
       finish_average(s->buffer, reduce_op, size);
       s->write_back();
-    }, false, {in, s->buffer});
+    }, false, {in, s->buffer}, [in, s, datatype, op, name](MPI_Comm comm) {
+      check_mpi(MPI_Reduce_scatter_block(in.data_ptr(), s->buffer.data_ptr(), count_of(s->buffer.numel(), name),
+                                         datatype, op, comm),
+                name, "MPI_Reduce_scatter_block");
+    }, in.nbytes());
   }
 
   // Element counts per peer for input and output; both flattened.

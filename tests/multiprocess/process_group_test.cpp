@@ -47,7 +47,8 @@ TEST_P(MpiCollectives, EveryCollectiveGivesTheExpectedValues) {
   for (int rank = 0; rank < n; ++rank) {
     const std::string p = "[rank" + std::to_string(rank) + "]: ";
     EXPECT_THAT(r->out, HasSubstr(p + "backend " + (n > 1 ? "mpi" : "none") + " processes " + std::to_string(n)));
-    for (const char* name : {"allreduce sum BFloat16", "allreduce large", "broadcast large", "allgather large", "allreduce product", "allreduce avg", "allreduce non-contiguous",
+    for (const char* name : {"allreduce sum BFloat16", "allreduce large", "broadcast large", "allgather large", "reduce_scatter large",
+                             "allreduce product", "allreduce avg", "allreduce non-contiguous",
                              "allreduce_coalesced", "broadcast Long", "reduce", "allgather", "gather", "scatter",
                              "reduce_scatter", "alltoall uneven", "alltoall of tensor lists", "allreduce future",
                              "barrier", "operations gather", "gather_object", "trigger", "wait_for_everyone"}) {

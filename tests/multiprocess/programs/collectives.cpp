@@ -243,6 +243,11 @@ void run_all(const accelerate::PartialState& state) {
     bool ok = true;
     for (int r = 0; r < n; ++r) ok = ok && same(flat.narrow(0, r * big, big), at::full({big}, static_cast<float>(r)));
     check(ok, "allgather large");
+    // Rank r gets the sum of every rank's r-th piece: sum over q of (q + 1) * (r + 1).
+    auto pieces = at::full({n * big}, static_cast<float>(rank + 1)) * (at::arange(n * big) / big + 1).floor();
+    auto mine = at::zeros({big});
+    accelerate::detail::compat::reduce_scatter_single(*pg, mine, pieces)->wait();
+    check(same(mine, at::full({big}, (n * (n + 1) / 2.0f) * (rank + 1))), "reduce_scatter large", str(mine));
   }
   // The future a Reducer chains on carries the result.
   {
