@@ -600,15 +600,21 @@ struct WeightedSumImpl : torch::nn::Module {
 };
 TORCH_MODULE(WeightedSum);
 
-TEST(FullyShardedMixedPrecision, InsideNoSyncGradientsAccumulateInTheReduceDtypeWhenItDiffersFromTheParamDtype) {
+TEST(FullyShardedMixedPrecision, InsideNoSyncGradientsAccumulateInTheReduceDtypeWhenItIsWiderThanTheParamDtype) {
   // Gradients of 256, then 1 four times: bf16 (8 significant bits) cannot hold 257, so summed in
-  // bf16 each 1 is rounded away. With reduce_dtype fp32 the passes accumulate in fp32 (260), as
-  // `fully_shard` does; with reduce_dtype bf16 they accumulate in bf16 as upstream's do (256).
-  for (const std::string reduce : {"fp32", "bf16"}) {
-    SCOPED_TRACE("reduce_dtype " + reduce);
+  // bf16 each 1 is rounded away (256), while fp32 sums them (260, which bf16 holds).
+  // - param_dtype bf16, reduce_dtype fp32: the passes accumulate in fp32, as `fully_shard` does;
+  // - param_dtype bf16, reduce_dtype bf16: in bf16, as upstream's FSDP1 and FSDP2 do;
+  // - fp32 parameters reduced in bf16: in fp32, the sum is only cast for the reduction.
+  struct Case {
+    std::string param, reduce;
+    float want;
+  };
+  for (const auto& c : {Case{"bf16", "fp32", 260}, Case{"bf16", "bf16", 256}, Case{"", "bf16", 260}}) {
+    SCOPED_TRACE("param_dtype '" + c.param + "', reduce_dtype " + c.reduce);
     std::vector<float> grads(2, -1);
     AcceleratorOptions options;
-    options.fsdp_plugin = FullyShardedDataParallelPlugin{.mixed_precision_policy = {"bf16", reduce, ""}};
+    options.fsdp_plugin = FullyShardedDataParallelPlugin{.mixed_precision_policy = {c.param, c.reduce, ""}};
     run_accelerators(
         2,
         [&](const Accelerator& acc, int rank) {
@@ -629,8 +635,7 @@ TEST(FullyShardedMixedPrecision, InsideNoSyncGradientsAccumulateInTheReduceDtype
           grads[rank] = net->w.grad().item<float>();
         },
         options);
-    const float want = reduce == "fp32" ? 260 : 256;
-    EXPECT_EQ(grads, std::vector<float>(2, want));
+    EXPECT_EQ(grads, std::vector<float>(2, c.want));
   }
 }
 

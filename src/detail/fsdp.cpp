@@ -697,11 +697,13 @@ void FsdpEngineImpl::reduce(Unit& unit) {
   for (auto& group : unit.groups) {
     // Note [Accumulating inside no_sync]
     // Inside no_sync the whole gradients accumulate from pass to pass; when the policy reduces in
-    // another dtype than it computes in (param_dtype bf16, reduce_dtype fp32), they accumulate in
+    // a wider dtype than it computes in (param_dtype bf16, reduce_dtype fp32), they accumulate in
     // the reduction's dtype, as `fully_shard` does, so that the sum of many passes is not rounded
     // to the compute dtype at every pass. A single pass's gradient is cast when it is copied into
-    // the reduction's buffer. (FSDP1 accumulates in param_dtype; both versions here do this.)
-    const bool upcast = !sync && group.reduce != group.compute;
+    // the reduction's buffer. (FSDP1 accumulates in param_dtype; both versions here widen. A
+    // narrower reduce_dtype, which `fully_shard` would also accumulate in, is not used for the
+    // sum: it would only lose precision, or overflow in fp16.)
+    const bool upcast = !sync && c10::elementSize(group.reduce) > c10::elementSize(group.compute);
     for (size_t i : group.params) {
       auto& p = unit.params[i];
       at::Tensor whole = p.param.grad();
@@ -1076,14 +1078,14 @@ FsdpEngine::FsdpEngine(std::shared_ptr<torch::nn::Module> module, const PartialS
         std::vector<int64_t> shard_shape = p.shape.empty() ? std::vector<int64_t>{1} : p.shape;
         shard_shape[0] = n;
         p.shard = e.at_rest(rows.reshape(shard_shape));
-        p.full = at::empty(p.shape, p.param.options().dtype(compute).requires_grad(false));
+        p.full = at::empty(p.shape, p.param.options().device(e.state.device()).dtype(compute).requires_grad(false));
         e.pool.free_storage(p.full);
         p.param.set_data(p.shard);
       } else if (compute != p.param.scalar_type() || e.offload) {
         // The whole parameter, kept in its dtype (on the CPU when offloaded); `full` is its copy in
         // the compute dtype on the device while gathered.
         p.shard = e.offload ? e.at_rest(whole) : whole;
-        p.full = at::empty(p.shape, p.param.options().dtype(compute).requires_grad(false));
+        p.full = at::empty(p.shape, p.param.options().device(e.state.device()).dtype(compute).requires_grad(false));
         e.pool.free_storage(p.full);
         if (e.offload) p.param.set_data(p.shard);
       } else {
@@ -1304,12 +1306,14 @@ double FsdpEngine::total_grad_norm(const std::vector<at::Tensor>& params, double
     const auto& g = p.grad();
     if (!g.defined() || g.numel() == 0) continue;
     auto share = inf ? g.abs().max() : g.norm(norm_type).pow(norm_type);
-    (is_sharded(p) ? sharded : local).push_back(share.to(at::kDouble).reshape({1}));
+    // On the job's device: offloaded gradients are on the CPU, those of other parameters may not be.
+    (is_sharded(p) ? sharded : local)
+        .push_back(share.to(impl_->state.device(), at::kDouble).reshape({1}));
   }
   const auto combine = [&](const std::vector<at::Tensor>& shares) {
     if (shares.empty()) return at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(impl_->state.device()));
     auto all = at::cat(shares);
-    return (inf ? all.max() : all.sum()).reshape({1}).to(impl_->state.device());
+    return (inf ? all.max() : all.sum()).reshape({1});
   };
   const double over_processes =
       all_reduce(impl_->state, combine(sharded), inf ? Reduction::kMax : Reduction::kSum, kApi).item<double>();
