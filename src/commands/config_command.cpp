@@ -144,7 +144,7 @@ class Prompter {
   QuestionnaireOptions options_;
 };
 
-// The fully sharded questions (upstream's, less the settings accelerate-cpp does not support yet),
+// The fully sharded questions (upstream's, less the settings accelerate-cpp does not support),
 // answered into `fsdp`, the config file's `fsdp_config` section, and for version 2 the
 // `parallelism` section.
 void ask_fsdp(Prompter& ask, std::map<std::string, std::string>& fsdp, std::map<std::string, std::string>& parallelism) {
@@ -164,6 +164,11 @@ void ask_fsdp(Prompter& ask, std::map<std::string, std::string>& fsdp, std::map<
         true);
     fsdp["fsdp_reshard_after_forward"] = reshard ? "true" : "false";
   }
+  fsdp["fsdp_offload_params"] =
+      ask.yes_no("Do you want to offload parameters and gradients to CPU (the optimizer steps there too)? [yes/NO]: ",
+                 false)
+          ? "true"
+          : "false";
   static const std::array<const char*, 3> policies = {"TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"};
   const int policy = ask.choose("What should be your auto wrap policy?",
                                 {{"TRANSFORMER_BASED_WRAP"}, {"SIZE_BASED_WRAP"}, {"NO_WRAP"}});
@@ -221,8 +226,7 @@ void ask_fsdp(Prompter& ask, std::map<std::string, std::string>& fsdp, std::map<
     if (shard > 0) parallelism["parallelism_config_dp_shard_size"] = std::to_string(shard);
     ask.say("Not asked: tensor and context parallelism sizes, not supported yet by accelerate-cpp.");
   }
-  ask.say(
-      "Not asked: CPU offload and use_orig_params=false are not supported yet by accelerate-cpp.");
+  ask.say("Not asked: use_orig_params=false, not supported by accelerate-cpp.");
 }
 
 }  // namespace

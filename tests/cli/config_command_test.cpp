@@ -157,12 +157,12 @@ use_cpu: false
 
 TEST(ConfigQuestionnaire, FullyShardedAnswersWriteAnFsdpConfigThatLoadsBack) {
   TempDir dir;
-  // multi-CPU, defaults, FSDP: version 1, SHARD_GRAD_OP, transformer-based units of Block,
+  // multi-CPU, defaults, FSDP: version 1, SHARD_GRAD_OP, CPU offload, transformer-based units of Block,
   // BACKWARD_POST, sharded state dicts, forward prefetch, no efficient loading, synchronised states
   // (default), activation checkpointing; 4 processes, bf16.
   const std::string path = (dir.path() / "fsdp.yaml").string();
   const CommandOutcome outcome = run_config(
-      {"--config_file", path}, "1\n\n\nyes\n1\nSHARD_GRAD_OP\n0\nBlock\nBACKWARD_POST\n2\nyes\n\n\nyes\n4\nbf16\n");
+      {"--config_file", path}, "1\n\n\nyes\n1\nSHARD_GRAD_OP\nyes\n0\nBlock\nBACKWARD_POST\n2\nyes\n\n\nyes\n4\nbf16\n");
   ASSERT_EQ(outcome.code, 0) << outcome.err;
   EXPECT_THAT(read_file(path), HasSubstr("distributed_type: FSDP\n"));
   const ClusterConfig loaded = load_config_from_file(path);
@@ -174,6 +174,7 @@ TEST(ConfigQuestionnaire, FullyShardedAnswersWriteAnFsdpConfigThatLoadsBack) {
                                     {"fsdp_backward_prefetch", "BACKWARD_POST"},
                                     {"fsdp_cpu_ram_efficient_loading", "false"},
                                     {"fsdp_forward_prefetch", "true"},
+                                    {"fsdp_offload_params", "true"},
                                     {"fsdp_sharding_strategy", "SHARD_GRAD_OP"},
                                     {"fsdp_state_dict_type", "SHARDED_STATE_DICT"},
                                     {"fsdp_sync_module_states", "true"},
@@ -182,11 +183,12 @@ TEST(ConfigQuestionnaire, FullyShardedAnswersWriteAnFsdpConfigThatLoadsBack) {
 
   // Version 2 (the default): reshard_after_forward instead of a strategy; size-based units;
   // efficient loading implies synchronised states without asking; an empty class list is refused.
-  std::istringstream in("1\n\n\nyes\n\nno\nSIZE_BASED_WRAP\n5000\n\nyes\n\n\n2\nno\n");
+  std::istringstream in("1\n\n\nyes\n\nno\n\nSIZE_BASED_WRAP\n5000\n\nyes\n\n\n2\nno\n");
   std::ostringstream out;
   const ClusterConfig second = get_user_input(in, out);
   EXPECT_EQ(second.fsdp_config.at("fsdp_version"), "2");
   EXPECT_EQ(second.fsdp_config.at("fsdp_reshard_after_forward"), "false");
+  EXPECT_EQ(second.fsdp_config.at("fsdp_offload_params"), "false");
   EXPECT_EQ(second.fsdp_config.count("fsdp_sharding_strategy"), 0u);
   EXPECT_EQ(second.fsdp_config.at("fsdp_min_num_params"), "5000");
   EXPECT_EQ(second.fsdp_config.at("fsdp_state_dict_type"), "FULL_STATE_DICT");
@@ -196,7 +198,7 @@ TEST(ConfigQuestionnaire, FullyShardedAnswersWriteAnFsdpConfigThatLoadsBack) {
   EXPECT_EQ(second.num_processes, 2);
   EXPECT_TRUE(second.parallelism_config.empty());
 
-  std::istringstream empty_classes("1\n\n\nyes\n\n\n0\n\nBlock\n\n\n\n\n\n2\nno\n");
+  std::istringstream empty_classes("1\n\n\nyes\n\n\n\n0\n\nBlock\n\n\n\n\n\n2\nno\n");
   std::ostringstream asked_again;
   EXPECT_EQ(get_user_input(empty_classes, asked_again).fsdp_config.at("fsdp_transformer_layer_cls_to_wrap"), "Block");
   EXPECT_THAT(asked_again.str(), HasSubstr("An answer is required."));
@@ -205,7 +207,7 @@ TEST(ConfigQuestionnaire, FullyShardedAnswersWriteAnFsdpConfigThatLoadsBack) {
 TEST(ConfigQuestionnaire, HybridShardingAnswersWriteTheStrategyOrTheParallelismConfig) {
   // Version 1 with HYBRID_SHARD; version 2 with a parallelism config of 2 replicas (shard size left
   // to the number of processes).
-  std::istringstream v1("1\n\n\nyes\n1\nHYBRID_SHARD\nNO_WRAP\n\n\n\n\n\n4\nno\n");
+  std::istringstream v1("1\n\n\nyes\n1\nHYBRID_SHARD\n\nNO_WRAP\n\n\n\n\n\n4\nno\n");
   std::ostringstream out1;
   const ClusterConfig first = get_user_input(v1, out1);
   EXPECT_EQ(first.fsdp_config.at("fsdp_sharding_strategy"), "HYBRID_SHARD");
@@ -219,7 +221,7 @@ TEST(ConfigQuestionnaire, HybridShardingAnswersWriteTheStrategyOrTheParallelismC
   TempDir dir;
   const std::string path = (dir.path() / "hybrid.yaml").string();
   const CommandOutcome outcome =
-      run_config({"--config_file", path}, "1\n\n\nyes\n\n\nNO_WRAP\n\n\n\nyes\n2\n\n4\nno\n");
+      run_config({"--config_file", path}, "1\n\n\nyes\n\n\n\nNO_WRAP\n\n\n\nyes\n2\n\n4\nno\n");
   ASSERT_EQ(outcome.code, 0) << outcome.err;
   const ClusterConfig loaded = load_config_from_file(path);
   EXPECT_EQ(loaded.parallelism_config,
