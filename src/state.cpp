@@ -3,6 +3,7 @@
 
 #include "accelerate/utils/environment.h"
 #include "detail/blas.h"
+#include "detail/collectives.h"
 #include "detail/errors.h"
 #include "detail/process_group.h"
 #include "detail/process_group_mpi.h"
@@ -287,7 +288,7 @@ bool PartialState::check_trigger() const {
   bool any = mine;
   if (use_distributed()) {
     auto pg = detail::process_group(*this, "check_trigger");
-    std::vector<at::Tensor> flag{at::full({1}, mine ? 1 : 0, at::kInt)};
+    std::vector<at::Tensor> flag{detail::on_collective_device(*this, at::full({1}, mine ? 1 : 0, at::kInt))};
     pg->allreduce(flag)->wait(impl_->timeout);
     any = flag[0].item<int>() > 0;
   }

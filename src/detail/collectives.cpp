@@ -67,22 +67,23 @@ std::vector<std::vector<char>> raw_all_gather_bytes(const PartialState& state, c
   auto pg = process_group(state, api);
   const int n = state.num_processes();
   // First the lengths, then payloads padded to the longest one.
-  std::vector<at::Tensor> mine{at::tensor({static_cast<int64_t>(bytes.size())}, at::kLong)};
+  std::vector<at::Tensor> mine{on_collective_device(state, at::tensor({static_cast<int64_t>(bytes.size())}, at::kLong))};
   std::vector<std::vector<at::Tensor>> lengths(1);
-  for (int i = 0; i < n; ++i) lengths[0].push_back(at::empty({1}, at::kLong));
+  for (int i = 0; i < n; ++i) lengths[0].push_back(at::empty_like(mine[0]));
   wait(state, pg->allgather(lengths, mine), api);
   int64_t longest = 0;
   for (auto& l : lengths[0]) longest = std::max(longest, l.item<int64_t>());
   auto payload = at::zeros({std::max<int64_t>(longest, 1)}, at::kByte);
   if (!bytes.empty()) std::memcpy(payload.data_ptr(), bytes.data(), bytes.size());
-  std::vector<at::Tensor> send{payload};
+  std::vector<at::Tensor> send{on_collective_device(state, payload)};
   std::vector<std::vector<at::Tensor>> recv(1);
-  for (int i = 0; i < n; ++i) recv[0].push_back(at::empty_like(payload));
+  for (int i = 0; i < n; ++i) recv[0].push_back(at::empty_like(send[0]));
   wait(state, pg->allgather(recv, send), api);
   std::vector<std::vector<char>> out(n);
   for (int i = 0; i < n; ++i) {
     const auto len = static_cast<size_t>(lengths[0][i].item<int64_t>());
-    const char* data = static_cast<const char*>(recv[0][i].data_ptr());
+    const auto received = recv[0][i].cpu();
+    const char* data = static_cast<const char*>(received.data_ptr());
     out[i].assign(data, data + len);
   }
   return out;
@@ -127,19 +128,23 @@ void verify_collective(const PartialState& state, const char* api, const at::Ten
                    "call the same operation with the same dtype, device and shape");
 }
 
+at::Tensor on_collective_device(const PartialState& state, const at::Tensor& t) {
+  if (!t.is_cpu() || state.device().is_cpu() || !state.use_distributed()) return t;
+  if (process_group(state, "collectives")->getBackendName() != "nccl") return t;
+  return t.to(state.device());
+}
+
 std::vector<at::Tensor> all_gather(const PartialState& state, const at::Tensor& tensor, const char* api) {
   if (!state.use_distributed()) return {tensor};
   verify_collective(state, api, tensor, ShapeCheck::kExact);
   auto pg = process_group(state, api);
   const bool cast = needs_float_path(tensor);
-  at::Tensor send = (cast ? tensor.to(at::kFloat) : tensor).contiguous();
+  at::Tensor send = on_collective_device(state, (cast ? tensor.to(at::kFloat) : tensor).contiguous());
   std::vector<at::Tensor> inputs{send};
   std::vector<std::vector<at::Tensor>> outputs(1);
   for (int i = 0; i < state.num_processes(); ++i) outputs[0].push_back(at::empty_like(send));
   wait(state, pg->allgather(outputs, inputs), api);
-  if (cast) {
-    for (auto& t : outputs[0]) t = t.to(tensor.scalar_type());
-  }
+  for (auto& t : outputs[0]) t = t.to(tensor.device(), tensor.scalar_type());
   return outputs[0];
 }
 
@@ -150,11 +155,11 @@ at::Tensor broadcast(const PartialState& state, const at::Tensor& tensor, int fr
   verify_collective(state, api, tensor, ShapeCheck::kExact);
   auto pg = process_group(state, api);
   const bool cast = needs_float_path(tensor);
-  std::vector<at::Tensor> buf{(cast ? tensor.to(at::kFloat) : tensor).contiguous().clone()};
+  std::vector<at::Tensor> buf{on_collective_device(state, (cast ? tensor.to(at::kFloat) : tensor).contiguous().clone())};
   c10d::BroadcastOptions opts;
   opts.rootRank = from_process;
   wait(state, pg->broadcast(buf, opts), api);
-  return cast ? buf[0].to(tensor.scalar_type()) : buf[0];
+  return buf[0].to(tensor.device(), tensor.scalar_type());
 }
 
 at::Tensor all_reduce(const PartialState& state, const at::Tensor& tensor, Reduction reduction, const char* api) {
@@ -162,7 +167,7 @@ at::Tensor all_reduce(const PartialState& state, const at::Tensor& tensor, Reduc
   verify_collective(state, api, tensor, ShapeCheck::kExact);
   auto pg = process_group(state, api);
   const bool cast = needs_float_path(tensor);
-  std::vector<at::Tensor> buf{(cast ? tensor.to(at::kFloat) : tensor).contiguous().clone()};
+  std::vector<at::Tensor> buf{on_collective_device(state, (cast ? tensor.to(at::kFloat) : tensor).contiguous().clone())};
   c10d::AllreduceOptions opts;
   opts.reduceOp = to_c10d(reduction);
   wait(state, pg->allreduce(buf, opts), api);
@@ -170,7 +175,7 @@ at::Tensor all_reduce(const PartialState& state, const at::Tensor& tensor, Reduc
   if (reduction == Reduction::kMean) {
     out = out.is_floating_point() ? out.div_(state.num_processes()) : out.div(state.num_processes());
   }
-  return cast ? out.to(tensor.scalar_type()) : out;
+  return out.to(tensor.device(), tensor.scalar_type());
 }
 
 PendingCollective all_gather_into_async(const PartialState& state, at::Tensor& output, at::Tensor& input,

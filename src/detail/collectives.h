@@ -39,6 +39,12 @@ void verify_collective(const PartialState& state, const char* api, const at::Ten
 void verify_signature(const PartialState& state, const char* api, const std::string& signature,
                       const char* must_agree);
 
+/// `t` where `state`'s process group can move it: itself, except a CPU tensor on a group that
+/// carries only device tensors (NCCL), which is copied to the job's device. The library's own
+/// messages (lengths, bytes, flags) are made on the CPU and travel through this; so do a user's
+/// CPU tensors given to the collectives below, which give results back on the input's device.
+at::Tensor on_collective_device(const PartialState& state, const at::Tensor& t);
+
 /// Every process's `tensor` (same shape everywhere), in process order.
 std::vector<at::Tensor> all_gather(const PartialState& state, const at::Tensor& tensor, const char* api);
 /// `tensor` of process `from_process` on every process (same shape and dtype everywhere).
