@@ -127,9 +127,8 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) const {
   auto grads = gradients_of(optimizer);
   record.found_inf = unscale_and_check(grads, impl_->scale);
   if (impl_->shared_checks && impl_->shared_checks->use_distributed()) {
-    // Every process unscales at the same step (a sharded model's optimizer steps together). The
-    // flag travels on the job's device (NCCL takes no CPU tensors; offloaded gradients are on the CPU).
-    auto flag = at::tensor({record.found_inf ? 1.0f : 0.0f}).to(impl_->shared_checks->device());
+    // Every process unscales at the same step (a sharded model's optimizer steps together).
+    auto flag = at::tensor({record.found_inf ? 1.0f : 0.0f});
     record.found_inf =
         detail::all_reduce(*impl_->shared_checks, flag, detail::Reduction::kMax, "GradScaler.unscale_").item<float>() > 0;
   }

@@ -1072,20 +1072,22 @@ FsdpEngine::FsdpEngine(std::shared_ptr<torch::nn::Module> module, const PartialS
       at::Tensor whole = p.param.detach();
       const auto compute = compute_dtype(p.param.scalar_type());
       cast = cast || compute != p.param.scalar_type();
+      // The whole parameter while gathered: in the compute dtype, on the job's device.
+      const auto full_options = p.param.options().device(e.state.device()).dtype(compute).requires_grad(false);
       if (e.shard) {
         const auto [first, n] = rows_held(p.rows, e.world, e.rank);
         auto rows = whole.reshape({p.rows, p.row_numel}).narrow(0, first, n);
         std::vector<int64_t> shard_shape = p.shape.empty() ? std::vector<int64_t>{1} : p.shape;
         shard_shape[0] = n;
         p.shard = e.at_rest(rows.reshape(shard_shape));
-        p.full = at::empty(p.shape, p.param.options().device(e.state.device()).dtype(compute).requires_grad(false));
+        p.full = at::empty(p.shape, full_options);
         e.pool.free_storage(p.full);
         p.param.set_data(p.shard);
       } else if (compute != p.param.scalar_type() || e.offload) {
-        // The whole parameter, kept in its dtype (on the CPU when offloaded); `full` is its copy in
-        // the compute dtype on the device while gathered.
+        // The whole parameter, kept in its dtype (on the CPU when offloaded); `full` is its copy
+        // while gathered.
         p.shard = e.offload ? e.at_rest(whole) : whole;
-        p.full = at::empty(p.shape, p.param.options().device(e.state.device()).dtype(compute).requires_grad(false));
+        p.full = at::empty(p.shape, full_options);
         e.pool.free_storage(p.full);
         if (e.offload) p.param.set_data(p.shard);
       } else {
