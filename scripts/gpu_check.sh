@@ -299,7 +299,8 @@ step_configure() {
 }
 
 step_build() {
-  cmake --build "$BUILD" -j "$JOBS" --target accelerate accelerate_cli accelerate_gpu_tests char_gpt bench_training
+  # -k 0: a compiler error does not stop the other files, so one run reports every error.
+  cmake --build "$BUILD" -j "$JOBS" --target accelerate accelerate_cli accelerate_gpu_tests char_gpt bench_training -- -k 0
 }
 
 step_env() {

@@ -639,6 +639,25 @@ TEST(FullyShardedMixedPrecision, InsideNoSyncGradientsAccumulateInTheReduceDtype
   }
 }
 
+TEST(FullyShardedMixedPrecision, AnFp16ReductionOfGradientsThatFitDoesNotOverflowInTheSum) {
+  // 40000 and 49984 are fp16 values (below 65504), their sum is not: summed first and divided
+  // afterwards the mean would be inf. Divided by 2 before the sum, it is exact: 44992.
+  std::vector<float> grads(2, -1);
+  AcceleratorOptions options;
+  options.fsdp_plugin = FullyShardedDataParallelPlugin{.mixed_precision_policy = {"", "fp16", ""}};
+  run_accelerators(
+      2,
+      [&](const Accelerator& acc, int rank) {
+        WeightedSum net;
+        auto [model, opt] = acc.prepare(net, std::make_shared<torch::optim::SGD>(net->parameters(), 0.1));
+        acc.backward(model(torch::full({2}, rank == 0 ? 40000.f : 49984.f)));
+        ASSERT_EQ(net->w.grad().numel(), 1);
+        grads[rank] = net->w.grad().item<float>();
+      },
+      options);
+  EXPECT_EQ(grads, std::vector<float>(2, 44992.f));
+}
+
 TEST(FullyShardedMixedPrecision, TheAcceleratorsMixedPrecisionFillsAnEmptyPolicyAndLeavesAGivenOne) {
   std::vector<FsdpMixedPrecisionPolicy> seen(2);
   for (bool given : {false, true}) {

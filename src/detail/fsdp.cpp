@@ -294,6 +294,7 @@ struct FsdpEngineImpl : std::enable_shared_from_this<FsdpEngineImpl> {
     at::Tensor mine;   // this process's piece of the sum, once waited for
     at::Tensor input;  // the whole gradients, alive until then
     PendingCollective pending;
+    double post_divide = 1;  // what the sum is divided by once it arrived (Note [Dividing an fp16 sum])
   };
   std::vector<InFlight> in_flight;  // reductions started and not finished
   std::unordered_map<const void*, std::pair<size_t, size_t>> where;  // parameter → (unit, index)
@@ -759,7 +760,21 @@ void FsdpEngineImpl::reduce(Unit& unit) {
       }
     }
     for (size_t i : group.params) unit.params[i].pending_grad = at::Tensor();  // `input` holds them now
-    InFlight reduction{&unit, &group, at::Tensor(), input, {}};
+    // Note [Dividing an fp16 sum]
+    // The processes' gradients are averaged: summed by the collective, then divided by their
+    // number. fp16 overflows above 65504, so a sum of N fp16 gradients, each of which fits, can
+    // become inf, and loss scaling would then skip a step that one process on the whole batch
+    // takes. For an fp16 reduction each process's gradients are divided by about √N before the
+    // collective (a power of two, which rounds nothing but the tiniest values) and the sum by the
+    // rest after it, as PyTorch's FSDP does; bf16 and fp32 have fp32's range and divide once,
+    // afterwards.
+    const double total = static_cast<double>(world) * num_replicas;
+    double pre = 1;
+    if (group.reduce == at::kHalf) {
+      while (pre * pre < total) pre *= 2;
+      if (pre > 1) input.div_(pre);
+    }
+    InFlight reduction{&unit, &group, at::Tensor(), input, {}, total / pre};
     if (shard) {
       reduction.mine = pool.empty(group.piece, options);
       reduction.pending = reduce_scatter_sum_async(state, reduction.mine, reduction.input, kApi);
@@ -780,7 +795,7 @@ void FsdpEngineImpl::finish_reductions() {
       // Hybrid sharding: the same rows of every replica are summed too, then averaged over all.
       r.mine = all_reduce(*replicas, r.mine, Reduction::kSum, kApi);
     }
-    r.mine.div_(world * num_replicas);
+    r.mine.div_(r.post_divide);
     for (size_t i : r.group->params) {
       auto& p = r.unit->params[i];
       if (!p.param.requires_grad()) continue;

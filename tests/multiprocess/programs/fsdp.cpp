@@ -19,6 +19,7 @@
 #include <iostream>
 #include <map>
 #include <string>
+#include <vector>
 
 namespace acc = accelerate;
 
@@ -92,6 +93,10 @@ int main(int argc, char** argv) {
   Net baseline = make_net();
   baseline->to(device);
   torch::optim::AdamW baseline_opt(baseline->parameters(), torch::optim::AdamWOptions(0.02));
+  // Under fp16 the loss is scaled as a prepared optimizer scales it (the default scaler), and a
+  // step whose gradients overflowed is skipped: the job must skip the same steps.
+  acc::GradScaler scaler(acc::GradScalerKwargs{.enabled = accelerator.mixed_precision() == "fp16"});
+  std::vector<bool> baseline_skipped;
   for (int step = 0; step < kSteps; ++step) {
     baseline_opt.zero_grad();
     for (int m = 0; m < micro; ++m) {
@@ -101,9 +106,10 @@ int main(int argc, char** argv) {
         auto guard = accelerator.autocast();
         return baseline(x.to(device));
       }();
-      (torch::nn::functional::cross_entropy(out.to(torch::kFloat), y.to(device)) / micro).backward();
+      scaler.scale(torch::nn::functional::cross_entropy(out.to(torch::kFloat), y.to(device)) / micro).backward();
     }
-    baseline_opt.step();
+    baseline_skipped.push_back(!scaler.step(baseline_opt));
+    scaler.update();
   }
 
   Net net = mode == "resume" ? Net() : make_net();  // a resumed job starts from other values
@@ -132,6 +138,12 @@ int main(int argc, char** argv) {
                                                      y.narrow(0, rank * per, per).to(device));
     accelerator.backward(loss);
     optimizer.step();
+    if (accelerator.sync_gradients()) {
+      const bool skipped = optimizer.step_was_skipped();
+      const auto step = static_cast<size_t>(b / micro);
+      TORCH_CHECK(skipped == baseline_skipped.at(step), "step ", step, ": the job ", skipped ? "skipped" : "took",
+                  " it, one process ", baseline_skipped.at(step) ? "skipped" : "took", " it (fp16 overflow)");
+    }
     optimizer.zero_grad();
   }
 
