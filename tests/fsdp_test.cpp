@@ -262,6 +262,54 @@ TEST(FullyShardedDataParallel, FrozenParametersStayAsTheyWereAndTheRestTrainsAsO
       {.fsdp_plugin = FullyShardedDataParallelPlugin{}});
 }
 
+// A weighted sum that uses its second parameter only when asked to.
+struct SometimesImpl : torch::nn::Module {
+  SometimesImpl() {
+    w = register_parameter("w", torch::ones({2}));
+    spare = register_parameter("spare", torch::ones({2}));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return use_spare ? (x * w + x * spare).sum() : (x * w).sum(); }
+  torch::Tensor w, spare;
+  bool use_spare = false;
+};
+TORCH_MODULE(Sometimes);
+
+TEST(FullyShardedDataParallel, AParameterThatTookNoPartInAPassGetsNoGradientAndTheOptimizerLeavesIt) {
+  // As under `fully_shard` and on one process, a parameter that no process used in a pass gets
+  // no gradient, and AdamW leaves it alone (no decay, no momentum); one that some process used
+  // gets the average on every process. (The engine lends every parameter a zeroed gradient
+  // buffer before its unit's backward: one that autograd did not add into must not count.)
+  std::vector<int> spare_grad(2, -1), w_grad(2, -1), spare_after_step(2, -1), spare_used(2, -1);
+  std::vector<float> spare_one(2, 0);
+  run_accelerators(
+      2,
+      [&](const Accelerator& acc, int rank) {
+        Sometimes net;
+        auto [model, opt] =
+            acc.prepare(net, std::make_shared<torch::optim::AdamW>(net->parameters(), torch::optim::AdamWOptions(0.1)));
+        const auto before = net->spare.detach().clone();
+        acc.backward(model(torch::full({2}, 3.f)));
+        w_grad[rank] = net->w.grad().defined() ? 1 : 0;
+        spare_grad[rank] = net->spare.grad().defined() ? 1 : 0;
+        opt.step();
+        spare_after_step[rank] = torch::equal(net->spare, before) ? 1 : 0;
+        opt.zero_grad();
+        net->use_spare = true;  // the next pass does use it
+        acc.backward(model(torch::full({2}, 3.f)));
+        spare_used[rank] = net->spare.grad().defined() && net->spare.grad().item<float>() == 3.f ? 1 : 0;
+        opt.zero_grad();
+        net->use_spare = rank == 0;  // one process uses it: both get the average, (3 + 0) / 2
+        acc.backward(model(torch::full({2}, 3.f)));
+        spare_one[rank] = net->spare.grad().defined() ? net->spare.grad().item<float>() : -1.f;
+      },
+      {.fsdp_plugin = FullyShardedDataParallelPlugin{}});
+  EXPECT_EQ(w_grad, std::vector<int>(2, 1));
+  EXPECT_EQ(spare_grad, std::vector<int>(2, 0)) << "the unused parameter got a gradient";
+  EXPECT_EQ(spare_after_step, std::vector<int>(2, 1)) << "AdamW stepped the unused parameter";
+  EXPECT_EQ(spare_used, std::vector<int>(2, 1)) << "its gradient in the pass that used it";
+  EXPECT_EQ(spare_one, std::vector<float>(2, 1.5f)) << "used by one process: both processes hold its gradient";
+}
+
 TEST(FullyShardedDataParallel, EvaluationWithoutGradientsGivesTheWholeModelsOutputAndLeavesShards) {
   Tiny ref = make_tiny();
   torch::NoGradGuard outer;

@@ -209,6 +209,8 @@ struct ShardedParam {
   at::Tensor full;           // the whole tensor on a storage of its own, empty while resharded
   at::Tensor grad_at_rest;   // the shard's gradient, kept aside while the whole one is computed
   at::Tensor pending_grad;   // whole gradients accumulated inside no_sync
+  at::Tensor lent_grad;      // the zeroed buffer given as `.grad` before the backward (Note [Lending gradient buffers])
+  int64_t lent_version = 0;  // its version then: unchanged means autograd added nothing
   int64_t offset = 0;        // in its dtype group's flat piece
 };
 
@@ -320,6 +322,8 @@ struct FsdpEngineImpl : std::enable_shared_from_this<FsdpEngineImpl> {
   void pre_backward(size_t unit);
   void post_backward(size_t unit);
   void end_of_backward();
+  void lend_gradient_buffers(Unit& unit);
+  at::Tensor take_whole_gradient(ShardedParam& p);
   void reduce(Unit& unit);
   void finish_reductions();
   at::Tensor whole_value(const ShardedParam& p);
@@ -355,7 +359,11 @@ constexpr const char* kApi = "FullyShardedDataParallel";
 // buffers of this size end up kept in its heap (glibc raises its mmap threshold to the size of
 // the first ones freed) and the process's resident memory grows well past what is in use. The
 // engine keeps them instead: a freed buffer goes to a pool by byte size, bounded by a few units'
-// worth, and the next buffer of that size comes from there.
+// worth, and the next buffer of that size comes from there. So do the whole gradients (Note
+// [Lending gradient buffers]). A buffer goes back only while nothing else holds it: a started
+// collective keeps references to its tensors until its work is dropped, and a view keeps its
+// base alive, so both are dropped before the release (otherwise the buffer silently goes back to
+// malloc instead, as the gather buffers once did).
 at::DataPtr BufferPool::take(size_t bytes, at::Allocator* allocator) {
   auto it = free.find(bytes);
   if (it == free.end()) return allocator->allocate(bytes);
@@ -587,9 +595,10 @@ void FsdpEngineImpl::finish_gather(Unit& unit) {
   unit.gathered = true;
   for (auto& flight : started) {
     wait_collective(state, flight.pending, kApi);
+    flight.pending = PendingCollective{};  // the collective's references to the buffers go
     pool.release(flight.piece);
     const auto& group = unit.groups[flight.group];
-    auto by_rank = flight.all.view({world, group.piece});
+    const auto by_rank = flight.all.view({world, group.piece});
     for (size_t i : group.params) {
       auto& p = unit.params[i];
       pool.allocate_storage(p.full);
@@ -601,8 +610,8 @@ void FsdpEngineImpl::finish_gather(Unit& unit) {
       }
       p.param.set_data(p.full);
     }
-    pool.release(flight.all);
   }
+  for (auto& flight : started) pool.release(flight.all);  // its views are gone
 }
 
 std::optional<size_t> FsdpEngineImpl::neighbour(const std::vector<size_t>& order, size_t unit, bool after) {
@@ -662,8 +671,50 @@ void FsdpEngineImpl::pre_backward(size_t index) {
     p.grad_at_rest = p.param.grad();
     p.param.mutable_grad() = at::Tensor();
   }
+  if (require_sync) lend_gradient_buffers(unit);
   unit.backward_armed = true;
   if (settings.backward_prefetch == FsdpBackwardPrefetch::kBackwardPre) prefetch_for_backward(index);
+}
+
+// Note [Lending gradient buffers]
+// Autograd gives a parameter without a `.grad` the first gradient its backward computed (a new
+// buffer of the whole parameter's size, from malloc) and adds later ones into it. Those buffers
+// live until the unit's reduction has copied them: every unit's whole gradients would come from
+// malloc, unit after unit, among activations and the optimizer's temporaries, and glibc's heap
+// fragments (bench/README.md, W9). Instead, before a unit's backward on a synchronising pass,
+// each parameter that needs a gradient gets a zeroed buffer from the engine's pool as its
+// `.grad`; autograd adds into it in place, and the reduction copies it and gives it back. A
+// buffer whose version did not move received nothing: its parameter had no gradient in this pass
+// and gets none. Inside no_sync the whole gradients outlive the pass (they accumulate), and
+// autograd allocates them as before; so it does when the backward builds a graph of its own
+// (create_graph), where it replaces the `.grad` instead of adding into it.
+void FsdpEngineImpl::lend_gradient_buffers(Unit& unit) {
+  torch::NoGradGuard no_grad;
+  for (auto& p : unit.params) {
+    if (!p.param.requires_grad() || p.pending_grad.defined()) continue;
+    at::Tensor buffer = pool.empty(p.param.numel(), p.param.options());
+    buffer.unsafeGetTensorImpl()->set_sizes_contiguous(p.param.sizes());  // a view would keep the flat one alive
+    buffer.zero_();
+    p.lent_version = static_cast<int64_t>(buffer._version());
+    p.lent_grad = buffer;
+    p.param.mutable_grad() = buffer;
+  }
+}
+
+// The gradient autograd left in `p` (undefined when none); a lent buffer that received nothing
+// goes back to the pool.
+at::Tensor FsdpEngineImpl::take_whole_gradient(ShardedParam& p) {
+  at::Tensor whole = p.param.grad();
+  p.param.mutable_grad() = at::Tensor();
+  if (p.lent_grad.defined()) {
+    const bool untouched = whole.is_same(p.lent_grad) && static_cast<int64_t>(whole._version()) == p.lent_version;
+    p.lent_grad = at::Tensor();
+    if (untouched) {
+      pool.release(whole);
+      return at::Tensor();
+    }
+  }
+  return whole;
 }
 
 void FsdpEngineImpl::prefetch_for_backward(size_t index) {
@@ -707,13 +758,16 @@ void FsdpEngineImpl::reduce(Unit& unit) {
     const bool upcast = !sync && c10::elementSize(group.reduce) > c10::elementSize(group.compute);
     for (size_t i : group.params) {
       auto& p = unit.params[i];
-      at::Tensor whole = p.param.grad();
-      p.param.mutable_grad() = at::Tensor();
+      at::Tensor whole = take_whole_gradient(p);
       if (!whole.defined()) continue;
       if (p.pending_grad.defined()) {
         p.pending_grad.add_(whole);
+        pool.release(whole);
+      } else if (upcast) {
+        p.pending_grad = whole.to(group.reduce);
+        pool.release(whole);
       } else {
-        p.pending_grad = upcast ? whole.to(group.reduce) : whole;
+        p.pending_grad = std::move(whole);
       }
     }
   }
@@ -732,9 +786,18 @@ void FsdpEngineImpl::reduce(Unit& unit) {
     // Zeros only where nothing is written: the padding rows, and parameters without a gradient.
     bool complete = true;
     for (size_t i : group.params) complete = complete && unit.params[i].pending_grad.defined();
-    auto input = pool.empty(shard ? group.piece * world : group.piece, options);
+    // Every process's piece ends with one flag per parameter (Note [Which parameters had a gradient]).
+    const auto flags = static_cast<int64_t>(group.params.size());
+    const int64_t stride = group.piece + flags;
+    auto input = pool.empty(shard ? stride * world : stride, options);
     if (!complete) input.zero_();
-    auto by_rank = input.view({shard ? world : 1, group.piece});
+    auto by_rank = input.view({shard ? world : 1, stride});
+    {
+      std::vector<float> had;
+      for (size_t i : group.params) had.push_back(unit.params[i].pending_grad.defined() ? 1.f : 0.f);
+      const auto mine = at::tensor(had).to(options);
+      for (int64_t r = 0; r < by_rank.size(0); ++r) by_rank[r].narrow(0, group.piece, flags).copy_(mine);
+    }
     if (complete && shard) {
       for (size_t i : group.params) {
         const auto& p = unit.params[i];
@@ -759,7 +822,7 @@ void FsdpEngineImpl::reduce(Unit& unit) {
         }
       }
     }
-    for (size_t i : group.params) unit.params[i].pending_grad = at::Tensor();  // `input` holds them now
+    for (size_t i : group.params) pool.release(unit.params[i].pending_grad);  // `input` holds them now
     // Note [Dividing an fp16 sum]
     // The processes' gradients are averaged: summed by the collective, then divided by their
     // number. fp16 overflows above 65504, so a sum of N fp16 gradients, each of which fits, can
@@ -776,7 +839,7 @@ void FsdpEngineImpl::reduce(Unit& unit) {
     }
     InFlight reduction{&unit, &group, at::Tensor(), input, {}, total / pre};
     if (shard) {
-      reduction.mine = pool.empty(group.piece, options);
+      reduction.mine = pool.empty(stride, options);
       reduction.pending = reduce_scatter_sum_async(state, reduction.mine, reduction.input, kApi);
     } else {
       reduction.mine = all_reduce(state, input, Reduction::kSum, kApi);
@@ -791,14 +854,31 @@ void FsdpEngineImpl::finish_reductions() {
   in_flight.clear();
   for (auto& r : done) {
     wait_collective(state, r.pending, kApi);
+    r.pending = PendingCollective{};  // the collective's references to the buffers go
     if (replicas) {
       // Hybrid sharding: the same rows of every replica are summed too, then averaged over all.
       r.mine = all_reduce(*replicas, r.mine, Reduction::kSum, kApi);
     }
     r.mine.div_(r.post_divide);
-    for (size_t i : r.group->params) {
-      auto& p = r.unit->params[i];
+    // Note [Which parameters had a gradient]
+    // A parameter that took no part in the pass has no gradient on one process, and under
+    // `fully_shard` gets none: the optimizer then leaves it alone (AdamW neither decays nor moves
+    // it). Whether some process had one is known only together, and a process's piece of the sum
+    // cannot say it (a gradient may sum to exactly zero), so each process appends a flag per
+    // parameter, 1 when it had a gradient, to every piece it contributes: the reduction sums them
+    // with the gradients, and a parameter whose flags sum to zero gets no gradient, on every
+    // process alike.
+    const auto flags = static_cast<int64_t>(r.group->params.size());
+    const auto had = r.mine.narrow(0, r.group->piece, flags).to(at::kCPU, at::kFloat);
+    const auto* had_any = had.data_ptr<float>();
+    for (size_t j = 0; j < r.group->params.size(); ++j) {
+      auto& p = r.unit->params[r.group->params[j]];
       if (!p.param.requires_grad()) continue;
+      if (!(had_any[j] > 0)) {
+        p.param.mutable_grad() = p.grad_at_rest;  // what earlier passes left, if anything
+        p.grad_at_rest = at::Tensor();
+        continue;
+      }
       const int64_t n = shard ? rows_of(p, rank) : p.rows;
       auto reduced = r.mine.narrow(0, p.offset, n * p.row_numel).view(p.shard.sizes());
       if (p.grad_at_rest.defined()) {
@@ -1125,13 +1205,14 @@ FsdpEngine::FsdpEngine(std::shared_ptr<torch::nn::Module> module, const PartialS
       }
     }
   }
-  // The pool holds at most a few units' worth: whole parameters, a gather and a reduction buffer.
+  // The pool holds at most what a unit's backward uses at once: its whole parameters and lent
+  // gradients, the reduction in flight and the next unit's gather.
   for (const auto& unit : e.units) {
     size_t bytes = 0;
     for (const auto& group : unit.groups) {
       bytes += static_cast<size_t>(group.piece * e.world) * c10::elementSize(group.dtype);
     }
-    e.pool.cap = std::max(e.pool.cap, 3 * bytes);
+    e.pool.cap = std::max(e.pool.cap, 4 * bytes);
   }
   for (size_t i = 1; i < e.units.size(); ++i) {
     add_hook_to_module(*e.units[i].module, std::make_shared<UnitHook>(impl_, i), /*append=*/true);
