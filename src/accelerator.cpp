@@ -275,6 +275,14 @@ AcceleratedOptimizer Accelerator::prepare_optimizer(const std::shared_ptr<torch:
   for (const auto& prepared : impl_->optimizers) {
     if (prepared.optimizer() == optimizer) return prepared;
   }
+  // A fully sharded model's parameters hold this process's shards after prepare, so state made
+  // for the whole parameters (an optimizer stepped or loaded before prepare) no longer fits them.
+  TORCH_CHECK_VALUE(distributed_type() != DistributedType::kFsdp || optimizer->state().empty(),
+                    "[Accelerator.prepare_optimizer] the optimizer already holds state for ", optimizer->state().size(),
+                    " parameter(s): it stepped, or loaded a state dict, before prepare. Under fully sharded data "
+                    "parallelism prepare replaces each parameter's data with this process's shard, which that state "
+                    "does not fit: create the optimizer's state after prepare (step it, or restore a checkpoint with "
+                    "load_state)");
   std::optional<c10::Device> device;
   if (device_placement.value_or(impl_->options.device_placement)) device = state_.device();
   AcceleratedOptimizer wrapped(optimizer, gradient_state_, impl_->scaler, device);

@@ -310,6 +310,27 @@ TEST(FullyShardedDataParallel, AParameterThatTookNoPartInAPassGetsNoGradientAndT
   EXPECT_EQ(spare_one, std::vector<float>(2, 1.5f)) << "used by one process: both processes hold its gradient";
 }
 
+TEST(FullyShardedDataParallel, AnOptimizerWithStateFromBeforePrepareIsRefusedNamingWhy) {
+  // Its moments have the whole parameters' shapes; after prepare the parameters hold shards.
+  std::vector<std::string> errors(2);
+  const size_t count = make_tiny()->parameters().size();
+  run_accelerators(
+      2,
+      [&](const Accelerator& acc, int rank) {
+        Tiny net = make_tiny();
+        auto adamw = std::make_shared<torch::optim::AdamW>(net->parameters(), torch::optim::AdamWOptions(0.05));
+        torch::nn::functional::cross_entropy(net(batch()), labels()).backward();
+        adamw->step();
+        errors[rank] = error_of([&] { (void)acc.prepare(net, adamw); });
+      },
+      {.fsdp_plugin = FullyShardedDataParallelPlugin{}});
+  for (const auto& error : errors) {
+    EXPECT_THAT(error, ::testing::HasSubstr("the optimizer already holds state for " + std::to_string(count) +
+                                            " parameter(s)"));
+    EXPECT_THAT(error, ::testing::HasSubstr("create the optimizer's state after prepare"));
+  }
+}
+
 TEST(FullyShardedDataParallel, EvaluationWithoutGradientsGivesTheWholeModelsOutputAndLeavesShards) {
   Tiny ref = make_tiny();
   torch::NoGradGuard outer;
