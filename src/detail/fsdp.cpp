@@ -272,6 +272,9 @@ struct BufferPool {
   at::Tensor empty(int64_t numel, const at::TensorOptions& options);
   // Gives a tensor from `empty` back, when nothing else holds it.
   void release(at::Tensor& t);
+  // Takes the bytes of a buffer that a finished collective used back into the pool, whoever
+  // still refers to it (the process group's own records of the collective may outlive the wait).
+  void reclaim(at::Tensor& t);
 };
 
 struct FsdpEngineImpl : std::enable_shared_from_this<FsdpEngineImpl> {
@@ -360,10 +363,11 @@ constexpr const char* kApi = "FullyShardedDataParallel";
 // the first ones freed) and the process's resident memory grows well past what is in use. The
 // engine keeps them instead: a freed buffer goes to a pool by byte size, bounded by a few units'
 // worth, and the next buffer of that size comes from there. So do the whole gradients (Note
-// [Lending gradient buffers]). A buffer goes back only while nothing else holds it: a started
-// collective keeps references to its tensors until its work is dropped, and a view keeps its
-// base alive, so both are dropped before the release (otherwise the buffer silently goes back to
-// malloc instead, as the gather buffers once did).
+// [Lending gradient buffers]). A collective's buffers are taken back once it has been waited
+// for, whoever still refers to them: the process group's own records of a collective (MPI's
+// queue, a work object) can outlive the wait, and a buffer given back only when nothing held it
+// went back to malloc instead, most of the time. A gradient buffer goes back only while nothing
+// else holds it, since the user may keep a gradient.
 at::DataPtr BufferPool::take(size_t bytes, at::Allocator* allocator) {
   auto it = free.find(bytes);
   if (it == free.end()) return allocator->allocate(bytes);
@@ -403,6 +407,11 @@ at::Tensor BufferPool::empty(int64_t numel, const at::TensorOptions& options) {
   storage->set_nbytes(bytes);
   out.unsafeGetTensorImpl()->set_sizes_contiguous({numel});
   return out;
+}
+
+void BufferPool::reclaim(at::Tensor& t) {
+  if (t.defined()) free_storage(t);
+  t = at::Tensor();
 }
 
 void BufferPool::release(at::Tensor& t) {
@@ -596,9 +605,9 @@ void FsdpEngineImpl::finish_gather(Unit& unit) {
   for (auto& flight : started) {
     wait_collective(state, flight.pending, kApi);
     flight.pending = PendingCollective{};  // the collective's references to the buffers go
-    pool.release(flight.piece);
+    pool.reclaim(flight.piece);
     const auto& group = unit.groups[flight.group];
-    const auto by_rank = flight.all.view({world, group.piece});
+    auto by_rank = flight.all.view({world, group.piece});
     for (size_t i : group.params) {
       auto& p = unit.params[i];
       pool.allocate_storage(p.full);
@@ -611,7 +620,7 @@ void FsdpEngineImpl::finish_gather(Unit& unit) {
       p.param.set_data(p.full);
     }
   }
-  for (auto& flight : started) pool.release(flight.all);  // its views are gone
+  for (auto& flight : started) pool.reclaim(flight.all);
 }
 
 std::optional<size_t> FsdpEngineImpl::neighbour(const std::vector<size_t>& order, size_t unit, bool after) {
@@ -892,8 +901,8 @@ void FsdpEngineImpl::finish_reductions() {
       }
       p.grad_at_rest = at::Tensor();
     }
-    pool.release(r.input);
-    if (shard) pool.release(r.mine);
+    pool.reclaim(r.input);
+    if (shard) pool.reclaim(r.mine);
   }
 }
 
