@@ -272,8 +272,9 @@ struct BufferPool {
   at::Tensor empty(int64_t numel, const at::TensorOptions& options);
   // Gives a tensor from `empty` back, when nothing else holds it.
   void release(at::Tensor& t);
-  // Takes the bytes of a buffer that a finished collective used back into the pool, whoever
-  // still refers to it (the process group's own records of the collective may outlive the wait).
+  // Takes the bytes of a CPU buffer that a finished collective used back into the pool, whoever
+  // still refers to it (the process group's own records of the collective may outlive the wait);
+  // `release` for other devices.
   void reclaim(at::Tensor& t);
 };
 
@@ -363,7 +364,7 @@ constexpr const char* kApi = "FullyShardedDataParallel";
 // the first ones freed) and the process's resident memory grows well past what is in use. The
 // engine keeps them instead: a freed buffer goes to a pool by byte size, bounded by a few units'
 // worth, and the next buffer of that size comes from there. So do the whole gradients (Note
-// [Lending gradient buffers]). A collective's buffers are taken back once it has been waited
+// [Lending gradient buffers]). A collective's CPU buffers are taken back once it has been waited
 // for, whoever still refers to them: the process group's own records of a collective (MPI's
 // queue, a work object) can outlive the wait, and a buffer given back only when nothing held it
 // went back to malloc instead, most of the time. A gradient buffer goes back only while nothing
@@ -410,7 +411,11 @@ at::Tensor BufferPool::empty(int64_t numel, const at::TensorOptions& options) {
 }
 
 void BufferPool::reclaim(at::Tensor& t) {
-  if (t.defined()) free_storage(t);
+  // On a GPU the wait only orders the caller's stream after the collective, which may still be
+  // running: the process group's references keep its memory from the allocator until it is
+  // done, so there the buffer goes back only when nothing else holds it.
+  if (!t.defined() || !t.is_cpu()) return release(t);
+  free_storage(t);
   t = at::Tensor();
 }
 
