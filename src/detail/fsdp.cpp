@@ -301,6 +301,7 @@ struct FsdpEngineImpl : std::enable_shared_from_this<FsdpEngineImpl> {
     at::Tensor input;  // the whole gradients, alive until then
     PendingCollective pending;
     double post_divide = 1;  // what the sum is divided by once it arrived (Note [Dividing an fp16 sum])
+    bool had_every_gradient = false;  // this process had them all: every flag's sum is positive
   };
   std::vector<InFlight> in_flight;  // reductions started and not finished
   std::unordered_map<const void*, std::pair<size_t, size_t>> where;  // parameter → (unit, index)
@@ -798,20 +799,16 @@ void FsdpEngineImpl::reduce(Unit& unit) {
     for (size_t i : group.params) any = any || unit.params[i].param.requires_grad();
     if (!any) continue;
     // Zeros only where nothing is written: the padding rows, and parameters without a gradient.
-    bool complete = true;
-    for (size_t i : group.params) complete = complete && unit.params[i].pending_grad.defined();
     // Every process's piece ends with one flag per parameter (Note [Which parameters had a gradient]).
-    const auto flags = static_cast<int64_t>(group.params.size());
+    std::vector<float> had;
+    for (size_t i : group.params) had.push_back(unit.params[i].pending_grad.defined() ? 1.f : 0.f);
+    const bool complete = std::find(had.begin(), had.end(), 0.f) == had.end();
+    const auto flags = static_cast<int64_t>(had.size());
     const int64_t stride = group.piece + flags;
     auto input = pool.empty(shard ? stride * world : stride, options);
     if (!complete) input.zero_();
     auto by_rank = input.view({shard ? world : 1, stride});
-    {
-      std::vector<float> had;
-      for (size_t i : group.params) had.push_back(unit.params[i].pending_grad.defined() ? 1.f : 0.f);
-      const auto mine = at::tensor(had).to(options);
-      for (int64_t r = 0; r < by_rank.size(0); ++r) by_rank[r].narrow(0, group.piece, flags).copy_(mine);
-    }
+    by_rank.narrow(1, group.piece, flags).copy_(at::tensor(had).to(options));  // the same flags in every piece
     if (complete && shard) {
       for (size_t i : group.params) {
         const auto& p = unit.params[i];
@@ -851,7 +848,7 @@ void FsdpEngineImpl::reduce(Unit& unit) {
       while (pre * pre < total) pre *= 2;
       if (pre > 1) input.div_(pre);
     }
-    InFlight reduction{&unit, &group, at::Tensor(), input, {}, total / pre};
+    InFlight reduction{&unit, &group, at::Tensor(), input, {}, total / pre, complete};
     if (shard) {
       reduction.mine = pool.empty(stride, options);
       reduction.pending = reduce_scatter_sum_async(state, reduction.mine, reduction.input, kApi);
@@ -881,14 +878,16 @@ void FsdpEngineImpl::finish_reductions() {
     // cannot say it (a gradient may sum to exactly zero), so each process appends a flag per
     // parameter, 1 when it had a gradient, to every piece it contributes: the reduction sums them
     // with the gradients, and a parameter whose flags sum to zero gets no gradient, on every
-    // process alike.
-    const auto flags = static_cast<int64_t>(r.group->params.size());
-    const auto had = r.mine.narrow(0, r.group->piece, flags).to(at::kCPU, at::kFloat);
-    const auto* had_any = had.data_ptr<float>();
+    // process alike. The flags are read only when this process lacked a gradient: otherwise each
+    // sum is at least its own 1, and reading them would wait for the device.
+    at::Tensor had;
+    if (!r.had_every_gradient) {
+      had = r.mine.narrow(0, r.group->piece, static_cast<int64_t>(r.group->params.size())).to(at::kCPU, at::kFloat);
+    }
     for (size_t j = 0; j < r.group->params.size(); ++j) {
       auto& p = r.unit->params[r.group->params[j]];
       if (!p.param.requires_grad()) continue;
-      if (!(had_any[j] > 0)) {
+      if (had.defined() && !(had.data_ptr<float>()[j] > 0)) {
         p.param.mutable_grad() = p.grad_at_rest;  // what earlier passes left, if anything
         p.grad_at_rest = at::Tensor();
         continue;
