@@ -248,6 +248,32 @@ void run_all(const accelerate::PartialState& state) {
     auto mine = at::zeros({big});
     accelerate::detail::compat::reduce_scatter_single(*pg, mine, pieces)->wait();
     check(same(mine, at::full({big}, (n * (n + 1) / 2.0f) * (rank + 1))), "reduce_scatter large", str(mine));
+    // Every element its own value (a block or an element out of place shows), the input left as
+    // it was, in every reduction and in bf16 (reduced in fp32).
+    const auto position = at::arange(n * big, at::kFloat);
+    auto varied = position * (rank + 1) + rank;
+    const auto sent = varied.clone();
+    const auto own = at::arange(rank * big, (rank + 1) * big, at::kFloat);
+    const float ranks = n * (n + 1) / 2.0f, rank_sum = n * (n - 1) / 2.0f;
+    mine.zero_();
+    accelerate::detail::compat::reduce_scatter_single(*pg, mine, varied)->wait();
+    check(same(mine, own * ranks + rank_sum) && same(varied, sent), "reduce_scatter large varied", str(mine.narrow(0, 0, 8)));
+    const std::vector<std::pair<c10d::ReduceOp::RedOpType, at::Tensor>> reductions{
+        {c10d::ReduceOp::AVG, own * (ranks / n) + rank_sum / n}, {c10d::ReduceOp::MAX, own * n + (n - 1)}};
+    for (const auto& [op, expected] : reductions) {
+      std::vector<std::vector<at::Tensor>> inputs(1);
+      for (int r = 0; r < n; ++r) inputs[0].push_back(varied.narrow(0, r * big, big));
+      std::vector<at::Tensor> out{at::zeros({big})};
+      c10d::ReduceScatterOptions o;
+      o.reduceOp = op;
+      pg->reduce_scatter(out, inputs, o)->wait();
+      check(at::allclose(out[0], expected), std::string("reduce_scatter large ") + (op == c10d::ReduceOp::AVG ? "avg" : "max"),
+            str(out[0].narrow(0, 0, 8)));
+    }
+    auto halves = at::full({n * big}, static_cast<float>(rank + 1), at::kBFloat16);
+    auto half = at::zeros({big}, at::kBFloat16);
+    accelerate::detail::compat::reduce_scatter_single(*pg, half, halves)->wait();
+    check(same(half, at::full({big}, ranks, at::kBFloat16)), "reduce_scatter large BFloat16", str(half.narrow(0, 0, 8)));
   }
   // The future a Reducer chains on carries the result.
   {
