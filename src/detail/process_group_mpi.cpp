@@ -390,12 +390,15 @@ void finish_average(const at::Tensor& t, c10d::ReduceOp::RedOpType op, int size)
 // Open MPI's blocking reduce-scatter algorithms allocate temporaries of the whole input, or
 // twice it (a fully sharded unit's gradients: 36 MiB for an 18 MiB unit), on every call; on a
 // process that holds little else this is a good part of its peak memory. A sum is reduced
-// around a ring instead, with the same bytes on the wire ((N-1)/N of the input per process) and
-// one temporary of the output's size: in step k every process sends the partial sum of one
-// block to the next process and receives another block's from the one before, adding its own
-// rows to it; after N-1 steps each holds its own block's sum. The partial sums alternate between
-// the output and the temporary so that the last one lands in the output. The ring runs on a
-// communicator of its own, so its messages never meet users' point-to-point messages.
+// around a ring instead, with the same bytes on the wire ((N-1)/N of the input per process):
+// in step k every process sends the partial sum of one block to the next process and receives
+// another block's from the one before, adding its own rows to it; after N-1 steps each holds
+// its own block's sum. The output holds the partial sum being passed on. Each step goes segment
+// by segment: once a segment has been sent, its place in the output takes the next partial sum's
+// segment (the one received plus this process's rows), so the only temporary is one segment,
+// whatever the size of the blocks (the MPI thread's own heap would otherwise keep blocks of
+// them). The ring runs on a communicator of its own, so its messages never meet users'
+// point-to-point messages.
 void ring_reduce_scatter_sum(MPI_Comm comm, const at::Tensor& in, const at::Tensor& out, MPI_Datatype datatype,
                              const char* name) {
   int rank = 0, size = 1;
@@ -403,23 +406,29 @@ void ring_reduce_scatter_sum(MPI_Comm comm, const at::Tensor& in, const at::Tens
   MPI_Comm_size(comm, &size);
   const int64_t n = out.numel();
   const auto block = [&](int b) { return in.narrow(0, ((b % size) + size) % size * n, n); };
-  if (size == 1) {
+  at::NoGradGuard no_grad;
+  if (size == 1 || n == 0) {
     out.copy_(block(0));
     return;
   }
-  at::NoGradGuard no_grad;
-  const at::Tensor spare = at::empty_like(out);
-  const int count = count_of(n, name);
+  constexpr int64_t kSegmentBytes = int64_t{1} << 20;
+  const int64_t segment = std::min<int64_t>(n, std::max<int64_t>(1, kSegmentBytes / out.element_size()));
+  const at::Tensor received = at::empty({segment}, out.options());
   const int next = (rank + 1) % size, before = (rank + size - 1) % size;
-  at::Tensor sent = block(rank - 1);
   for (int step = 0; step + 1 < size; ++step) {
-    // The last step (size - 2) receives into `out`; the ones before alternate.
-    at::Tensor received = (size - 2 - step) % 2 == 0 ? out : spare;
-    check_mpi(MPI_Sendrecv(sent.data_ptr(), count, datatype, next, 0, received.data_ptr(), count, datatype, before, 0,
-                           comm, MPI_STATUS_IGNORE),
-              name, "MPI_Sendrecv");
-    received.add_(block(rank - step - 2));
-    sent = received;
+    // Step 0 sends this process's own rows of the block before its own; later steps the partial
+    // sum that the step before left in `out`.
+    const at::Tensor sent = step == 0 ? block(rank - 1) : out;
+    const at::Tensor own = block(rank - step - 2);
+    for (int64_t first = 0; first < n; first += segment) {
+      const int64_t length = std::min(segment, n - first);
+      const int count = count_of(length, name);
+      check_mpi(MPI_Sendrecv(sent.narrow(0, first, length).data_ptr(), count, datatype, next, 0,
+                             received.data_ptr(), count, datatype, before, 0, comm, MPI_STATUS_IGNORE),
+                name, "MPI_Sendrecv");
+      at::Tensor place = out.narrow(0, first, length);
+      at::add_out(place, received.narrow(0, 0, length), own.narrow(0, first, length));
+    }
   }
 }
 

@@ -249,7 +249,18 @@ void run_all(const accelerate::PartialState& state) {
     accelerate::detail::compat::reduce_scatter_single(*pg, mine, pieces)->wait();
     check(same(mine, at::full({big}, (n * (n + 1) / 2.0f) * (rank + 1))), "reduce_scatter large", str(mine));
     // Every element its own value (a block or an element out of place shows), the input left as
-    // it was, in every reduction and in bf16 (reduced in fp32).
+    // it was, in every reduction and in bf16 (reduced in fp32); blocks of more than one 1 MiB
+    // segment of the ring's, the last one partial.
+    {
+      const int64_t wide = 300001;
+      auto varied = at::arange(n * wide, at::kFloat) * (rank + 1) + rank;
+      const auto sent = varied.clone();
+      const auto own = at::arange(rank * wide, (rank + 1) * wide, at::kFloat);
+      auto result = at::zeros({wide});
+      accelerate::detail::compat::reduce_scatter_single(*pg, result, varied)->wait();
+      check(same(result, own * (n * (n + 1) / 2.0f) + n * (n - 1) / 2.0f) && same(varied, sent),
+            "reduce_scatter large segments", str(result.narrow(0, 0, 8)));
+    }
     const auto position = at::arange(n * big, at::kFloat);
     auto varied = position * (rank + 1) + rank;
     const auto sent = varied.clone();
