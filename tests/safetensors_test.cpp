@@ -16,6 +16,7 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <complex>
 #include <cstdint>
@@ -28,6 +29,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace accelerate::testing {
@@ -632,6 +634,49 @@ TEST(SequentialWriter, PiecesHeldByTheirOwnersArriveWholeAndInOrder) {
   });
   ASSERT_GT(expected.size(), size_t{5} * (8 << 20) / 2);
   EXPECT_TRUE(detail::read_file(path) == expected);
+}
+
+// The descriptors of this process that refer to a file in `folder` whose last name is gone.
+std::vector<std::string> open_deleted_files_in(const std::filesystem::path& folder) {
+  std::vector<std::string> out;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) {
+    std::error_code error;
+    const auto target = std::filesystem::read_symlink(entry.path(), error).string();
+    if (!error && target.rfind(folder.string() + "/", 0) == 0 && target.find("(deleted)") != std::string::npos) {
+      out.push_back(target);
+    }
+  }
+  return out;
+}
+
+// Note [Releasing the replaced file later]: the old file is let go of after the save returns;
+// readers see the old content or the new, and nothing of the old file is kept.
+TEST(AtomicWrite, LargeFilesWrittenOverEachOtherLeaveOnlyTheNewContentAndNoTraceOfTheOld) {
+  TempDir dir;
+  const auto path = (dir.path() / "weights").string();
+  const size_t size = (size_t{16} << 20) + 3;
+  std::optional<std::ifstream> reader_of_first;
+  for (int i = 0; i < 4; ++i) {
+    const std::string content(size, static_cast<char>('a' + i));
+    detail::write_file_atomically(path, [&](detail::SequentialWriter& writer) { writer.write(content.data(), content.size()); });
+    EXPECT_TRUE(detail::read_file(path) == content) << "after save " << i;
+    if (i == 0) reader_of_first.emplace(path, std::ios::binary);
+  }
+  // A reader that opened the first file still reads it whole.
+  std::string first((std::istreambuf_iterator<char>(*reader_of_first)), std::istreambuf_iterator<char>());
+  EXPECT_TRUE(first == std::string(size, 'a'));
+  reader_of_first.reset();
+  // Only the file itself is in the folder, and once the releases have run no descriptor of a
+  // replaced file is left open.
+  std::vector<std::string> names;
+  for (const auto& entry : std::filesystem::directory_iterator(dir.path())) names.push_back(entry.path().filename());
+  EXPECT_EQ(names, std::vector<std::string>{"weights"});
+  std::vector<std::string> left = open_deleted_files_in(dir.path());
+  for (int tries = 0; tries < 500 && !left.empty(); ++tries) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    left = open_deleted_files_in(dir.path());
+  }
+  EXPECT_TRUE(left.empty()) << left.size() << " replaced files still open, e.g. " << left.front();
 }
 
 // ---- hostile files --------------------------------------------------------------------------
