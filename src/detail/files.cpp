@@ -15,6 +15,7 @@
 #include <stdexcept>
 #include <system_error>
 #include <thread>
+#include <utility>
 
 namespace accelerate::detail {
 
@@ -199,13 +200,9 @@ void write_file_atomically(const std::string& path, const std::function<void(Seq
     const int fd = f.fd;
     f.fd = -1;
     if (::close(fd) != 0) fail("write", path, errno);
-    const int replaced = hold_replaced(path);  // Note [Releasing the replaced file later]
-    if (::rename(temporary.c_str(), path.c_str()) != 0) {
-      const int error = errno;
-      if (replaced >= 0) ::close(replaced);
-      fail("write", path, error);
-    }
-    release_later(replaced);
+    Fd replaced{hold_replaced(path)};  // Note [Releasing the replaced file later]
+    if (::rename(temporary.c_str(), path.c_str()) != 0) fail("write", path, errno);
+    release_later(std::exchange(replaced.fd, -1));
   } catch (...) {
     ::unlink(temporary.c_str());
     throw;

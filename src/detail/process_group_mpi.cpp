@@ -398,9 +398,17 @@ void finish_average(const at::Tensor& t, c10d::ReduceOp::RedOpType op, int size)
 // segment (the one received plus this process's rows), so the only temporary is one segment,
 // whatever the size of the blocks (the MPI thread's own heap would otherwise keep blocks of
 // them). The ring runs on a communicator of its own, so its messages never meet users'
-// point-to-point messages.
-void ring_reduce_scatter_sum(MPI_Comm comm, const at::Tensor& in, const at::Tensor& out, MPI_Datatype datatype,
-                             const char* name) {
+// point-to-point messages; groups that never reduce-scatter this way never make it.
+// `ring` is the group's communicator for it, made from `group` on first use: every process of the
+// group runs the same collectives in the same order, and this one only once all have arrived
+// (Note [Large collectives block]), so they all make it together.
+void ring_reduce_scatter_sum(MPI_Comm group, MPI_Comm& ring, const at::Tensor& in, const at::Tensor& out,
+                             MPI_Datatype datatype, const char* name) {
+  if (ring == MPI_COMM_NULL) {
+    check_mpi(MPI_Comm_dup(group, &ring), name, "MPI_Comm_dup");
+    MPI_Comm_set_errhandler(ring, MPI_ERRORS_RETURN);
+  }
+  const MPI_Comm comm = ring;
   int rank = 0, size = 1;
   MPI_Comm_rank(comm, &rank);
   MPI_Comm_size(comm, &size);
@@ -465,16 +473,6 @@ class ProcessGroupMPI final : public compat::BackendBase {
       work->wait(kNoTimeout);
     }
     MPI_Comm_set_errhandler(*comm_, MPI_ERRORS_RETURN);
-    // A second communicator of the same processes for the point-to-point steps of its own
-    // collectives (Note [A ring reduce-scatter]), apart from the messages users send on the group.
-    auto ring = std::make_shared<MPI_Comm>(MPI_COMM_NULL);
-    ring_comm_ = ring;
-    work = submit(c10d::OpType::UNKNOWN, "process-group creation", {}, [ring](MPI_Comm group, std::vector<MPI_Request>& r) {
-      r.emplace_back();
-      check_mpi(MPI_Comm_idup(group, ring.get(), &r.back()), "process-group creation", "MPI_Comm_idup");
-    }, nullptr);
-    work->wait(kNoTimeout);
-    MPI_Comm_set_errhandler(*ring_comm_, MPI_ERRORS_RETURN);
   }
 
   ~ProcessGroupMPI() override {
@@ -869,7 +867,7 @@ class ProcessGroupMPI final : public compat::BackendBase {
       finish_average(s->buffer, reduce_op, size);
       s->write_back();
     }, false, {in, s->buffer}, [in, s, datatype, op, name, ring = ring_comm_](MPI_Comm comm) {
-      if (op == MPI_SUM) return ring_reduce_scatter_sum(*ring, in, s->buffer, datatype, name);
+      if (op == MPI_SUM) return ring_reduce_scatter_sum(comm, *ring, in, s->buffer, datatype, name);
       check_mpi(MPI_Reduce_scatter_block(in.data_ptr(), s->buffer.data_ptr(), count_of(s->buffer.numel(), name),
                                          datatype, op, comm),
                 name, "MPI_Reduce_scatter_block");
@@ -909,7 +907,8 @@ class ProcessGroupMPI final : public compat::BackendBase {
   std::shared_ptr<MpiRuntime> runtime_;
   std::chrono::milliseconds timeout_;
   std::shared_ptr<MPI_Comm> comm_;
-  std::shared_ptr<MPI_Comm> ring_comm_;
+  // The ring's own communicator (Note [A ring reduce-scatter]), made by its first use.
+  std::shared_ptr<MPI_Comm> ring_comm_ = std::make_shared<MPI_Comm>(MPI_COMM_NULL);
 };
 
 }  // namespace
