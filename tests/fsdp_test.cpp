@@ -264,9 +264,9 @@ TEST(FullyShardedDataParallel, FrozenParametersStayAsTheyWereAndTheRestTrainsAsO
 
 // A weighted sum that uses its second parameter only when asked to.
 struct SometimesImpl : torch::nn::Module {
-  SometimesImpl() {
-    w = register_parameter("w", torch::ones({2}));
-    spare = register_parameter("spare", torch::ones({2}));
+  explicit SometimesImpl(int64_t numel = 2) {
+    w = register_parameter("w", torch::ones({numel}));
+    spare = register_parameter("spare", torch::ones({numel}));
   }
   torch::Tensor forward(const torch::Tensor& x) { return use_spare ? (x * w + x * spare).sum() : (x * w).sum(); }
   torch::Tensor w, spare;
@@ -274,41 +274,53 @@ struct SometimesImpl : torch::nn::Module {
 };
 TORCH_MODULE(Sometimes);
 
-TEST(FullyShardedDataParallel, AParameterThatTookNoPartInAPassGetsNoGradientAndTheOptimizerLeavesIt) {
+// Whether every element of `grad` is `value` (false when there is no gradient).
+bool all_equal(const torch::Tensor& grad, float value) {
+  return grad.defined() && grad.numel() > 0 && grad.eq(value).all().item<bool>();
+}
+
+// Parameters of 2 elements, and of 2^18 + 3 (just over 1 MiB: each is reduced on its own, from the
+// buffer lent as its gradient, and its rows do not divide by 2).
+class FullyShardedUnusedParameters : public ::testing::TestWithParam<int64_t> {};
+
+TEST_P(FullyShardedUnusedParameters, AParameterThatTookNoPartInAPassGetsNoGradientAndTheOptimizerLeavesIt) {
   // As under `fully_shard` and on one process, a parameter that no process used in a pass gets
   // no gradient, and AdamW leaves it alone (no decay, no momentum); one that some process used
   // gets the average on every process. (The engine lends every parameter a zeroed gradient
   // buffer before its unit's backward: one that autograd did not add into must not count.)
-  std::vector<int> spare_grad(2, -1), w_grad(2, -1), spare_after_step(2, -1), spare_used(2, -1);
-  std::vector<float> spare_one(2, 0);
+  const int64_t numel = GetParam();
+  std::vector<int> spare_grad(2, -1), w_grad(2, -1), spare_after_step(2, -1), spare_used(2, -1), spare_one(2, -1);
   run_accelerators(
       2,
       [&](const Accelerator& acc, int rank) {
-        Sometimes net;
+        Sometimes net(numel);
         auto [model, opt] =
             acc.prepare(net, std::make_shared<torch::optim::AdamW>(net->parameters(), torch::optim::AdamWOptions(0.1)));
         const auto before = net->spare.detach().clone();
-        acc.backward(model(torch::full({2}, 3.f)));
-        w_grad[rank] = net->w.grad().defined() ? 1 : 0;
+        const auto x = torch::full({numel}, 3.f);
+        acc.backward(model(x));
+        w_grad[rank] = all_equal(net->w.grad(), 3.f) ? 1 : 0;
         spare_grad[rank] = net->spare.grad().defined() ? 1 : 0;
         opt.step();
         spare_after_step[rank] = torch::equal(net->spare, before) ? 1 : 0;
         opt.zero_grad();
         net->use_spare = true;  // the next pass does use it
-        acc.backward(model(torch::full({2}, 3.f)));
-        spare_used[rank] = net->spare.grad().defined() && net->spare.grad().item<float>() == 3.f ? 1 : 0;
+        acc.backward(model(x));
+        spare_used[rank] = all_equal(net->spare.grad(), 3.f) ? 1 : 0;
         opt.zero_grad();
         net->use_spare = rank == 0;  // one process uses it: both get the average, (3 + 0) / 2
-        acc.backward(model(torch::full({2}, 3.f)));
-        spare_one[rank] = net->spare.grad().defined() ? net->spare.grad().item<float>() : -1.f;
+        acc.backward(model(x));
+        spare_one[rank] = all_equal(net->spare.grad(), 1.5f) ? 1 : 0;
       },
       {.fsdp_plugin = FullyShardedDataParallelPlugin{}});
-  EXPECT_EQ(w_grad, std::vector<int>(2, 1));
+  EXPECT_EQ(w_grad, std::vector<int>(2, 1)) << "the used parameter's gradient is the average of the processes'";
   EXPECT_EQ(spare_grad, std::vector<int>(2, 0)) << "the unused parameter got a gradient";
   EXPECT_EQ(spare_after_step, std::vector<int>(2, 1)) << "AdamW stepped the unused parameter";
   EXPECT_EQ(spare_used, std::vector<int>(2, 1)) << "its gradient in the pass that used it";
-  EXPECT_EQ(spare_one, std::vector<float>(2, 1.5f)) << "used by one process: both processes hold its gradient";
+  EXPECT_EQ(spare_one, std::vector<int>(2, 1)) << "used by one process: both processes hold its gradient";
 }
+
+INSTANTIATE_TEST_SUITE_P(SmallAndLarge, FullyShardedUnusedParameters, ::testing::Values(int64_t{2}, (int64_t{1} << 18) + 3));
 
 TEST(FullyShardedDataParallel, AnOptimizerWithStateFromBeforePrepareIsRefusedNamingWhy) {
   // Its moments have the whole parameters' shapes; after prepare the parameters hold shards.

@@ -211,7 +211,11 @@ struct ShardedParam {
   at::Tensor pending_grad;   // whole gradients accumulated inside no_sync
   at::Tensor lent_grad;      // the zeroed buffer given as `.grad` before the backward (Note [Lending gradient buffers])
   int64_t lent_version = 0;  // its version then: unchanged means autograd added nothing
-  int64_t offset = 0;        // in its dtype group's flat piece
+  int64_t offset = 0;        // in its dtype group's flat piece (the gather's)
+  // Note [Reducing large gradients where autograd wrote them]
+  bool own_reduction = false;  // reduced in a collective of its own, from the buffer lent as its `.grad`
+  at::Tensor reduce_input;     // that collective's input: the whole gradient, then padding rows
+  int64_t reduce_offset = 0;   // otherwise: in its dtype group's packed reduction piece
 };
 
 int64_t rows_of(const ShardedParam& p, int rank) {
@@ -232,6 +236,7 @@ struct DtypeGroup {
   at::ScalarType dtype;        // of the shards (what the optimizer steps)
   std::vector<size_t> params;  // indices into the unit's params
   int64_t piece = 0;           // elements of one process's padded piece
+  int64_t reduce_piece = 0;    // the same for the packed reduction: the parameters without a reduction of their own
   at::ScalarType compute;      // of the whole parameters: the policy's param_dtype, else `dtype`
   at::ScalarType reduce;       // of the gradients' reduction: reduce_dtype, else `compute`
 };
@@ -295,13 +300,17 @@ struct FsdpEngineImpl : std::enable_shared_from_this<FsdpEngineImpl> {
   bool callback_queued = false;
   bool require_sync = true;  // false inside no_sync
   struct InFlight {
-    Unit* unit;
-    DtypeGroup* group;
+    Unit* unit = nullptr;
+    DtypeGroup* group = nullptr;
+    std::vector<size_t> slots;  // the parameters it reduces, as positions in `group->params`
+    bool packed = true;  // the group's packed reduction, which carries every parameter's flag; else one parameter's own
     at::Tensor mine;   // this process's piece of the sum, once waited for
     at::Tensor input;  // the whole gradients, alive until then
     PendingCollective pending;
     double post_divide = 1;  // what the sum is divided by once it arrived (Note [Dividing an fp16 sum])
-    bool had_every_gradient = false;  // this process had them all: every flag's sum is positive
+    bool had_every_gradient = false;  // this process had the group's every gradient: every flag's sum is positive
+    bool mine_is_gradient = false;    // `mine` becomes the shard's gradient as it is (not from the pool)
+    bool input_shared = false;        // someone else still holds the gradient lent from `input`
   };
   std::vector<InFlight> in_flight;  // reductions started and not finished
   std::unordered_map<const void*, std::pair<size_t, size_t>> where;  // parameter → (unit, index)
@@ -329,6 +338,7 @@ struct FsdpEngineImpl : std::enable_shared_from_this<FsdpEngineImpl> {
   void end_of_backward();
   void lend_gradient_buffers(Unit& unit);
   at::Tensor take_whole_gradient(ShardedParam& p);
+  bool take_own_gradient(ShardedParam& p, bool& shared);
   void reduce(Unit& unit);
   void finish_reductions();
   at::Tensor whole_value(const ShardedParam& p);
@@ -355,6 +365,9 @@ struct FsdpEngineImpl : std::enable_shared_from_this<FsdpEngineImpl> {
 namespace {
 
 constexpr const char* kApi = "FullyShardedDataParallel";
+// A parameter whose padded gradient is at least this large is reduced from the buffer autograd
+// wrote it into (Note [Reducing large gradients where autograd wrote them]).
+constexpr size_t kOwnReductionBytes = size_t{1} << 20;
 
 }  // namespace
 
@@ -702,11 +715,25 @@ void FsdpEngineImpl::pre_backward(size_t index) {
 // buffer whose version did not move received nothing: its parameter had no gradient in this pass
 // and gets none. Inside no_sync the whole gradients outlive the pass (they accumulate), and
 // autograd allocates them as before; so it does when the backward builds a graph of its own
-// (create_graph), where it replaces the `.grad` instead of adding into it.
+// (create_graph), where it replaces the `.grad` instead of adding into it. A large parameter's
+// buffer is its reduction's input itself (Note [Reducing large gradients where autograd wrote
+// them]).
 void FsdpEngineImpl::lend_gradient_buffers(Unit& unit) {
   torch::NoGradGuard no_grad;
   for (auto& p : unit.params) {
-    if (!p.param.requires_grad() || p.pending_grad.defined()) continue;
+    if (!p.param.requires_grad()) continue;
+    if (p.own_reduction) {
+      // The reduction's input, zeroed (its padding rows are sent as they are); its first elements
+      // are the whole gradient. A view shares its base's version, and nothing else writes the base.
+      p.reduce_input = pool.empty(p.shard_rows * p.row_numel * world, p.param.options());
+      p.reduce_input.zero_();
+      at::Tensor view = p.reduce_input.narrow(0, 0, p.param.numel()).view(p.param.sizes());
+      p.lent_version = static_cast<int64_t>(view._version());
+      p.lent_grad = view;
+      p.param.mutable_grad() = view;
+      continue;
+    }
+    if (p.pending_grad.defined()) continue;
     at::Tensor buffer = pool.empty(p.param.numel(), p.param.options());
     buffer.unsafeGetTensorImpl()->set_sizes_contiguous(p.param.sizes());  // a view would keep the flat one alive
     buffer.zero_();
@@ -758,6 +785,51 @@ void FsdpEngineImpl::end_of_backward() {
   finish_reductions();
 }
 
+// Note [Reducing large gradients where autograd wrote them]
+// A unit's gradients are reduced in one collective per dtype group: each process's piece holds
+// its rows of every parameter, so every whole gradient is copied into a flat buffer first, and
+// both are alive until the copy is done (a unit's gradients twice). A parameter whose padded
+// gradient is 1 MiB or more is reduced on its own instead: the buffer lent as its `.grad` (Note
+// [Lending gradient buffers]) is that collective's input, its whole gradient followed by the
+// padding rows, so that process r's piece is rows r·shard_rows onwards, as the shards are cut.
+// Autograd adds into it in place, and the collective sends it as it is: no copy, and no second
+// buffer. Its piece of the sum becomes the shard's gradient as it is when the shards are kept in
+// the reduction's dtype on the job's device. Whether it had a gradient travels among the flags of
+// its group's packed reduction (Note [Which parameters had a gradient]), which also reduces the
+// smaller parameters as before. A group whose reduction is in another dtype than its gradients
+// (reduce_dtype) keeps every parameter in the packed reduction, which casts them as it copies.
+
+// Leaves `p`'s whole gradient of this pass, and whatever no_sync accumulated, in the first
+// elements of `p.reduce_input` (zeros where there was none); true when there was some. `shared`:
+// something besides the engine still holds the buffer lent as the gradient.
+bool FsdpEngineImpl::take_own_gradient(ShardedParam& p, bool& shared) {
+  at::Tensor whole = p.param.grad();
+  p.param.mutable_grad() = at::Tensor();
+  at::Tensor lent = std::exchange(p.lent_grad, at::Tensor());
+  if (!p.reduce_input.defined()) {  // nothing was lent (the pass began inside no_sync)
+    p.reduce_input = pool.empty(p.shard_rows * p.row_numel * world, p.param.options());
+    p.reduce_input.zero_();
+  }
+  auto target = p.reduce_input.narrow(0, 0, p.param.numel());
+  bool had = false;
+  if (whole.defined() && whole.is_same(lent)) {
+    had = static_cast<int64_t>(whole._version()) != p.lent_version;
+  } else if (whole.defined()) {
+    // Autograd replaced the lent buffer instead of adding into it (a backward with create_graph).
+    target.copy_(whole.reshape({-1}));
+    had = true;
+  }
+  if (p.pending_grad.defined()) {
+    target.add_(p.pending_grad.reshape({-1}));
+    pool.release(p.pending_grad);
+    had = true;
+  }
+  whole = at::Tensor();
+  lent = at::Tensor();
+  shared = p.reduce_input.storage().use_count() > 1;
+  return had;
+}
+
 void FsdpEngineImpl::reduce(Unit& unit) {
   torch::NoGradGuard no_grad;
   const bool sync = require_sync;
@@ -773,6 +845,7 @@ void FsdpEngineImpl::reduce(Unit& unit) {
     const bool upcast = !sync && c10::elementSize(group.reduce) > c10::elementSize(group.compute);
     for (size_t i : group.params) {
       auto& p = unit.params[i];
+      if (sync && p.own_reduction) continue;  // taken where autograd wrote it, below
       at::Tensor whole = take_whole_gradient(p);
       if (!whole.defined()) continue;
       if (p.pending_grad.defined()) {
@@ -798,42 +871,6 @@ void FsdpEngineImpl::reduce(Unit& unit) {
     bool any = false;
     for (size_t i : group.params) any = any || unit.params[i].param.requires_grad();
     if (!any) continue;
-    // Zeros only where nothing is written: the padding rows, and parameters without a gradient.
-    // Every process's piece ends with one flag per parameter (Note [Which parameters had a gradient]).
-    std::vector<float> had;
-    for (size_t i : group.params) had.push_back(unit.params[i].pending_grad.defined() ? 1.f : 0.f);
-    const bool complete = std::find(had.begin(), had.end(), 0.f) == had.end();
-    const auto flags = static_cast<int64_t>(had.size());
-    const int64_t stride = group.piece + flags;
-    auto input = pool.empty(shard ? stride * world : stride, options);
-    if (!complete) input.zero_();
-    auto by_rank = input.view({shard ? world : 1, stride});
-    by_rank.narrow(1, group.piece, flags).copy_(at::tensor(had).to(options));  // the same flags in every piece
-    if (complete && shard) {
-      for (size_t i : group.params) {
-        const auto& p = unit.params[i];
-        for (int r = 0; r < world; ++r) {
-          const int64_t n = rows_of(p, r);
-          if (n < p.shard_rows) by_rank[r].narrow(0, p.offset + n * p.row_numel, (p.shard_rows - n) * p.row_numel).zero_();
-        }
-      }
-    }
-    for (size_t i : group.params) {
-      auto& p = unit.params[i];
-      if (!p.pending_grad.defined()) continue;
-      auto rows = p.pending_grad.reshape({p.rows, p.row_numel});
-      if (!shard) {
-        input.narrow(0, p.offset, p.rows * p.row_numel).copy_(rows.reshape({-1}));
-        continue;
-      }
-      for (int r = 0; r < world; ++r) {
-        const int64_t n = rows_of(p, r);
-        if (n > 0) {
-          by_rank[r].narrow(0, p.offset, n * p.row_numel).copy_(rows.narrow(0, r * p.shard_rows, n).reshape({-1}));
-        }
-      }
-    }
-    for (size_t i : group.params) pool.release(unit.params[i].pending_grad);  // `input` holds them now
     // Note [Dividing an fp16 sum]
     // The processes' gradients are averaged: summed by the collective, then divided by their
     // number. fp16 overflows above 65504, so a sum of N fp16 gradients, each of which fits, can
@@ -846,9 +883,83 @@ void FsdpEngineImpl::reduce(Unit& unit) {
     double pre = 1;
     if (group.reduce == at::kHalf) {
       while (pre * pre < total) pre *= 2;
-      if (pre > 1) input.div_(pre);
     }
-    InFlight reduction{&unit, &group, at::Tensor(), input, {}, total / pre, complete};
+    const size_t first = in_flight.size();
+    // Every process's packed piece ends with one flag per parameter of the group (Note [Which
+    // parameters had a gradient]).
+    std::vector<float> had(group.params.size(), 0.f);
+    std::vector<size_t> packed;  // positions in group.params
+    for (size_t j = 0; j < group.params.size(); ++j) {
+      auto& p = unit.params[group.params[j]];
+      if (!p.own_reduction) {
+        packed.push_back(j);
+        had[j] = p.pending_grad.defined() ? 1.f : 0.f;
+        continue;
+      }
+      if (!p.param.requires_grad()) continue;
+      // Note [Reducing large gradients where autograd wrote them]
+      bool shared = false;
+      had[j] = take_own_gradient(p, shared) ? 1.f : 0.f;
+      InFlight reduction;
+      reduction.unit = &unit;
+      reduction.group = &group;
+      reduction.slots = {j};
+      reduction.packed = false;
+      reduction.input = std::exchange(p.reduce_input, at::Tensor());
+      reduction.input_shared = shared;
+      reduction.post_divide = total / pre;
+      if (pre > 1) reduction.input.div_(pre);
+      const int64_t stride = p.shard_rows * p.row_numel;
+      reduction.mine_is_gradient = !p.grad_at_rest.defined() && p.shard.scalar_type() == group.reduce &&
+                                   p.shard.device() == state.device();
+      reduction.mine = reduction.mine_is_gradient ? at::empty({stride}, options) : pool.empty(stride, options);
+      reduction.pending = reduce_scatter_sum_async(state, reduction.mine, reduction.input, kApi);
+      in_flight.push_back(std::move(reduction));
+    }
+    bool complete = true;  // every packed parameter has a gradient: only padding needs zeros
+    for (size_t j : packed) complete = complete && had[j] > 0;
+    const auto flags = static_cast<int64_t>(had.size());
+    const int64_t stride = group.reduce_piece + flags;
+    auto input = pool.empty(shard ? stride * world : stride, options);
+    if (!complete) input.zero_();
+    auto by_rank = input.view({shard ? world : 1, stride});
+    by_rank.narrow(1, group.reduce_piece, flags).copy_(at::tensor(had).to(options));  // the same flags in every piece
+    if (complete && shard) {
+      for (size_t j : packed) {
+        const auto& p = unit.params[group.params[j]];
+        for (int r = 0; r < world; ++r) {
+          const int64_t n = rows_of(p, r);
+          if (n < p.shard_rows) {
+            by_rank[r].narrow(0, p.reduce_offset + n * p.row_numel, (p.shard_rows - n) * p.row_numel).zero_();
+          }
+        }
+      }
+    }
+    for (size_t j : packed) {
+      auto& p = unit.params[group.params[j]];
+      if (!p.pending_grad.defined()) continue;
+      auto rows = p.pending_grad.reshape({p.rows, p.row_numel});
+      if (!shard) {
+        input.narrow(0, p.reduce_offset, p.rows * p.row_numel).copy_(rows.reshape({-1}));
+        continue;
+      }
+      for (int r = 0; r < world; ++r) {
+        const int64_t n = rows_of(p, r);
+        if (n > 0) {
+          by_rank[r]
+              .narrow(0, p.reduce_offset, n * p.row_numel)
+              .copy_(rows.narrow(0, r * p.shard_rows, n).reshape({-1}));
+        }
+      }
+    }
+    for (size_t j : packed) pool.release(unit.params[group.params[j]].pending_grad);  // `input` holds them now
+    if (pre > 1) input.div_(pre);
+    InFlight reduction;
+    reduction.unit = &unit;
+    reduction.group = &group;
+    reduction.slots = std::move(packed);
+    reduction.input = input;
+    reduction.post_divide = total / pre;
     if (shard) {
       reduction.mine = pool.empty(stride, options);
       reduction.pending = reduce_scatter_sum_async(state, reduction.mine, reduction.input, kApi);
@@ -856,6 +967,8 @@ void FsdpEngineImpl::reduce(Unit& unit) {
       reduction.mine = all_reduce(state, input, Reduction::kSum, kApi);
     }
     in_flight.push_back(std::move(reduction));
+    const bool every = std::find(had.begin(), had.end(), 0.f) == had.end();
+    for (size_t k = first; k < in_flight.size(); ++k) in_flight[k].had_every_gradient = every;
   }
 }
 
@@ -871,20 +984,26 @@ void FsdpEngineImpl::finish_reductions() {
       r.mine = all_reduce(*replicas, r.mine, Reduction::kSum, kApi);
     }
     r.mine.div_(r.post_divide);
-    // Note [Which parameters had a gradient]
-    // A parameter that took no part in the pass has no gradient on one process, and under
-    // `fully_shard` gets none: the optimizer then leaves it alone (AdamW neither decays nor moves
-    // it). Whether some process had one is known only together, and a process's piece of the sum
-    // cannot say it (a gradient may sum to exactly zero), so each process appends a flag per
-    // parameter, 1 when it had a gradient, to every piece it contributes: the reduction sums them
-    // with the gradients, and a parameter whose flags sum to zero gets no gradient, on every
-    // process alike. The flags are read only when this process lacked a gradient: otherwise each
-    // sum is at least its own 1, and reading them would wait for the device.
-    at::Tensor had;
-    if (!r.had_every_gradient) {
-      had = r.mine.narrow(0, r.group->piece, static_cast<int64_t>(r.group->params.size())).to(at::kCPU, at::kFloat);
-    }
-    for (size_t j = 0; j < r.group->params.size(); ++j) {
+  }
+  // Note [Which parameters had a gradient]
+  // A parameter that took no part in the pass has no gradient on one process, and under
+  // `fully_shard` gets none: the optimizer then leaves it alone (AdamW neither decays nor moves
+  // it). Whether some process had one is known only together, and a process's piece of the sum
+  // cannot say it (a gradient may sum to exactly zero), so each process appends a flag per
+  // parameter, 1 when it had a gradient, to every piece of its group's packed reduction: the
+  // reduction sums them with the gradients, and a parameter whose flags sum to zero gets no
+  // gradient, on every process alike. The flags are read only when this process lacked a
+  // gradient: otherwise each sum is at least its own 1, and reading them would wait for the device.
+  std::unordered_map<const DtypeGroup*, at::Tensor> had_by_group;
+  for (auto& r : done) {
+    if (!r.packed || r.had_every_gradient) continue;
+    const auto flags = static_cast<int64_t>(r.group->params.size());
+    had_by_group[r.group] = r.mine.narrow(0, r.group->reduce_piece, flags).to(at::kCPU, at::kFloat);
+  }
+  for (auto& r : done) {
+    auto found = had_by_group.find(r.group);
+    const at::Tensor had = found == had_by_group.end() ? at::Tensor() : found->second;
+    for (size_t j : r.slots) {
       auto& p = r.unit->params[r.group->params[j]];
       if (!p.param.requires_grad()) continue;
       if (had.defined() && !(had.data_ptr<float>()[j] > 0)) {
@@ -893,10 +1012,13 @@ void FsdpEngineImpl::finish_reductions() {
         continue;
       }
       const int64_t n = shard ? rows_of(p, rank) : p.rows;
-      auto reduced = r.mine.narrow(0, p.offset, n * p.row_numel).view(p.shard.sizes());
+      const int64_t offset = r.packed ? p.reduce_offset : 0;
+      auto reduced = r.mine.narrow(0, offset, n * p.row_numel).view(p.shard.sizes());
       if (p.grad_at_rest.defined()) {
         p.grad_at_rest.add_(reduced.to(p.grad_at_rest.device()));
         p.param.mutable_grad() = p.grad_at_rest;
+      } else if (r.mine_is_gradient) {
+        p.param.mutable_grad() = reduced;
       } else {
         // In the shards' dtype and on their device (the CPU when offloaded), where the optimizer
         // steps them (a copy either way: `mine` goes back to the pool).
@@ -905,8 +1027,13 @@ void FsdpEngineImpl::finish_reductions() {
       }
       p.grad_at_rest = at::Tensor();
     }
-    pool.reclaim(r.input);
-    if (shard) pool.reclaim(r.mine);
+    // A lent gradient someone else still holds keeps its buffer out of the pool.
+    if (r.input_shared) {
+      pool.release(r.input);
+    } else {
+      pool.reclaim(r.input);
+    }
+    if (shard && !r.mine_is_gradient) pool.reclaim(r.mine);
   }
 }
 
@@ -1168,12 +1295,23 @@ FsdpEngine::FsdpEngine(std::shared_ptr<torch::nn::Module> module, const PartialS
         const auto dtype = p.param.scalar_type();
         const auto compute = compute_dtype(dtype);
         const auto reduce = at::isFloatingType(dtype) && e.settings.reduce_dtype ? *e.settings.reduce_dtype : compute;
-        unit.groups.push_back(DtypeGroup{dtype, {}, 0, compute, reduce});
+        unit.groups.push_back(DtypeGroup{dtype, {}, 0, 0, compute, reduce});
         it = std::prev(unit.groups.end());
       }
       it->params.push_back(i);
       p.offset = it->piece;
       it->piece += e.shard ? p.shard_rows * p.row_numel : p.rows * p.row_numel;
+    }
+    for (auto& group : unit.groups) {
+      for (size_t i : group.params) {
+        auto& p = unit.params[i];
+        const auto padded_bytes =
+            static_cast<size_t>(p.shard_rows * p.row_numel * e.world) * c10::elementSize(group.compute);
+        p.own_reduction = e.shard && group.reduce == group.compute && padded_bytes >= kOwnReductionBytes;
+        if (p.own_reduction) continue;
+        p.reduce_offset = group.reduce_piece;
+        group.reduce_piece += e.shard ? p.shard_rows * p.row_numel : p.rows * p.row_numel;
+      }
     }
     bool cast = false;  // a parameter computes in another dtype than it is kept in
     for (auto& p : unit.params) {

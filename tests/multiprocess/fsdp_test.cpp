@@ -37,7 +37,7 @@ TEST_P(FsdpLaunch, EndsWhereOneProcessEndsOnTheWholeBatches) {
   EXPECT_THAT(r->out, HasSubstr("[rank0]: " + GetParam().says)) << r->out;
 }
 
-// Of the model's 2117 parameters, a process sharding over 2 holds 1071 and over 4, 548.
+// Of the model's 540566 parameters, a process sharding over 2 holds 270308 and over 4, 135179.
 INSTANTIATE_TEST_SUITE_P(
     Jobs, FsdpLaunch,
     ::testing::Values(
@@ -78,16 +78,16 @@ INSTANTIATE_TEST_SUITE_P(
             {"-n", "4", "--use_fsdp", "--use_parallelism_config", "--parallelism_config_dp_replicate_size", "2",
              "--parallelism_config_dp_shard_size", "2", "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP",
              "--fsdp_transformer_layer_cls_to_wrap", "Block"},
-            "fsdp: OK (FULL_SHARD, 4 processes, 1071 of 2117 parameters"},
+            "fsdp: OK (FULL_SHARD, 4 processes, 270308 of 540566 parameters"},
         Job{"PrefetchingFourProcesses", {"-n", "4", "--use_fsdp", "--fsdp_backward_prefetch", "BACKWARD_PRE",
                                          "--fsdp_forward_prefetch", "true", "--fsdp_auto_wrap_policy",
                                          "TRANSFORMER_BASED_WRAP", "--fsdp_transformer_layer_cls_to_wrap", "Block"}},
         Job{"FullShardFourProcessesHoldAQuarter", {"-n", "4", "--use_fsdp"},
-            "fsdp: OK (FULL_SHARD, 4 processes, 548 of 2117 parameters"},
+            "fsdp: OK (FULL_SHARD, 4 processes, 135179 of 540566 parameters"},
         Job{"HybridZero2Accumulation",
             {"-n", "4", "--fsdp_sharding_strategy", "_HYBRID_SHARD_ZERO2", "--parallelism_config_dp_replicate_size",
              "2", "--gradient_accumulation_steps", "2"},
-            "fsdp: OK (_HYBRID_SHARD_ZERO2, 4 processes, 1071 of 2117 parameters"}),
+            "fsdp: OK (_HYBRID_SHARD_ZERO2, 4 processes, 270308 of 540566 parameters"}),
     [](const ::testing::TestParamInfo<Job>& info) { return std::string(info.param.name); });
 
 TEST(FsdpLaunch, AConfigFileWithDistributedTypeFsdpShardsTheModel) {
@@ -160,7 +160,7 @@ TEST(FsdpLaunch, HybridShardShardsWithinEachOfTwoMachinesAndReplicatesAcrossThem
   machine1.wait(240);
   ASSERT_EQ(machine0.exit_code(), 0) << machine0.out << machine0.err;
   ASSERT_EQ(machine1.exit_code(), 0) << machine1.out << machine1.err;
-  EXPECT_THAT(machine0.out, HasSubstr("[rank0]: fsdp: OK (HYBRID_SHARD, 4 processes, 1071 of 2117 parameters"))
+  EXPECT_THAT(machine0.out, HasSubstr("[rank0]: fsdp: OK (HYBRID_SHARD, 4 processes, 270308 of 540566 parameters"))
       << machine0.out;
 }
 
@@ -175,14 +175,15 @@ TEST(FsdpLaunch, ActivationCheckpointingWithoutWrappedUnitsFailsTheLaunchNamingI
 }
 
 TEST(FsdpLaunch, AUnitWhoseModuleIsCalledDirectlyFailsTheBackwardNamingIt) {
-  // 500 makes each block's Linear a unit, which the block calls as fc(x), past its hook.
+  // 500 makes each small block's Linear a unit, which the block calls as fc(x), past its hook (the
+  // last block calls its own through accelerate::forward).
   TempDir dir;
   auto r = run({accelerate_bin(), "launch", "-n", "2", "--main_process_port", "0", "--fsdp_sharding_strategy",
                 "NO_SHARD", "--fsdp_auto_wrap_policy", "SIZE_BASED_WRAP", "--fsdp_min_num_params", "500",
                 built("tests/mp_fsdp"), dir.str()},
                120);
   EXPECT_NE(r->exit_code(), 0);
-  EXPECT_THAT(r->err, HasSubstr("the parameters of unit blocks.2.fc got gradients")) << r->err;
+  EXPECT_THAT(r->err, HasSubstr("the parameters of unit blocks.1.fc got gradients")) << r->err;
   EXPECT_THAT(r->err, HasSubstr("accelerate::forward")) << r->err;
 }
 

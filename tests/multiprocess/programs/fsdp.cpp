@@ -1,6 +1,6 @@
 // A program for the fully sharded launcher tests. It reads its settings from the environment that
 // `accelerate launch --use_fsdp --fsdp_* [--gradient_accumulation_steps N] [--mixed_precision
-// bf16]` gives it, trains a small model of two blocks with AdamW through the Accelerator — every
+// bf16]` gives it, trains a small model of three blocks with AdamW through the Accelerator — every
 // process on its own rows of each batch — and checks it ends where one process ends when it
 // trains the same model on the whole batches (the same accumulation, the same autocast). It also
 // checks that the processes hold only shards (unless NO_SHARD) and that save_model writes the
@@ -25,18 +25,37 @@ namespace acc = accelerate;
 
 namespace {
 
+// A block of one Linear(24, 24), or with `hidden` > 0 a wide one: Linear(24, hidden) and a weight
+// `mix` of 24 × hidden, each using 24 of the hidden features, spread from the first to the last
+// (so that every process's rows of both weights get gradients, while no sum runs over `hidden`
+// terms, whose rounding AdamW would magnify).
 struct BlockImpl : torch::nn::Module {
-  BlockImpl() : fc(register_module("fc", torch::nn::Linear(24, 24))) {}
-  torch::Tensor forward(const torch::Tensor& x) { return torch::tanh(fc(x)) + x; }
-  torch::nn::Linear fc;
+  explicit BlockImpl(int64_t hidden = 0) {
+    if (hidden == 0) {
+      fc = register_module("fc", torch::nn::Linear(24, 24));
+      return;
+    }
+    up = register_module("up", torch::nn::Linear(24, hidden));
+    mix = register_parameter("mix", torch::zeros({24, hidden}));
+    used = torch::linspace(0, static_cast<double>(hidden - 1), 24).to(torch::kLong);
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    if (fc) return torch::tanh(fc(x)) + x;
+    auto h = torch::tanh(acc::forward(up, x)).index_select(1, used.to(x.device()));
+    return torch::tanh(h.matmul(mix.index_select(1, used.to(x.device())).t())) + x;
+  }
+  torch::nn::Linear fc{nullptr}, up{nullptr};
+  torch::Tensor mix, used;
 };
 TORCH_MODULE(Block);
 
 // Row counts that 2 and 4 processes do not divide evenly (24 and 5 rows, 21 and 3 in the biases).
+// The last block's two weights are just over 1 MiB each, so each is reduced on its own, from the
+// buffer lent as its gradient: `up`'s 11001 rows divide by neither, `mix`'s 24 by both.
 struct NetImpl : torch::nn::Module {
   NetImpl()
       : embed(register_module("embed", torch::nn::Linear(7, 24))),
-        blocks(register_module("blocks", torch::nn::Sequential(Block(), Block(), Block()))),
+        blocks(register_module("blocks", torch::nn::Sequential(Block(), Block(), Block(11001)))),
         head(register_module("head", torch::nn::Linear(24, 5))) {}
   torch::Tensor forward(const torch::Tensor& x) { return head(acc::forward(blocks, embed(x))); }
   torch::nn::Linear embed;
