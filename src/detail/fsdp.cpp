@@ -299,6 +299,7 @@ struct FsdpEngineImpl : std::enable_shared_from_this<FsdpEngineImpl> {
   int rank = 0;
   bool callback_queued = false;
   bool require_sync = true;  // false inside no_sync
+  bool overlap_reductions = true;  // Note [When a reduction overlaps the backward pass]
   struct InFlight {
     Unit* unit = nullptr;
     DtypeGroup* group = nullptr;
@@ -694,6 +695,7 @@ void FsdpEngineImpl::pre_backward(size_t index) {
     auto self = shared_from_this();
     torch::autograd::Engine::get_default_engine().queue_callback([self] { self->end_of_backward(); });
   }
+  if (!overlap_reductions) finish_reductions();  // Note [When a reduction overlaps the backward pass]
   gather(unit);
   for (auto& p : unit.params) {
     p.grad_at_rest = p.param.grad();
@@ -863,8 +865,15 @@ void FsdpEngineImpl::reduce(Unit& unit) {
     for (auto& p : unit.params) p.param.mutable_grad() = p.grad_at_rest, p.grad_at_rest = at::Tensor();
     return;
   }
-  // One unit's reduction travels while the backward pass goes on to the next unit; the one
-  // before it is finished first, so at most one unit's whole gradients wait in a buffer.
+  // Note [When a reduction overlaps the backward pass]
+  // On a GPU, or between machines, a unit's reduction travels while the backward pass goes on to
+  // the next unit (the device's or the network's work beside the computation, as in PyTorch's
+  // FSDP); the one before it is finished first, so at most one unit's whole gradients wait in a
+  // buffer. When every process computes on the CPU of one machine, the collective's copies and
+  // sums take the same cores as the computation, and the overlap buys no time: the reduction is
+  // finished before the next unit's backward begins (pre_backward), and the next unit's whole
+  // gradients never share the memory with it (W9 at 4 processes: a peak some 20 MiB lower at the
+  // same rate; bench/README.md).
   finish_reductions();
   for (auto& group : unit.groups) {
     auto options = at::TensorOptions().dtype(group.reduce).device(state.device());
@@ -1128,6 +1137,7 @@ FsdpEngine::FsdpEngine(std::shared_ptr<torch::nn::Module> module, const PartialS
   e.rank = e.state.process_index();
   e.shard = e.settings.sharding_strategy != FsdpShardingStrategy::kNoShard;
   e.offload = e.settings.cpu_offload && !state.device().is_cpu();
+  e.overlap_reductions = !state.device().is_cpu() || state.local_num_processes() < state.num_processes();
   auto& root = *e.module;
 
   // Materialise meta-device tensors (cpu_ram_efficient_loading, or a model built on meta). A
