@@ -281,9 +281,9 @@ bool all_equal(const torch::Tensor& grad, float value) {
 
 // Parameters of 2 elements, and of 2^18 + 3 (just over 1 MiB: each is reduced on its own, from the
 // buffer lent as its gradient, and its rows do not divide by 2).
-class FullyShardedUnusedParameters : public ::testing::TestWithParam<int64_t> {};
+class FullyShardedGradients : public ::testing::TestWithParam<int64_t> {};
 
-TEST_P(FullyShardedUnusedParameters, AParameterThatTookNoPartInAPassGetsNoGradientAndTheOptimizerLeavesIt) {
+TEST_P(FullyShardedGradients, AParameterThatTookNoPartInAPassGetsNoGradientAndTheOptimizerLeavesIt) {
   // As under `fully_shard` and on one process, a parameter that no process used in a pass gets
   // no gradient, and AdamW leaves it alone (no decay, no momentum); one that some process used
   // gets the average on every process. (The engine lends every parameter a zeroed gradient
@@ -320,7 +320,29 @@ TEST_P(FullyShardedUnusedParameters, AParameterThatTookNoPartInAPassGetsNoGradie
   EXPECT_EQ(spare_one, std::vector<int>(2, 1)) << "used by one process: both processes hold its gradient";
 }
 
-INSTANTIATE_TEST_SUITE_P(SmallAndLarge, FullyShardedUnusedParameters, ::testing::Values(int64_t{2}, (int64_t{1} << 18) + 3));
+TEST_P(FullyShardedGradients, ABackwardThatBuildsAGraphGivesTheSameAveragedGradients) {
+  // With create_graph autograd replaces a parameter's `.grad` instead of adding into the buffer
+  // the engine lent: the replacement is what gets reduced.
+  const int64_t numel = GetParam();
+  std::vector<int> w_grad(2, -1), spare_grad(2, -1);
+  run_accelerators(
+      2,
+      [&](const Accelerator& acc, int rank) {
+        Sometimes net(numel);
+        net->use_spare = true;
+        auto [model, opt] =
+            acc.prepare(net, std::make_shared<torch::optim::AdamW>(net->parameters(), torch::optim::AdamWOptions(0.1)));
+        // Process r's input is r + 1: the average is 1.5 for both parameters.
+        model(torch::full({numel}, static_cast<float>(rank + 1))).backward({}, /*retain_graph=*/false, /*create_graph=*/true);
+        w_grad[rank] = all_equal(net->w.grad(), 1.5f) ? 1 : 0;
+        spare_grad[rank] = all_equal(net->spare.grad(), 1.5f) ? 1 : 0;
+      },
+      {.fsdp_plugin = FullyShardedDataParallelPlugin{}});
+  EXPECT_EQ(w_grad, std::vector<int>(2, 1));
+  EXPECT_EQ(spare_grad, std::vector<int>(2, 1));
+}
+
+INSTANTIATE_TEST_SUITE_P(SmallAndLarge, FullyShardedGradients, ::testing::Values(int64_t{2}, (int64_t{1} << 18) + 3));
 
 TEST(FullyShardedDataParallel, AnOptimizerWithStateFromBeforePrepareIsRefusedNamingWhy) {
   // Its moments have the whole parameters' shapes; after prepare the parameters hold shards.
