@@ -211,7 +211,8 @@ struct ShardedParam {
   at::Tensor pending_grad;   // whole gradients accumulated inside no_sync
   at::Tensor lent_grad;      // the zeroed buffer given as `.grad` before the backward (Note [Lending gradient buffers])
   int64_t lent_version = 0;  // its version then: unchanged means autograd added nothing
-  int64_t offset = 0;        // in its dtype group's flat piece (the gather's)
+  int64_t offset = 0;        // in its dtype group's packed gather piece
+  bool own_gather = false;   // gathered on its own, straight into its whole storage (Note [Gathering large parameters in place])
   // Note [Reducing large gradients where autograd wrote them]
   bool own_reduction = false;  // reduced in a collective of its own, from the buffer lent as its `.grad`
   at::Tensor reduce_input;     // that collective's input: the whole gradient, then padding rows
@@ -235,7 +236,8 @@ namespace {
 struct DtypeGroup {
   at::ScalarType dtype;        // of the shards (what the optimizer steps)
   std::vector<size_t> params;  // indices into the unit's params
-  int64_t piece = 0;           // elements of one process's padded piece
+  int64_t piece = 0;           // elements of one process's padded piece of every parameter
+  int64_t gather_piece = 0;    // the same for the packed gather: the parameters without a gather of their own
   int64_t reduce_piece = 0;    // the same for the packed reduction: the parameters without a reduction of their own
   at::ScalarType compute;      // of the whole parameters: the policy's param_dtype, else `dtype`
   at::ScalarType reduce;       // of the gradients' reduction: reduce_dtype, else `compute`
@@ -247,6 +249,7 @@ struct GatherInFlight {
   at::Tensor piece;  // this process's rows, sent
   at::Tensor all;    // every process's, received
   PendingCollective pending;
+  std::optional<size_t> param;  // a parameter gathered on its own: `all` is its whole storage
 };
 
 struct Unit {
@@ -271,8 +274,8 @@ struct BufferPool {
   void give(size_t bytes, at::DataPtr data);
   // Frees the bytes of `t`'s storage into the pool (the tensor keeps its shape, with no data).
   void free_storage(const at::Tensor& t);
-  // Gives `t`'s storage its bytes again.
-  void allocate_storage(const at::Tensor& t);
+  // Gives `t`'s storage its bytes again (`bytes`, when more than `t` needs).
+  void allocate_storage(const at::Tensor& t, size_t bytes = 0);
   // A flat tensor of `numel` uninitialised elements.
   at::Tensor empty(int64_t numel, const at::TensorOptions& options);
   // Gives a tensor from `empty` back, when nothing else holds it.
@@ -407,9 +410,9 @@ void BufferPool::free_storage(const at::Tensor& t) {
   storage->set_nbytes(0);
 }
 
-void BufferPool::allocate_storage(const at::Tensor& t) {
+void BufferPool::allocate_storage(const at::Tensor& t, size_t bytes) {
   auto* storage = t.storage().unsafeGetStorageImpl();
-  const size_t bytes = static_cast<size_t>(t.numel()) * t.element_size();
+  bytes = std::max(bytes, static_cast<size_t>(t.numel()) * t.element_size());
   if (storage->nbytes() == bytes) return;
   storage->set_data_ptr_noswap(take(bytes, storage->allocator()));
   storage->set_nbytes(bytes);
@@ -592,6 +595,16 @@ int64_t choose_units(const FsdpSettings& s, const std::string& name, torch::nn::
 // process prefetches alike, since every process runs the same units in the same order, so the
 // collectives keep one order. A gather started ahead and never needed is waited for and freed
 // when the unit is resharded (at the end of the backward pass at the latest).
+//
+// Note [Gathering large parameters in place]
+// A dtype group's parameters are gathered in one collective: each process sends its rows of
+// every parameter in one piece, and every parameter's rows are then copied out of the gathered
+// buffer into its whole storage, rank by rank. A parameter whose padded size is 1 MiB or more is
+// gathered on its own instead, straight into its whole storage, made that large: the processes'
+// pieces arrive one after the other, rows r·shard_rows onwards from process r, so the first
+// `rows` rows are the parameter and only padding follows. Nothing is copied, and no gathered
+// buffer lives beside the whole parameter. (Its reduction mirrors this: Note [Reducing large
+// gradients where autograd wrote them].)
 bool FsdpEngineImpl::start_gather(Unit& unit) {
   if (unit.gathered || !unit.gathering.empty() || !shard) return false;
   for (const auto& other : units) {
@@ -602,17 +615,35 @@ bool FsdpEngineImpl::start_gather(Unit& unit) {
     const auto& group = unit.groups[g];
     // Gathered in the compute dtype: the cast happens on the shards, and half the bytes travel.
     auto options = at::TensorOptions().dtype(group.compute).device(state.device());
-    auto piece = pool.empty(group.piece, options);
+    // This process's rows of `p` at `offset` in `piece`, then zeros up to shard_rows.
+    const auto put_rows = [&](at::Tensor& piece, const ShardedParam& p, int64_t offset) {
+      const int64_t n = rows_of(p, rank) * p.row_numel;
+      if (n > 0) piece.narrow(0, offset, n).copy_(p.shard.reshape({-1}));
+      const int64_t padding = p.shard_rows * p.row_numel - n;
+      if (padding > 0) piece.narrow(0, offset + n, padding).zero_();
+    };
+    // Note [Gathering large parameters in place]
+    for (size_t i : group.params) {
+      auto& p = unit.params[i];
+      if (!p.own_gather) continue;
+      const int64_t stride = p.shard_rows * p.row_numel;
+      auto piece = pool.empty(stride, options);
+      put_rows(piece, p, 0);
+      pool.allocate_storage(p.full, static_cast<size_t>(stride * world) * p.full.element_size());
+      at::Tensor all = at::empty({0}, options);
+      all.set_(p.full.storage(), 0, {stride * world}, {1});
+      auto pending = all_gather_into_async(state, all, piece, kApi);
+      unit.gathering.push_back(GatherInFlight{g, piece, all, std::move(pending), i});
+    }
+    if (group.gather_piece == 0) continue;
+    auto piece = pool.empty(group.gather_piece, options);
     for (size_t i : group.params) {
       const auto& p = unit.params[i];
-      const int64_t n = rows_of(p, rank) * p.row_numel;
-      if (n > 0) piece.narrow(0, p.offset, n).copy_(p.shard.reshape({-1}));
-      const int64_t padding = p.shard_rows * p.row_numel - n;
-      if (padding > 0) piece.narrow(0, p.offset + n, padding).zero_();
+      if (!p.own_gather) put_rows(piece, p, p.offset);
     }
-    auto all = pool.empty(group.piece * world, options);
+    auto all = pool.empty(group.gather_piece * world, options);
     auto pending = all_gather_into_async(state, all, piece, kApi);
-    unit.gathering.push_back(GatherInFlight{g, piece, all, std::move(pending)});
+    unit.gathering.push_back(GatherInFlight{g, piece, all, std::move(pending), std::nullopt});
   }
   return true;
 }
@@ -626,10 +657,18 @@ void FsdpEngineImpl::finish_gather(Unit& unit) {
     wait_collective(state, flight.pending, kApi);
     flight.pending = PendingCollective{};  // the collective's references to the buffers go
     pool.reclaim(flight.piece);
+    if (flight.param) {
+      // Already in its whole storage: `all` is that storage, whose rows are the parameter's.
+      auto& p = unit.params[*flight.param];
+      flight.all = at::Tensor();
+      p.param.set_data(p.full);
+      continue;
+    }
     const auto& group = unit.groups[flight.group];
-    auto by_rank = flight.all.view({world, group.piece});
+    auto by_rank = flight.all.view({world, group.gather_piece});
     for (size_t i : group.params) {
       auto& p = unit.params[i];
+      if (p.own_gather) continue;
       pool.allocate_storage(p.full);
       auto rows = p.full.view({p.rows, p.row_numel});
       for (int r = 0; r < world; ++r) {
@@ -640,7 +679,9 @@ void FsdpEngineImpl::finish_gather(Unit& unit) {
       p.param.set_data(p.full);
     }
   }
-  for (auto& flight : started) pool.reclaim(flight.all);
+  for (auto& flight : started) {
+    if (!flight.param) pool.reclaim(flight.all);
+  }
 }
 
 std::optional<size_t> FsdpEngineImpl::neighbour(const std::vector<size_t>& order, size_t unit, bool after) {
@@ -1305,22 +1346,27 @@ FsdpEngine::FsdpEngine(std::shared_ptr<torch::nn::Module> module, const PartialS
         const auto dtype = p.param.scalar_type();
         const auto compute = compute_dtype(dtype);
         const auto reduce = at::isFloatingType(dtype) && e.settings.reduce_dtype ? *e.settings.reduce_dtype : compute;
-        unit.groups.push_back(DtypeGroup{dtype, {}, 0, 0, compute, reduce});
+        unit.groups.push_back(DtypeGroup{dtype, {}, 0, 0, 0, compute, reduce});
         it = std::prev(unit.groups.end());
       }
       it->params.push_back(i);
-      p.offset = it->piece;
       it->piece += e.shard ? p.shard_rows * p.row_numel : p.rows * p.row_numel;
     }
     for (auto& group : unit.groups) {
       for (size_t i : group.params) {
         auto& p = unit.params[i];
+        const int64_t stride = e.shard ? p.shard_rows * p.row_numel : p.rows * p.row_numel;
         const auto padded_bytes =
             static_cast<size_t>(p.shard_rows * p.row_numel * e.world) * c10::elementSize(group.compute);
-        p.own_reduction = e.shard && group.reduce == group.compute && padded_bytes >= kOwnReductionBytes;
+        p.own_gather = e.shard && padded_bytes >= kOwnReductionBytes;
+        if (!p.own_gather) {
+          p.offset = group.gather_piece;
+          group.gather_piece += stride;
+        }
+        p.own_reduction = p.own_gather && group.reduce == group.compute;
         if (p.own_reduction) continue;
         p.reduce_offset = group.reduce_piece;
-        group.reduce_piece += e.shard ? p.shard_rows * p.row_numel : p.rows * p.row_numel;
+        group.reduce_piece += stride;
       }
     }
     bool cast = false;  // a parameter computes in another dtype than it is kept in
