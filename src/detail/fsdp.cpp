@@ -343,6 +343,12 @@ struct FsdpEngineImpl : std::enable_shared_from_this<FsdpEngineImpl> {
   void lend_gradient_buffers(Unit& unit);
   at::Tensor take_whole_gradient(ShardedParam& p);
   bool take_own_gradient(ShardedParam& p, bool& shared);
+  // A zeroed input for `p`'s own reduction: every process's padded rows.
+  at::Tensor zeroed_reduce_input(const ShardedParam& p) {
+    at::Tensor out = pool.empty(p.shard_rows * p.row_numel * world, p.param.options());
+    out.zero_();
+    return out;
+  }
   void reduce(Unit& unit);
   void finish_reductions();
   at::Tensor whole_value(const ShardedParam& p);
@@ -369,9 +375,10 @@ struct FsdpEngineImpl : std::enable_shared_from_this<FsdpEngineImpl> {
 namespace {
 
 constexpr const char* kApi = "FullyShardedDataParallel";
-// A parameter whose padded gradient is at least this large is reduced from the buffer autograd
-// wrote it into (Note [Reducing large gradients where autograd wrote them]).
-constexpr size_t kOwnReductionBytes = size_t{1} << 20;
+// A parameter at least this large, padded, is gathered and reduced in collectives of its own
+// (Note [Gathering large parameters in place], Note [Reducing large gradients where autograd
+// wrote them]).
+constexpr size_t kOwnCollectiveBytes = size_t{1} << 20;
 
 }  // namespace
 
@@ -768,8 +775,7 @@ void FsdpEngineImpl::lend_gradient_buffers(Unit& unit) {
     if (p.own_reduction) {
       // The reduction's input, zeroed (its padding rows are sent as they are); its first elements
       // are the whole gradient. A view shares its base's version, and nothing else writes the base.
-      p.reduce_input = pool.empty(p.shard_rows * p.row_numel * world, p.param.options());
-      p.reduce_input.zero_();
+      p.reduce_input = zeroed_reduce_input(p);
       at::Tensor view = p.reduce_input.narrow(0, 0, p.param.numel()).view(p.param.sizes());
       p.lent_version = static_cast<int64_t>(view._version());
       p.lent_grad = view;
@@ -849,10 +855,7 @@ bool FsdpEngineImpl::take_own_gradient(ShardedParam& p, bool& shared) {
   at::Tensor whole = p.param.grad();
   p.param.mutable_grad() = at::Tensor();
   at::Tensor lent = std::exchange(p.lent_grad, at::Tensor());
-  if (!p.reduce_input.defined()) {  // nothing was lent (the pass began inside no_sync)
-    p.reduce_input = pool.empty(p.shard_rows * p.row_numel * world, p.param.options());
-    p.reduce_input.zero_();
-  }
+  if (!p.reduce_input.defined()) p.reduce_input = zeroed_reduce_input(p);  // nothing was lent
   auto target = p.reduce_input.narrow(0, 0, p.param.numel());
   bool had = false;
   if (whole.defined() && whole.is_same(lent)) {
@@ -1358,7 +1361,7 @@ FsdpEngine::FsdpEngine(std::shared_ptr<torch::nn::Module> module, const PartialS
         const int64_t stride = e.shard ? p.shard_rows * p.row_numel : p.rows * p.row_numel;
         const auto padded_bytes =
             static_cast<size_t>(p.shard_rows * p.row_numel * e.world) * c10::elementSize(group.compute);
-        p.own_gather = e.shard && padded_bytes >= kOwnReductionBytes;
+        p.own_gather = e.shard && padded_bytes >= kOwnCollectiveBytes;
         if (!p.own_gather) {
           p.offset = group.gather_piece;
           group.gather_piece += stride;
