@@ -43,7 +43,6 @@ def probe():
 
 
 def worker(args):
-    os.environ.setdefault("USE_LIBUV", "0")  # Debian's PyTorch is built without libuv
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one machine, as the C++ side's loopback device
     import torch
     import torch.distributed as dist

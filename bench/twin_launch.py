@@ -22,5 +22,7 @@ def run_as_workers(worker, nproc=2, threads=None):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
                    LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads))
+        # Debian's PyTorch 2.x is built without libuv, which its TCPStore asks for by default.
+        env.setdefault("USE_LIBUV", "0")
         procs.append(subprocess.Popen([sys.executable] + sys.argv, env=env))
     sys.exit(max(p.wait() for p in procs))
