@@ -552,6 +552,11 @@ int run_mpi_attempt(const LaunchPlan& plan, detail::Supervisor& supervisor,
     // the same. The user's own choice (OMPI_MCA_pml) is left alone; jobs over a host file keep
     // Open MPI's choice, which may be a faster network there.
     if (env.count("OMPI_MCA_pml") == 0) carrier.argv.insert(carrier.argv.end(), {"--mca", "pml", "ob1"});
+    // Note [Only shared memory on one machine]: every peer is on this machine, so the TCP
+    // transport has nobody to reach. Open MPI 5 still opens it, and on some machines every worker
+    // then printed "Unable to find reachable pairing between local and remote interfaces" at its
+    // first collective. The user's own choice (OMPI_MCA_btl) is left alone.
+    if (env.count("OMPI_MCA_btl") == 0) carrier.argv.insert(carrier.argv.end(), {"--mca", "btl", "^tcp"});
   }
   // The script travels in the command line: other machines have no copy of the launcher's files.
   carrier.argv.insert(carrier.argv.end(),
