@@ -186,11 +186,11 @@ PendingCollective all_gather_into_async(const PartialState& state, at::Tensor& o
   }
   verify_collective(state, api, input, ShapeCheck::kExact);
   auto pg = process_group(state, api);
-  // Gathering moves bits: bf16 values travel as fp16 ones of the same bits, which every back-end
-  // moves (Gloo of LibTorch 1.13 refuses bf16, and 16-bit integers too).
-  const bool as_bits = input.scalar_type() == at::kBFloat16;
-  at::Tensor in = as_bits ? input.view(at::kHalf) : input;
-  at::Tensor out = as_bits ? output.view(at::kHalf) : output;
+  // Gathering moves bits: 16-bit floats travel as their bytes, which every back-end moves (Gloo
+  // of LibTorch 1.13 refuses bf16 and 16-bit integers, that of 2.14 fp16 and bf16 alike).
+  const bool as_bytes = needs_float_path(input);
+  at::Tensor in = as_bytes ? input.view({-1}).view(at::kByte) : input;
+  at::Tensor out = as_bytes ? output.view({-1}).view(at::kByte) : output;
   if (compat::has_flat_collectives(*pg)) return {compat::all_gather_single(*pg, out, in), nullptr};
   // The list form, into views of `output` (Note [LibTorch releases]).
   std::vector<std::vector<at::Tensor>> outputs(1);
