@@ -15,11 +15,13 @@
 
 #include <sys/stat.h>
 
+#include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace accelerate::testing {
@@ -46,7 +48,7 @@ class HostPair {
         return;
       }
     }
-    ready_ = true;
+    ready_ = links_running();
   }
   ~HostPair() {
     for (size_t i = 0; i < created_.size(); ++i) kill_host(static_cast<int>(i));
@@ -117,6 +119,27 @@ class HostPair {
   bool restore_link(int host) const { return ip({"-n", names_.at(host), "link", "set", links_.at(host), "up"}); }
 
  private:
+  // Waits until both ends of the link report a carrier (operational state UP), as a machine's
+  // network is before a job starts. The kernel sets it a moment after `link set up`, and Open
+  // MPI 6 leaves out an interface without it ("administratively up but no carrier"), after which
+  // its processes cannot reach each other.
+  bool links_running() const {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    for (int i = 0; i < 2; ++i) {
+      while (true) {
+        auto r = run({"ip", "-n", names_[i], "-o", "link", "show", "dev", links_[i]}, 10);
+        if (r->exit_code() == 0 && r->out.find("state UP") != std::string::npos) break;
+        if (std::chrono::steady_clock::now() > deadline) {
+          why_ = "cannot make the hosts of the test bed: " + links_[i] + " has no carrier 10 s after it was set up: " +
+                 r->out + r->err;
+          return false;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+    }
+    return true;
+  }
+
   bool ip(const std::vector<std::string>& args) const {
     std::vector<std::string> argv = {"ip"};
     argv.insert(argv.end(), args.begin(), args.end());
