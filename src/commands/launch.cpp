@@ -20,6 +20,7 @@
 #include <filesystem>
 #include <iostream>
 #include <thread>
+#include <utility>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -534,12 +535,19 @@ int run_mpi_attempt(const LaunchPlan& plan, detail::Supervisor& supervisor,
     // Gloo does (Note [The address Gloo announces]); Open MPI's default tries every interface,
     // bridges and container networks included, and can hang on one the other machines do not
     // share. The user's own choice (OMPI_MCA_*_if_include / _exclude) is left alone.
+    // Open MPI 5 and later start their daemons with PRRTE (prterun beside mpirun), which calls the
+    // daemons' setting prte_if_include and warns on every job about oob_tcp_if_include.
     if (!detail::is_loopback_address(plan.main_process_ip)) {
       const std::string network =
           detail::network_of_address(detail::source_address_towards(plan.main_process_ip, port));
-      for (const char* component : {"btl_tcp", "oob_tcp"}) {
-        const std::string prefix = std::string("OMPI_MCA_") + component;
-        if (network.empty() || env.count(prefix + "_if_include") > 0 || env.count(prefix + "_if_exclude") > 0) continue;
+      const bool prrte = fs::exists(fs::path(plan.mpirun).parent_path() / "prterun");
+      const std::pair<const char*, const char*> settings[] = {{"btl_tcp", "OMPI_MCA_btl_tcp"},
+                                                              {prrte ? "prte" : "oob_tcp", "OMPI_MCA_oob_tcp"}};
+      for (const auto& [component, variable] : settings) {
+        auto chosen = [&](const std::string& prefix) {
+          return env.count(prefix + "_if_include") > 0 || env.count(prefix + "_if_exclude") > 0;
+        };
+        if (network.empty() || chosen(variable) || chosen(std::string("PRTE_MCA_") + component)) continue;
         carrier.argv.insert(carrier.argv.end(), {"--mca", std::string(component) + "_if_include", network});
       }
     }
