@@ -527,6 +527,8 @@ int run_mpi_attempt(const LaunchPlan& plan, detail::Supervisor& supervisor,
   }
   for (const auto& [k, v] : env) carrier.env.push_back(k + "=" + v);
   carrier.argv = {plan.mpirun, "-np", std::to_string(plan.num_processes), "--bind-to", "none"};
+  // Open MPI 5 and later (PRRTE's prterun beside mpirun) renamed settings the launcher passes.
+  const bool prrte = fs::exists(fs::path(plan.mpirun).parent_path() / "prterun");
   if (plan.mpirun_hostfile) {
     carrier.argv.insert(carrier.argv.end(), {"--hostfile", *plan.mpirun_hostfile});
     for (const auto& [k, v] : job) carrier.argv.insert(carrier.argv.end(), {"-x", k});
@@ -535,12 +537,11 @@ int run_mpi_attempt(const LaunchPlan& plan, detail::Supervisor& supervisor,
     // Gloo does (Note [The address Gloo announces]); Open MPI's default tries every interface,
     // bridges and container networks included, and can hang on one the other machines do not
     // share. The user's own choice (OMPI_MCA_*_if_include / _exclude) is left alone.
-    // Open MPI 5 and later start their daemons with PRRTE (prterun beside mpirun), which calls the
-    // daemons' setting prte_if_include and warns on every job about oob_tcp_if_include.
+    // Open MPI 5 and later start their daemons with PRRTE, which calls the daemons' setting
+    // prte_if_include and warns on every job about oob_tcp_if_include.
     if (!detail::is_loopback_address(plan.main_process_ip)) {
       const std::string network =
           detail::network_of_address(detail::source_address_towards(plan.main_process_ip, port));
-      const bool prrte = fs::exists(fs::path(plan.mpirun).parent_path() / "prterun");
       const std::pair<const char*, const char*> settings[] = {{"btl_tcp", "OMPI_MCA_btl_tcp"},
                                                               {prrte ? "prte" : "oob_tcp", "OMPI_MCA_oob_tcp"}};
       for (const auto& [component, variable] : settings) {
@@ -560,11 +561,16 @@ int run_mpi_attempt(const LaunchPlan& plan, detail::Supervisor& supervisor,
     // the same. The user's own choice (OMPI_MCA_pml) is left alone; jobs over a host file keep
     // Open MPI's choice, which may be a faster network there.
     if (env.count("OMPI_MCA_pml") == 0) carrier.argv.insert(carrier.argv.end(), {"--mca", "pml", "ob1"});
-    // Note [Only shared memory on one machine]: every peer is on this machine, so the TCP
-    // transport has nobody to reach. Open MPI 5 still opens it, and on some machines every worker
-    // then printed "Unable to find reachable pairing between local and remote interfaces" at its
-    // first collective. The user's own choice (OMPI_MCA_btl) is left alone.
-    if (env.count("OMPI_MCA_btl") == 0) carrier.argv.insert(carrier.argv.end(), {"--mca", "btl", "^tcp"});
+    // Note [Only shared memory on one machine]: every peer is on this machine, so the workers
+    // open only the shared-memory transport and the one to themselves ("vader", named "sm" from
+    // Open MPI 5 on), not the network ones, which have nobody to reach. Open MPI 5 still opened TCP,
+    // and on some machines every worker then printed "Unable to find reachable pairing between
+    // local and remote interfaces" at its first collective; and the libfabric ("ofi") and TCP
+    // transports left memory hooks behind that crashed the thread sanitizer's build when a
+    // thread ended. The user's own choice (OMPI_MCA_btl) is left alone.
+    if (env.count("OMPI_MCA_btl") == 0) {
+      carrier.argv.insert(carrier.argv.end(), {"--mca", "btl", prrte ? "self,sm" : "self,vader"});
+    }
   }
   // The script travels in the command line: other machines have no copy of the launcher's files.
   carrier.argv.insert(carrier.argv.end(),
