@@ -20,7 +20,6 @@
 #include <filesystem>
 #include <iostream>
 #include <thread>
-#include <utility>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -542,14 +541,15 @@ int run_mpi_attempt(const LaunchPlan& plan, detail::Supervisor& supervisor,
     if (!detail::is_loopback_address(plan.main_process_ip)) {
       const std::string network =
           detail::network_of_address(detail::source_address_towards(plan.main_process_ip, port));
-      const std::pair<const char*, const char*> settings[] = {{"btl_tcp", "OMPI_MCA_btl_tcp"},
-                                                              {prrte ? "prte" : "oob_tcp", "OMPI_MCA_oob_tcp"}};
-      for (const auto& [component, variable] : settings) {
-        auto chosen = [&](const std::string& prefix) {
-          return env.count(prefix + "_if_include") > 0 || env.count(prefix + "_if_exclude") > 0;
-        };
-        if (network.empty() || chosen(variable) || chosen(std::string("PRTE_MCA_") + component)) continue;
-        carrier.argv.insert(carrier.argv.end(), {"--mca", std::string(component) + "_if_include", network});
+      // Whether the user set `<prefix>_if_include` or `_if_exclude` themselves.
+      auto chosen = [&](const std::string& prefix) {
+        return env.count(prefix + "_if_include") > 0 || env.count(prefix + "_if_exclude") > 0;
+      };
+      if (!network.empty() && !chosen("OMPI_MCA_btl_tcp")) {
+        carrier.argv.insert(carrier.argv.end(), {"--mca", "btl_tcp_if_include", network});
+      }
+      if (!network.empty() && !chosen("OMPI_MCA_oob_tcp") && !chosen("PRTE_MCA_prte")) {
+        carrier.argv.insert(carrier.argv.end(), {"--mca", prrte ? "prte_if_include" : "oob_tcp_if_include", network});
       }
     }
   } else {

@@ -37,7 +37,8 @@ c10d::ReduceOp to_c10d(Reduction r) {
   TORCH_INTERNAL_ASSERT(false, "unknown reduction");
 }
 
-// Gloo cannot reduce or move half-precision types on every path; move them as float.
+// 16-bit floats, which Gloo cannot reduce or move on every release: reductions and the generic
+// collectives run them as float, gathers move their bytes.
 bool needs_float_path(const at::Tensor& t) {
   return t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf;
 }
