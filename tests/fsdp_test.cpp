@@ -342,6 +342,53 @@ TEST_P(FullyShardedGradients, ABackwardThatBuildsAGraphGivesTheSameAveragedGradi
   EXPECT_EQ(spare_grad, std::vector<int>(2, 1));
 }
 
+// Keeps what its parameter's `.grad` is when the backward pass reaches its input: by then autograd
+// has added into the buffer the engine lent (Note [Lending gradient buffers]).
+struct KeepsGradImpl : torch::nn::Module {
+  explicit KeepsGradImpl(int64_t numel) { w = register_parameter("w", torch::ones({numel})); }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto y = x * 1;
+    y.register_hook([this](const torch::Tensor&) { kept = w.grad(); });
+    return (w * y).sum();
+  }
+  torch::Tensor w, kept;
+};
+TORCH_MODULE(KeepsGrad);
+
+TEST_P(FullyShardedGradients, AGradientAHookKeptIsNotOverwrittenByLaterPasses) {
+  // The engine reuses its gradient buffers from pass to pass; one that user code still holds once
+  // the pass is reduced must stay the user's, with what it held, while later passes train as usual.
+  const int64_t numel = GetParam();
+  std::vector<int> kept_unchanged(2, -1), later_grad(2, -1), kept_defined(2, -1);
+  run_accelerators(
+      2,
+      [&](const Accelerator& acc, int rank) {
+        KeepsGrad net(numel);
+        auto [model, opt] =
+            acc.prepare(net, std::make_shared<torch::optim::SGD>(net->parameters(), torch::optim::SGDOptions(0.1)));
+        acc.backward(model(torch::full({numel}, 3.f, torch::requires_grad())));
+        const torch::Tensor kept = net->kept;
+        net->kept = torch::Tensor();
+        kept_defined[rank] = kept.defined() && kept.numel() >= numel ? 1 : 0;
+        if (!kept_defined[rank]) return;
+        const torch::Tensor snapshot = kept.clone();
+        bool averaged = true;
+        for (int pass = 0; pass < 3; ++pass) {
+          opt.zero_grad();
+          // Process r's input is 5 + r + pass: the average is 5.5 + pass.
+          acc.backward(model(torch::full({numel}, 5.f + rank + pass, torch::requires_grad())));
+          averaged = averaged && all_equal(net->w.grad(), 5.5f + pass);
+          net->kept = torch::Tensor();
+        }
+        later_grad[rank] = averaged ? 1 : 0;
+        kept_unchanged[rank] = torch::equal(kept, snapshot) ? 1 : 0;
+      },
+      {.fsdp_plugin = FullyShardedDataParallelPlugin{}});
+  EXPECT_EQ(kept_defined, std::vector<int>(2, 1)) << "the hook saw no gradient buffer";
+  EXPECT_EQ(later_grad, std::vector<int>(2, 1)) << "the later passes' gradients are the processes' average";
+  EXPECT_EQ(kept_unchanged, std::vector<int>(2, 1)) << "a later pass wrote into the gradient the hook kept";
+}
+
 INSTANTIATE_TEST_SUITE_P(SmallAndLarge, FullyShardedGradients, ::testing::Values(int64_t{2}, (int64_t{1} << 18) + 3));
 
 TEST(FullyShardedDataParallel, AnOptimizerWithStateFromBeforePrepareIsRefusedNamingWhy) {
