@@ -1,6 +1,7 @@
 // The job's rendezvous store (src/detail/store_server.h, store_client.h) over real sockets: every
 // operation the process groups use, waiting for keys that appear later, timeouts that leave the
 // client usable, the secret, the address it listens on, and clients that misbehave.
+#include "detail/check.h"
 #include "detail/errors.h"
 #include "detail/network.h"
 #include "detail/process_group.h"
@@ -9,6 +10,8 @@
 #include "detail/store_server.h"
 #include "support/process.h"
 #include "support/test_support.h"
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -22,6 +25,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <future>
 #include <mutex>
 #include <thread>
 
@@ -343,6 +347,107 @@ TEST(Rendezvous, APeerThatNeverComesIsStillReportedAsATimeoutWithTheCount) {
   config.store_hosted = true;
   config.rdzv_timeout = 500ms;
   EXPECT_THROWS_WITH((void)rendezvous(config), "rendezvous timed out after 0.5s: only 1 of 3 processes joined");
+}
+
+// The job's store as one process sees it, with a process that ends (`ended` runs, then the
+// rendezvous ends with an error) right after building its process group, as it is about to say so.
+class EndsAfterBuildingItsGroup : public c10d::PrefixStore {
+ public:
+  EndsAfterBuildingItsGroup(const c10::intrusive_ptr<c10d::Store>& store, std::function<void()> ended)
+      : c10d::PrefixStore("job", store), ended_(std::move(ended)) {}
+  int64_t add(const std::string& key, int64_t value) override {
+    if (key.ends_with("pg_built")) {
+      ended_();
+      throw std::runtime_error("the process ended after building its group");
+    }
+    return c10d::PrefixStore::add(key, value);
+  }
+
+ private:
+  std::function<void()> ended_;
+};
+
+// The store as the other process sees it: `added` runs once it has counted itself built.
+class SaysItIsBuilt : public c10d::PrefixStore {
+ public:
+  SaysItIsBuilt(const c10::intrusive_ptr<c10d::Store>& store, std::function<void()> added)
+      : c10d::PrefixStore("job", store), added_(std::move(added)) {}
+  int64_t add(const std::string& key, int64_t value) override {
+    const int64_t count = c10d::PrefixStore::add(key, value);
+    if (key.ends_with("pg_built")) added_();
+    return count;
+  }
+
+ private:
+  std::function<void()> added_;
+};
+
+RendezvousConfig group_built_config(int rank, int port, c10::intrusive_ptr<c10d::Store> store) {
+  RendezvousConfig config;
+  config.topology.rank = rank;
+  config.topology.world_size = 2;
+  config.topology.local_world_size = 2;
+  config.topology.master_port = port;
+  config.backend = "gloo";
+  config.store = std::move(store);
+  config.rdzv_timeout = 2s;
+  config.collective_timeout = 30s;
+  return config;
+}
+
+std::string rendezvous_error(const RendezvousConfig& config) {
+  try {
+    (void)rendezvous(config);
+  } catch (const std::exception& e) {
+    return error_text(e);
+  }
+  return "";
+}
+
+TEST(Rendezvous, AProcessThatEndsAfterBuildingItsGroupIsReportedByTheOthersWithTheCount) {
+  // Both processes build their Gloo group; process 1 ends before it counts itself built, and
+  // process 0 reports, once the rendezvous timeout has passed, how many did.
+  StoreServer server("127.0.0.1", 0, "k");
+  auto client = [&] { return c10::make_intrusive<JobStoreClient>("127.0.0.1", server.port(), "k", 10s); };
+  std::string error1;
+  std::thread process1([&] {
+    error1 = rendezvous_error(
+        group_built_config(1, server.port(), c10::make_intrusive<EndsAfterBuildingItsGroup>(client(), [] {})));
+  });
+  const std::string error0 =
+      rendezvous_error(group_built_config(0, server.port(), c10::make_intrusive<SaysItIsBuilt>(client(), [] {})));
+  process1.join();
+  EXPECT_THAT(error1, HasSubstr("the process ended after building its group"));
+  EXPECT_THAT(error0, HasSubstr("[PartialState] process 0 of 2 built its process group, but only 1 processes did "
+                                "within 2s"));
+}
+
+TEST(Rendezvous, AStoreThatGoesAwayAfterTheGroupIsBuiltIsNamedAtOnce) {
+  // Process 0 has built its group and counted itself; then the store's process ends. Process 0's
+  // wait for the others fails at once with what the store said, not after the timeout.
+  auto server = std::make_unique<StoreServer>("127.0.0.1", 0, "k");
+  const int port = server->port();
+  auto client = [&] { return c10::make_intrusive<JobStoreClient>("127.0.0.1", port, "k", 10s); };
+  std::promise<void> counted;
+  auto store1 = c10::make_intrusive<EndsAfterBuildingItsGroup>(client(), [&] {
+    (void)counted.get_future().wait_for(30s);  // process 0 is in its wait (bounded, should it fail before)
+    server.reset();
+  });
+  auto store0 = c10::make_intrusive<SaysItIsBuilt>(client(), [&] { counted.set_value(); });
+  auto config0 = group_built_config(0, port, store0);
+  config0.rdzv_timeout = 60s;
+  std::string error1;
+  std::thread process1([&] { error1 = rendezvous_error(group_built_config(1, port, store1)); });
+  const auto start = std::chrono::steady_clock::now();
+  const std::string error0 = rendezvous_error(config0);
+  const auto waited = std::chrono::steady_clock::now() - start;
+  process1.join();
+  EXPECT_LT(waited, 30s) << "the wait outlasted the store";
+  EXPECT_THAT(error1, HasSubstr("the process ended after building its group"));
+  EXPECT_THAT(error0, HasSubstr("[PartialState] process 0 of 2 built its process group, but the rendezvous store "
+                                "failed while it waited for the others: "));
+  EXPECT_THAT(error0, HasSubstr("lost the connection to the rendezvous store"));
+  EXPECT_THAT(error0, ::testing::Not(HasSubstr("within 60s")));
 }
 
 }  // namespace
