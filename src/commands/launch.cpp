@@ -657,6 +657,12 @@ int launch_command(const LaunchPlan& given) {
   ACCELERATE_CHECK(tmp != nullptr, "[launch] cannot create a temporary folder in ", tmp_root, ": ",
                    std::strerror(errno));
   const fs::path scratch(tmp);
+  // Removed however the launcher leaves this function: an error thrown by a later attempt's
+  // rendezvous or by mpirun's start must not leave the folder behind.
+  struct RemovedOnExit {
+    fs::path path;
+    ~RemovedOnExit() { (void)detail::try_remove_tree(path); }
+  } remove_scratch{scratch};
 
   // The inherited environment, minus what the contract sets per worker.
   std::map<std::string, std::string> base;
@@ -717,7 +723,6 @@ int launch_command(const LaunchPlan& given) {
     if (!plan.quiet) std::cerr << "accelerate launch: restarting all " << plan.local_num_processes << " worker(s) (restart "
               << attempt + 1 << " of " << plan.max_restarts << ")" << std::endl;
   }
-  (void)detail::try_remove_tree(scratch);
   return exit_code;
 }
 

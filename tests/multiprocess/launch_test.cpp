@@ -263,6 +263,37 @@ TEST(Launch, TwoLaunchersFormOneJobAcrossTwoMachineRanks) {
   EXPECT_THAT(machine0.out, HasSubstr("[rank0]: trigger seen"));
 }
 
+TEST(Launch, AMachinesLauncherStartedTwiceIsRefusedOnceTheJobIsFullAndLeavesNoScratchFolder) {
+  // With restarts, the launcher of machine 1 joins the attempt machine 0 runs, unless that attempt
+  // already has all its processes: then it waits up to --rdzv_timeout for the next one, and ends
+  // with an error saying why. Its scratch folder (under TMPDIR) goes with it.
+  TempDir dir, scratch;
+  const std::string port = std::to_string(free_port());
+  auto flags = [&](const char* machine_rank) {
+    return std::vector<std::string>{"--num_processes", "2", "--num_machines", "2", "--machine_rank", machine_rank,
+                                    "--main_process_ip", "127.0.0.1", "--main_process_port", port,
+                                    "--max_restarts", "1", "--rdzv_timeout", "5", "--grace_period", "1"};
+  };
+  Running machine0(launch(flags("0"), {"rejoin", dir.str()}), kJobSecret);
+  Running machine1(launch(flags("1"), {"rejoin", dir.str()}), kJobSecret);
+  ASSERT_GT(wait_for_int_file(dir.str() + "/pid_0", 60), 0) << machine0.err;
+  ASSERT_GT(wait_for_int_file(dir.str() + "/pid_1", 60), 0) << machine1.err;
+  auto env = kJobSecret;
+  env["TMPDIR"] = scratch.str();
+  auto twice = run(launch(flags("1"), {"rejoin", dir.str()}), 60, env);
+  machine0.signal(SIGTERM);
+  machine1.signal(SIGTERM);
+  machine0.wait(60);
+  machine1.wait(60);
+  EXPECT_EQ(twice->exit_code(), 2) << twice->err;
+  EXPECT_THAT(twice->err, HasSubstr("[launch] the job's attempt 0 already has all its 2 processes, and the launcher "
+                                    "of machine 0 started no other within --rdzv_timeout (5s): it has no restart "
+                                    "left (--max_restarts), or this machine's launcher runs twice"));
+  EXPECT_THAT(twice->out, Not(HasSubstr("[rank")));
+  EXPECT_TRUE(std::filesystem::is_empty(scratch.path())) << "the refused launcher left its scratch folder behind";
+  EXPECT_THAT(machine0.err, Not(HasSubstr("restarting"))) << "the refused launcher disturbed the job";
+}
+
 TEST(Launch, ALauncherWithAnotherSecretIsRefusedAndBothSidesSaySo) {
   const std::string port = std::to_string(free_port());
   auto flags = [&](const char* machine_rank) {
