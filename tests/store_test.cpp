@@ -316,7 +316,15 @@ TEST(Rendezvous, AStoreThatGoesAwayIsNamedAtOnceNotReportedAsATimeout) {
   config.store_hosted = true;
   config.rdzv_timeout = 60s;
   std::thread stopper([&] {
-    std::this_thread::sleep_for(300ms);
+    // Once process 1 has counted itself, it waits (or is about to) for the others.
+    try {
+      JobStoreClient watcher("127.0.0.1", config.topology.master_port, "k", 10s);
+      for (int i = 0; i < 3000 && !watcher.check({"accelerate/attempt0/joined"}); ++i) {
+        std::this_thread::sleep_for(10ms);
+      }
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "cannot watch the store: " << e.what();
+    }
     server.reset();
   });
   const auto start = std::chrono::steady_clock::now();
@@ -367,14 +375,14 @@ class EndsAfterBuildingItsGroup : public c10d::PrefixStore {
   std::function<void()> ended_;
 };
 
-// The store as the other process sees it: `added` runs once it has counted itself built.
+// The store as the other process sees it: `added` runs when it has counted itself built.
 class SaysItIsBuilt : public c10d::PrefixStore {
  public:
   SaysItIsBuilt(const c10::intrusive_ptr<c10d::Store>& store, std::function<void()> added)
       : c10d::PrefixStore("job", store), added_(std::move(added)) {}
   int64_t add(const std::string& key, int64_t value) override {
     const int64_t count = c10d::PrefixStore::add(key, value);
-    if (key.ends_with("pg_built")) added_();
+    if (key.ends_with("pg_built") && value > 0) added_();  // not when a timed-out barrier asks for the count
     return count;
   }
 
@@ -409,13 +417,15 @@ TEST(Rendezvous, AProcessThatEndsAfterBuildingItsGroupIsReportedByTheOthersWithT
   // process 0 reports, once the rendezvous timeout has passed, how many did.
   StoreServer server("127.0.0.1", 0, "k");
   auto client = [&] { return c10::make_intrusive<JobStoreClient>("127.0.0.1", server.port(), "k", 10s); };
+  // Process 1 ends only once process 0 has counted itself: a group destroyed while its peer still
+  // connects would fail the peer's build instead (Note [Every process group is built]).
+  std::promise<void> counted;
+  auto store1 = c10::make_intrusive<EndsAfterBuildingItsGroup>(
+      client(), [&] { (void)counted.get_future().wait_for(30s); });
+  auto store0 = c10::make_intrusive<SaysItIsBuilt>(client(), [&] { counted.set_value(); });
   std::string error1;
-  std::thread process1([&] {
-    error1 = rendezvous_error(
-        group_built_config(1, server.port(), c10::make_intrusive<EndsAfterBuildingItsGroup>(client(), [] {})));
-  });
-  const std::string error0 =
-      rendezvous_error(group_built_config(0, server.port(), c10::make_intrusive<SaysItIsBuilt>(client(), [] {})));
+  std::thread process1([&] { error1 = rendezvous_error(group_built_config(1, server.port(), store1)); });
+  const std::string error0 = rendezvous_error(group_built_config(0, server.port(), store0));
   process1.join();
   EXPECT_THAT(error1, HasSubstr("the process ended after building its group"));
   EXPECT_THAT(error0, HasSubstr("[PartialState] process 0 of 2 built its process group, but only 1 processes did "
