@@ -97,7 +97,10 @@ TEST(Launch, AWorkerKilledBySigkillIsNamedAsTheRootCause) {
 }
 
 TEST(Launch, AWorkerIgnoringSigtermIsKilledAfterTheGracePeriod) {
-  auto r = run(launch({"-n", "2", "--main_process_port", "0", "--grace_period", "1"}, {"ignore_term", "1", "5"}), 30);
+  TempDir dir;
+  auto r = run(launch({"-n", "2", "--main_process_port", "0", "--grace_period", "1"},
+                      {"ignore_term", "1", "5", dir.str()}),
+               60);
   EXPECT_EQ(r->exit_code(), 5);
   EXPECT_THAT(r->out, HasSubstr("[rank0]: ignoring SIGTERM"));
   EXPECT_THAT(r->err, HasSubstr("worker rank 1 (local rank 1, pid "));

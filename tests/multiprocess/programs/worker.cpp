@@ -94,12 +94,20 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (mode == "ignore_term") {
+    // ignore_term RANK CODE DIR: RANK exits with CODE once every other rank ignores SIGTERM (each
+    // says so with a file in DIR).
+    const std::string dir = arg(4);
     if (rank == std::stoi(arg(2))) {
-      sleep_seconds(0.5);  // let the others install their handlers
+      const int world = env_int("WORLD_SIZE", env_int("OMPI_COMM_WORLD_SIZE", 1));
+      for (int other = 0; other < world; ++other) {
+        const std::string ready = dir + "/ignoring_" + std::to_string(other);
+        for (int i = 0; other != rank && i < 3000 && !std::ifstream(ready).good(); ++i) sleep_seconds(0.01);
+      }
       return std::stoi(arg(3));
     }
     std::signal(SIGTERM, SIG_IGN);
     std::cout << "ignoring SIGTERM" << std::endl;
+    std::ofstream(dir + "/ignoring_" + std::to_string(rank)) << "1" << std::endl;
     sleep_seconds(60);
     return 0;
   }
