@@ -115,7 +115,6 @@ TEST_P(MultiHostSaveFault, LeavesThePreviousCheckpointToResumeFrom) {
   auto checkpoints = [&](int host) { return fs::path(project(host)) / "checkpoints"; };
   auto env = kSecret;
   env["MP_CHECKPOINT_SAVE_ON_EACH_NODE"] = "1";
-  env["MP_CHECKPOINT_TIMEOUT"] = "5";
   checkpoint_on_both(
       hosts,
       [&](int) {
@@ -131,6 +130,7 @@ TEST_P(MultiHostSaveFault, LeavesThePreviousCheckpointToResumeFrom) {
   for (int host : {0, 1}) ASSERT_TRUE(fs::is_regular_file(checkpoints(host) / "checkpoint_0" / "model.safetensors"));
 
   auto paused = env;
+  paused["MP_CHECKPOINT_TIMEOUT"] = "5";  // only the interrupted save: the others keep the default
   const std::string marker = dir.str() + "/paused";
   paused["ACCELERATE_TEST_PAUSE_SAVE_AFTER_FIRST_FILE"] = marker;
   paused["ACCELERATE_TEST_PAUSE_SAVE_PROCESS"] = "2";
