@@ -183,6 +183,20 @@ bool process_gone(pid_t pid) {
   return close_paren == std::string::npos || (close_paren + 2 < text.size() && text[close_paren + 2] == 'Z');
 }
 
+// "pid (name), ..." for the first few of `pids`, as /proc names them ("?" for one already gone).
+std::string describe_processes(const std::vector<pid_t>& pids) {
+  constexpr size_t kNamed = 8;
+  std::string out;
+  for (size_t i = 0; i < pids.size() && i < kNamed; ++i) {
+    std::ifstream comm("/proc/" + std::to_string(pids[i]) + "/comm");
+    std::string name;
+    if (!std::getline(comm, name) || name.empty()) name = "?";
+    out += (i == 0 ? "" : ", ") + std::to_string(pids[i]) + " (" + name + ")";
+  }
+  if (pids.size() > kNamed) out += ", and " + std::to_string(pids.size() - kNamed) + " more";
+  return out;
+}
+
 // The launcher's children, from every one of its threads.
 std::vector<pid_t> own_children() {
   std::vector<pid_t> children;
@@ -516,7 +530,8 @@ AttemptResult Supervisor::run(const std::vector<WorkerSpec>& specs, const Superv
                                                  std::chrono::duration<double>(options.grace_period));
         }
         if (stopped_leftovers.empty() && !options.quiet) {
-          say("stopping " + std::to_string(left.size()) + " process(es) the workers left behind");
+          say("stopping " + std::to_string(left.size()) + " process(es) the workers left behind: " +
+              describe_processes(left));
         }
         const bool hard = killed_hard || Clock::now() >= leftover_deadline;
         for (pid_t pid : left) {

@@ -170,8 +170,9 @@ TEST(Launch, ProcessesTheWorkersLeaveBehindAreStoppedBeforeTheLauncherReturns) {
     // It ignored SIGTERM and lived in a process group of its own.
     EXPECT_TRUE(process_gone(orphan)) << "the child of rank " << rank << " outlived the launcher: "
                                       << read_file("/proc/" + std::to_string(orphan) + "/stat");
+    EXPECT_THAT(r->err, HasSubstr(std::to_string(orphan) + " (mp_worker)")) << "the message names each one";
   }
-  EXPECT_THAT(r->err, HasSubstr("stopping 2 process(es) the workers left behind"));
+  EXPECT_THAT(r->err, HasSubstr("stopping 2 process(es) the workers left behind: "));
 }
 
 TEST(Launch, NoShellNoticeReachesTheOutput) {
