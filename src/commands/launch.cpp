@@ -169,7 +169,10 @@ void resolve_mpirun(LaunchPlan& plan) {
 //    whose launcher was killed (no reader left) still ends instead of waiting forever;
 //  * once the worker runs, the wrapper's own stderr (which mpirun relays) goes nowhere and the
 //    watcher leaves its job table, so that no job-control notice ("Terminated", "Killed")
-//    reaches the user's output; the worker's fate reaches the launcher on the status pipe.
+//    reaches the user's output; the worker's fate reaches the launcher on the status pipe;
+//  * when the worker has ended, the wrapper kills its watcher and waits (up to 2 s) until the
+//    watcher's group is gone before it reports: a watcher still dying when mpirun ends would be
+//    adopted by the launcher and stopped as one of the processes the workers left behind.
 // The script is given to bash on its command line (`bash -c`), not as a file, since other
 // machines have none of the launcher's files. There (a host file) the pipes do not exist
 // either: the wrapper runs the program
@@ -196,7 +199,8 @@ while :; do
   wait "$child"; code=$?
   kill -0 "$child" 2>/dev/null || break
 done
-kill -- "-$watcher" 2>/dev/null  # the watcher and its sleep
+kill -s KILL -- "-$watcher" 2>/dev/null  # the watcher and its sleep, gone before the report
+for _ in {1..200}; do kill -0 -- "-$watcher" 2>/dev/null || break; sleep 0.01; done
 echo "exit $rank $code" 1<>"$dir/status"
 exit "$code"
 )";
