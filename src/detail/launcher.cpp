@@ -530,8 +530,8 @@ AttemptResult Supervisor::run(const std::vector<WorkerSpec>& specs, const Superv
                                                  std::chrono::duration<double>(options.grace_period));
         }
         if (stopped_leftovers.empty() && !options.quiet) {
-          say("stopping " + std::to_string(left.size()) + " process(es) the workers left behind: " +
-              describe_processes(left));
+          say("stopping " + std::to_string(left.size()) +
+              " process(es) the workers left behind: " + describe_processes(left));
         }
         const bool hard = killed_hard || Clock::now() >= leftover_deadline;
         for (pid_t pid : left) {

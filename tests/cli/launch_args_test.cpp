@@ -362,6 +362,41 @@ TEST_F(ResolveLaunch, AnUnknownBackendIsRefused) {
                      "--backend must be gloo, nccl or mpi, got 'carrier-pigeon'");
 }
 
+TEST_F(ResolveLaunch, NumbersOutsideTheirRangeAreRefusedNamingTheFlagAndTheValue) {
+  const std::vector<std::pair<Args, std::string>> cases = {
+      {{"--num_processes", "0"}, "[launch] --num_processes must be at least 1, got 0"},
+      {{"--num_processes", "-2"}, "[launch] --num_processes must be at least 1, got -2"},
+      {{"--num_machines", "0"}, "[launch] --num_machines must be at least 1, got 0"},
+      {{"--main_process_port", "70000"}, "[launch] --main_process_port must be a TCP port (0-65535), got 70000"},
+      {{"--main_process_port", "-1"}, "[launch] --main_process_port must be a TCP port (0-65535), got -1"},
+      {{"--monitor_interval", "0"}, "[launch] --monitor_interval must be positive, got 0"},
+      {{"--rdzv_timeout", "0"}, "[launch] --rdzv_timeout must be positive, got 0"},
+      {{"--grace_period", "-1"}, "[launch] --grace_period must not be negative, got -1"},
+      {{"--max_restarts", "-1"}, "[launch] --max_restarts must not be negative, got -1"},
+      {{"--num_cpu_threads_per_process", "0"}, "[launch] --num_cpu_threads_per_process must be at least 1, got 0"},
+  };
+  for (const auto& [flags, message] : cases) {
+    Args argv = flags;
+    argv.push_back("/bin/true");
+    EXPECT_THROWS_WITH(resolve(argv), message) << flags[0] << " " << flags[1];
+  }
+  // The edges of each range are accepted.
+  const LaunchPlan plan = resolve({"--num_processes", "1", "--main_process_port", "65535", "--grace_period", "0",
+                                   "--max_restarts", "0", "--num_cpu_threads_per_process", "1", "/bin/true"});
+  EXPECT_EQ(plan.main_process_port, 65535);
+  EXPECT_EQ(plan.max_restarts, 0);
+}
+
+TEST_F(ResolveLaunch, CountsOutsideTheirRangeInTheConfigFileAreRefusedNamingTheFile) {
+  const std::string processes = write_config("processes.yaml", "distributed_type: MULTI_CPU\nnum_processes: 0\n");
+  EXPECT_THROWS_WITH(resolve({"--config_file", processes, "/bin/true"}),
+                     processes + ": num_processes must be >= 1, got 0");
+  const std::string machines =
+      write_config("machines.yaml", "distributed_type: MULTI_CPU\nnum_processes: 2\nnum_machines: 0\n");
+  EXPECT_THROWS_WITH(resolve({"--config_file", machines, "/bin/true"}),
+                     machines + ": num_machines must be >= 1, got 0");
+}
+
 TEST_F(ResolveLaunch, ThreadsPerProcessComeFromOmpNumThreadsWhenNotGiven) {
   auto omp = patch_environment({{"OMP_NUM_THREADS", "3"}});
   EXPECT_EQ(resolve({"/bin/true"}).num_cpu_threads_per_process, 3);
