@@ -232,6 +232,26 @@ TEST(BroadcastObjectList, ReplacesTheListWithTheSendersInPlace) {
   });
 }
 
+TEST(Broadcast, ASenderOutsideTheProcessesIsRefusedOnEveryProcessBeforeAnyCollective) {
+  // Every process refuses it alike (none waits in a collective the others never join), and the
+  // processes go on to broadcast normally afterwards.
+  std::vector<std::string> tensor_errors(2), object_errors(2);
+  std::vector<float> after(2, -1);
+  run_ranks(2, [&](const PartialState& state) {
+    const int rank = state.process_index();
+    tensor_errors[rank] = error_of([&] { broadcast(state, floats({1}), 2); });
+    std::vector<std::string> objects = {"x"};
+    object_errors[rank] = error_of([&] { broadcast_object_list(state, objects, -1); });
+    after[rank] = broadcast(state, floats({static_cast<float>(rank + 7)}), 1).item<float>();
+  });
+  for (int rank : {0, 1}) {
+    EXPECT_THAT(tensor_errors[rank], HasSubstr("from_process 2 is outside [0, 2)")) << "process " << rank;
+    EXPECT_THAT(object_errors[rank], HasSubstr("[broadcast_object_list] from_process -1 is outside [0, 2)"))
+        << "process " << rank;
+    EXPECT_EQ(after[rank], 8.f) << "process " << rank;
+  }
+}
+
 TEST(CopyTensorToDevices, TwoOwnersAreRefused) {
   EXPECT_THROWS_WITH(run_ranks(2, [](const PartialState& state) { copy_tensor_to_devices(state, floats({1})); }),
                      "exactly one process must hold the tensor");

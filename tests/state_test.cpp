@@ -472,6 +472,29 @@ TEST(DestroyProcessGroup, LaterTriggerChecksFailToo) {
 
 // ---- explicit options -----------------------------------------------------------------------
 
+TEST(PartialStateOptions, TheProcessWideStateRefusesOptionsThatContradictIt) {
+  // The first PartialState of a process decides its topology; a later one with other counts or
+  // another index is refused by name, and one that agrees shares the state.
+  PartialState::reset();
+  PartialState first;  // one process, from the environment
+  PartialStateOptions more;
+  more.num_processes = 2;
+  EXPECT_THROWS_WITH(PartialState{more},
+                     "[PartialState] the process-wide state already exists with num_processes 1, "
+                     "got 2; call PartialState::reset() first");
+  PartialStateOptions other;
+  other.process_index = 1;
+  EXPECT_THROWS_WITH(PartialState{other},
+                     "[PartialState] the process-wide state already exists with process_index 0, "
+                     "got 1; call PartialState::reset() first");
+  PartialStateOptions same;
+  same.process_index = 0;
+  same.num_processes = 1;
+  same.cpu = true;
+  EXPECT_EQ(PartialState(same).num_processes(), 1);
+  PartialState::reset();
+}
+
 TEST(PartialStateOptions, AProcessIndexNotBelowTheProcessCountIsRefused) {
   PartialStateOptions options;
   options.process_index = 2;

@@ -302,6 +302,27 @@ TEST_F(ResolveLaunch, Fp8MixedPrecisionIsRefused) {
   EXPECT_THROWS_WITH(resolve({"--mixed_precision", "fp8", "/bin/true"}), "fp8 mixed precision is not supported");
 }
 
+TEST_F(ResolveLaunch, AnUnknownMixedPrecisionIsRefusedNamingTheChoices) {
+  EXPECT_THROWS_WITH(resolve({"--mixed_precision", "fp32", "/bin/true"}),
+                     "expected one of 'no', 'fp16', 'bf16', got 'fp32'");
+  const std::string config = write_config("mp.yaml", "distributed_type: NO\nmixed_precision: half\n");
+  EXPECT_THROWS_WITH(resolve({"--config_file", config, "/bin/true"}), "got 'half'");
+}
+
+TEST_F(ResolveLaunch, AnUnsupportedRendezvousBackendInTheConfigFileIsRefused) {
+  const std::string config = write_config("rdzv.yaml", "distributed_type: MULTI_CPU\nrdzv_backend: etcd\n");
+  EXPECT_THROWS_WITH(resolve({"--config_file", config, "/bin/true"}),
+                     config + ": rdzv_backend 'etcd' is not supported; use 'static' or 'c10d'");
+}
+
+TEST_F(ResolveLaunch, AProgramWithoutTheExecutableBitIsRefusedNamingIt) {
+  const std::string script = write_config("train.sh", "#!/bin/sh\necho hi\n");
+  std::filesystem::permissions(script, std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
+  EXPECT_THROWS_WITH(resolve({script}),
+                     "[launch] the program '" + script + "' is not an executable file (check its permissions)");
+  EXPECT_THROWS_WITH(resolve({script + ".missing"}), "the program '" + script + ".missing' does not exist");
+}
+
 TEST_F(ResolveLaunch, MixedPrecisionIsNormalisedToUpstreamsSpelling) {
   EXPECT_EQ(resolve({"--mixed_precision", "BF16", "/bin/true"}).mixed_precision, "bf16");
 }

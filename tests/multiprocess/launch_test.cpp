@@ -298,6 +298,16 @@ TEST(Launch, AMachinesLauncherStartedTwiceIsRefusedOnceTheJobIsFullAndLeavesNoSc
   EXPECT_THAT(machine0.err, Not(HasSubstr("restarting"))) << "the refused launcher disturbed the job";
 }
 
+TEST(Launch, ATemporaryFolderThatCannotBeMadeIsNamedBeforeAnyWorkerStarts) {
+  TempDir dir;
+  const std::string missing = dir.str() + "/no-such-folder";
+  auto r = run(launch({"-n", "2", "--main_process_port", "0"}, {"state"}), 30, {{"TMPDIR", missing}});
+  EXPECT_EQ(r->exit_code(), 2) << r->err;
+  EXPECT_THAT(r->err,
+              HasSubstr("[launch] cannot create a temporary folder in " + missing + ": No such file or directory"));
+  EXPECT_THAT(r->out, Not(HasSubstr("[rank")));
+}
+
 TEST(Launch, ALauncherWithAnotherSecretIsRefusedAndBothSidesSaySo) {
   const std::string port = std::to_string(free_port());
   auto flags = [&](const char* machine_rank) {
