@@ -34,6 +34,19 @@ TEST(Accelerator, ReportsItsTopologyAndMixedPrecision) {
   }, options);
 }
 
+TEST(Accelerator, NullObjectsToPrepareAndAnUndefinedLossAreRefusedByName) {
+  run_accelerators(1, [](const Accelerator& acc) {
+    EXPECT_THROWS_WITH(acc.prepare_model(std::shared_ptr<torch::nn::Module>()),
+                       "[Accelerator.prepare_model] expected a module, got null");
+    EXPECT_THROWS_WITH(acc.prepare_optimizer(nullptr),
+                       "[Accelerator.prepare_optimizer] expected an optimizer, got null");
+    EXPECT_THROWS_WITH(acc.prepare_scheduler(nullptr),
+                       "[Accelerator.prepare_scheduler] expected a scheduler, got null");
+    EXPECT_THROWS_WITH(acc.backward(at::Tensor()),
+                       "[Accelerator.backward] expected a loss tensor, got an undefined tensor");
+  });
+}
+
 TEST(Accelerator, ReduceDefaultsToSumUnlikeTheFreeFunction) {
   run_accelerators(2, [](const Accelerator& acc) {
     auto t = at::full({2}, static_cast<float>(acc.process_index() + 1));

@@ -83,6 +83,18 @@ TEST(GradScaler, UnscalingTwiceInOneStepIsAnError) {
   EXPECT_FALSE(scaler.is_unscaled(*f.sgd));
 }
 
+TEST(GradScaler, UnscalingAfterTheStepWithoutAnUpdateIsAnError) {
+  GradScaler scaler({.init_scale = 4.0});
+  Fixture f;
+  f.set_grad({4.f, 4.f, 4.f});
+  EXPECT_TRUE(scaler.step(*f.sgd));
+  EXPECT_THROWS_WITH(scaler.unscale_(*f.sgd), "unscale_() is being called after step() without an update() in between");
+  scaler.update();
+  f.set_grad({4.f, 4.f, 4.f});
+  scaler.unscale_(*f.sgd);  // a new step may unscale again
+  EXPECT_TRUE(torch::equal(f.weight.grad(), torch::ones({3})));
+}
+
 TEST(GradScaler, UpdateWithoutAStepIsAnError) {
   GradScaler scaler;
   EXPECT_THROWS_WITH(scaler.update(), "no inf checks were recorded");

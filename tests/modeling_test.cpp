@@ -54,6 +54,22 @@ StateDictMap sized(const std::vector<int64_t>& floats) {
   return out;
 }
 
+TEST(SplitStateDictIntoShards, ANonPositiveLimitOrAPatternWithoutItsSuffixIsRefused) {
+  EXPECT_THROWS_WITH(split_state_dict_into_shards(sized({2}), 0),
+                     "[split_state_dict_into_shards] max_shard_size must be positive, got 0");
+  EXPECT_THROWS_WITH(split_state_dict_into_shards(sized({2}), 40, "model.safetensors"),
+                     "filename_pattern \"model.safetensors\" must contain {suffix}");
+}
+
+TEST(SaveStateDictSharded, AWeightOnTheMetaDeviceIsRefusedBeforeAnythingIsWritten) {
+  TempDir dir;
+  StateDictMap state = sized({2});
+  state.insert("lazy", torch::empty({3}, torch::kMeta));
+  EXPECT_THROWS_WITH(save_state_dict_sharded(state, dir.str(), "10GB"),
+                     "[save_model] you can't save the model since lazy is on the meta device");
+  EXPECT_TRUE(std::filesystem::is_empty(dir.path()));
+}
+
 TEST(SplitStateDictIntoShards, WalksInOrderAndGivesOversizedTensorsTheirOwnShard) {
   // huggingface_hub's example, in units of 4 bytes: [6, 6, 2, 6, 2, 2] with a limit of 10.
   auto split = split_state_dict_into_shards(sized({6, 6, 2, 6, 2, 2}), 40);
