@@ -279,6 +279,17 @@ TEST(TrackingTensorBoard, ImagesArePngGridsAsAddImagesMakesThem) {
   EXPECT_THROWS_WITH(other.log_images({{"bad", at::zeros({4})}}, 0), "expected a [C, H, W] or [N, C, H, W] tensor");
   EXPECT_THROWS_WITH(other.log_images({{"bad", at::zeros({1, 2, 2}, at::kInt)}}, 0),
                      "expected floating values in [0, 1] or uint8");
+  EXPECT_THROWS_WITH(other.log_images({{"none", at::Tensor()}}, 0),
+                     "[TensorBoardTracker.log_images] 'none': expected a tensor, got an undefined one");
+  EXPECT_THROWS_WITH(other.log_images({{"empty", at::zeros({0, 3, 2, 2})}}, 0),
+                     "[TensorBoardTracker.log_images] 'empty': the image is empty");
+  EXPECT_THROWS_WITH(other.log_images({{"flat", at::zeros({3, 0, 2})}}, 0), "'flat': the image is empty");
+}
+
+TEST(TrackingTrackers, AnEmptyLoggingDirIsRefusedByEveryTrackerThatWritesFiles) {
+  EXPECT_THROWS_WITH(TensorBoardTracker("run", ""), "[TensorBoardTracker] requires a logging_dir, got an empty one");
+  EXPECT_THROWS_WITH(JSONLTracker("run", ""), "[JSONLTracker] requires a logging_dir, got an empty one");
+  EXPECT_THROWS_WITH(CSVTracker("run", ""), "[CSVTracker] requires a logging_dir, got an empty one");
 }
 
 TEST(TrackingTensorBoard, OptionsComeFromInitKwargs) {
@@ -560,6 +571,8 @@ TEST(TrackingAccelerator, ArgumentMistakesAreRefusedNamingWhatIsWrong) {
                      "init_kwargs['jsonl']: expected a JSON object of options, got 1");
   EXPECT_THROWS_WITH(accelerator.init_trackers("p", json::object(), {{"mine", json::object()}}),
                      "init_kwargs['mine']: 'mine' is a tracker you constructed; pass its options to its constructor");
+  EXPECT_THROWS_WITH(accelerator.init_trackers("p", json::object(), json::array({1})),
+                     std::string(init) + " init_kwargs: expected a JSON object keyed by tracker name, got array");
   EXPECT_THROWS_WITH(accelerator.init_trackers("p", json::array()), std::string(init) +
                                                                         " config: expected a JSON "
                                                                         "object, got array");
@@ -588,6 +601,8 @@ TEST(TrackingAccelerator, ArgumentMistakesAreRefusedNamingWhatIsWrong) {
                                                             "array");
   EXPECT_THROWS_WITH(accelerator.log({{"loss", 1}}, 0, {{"tensorboard", {{"walltime", 1}}}}),
                      std::string(log) + " log_kwargs['tensorboard']: the trackers take no log options");
+  EXPECT_THROWS_WITH(accelerator.log({{"loss", 1}}, 0, json::array({1})),
+                     std::string(log) + " log_kwargs: expected a JSON object keyed by tracker name, got array");
   EXPECT_THROWS_WITH(accelerator.log({{"loss", 1}}, 0, {{"csv", json::object()}}),
                      std::string(log) + " log_kwargs: no tracker named 'csv' in log_with (tensorboard, jsonl, mine)");
   EXPECT_NO_THROW(accelerator.log({{"loss", 1}}, 0, {{"jsonl", json::object()}}));
