@@ -23,6 +23,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <future>
@@ -276,6 +277,35 @@ TEST(JobStore, AClientThatSpeaksAnotherProtocolIsDroppedAndOthersAreServed) {
   EXPECT_EQ(text(store.get("still")), "served");
 }
 
+TEST(JobStore, SomethingElseThatClosesTheConnectionIsNamedAsSuch) {
+  // Another program listens on the port and hangs up on whatever connects.
+  const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
+  ASSERT_EQ(::listen(listener, 4), 0);
+  socklen_t length = sizeof(address);
+  ::getsockname(listener, reinterpret_cast<sockaddr*>(&address), &length);
+  const int port = ntohs(address.sin_port);
+  timeval wait{.tv_sec = 0, .tv_usec = 200000};
+  ::setsockopt(listener, SOL_SOCKET, SO_RCVTIMEO, &wait, sizeof(wait));
+  std::atomic<bool> done{false};
+  std::thread hangs_up([&] {
+    while (!done) {
+      const int fd = ::accept(listener, nullptr, nullptr);
+      if (fd >= 0) ::close(fd);
+    }
+  });
+  const std::string error = testing::error_of([&] { JobStoreClient store("127.0.0.1", port, "k", 5s); });
+  done = true;
+  hangs_up.join();
+  ::close(listener);
+  EXPECT_THAT(error, HasSubstr("[rendezvous] the rendezvous store at 127.0.0.1:" + std::to_string(port) +
+                               " closed the connection during the greeting (is something else listening on that "
+                               "port?)"));
+}
+
 TEST(JobStore, AClientReachesAServerThatStartsAfterIt) {
   // Process 0 may serve the store a little after the others start connecting.
   const int port = testing::free_port();
@@ -341,6 +371,28 @@ TEST(Rendezvous, AStoreThatGoesAwayIsNamedAtOnceNotReportedAsATimeout) {
                                " failed while process 1 of 2 waited for the others"));
   EXPECT_THAT(error, HasSubstr("lost the connection to the rendezvous store"));
   EXPECT_THAT(error, ::testing::Not(HasSubstr("timed out")));
+}
+
+TEST(Rendezvous, AStoreWhoseJobAlreadyHasAllItsProcessesIsNamedAsAnotherJobs) {
+  // The store at MASTER_ADDR:MASTER_PORT already counts the 2 processes of another job; a third
+  // process joining it is refused at once instead of joining that job.
+  StoreServer server("127.0.0.1", 0, "k");
+  JobStoreClient other_job("127.0.0.1", server.port(), "k", 5s);
+  (void)other_job.add("accelerate/attempt0/joined", 2);
+  RendezvousConfig config;
+  config.topology.rank = 1;
+  config.topology.world_size = 2;
+  config.topology.local_world_size = 2;
+  config.topology.master_addr = "127.0.0.1";
+  config.topology.master_port = server.port();
+  config.backend = "gloo";
+  config.secret = "k";
+  config.store_hosted = true;
+  config.rdzv_timeout = 60s;
+  EXPECT_THROWS_WITH((void)rendezvous(config),
+                     "[PartialState] rendezvous saw 3 processes join a job of 2: another job is using the same "
+                     "MASTER_ADDR:MASTER_PORT (127.0.0.1:" +
+                         std::to_string(server.port()) + ")");
 }
 
 TEST(Rendezvous, APeerThatNeverComesIsStillReportedAsATimeoutWithTheCount) {
