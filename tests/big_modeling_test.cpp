@@ -318,6 +318,15 @@ TEST(Offload, DamagedFolderIsReportedByName) {
   EXPECT_THROWS_WITH(acc::load_offload_index(dir.str()), "'../x' is not a valid weight name");
   std::ofstream(dir.path() / "index.json") << "not json";
   EXPECT_THROWS_WITH(acc::load_offload_index(dir.str()), "is not valid JSON");
+  const std::string index = (dir.path() / "index.json").string();
+  std::ofstream(index) << "[1, 2]";
+  EXPECT_THROWS_WITH(acc::load_offload_index(dir.str()), index + " must hold a JSON object of weight entries");
+  std::ofstream(index) << "{\"w\": {\"dtype\": 3, \"shape\": [1]}}";
+  EXPECT_THROWS_WITH(acc::load_offload_index(dir.str()), index + ": the entry of 'w' is malformed");
+  std::ofstream(index) << "{\"w\": {\"dtype\": \"float32\", \"shape\": [4, -1]}}";
+  EXPECT_THROWS_WITH(acc::load_offload_index(dir.str()), index + ": negative size in 'w'");
+  std::ofstream(index) << "{\"w\": {\"dtype\": \"float3\", \"shape\": [4]}}";
+  EXPECT_THROWS_WITH(acc::load_offload_index(dir.str()), index + ": unknown dtype 'float3'");
   EXPECT_THROWS_WITH(acc::OffloadedWeightsLoader({}, dir.str() + "/missing"), "index.json does not exist");
   EXPECT_THROWS_WITH(acc::OffloadedWeightsLoader({}), "Need either a `state_dict`");
   EXPECT_THROWS_WITH(acc::OffloadedWeightsLoader({{"a", torch::ones(1)}}).get("b"), "no offloaded weight named 'b'");
@@ -605,6 +614,25 @@ TEST(BigModeling, MisusesAreRefusedByName) {
   auto model = acc::init_empty_weights([] { return torch::nn::Sequential(torch::nn::Linear(2, 3)); });
   EXPECT_THROWS_WITH(acc::load_checkpoint_in_model(*model, ckpt.str(), map({{"", "cpu"}})),
                      "size mismatch for 0.weight");
+  // A device map that leaves out a module whose weights the checkpoint holds.
+  TempDir two;
+  acc::save_state_dict_sharded(
+      acc::get_state_dict(*torch::nn::Sequential(torch::nn::Linear(2, 2), torch::nn::Linear(2, 2))), two.str());
+  auto pair =
+      acc::init_empty_weights([] { return torch::nn::Sequential(torch::nn::Linear(2, 2), torch::nn::Linear(2, 2)); });
+  EXPECT_THROWS_WITH(acc::load_checkpoint_in_model(*pair, two.str(), map({{"0", "cpu"}})),
+                     "The device_map provided does not give any device for the following parameters: 1.weight, "
+                     "1.bias");
+  // A sharded checkpoint whose index is not JSON.
+  TempDir broken;
+  acc::save_state_dict_sharded(acc::get_state_dict(*torch::nn::Sequential(torch::nn::Linear(64, 64))), broken.str(),
+                               "8KB");
+  const auto index = broken.path() / "model.safetensors.index.json";
+  ASSERT_TRUE(fs::exists(index));
+  std::ofstream(index) << "{\"weight_map\": ";
+  auto small = acc::init_empty_weights([] { return torch::nn::Sequential(torch::nn::Linear(64, 64)); });
+  EXPECT_THROWS_WITH(acc::load_checkpoint_in_model(*small, broken.str(), map({{"", "cpu"}})),
+                     "the index " + index.string() + " is not valid JSON");
   // Hooks: a null member of a sequence, and an offload map without a weight the module has.
   EXPECT_THROWS_WITH(acc::SequentialHook({nullptr}), "a hook is null");
   torch::nn::Linear lin(2, 2);
