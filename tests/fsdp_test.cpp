@@ -463,6 +463,15 @@ TEST(FullyShardedDataParallel, ProcessesWithAMetaDeviceModelGetProcessZerosValue
                            "process 1: the model has tensors on the meta device: set sync_module_states");
       },
       {.fsdp_plugin = FullyShardedDataParallelPlugin{.sync_module_states = false}});
+  // A param_init_fn that leaves the parameters where they were is named on every process.
+  run_accelerators(
+      2,
+      [&](const Accelerator& acc, int rank) {
+        Tiny net = rank == 0 ? make_tiny() : init_empty_weights([] { return Tiny(); });
+        EXPECT_THROWS_WITH(acc.prepare(net), "process 1: param_init_fn left a parameter on the meta device");
+      },
+      {.fsdp_plugin = FullyShardedDataParallelPlugin{.sync_module_states = false,
+                                                     .param_init_fn = [](torch::nn::Module&) {}}});
 }
 
 TEST(FullyShardedDataParallel, WrappingPoliciesChooseTheirUnits) {
@@ -953,6 +962,8 @@ TEST(FullyShardedDataParallel, ANullModuleOrANegativeShardSizeIsRefused) {
         EXPECT_THROWS_WITH(DistributedDataParallel::fully_sharded(make_tiny().ptr(), state, {}, {}, -2),
                            "dp_shard_size must not be negative, got -2");
         EXPECT_THROWS_WITH(DistributedDataParallel::fully_sharded(nullptr, state, {}), "expected a module, got null");
+        EXPECT_THROWS_WITH(DistributedDataParallel::fully_sharded(make_tiny().ptr(), state, {}, {}, 3),
+                           "dp_shard_size 3 does not divide the number of processes, 2");
       },
       {.fsdp_plugin = FullyShardedDataParallelPlugin{}});
 }
