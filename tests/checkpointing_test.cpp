@@ -313,6 +313,27 @@ TEST(SaveState, MisuseIsRefusedNamingWhatIsMissing) {
   }, no_project);
 }
 
+// An optimizer of the user's own, which the checkpoint code cannot know.
+struct OwnOptimizer : torch::optim::Optimizer {
+  explicit OwnOptimizer(std::vector<torch::Tensor> params)
+      : torch::optim::Optimizer({torch::optim::OptimizerParamGroup(std::move(params))},
+                                std::make_unique<torch::optim::SGDOptions>(0.1)) {}
+  torch::Tensor step(LossClosure) override { return {}; }
+};
+
+TEST(SaveState, AnOptimizerOfAnUnknownTypeIsRefusedNamingItAndNothingIsCommitted) {
+  TempDir dir;
+  run_accelerators(1, [&](const Accelerator& acc, int) {
+    torch::nn::Linear net(2, 2);
+    auto [model, opt] = acc.prepare(net, std::make_shared<OwnOptimizer>(net->parameters()));
+    (void)model;
+    (void)opt;
+    EXPECT_THROWS_WITH(acc.save_state((dir.path() / "ckpt").string()), "OwnOptimizer; LibTorch's SGD, Adam, AdamW");
+    EXPECT_THROWS_WITH(acc.save_state((dir.path() / "ckpt").string()), "cannot checkpoint an optimizer of type");
+  });
+  EXPECT_TRUE(fs::is_empty(dir.path())) << "the refused save left a folder behind";
+}
+
 TEST(LoadState, TakesTheNewestCompleteCheckpointIgnoringLeftoversAndContinuesItsNumbering) {
   TempDir dir;
   torch::Tensor newest;

@@ -95,6 +95,15 @@ TEST(GradScaler, UnscalingAfterTheStepWithoutAnUpdateIsAnError) {
   EXPECT_TRUE(torch::equal(f.weight.grad(), torch::ones({3})));
 }
 
+TEST(GradScaler, AnEmptyStateFromADisabledScalerIsRefusedByAnEnabledOne) {
+  GradScaler disabled({.enabled = false});
+  const auto state = disabled.state_dict();
+  GradScaler enabled({.init_scale = 8.0});
+  EXPECT_THROWS_WITH(enabled.load_state_dict(state),
+                     "[GradScaler.load_state_dict] the state is empty: it was saved from a disabled scaler");
+  EXPECT_EQ(enabled.get_scale(), 8.0);
+}
+
 TEST(GradScaler, UpdateWithoutAStepIsAnError) {
   GradScaler scaler;
   EXPECT_THROWS_WITH(scaler.update(), "no inf checks were recorded");
