@@ -476,7 +476,9 @@ TEST(PartialStateOptions, TheProcessWideStateRefusesOptionsThatContradictIt) {
   // The first PartialState of a process decides its topology; a later one with other counts or
   // another index is refused by name, and one that agrees shares the state.
   PartialState::reset();
-  PartialState first;  // one process, from the environment
+  PartialStateOptions one;  // one process on the CPU, whatever devices this machine has
+  one.cpu = true;
+  PartialState first(one);
   PartialStateOptions more;
   more.num_processes = 2;
   EXPECT_THROWS_WITH(PartialState{more},
@@ -491,7 +493,11 @@ TEST(PartialStateOptions, TheProcessWideStateRefusesOptionsThatContradictIt) {
   same.process_index = 0;
   same.num_processes = 1;
   same.cpu = true;
-  EXPECT_EQ(PartialState(same).num_processes(), 1);
+  const PartialState agreeing(same);
+  EXPECT_EQ(agreeing.num_processes(), 1);
+  EXPECT_EQ(agreeing.device(), first.device());
+  first.set_trigger();
+  EXPECT_TRUE(agreeing.check_trigger()) << "the agreeing state is not the process-wide one";
   PartialState::reset();
 }
 

@@ -481,7 +481,7 @@ TEST(Rendezvous, AProcessThatEndsAfterBuildingItsGroupIsReportedByTheOthersWithT
   process1.join();
   EXPECT_THAT(error1, HasSubstr("the process ended after building its group"));
   EXPECT_THAT(error0, HasSubstr("[PartialState] process 0 of 2 built its process group, but only 1 of 2 processes "
-                                "did within 2s (the others ended or failed before they finished theirs)"));
+                                "did within 2s (the others ended, failed, or were still building theirs)"));
 }
 
 TEST(Rendezvous, AStoreThatGoesAwayAfterTheGroupIsBuiltIsNamedAtOnce) {

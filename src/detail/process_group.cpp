@@ -153,7 +153,7 @@ void wait_until_every_group_is_built(const c10::intrusive_ptr<c10d::Store>& stor
                            " built its process group, but only ",
                            built.count < 0 ? std::string("an unknown number") : std::to_string(built.count), " of ",
                            config.topology.world_size, " processes did within ", seconds_text(config.rdzv_timeout),
-                           " (the others ended or failed before they finished theirs)"));
+                           " (the others ended, failed, or were still building theirs)"));
 }
 
 }  // namespace

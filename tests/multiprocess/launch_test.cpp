@@ -273,18 +273,19 @@ TEST(Launch, AMachinesLauncherStartedTwiceIsRefusedOnceTheJobIsFullAndLeavesNoSc
   // with an error saying why. Its scratch folder (under TMPDIR) goes with it.
   TempDir dir, scratch;
   const std::string port = std::to_string(free_port());
-  auto flags = [&](const char* machine_rank) {
+  // The job's workers get a generous rendezvous timeout; the launcher started twice waits 5 s.
+  auto flags = [&](const char* machine_rank, const char* rdzv_timeout) {
     return std::vector<std::string>{"--num_processes", "2", "--num_machines", "2", "--machine_rank", machine_rank,
                                     "--main_process_ip", "127.0.0.1", "--main_process_port", port,
-                                    "--max_restarts", "1", "--rdzv_timeout", "5", "--grace_period", "1"};
+                                    "--max_restarts", "1", "--rdzv_timeout", rdzv_timeout, "--grace_period", "1"};
   };
-  Running machine0(launch(flags("0"), {"rejoin", dir.str()}), kJobSecret);
-  Running machine1(launch(flags("1"), {"rejoin", dir.str()}), kJobSecret);
+  Running machine0(launch(flags("0", "30"), {"rejoin", dir.str()}), kJobSecret);
+  Running machine1(launch(flags("1", "30"), {"rejoin", dir.str()}), kJobSecret);
   ASSERT_GT(wait_for_int_file(dir.str() + "/pid_0", 60), 0) << machine0.err;
   ASSERT_GT(wait_for_int_file(dir.str() + "/pid_1", 60), 0) << machine1.err;
   auto env = kJobSecret;
   env["TMPDIR"] = scratch.str();
-  auto twice = run(launch(flags("1"), {"rejoin", dir.str()}), 60, env);
+  auto twice = run(launch(flags("1", "5"), {"rejoin", dir.str()}), 60, env);
   machine0.signal(SIGTERM);
   machine1.signal(SIGTERM);
   machine0.wait(60);

@@ -7,7 +7,9 @@
 //                                  process-wide one again after a reset; print "built 3 states"
 //   worker exit CODE RANK          RANK prints an error and exits with CODE; others sleep
 //   worker sigkill RANK            RANK kills itself with SIGKILL; others sleep
-//   worker ignore_term RANK CODE   every other rank ignores SIGTERM; RANK exits with CODE
+//   worker ignore_term RANK CODE DIR
+//                                  every other rank ignores SIGTERM (and says so in DIR); RANK
+//                                  exits with CODE once they all do
 //   worker throw RANK              RANK throws an exception out of main after rendezvous
 //   worker sleep DIR               write pid to DIR/pid_<rank>, print "ready", sleep
 //   worker stubborn DIR            like sleep, but ignore SIGTERM and append a line to
