@@ -53,6 +53,23 @@ int raw_connect(const char* address, int port) {
   return fd;
 }
 
+// A socket listening on 127.0.0.1 at a free port (stored in `port`), standing for another
+// program; -1 when it cannot be made.
+int loopback_listener(int& port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t length = sizeof(address);
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0 || ::listen(fd, 4) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  port = ntohs(address.sin_port);
+  return fd;
+}
+
 // Waits (up to a second) for the server's thread to report something.
 void wait_for_report(const std::vector<std::string>& reports, std::mutex& mutex) {
   for (int i = 0; i < 100; ++i) {
@@ -182,14 +199,9 @@ TEST(JobStore, AnotherVersionOfTheProtocolIsRefusedAndNamedOnBothSides) {
   }
 
   // A server of another version (a stand-in that answers the greeting so) is named by the client.
-  const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
-  ASSERT_EQ(::listen(listener, 1), 0);
-  socklen_t length = sizeof(address);
-  ::getsockname(listener, reinterpret_cast<sockaddr*>(&address), &length);
+  int port = 0;
+  const int listener = loopback_listener(port);
+  ASSERT_GE(listener, 0);
   std::thread stand_in([listener] {
     const int peer = ::accept(listener, nullptr, nullptr);
     char greeting_bytes[17];
@@ -198,7 +210,7 @@ TEST(JobStore, AnotherVersionOfTheProtocolIsRefusedAndNamedOnBothSides) {
     (void)!::write(peer, &refusal, 1);
     ::close(peer);
   });
-  EXPECT_THROWS_WITH(JobStoreClient("127.0.0.1", ntohs(address.sin_port), "k", 5s),
+  EXPECT_THROWS_WITH(JobStoreClient("127.0.0.1", port, "k", 5s),
                      "speaks another version of the store's protocol");
   stand_in.join();
   ::close(listener);
@@ -279,15 +291,9 @@ TEST(JobStore, AClientThatSpeaksAnotherProtocolIsDroppedAndOthersAreServed) {
 
 TEST(JobStore, SomethingElseThatClosesTheConnectionIsNamedAsSuch) {
   // Another program listens on the port and hangs up on whatever connects.
-  const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
-  ASSERT_EQ(::listen(listener, 4), 0);
-  socklen_t length = sizeof(address);
-  ::getsockname(listener, reinterpret_cast<sockaddr*>(&address), &length);
-  const int port = ntohs(address.sin_port);
+  int port = 0;
+  const int listener = loopback_listener(port);
+  ASSERT_GE(listener, 0);
   timeval wait{.tv_sec = 0, .tv_usec = 200000};
   ::setsockopt(listener, SOL_SOCKET, SO_RCVTIMEO, &wait, sizeof(wait));
   std::atomic<bool> done{false};
