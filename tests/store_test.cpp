@@ -1,6 +1,7 @@
 // The job's rendezvous store (src/detail/store_server.h, store_client.h) over real sockets: every
 // operation the process groups use, waiting for keys that appear later, timeouts that leave the
-// client usable, the secret, the address it listens on, and clients that misbehave.
+// client usable, the secret, the address it listens on, clients that misbehave or flood it, and a
+// server out of descriptors.
 #include "detail/check.h"
 #include "detail/errors.h"
 #include "detail/network.h"
@@ -17,17 +18,25 @@
 #include <gtest/gtest.h>
 
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sched.h>
+#include <sys/eventfd.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <future>
 #include <mutex>
+#include <set>
+#include <sstream>
 #include <thread>
 
 namespace accelerate::detail {
@@ -80,6 +89,179 @@ void wait_for_report(const std::vector<std::string>& reports, std::mutex& mutex)
     std::this_thread::sleep_for(10ms);
   }
 }
+
+// Connects a plain TCP socket from the local address `source` to `address`:port; returns the
+// descriptor or -1.
+int raw_connect_from(const std::string& source, const char* address, int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return -1;
+  sockaddr_in from{};
+  from.sin_family = AF_INET;
+  ::inet_pton(AF_INET, source.c_str(), &from.sin_addr);
+  sockaddr_in to{};
+  to.sin_family = AF_INET;
+  to.sin_port = htons(static_cast<uint16_t>(port));
+  ::inet_pton(AF_INET, address, &to.sin_addr);
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&from), sizeof(from)) != 0 ||
+      ::connect(fd, reinterpret_cast<sockaddr*>(&to), sizeof(to)) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// The greeting of a client that knows `secret` (store_protocol.h).
+std::string greeting_with(const std::string& secret) {
+  namespace proto = store_protocol;
+  std::string greeting(proto::kMagic, sizeof(proto::kMagic));
+  proto::put_u32(greeting, proto::kVersion);
+  proto::put_u32(greeting, static_cast<uint32_t>(secret.size()));
+  return greeting + secret;
+}
+
+// Descriptors closed when the object goes away.
+struct Descriptors {
+  std::vector<int> fds;
+  Descriptors() = default;
+  Descriptors(const Descriptors&) = delete;
+  Descriptors& operator=(const Descriptors&) = delete;
+  ~Descriptors() {
+    for (int fd : fds) ::close(fd);
+  }
+};
+
+// Whether the other end has closed the connection `fd`.
+bool closed_by_peer(int fd) {
+  pollfd p{fd, POLLIN, 0};
+  if (::poll(&p, 1, 0) != 1) return false;
+  char c = 0;
+  const ssize_t n = ::recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+  return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK);
+}
+
+// Whether `condition` holds within `within`, trying every 10ms.
+bool eventually(const std::function<bool()>& condition, std::chrono::milliseconds within) {
+  const auto deadline = std::chrono::steady_clock::now() + within;
+  while (!condition()) {
+    if (std::chrono::steady_clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(10ms);
+  }
+  return true;
+}
+
+// The lines a server reports, gathered from its thread.
+class Reports {
+ public:
+  std::function<void(const std::string&)> sink() {
+    return [this](const std::string& line) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      lines_.push_back(line);
+    };
+  }
+  std::string text() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::string all;
+    for (auto& line : lines_) all += line + "\n";
+    return all;
+  }
+  // How many refused connections the lines count: one a line that names one, N a line that
+  // counts "N more".
+  size_t refusals() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    size_t total = 0;
+    for (auto& line : lines_) {
+      size_t more = 0;
+      if (line.rfind("refused a rendezvous connection from ", 0) == 0) {
+        ++total;
+      } else if (std::sscanf(line.c_str(), "refused %zu more rendezvous connection", &more) == 1) {
+        total += more;
+      }
+    }
+    return total;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::vector<std::string> lines_;
+};
+
+std::set<pid_t> thread_ids() {
+  std::set<pid_t> ids;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/task")) {
+    ids.insert(static_cast<pid_t>(std::stol(entry.path().filename().string())));
+  }
+  return ids;
+}
+
+// The thread of this process that did not exist in `before` (a server's), or 0 unless just one.
+pid_t new_thread(const std::set<pid_t>& before) {
+  std::vector<pid_t> added;
+  for (pid_t id : thread_ids()) {
+    if (before.count(id) == 0) added.push_back(id);
+  }
+  return added.size() == 1 ? added[0] : 0;
+}
+
+// The CPU time (user and system) a thread of this process has used, read from a file opened
+// beforehand, so that it can be read when no descriptor is left.
+class ThreadCpuTime {
+ public:
+  explicit ThreadCpuTime(pid_t id)
+      : fd_(::open(("/proc/self/task/" + std::to_string(id) + "/stat").c_str(), O_RDONLY | O_CLOEXEC)) {}
+  ~ThreadCpuTime() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  ThreadCpuTime(const ThreadCpuTime&) = delete;
+  ThreadCpuTime& operator=(const ThreadCpuTime&) = delete;
+
+  // In seconds; negative when it cannot be read.
+  double seconds() const {
+    char buffer[1024];
+    const ssize_t n = ::pread(fd_, buffer, sizeof(buffer) - 1, 0);
+    if (n <= 0) return -1;
+    const std::string stat(buffer, static_cast<size_t>(n));
+    // The fields after the command name, which may hold spaces: state (3rd), ..., utime (14th), stime.
+    std::istringstream fields(stat.substr(stat.rfind(')') + 1));
+    std::string field;
+    for (int i = 3; i < 14; ++i) fields >> field;
+    long long user = -1, system = -1;
+    fields >> user >> system;
+    if (user < 0 || system < 0) return -1;
+    return static_cast<double>(user + system) / static_cast<double>(::sysconf(_SC_CLK_TCK));
+  }
+
+ private:
+  int fd_;
+};
+
+// The highest descriptor this process has open.
+int highest_fd() {
+  int highest = 2;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) {
+    highest = std::max(highest, std::stoi(entry.path().filename().string()));
+  }
+  return highest;
+}
+
+// Lowers this process's limit on open descriptors for a scope: a new descriptor must be below
+// `limit`.
+class OpenFileLimit {
+ public:
+  explicit OpenFileLimit(rlim_t limit) {
+    ::getrlimit(RLIMIT_NOFILE, &saved_);
+    rlimit lowered = saved_;
+    lowered.rlim_cur = std::min(limit, saved_.rlim_cur);
+    ok_ = ::setrlimit(RLIMIT_NOFILE, &lowered) == 0;
+  }
+  ~OpenFileLimit() { ::setrlimit(RLIMIT_NOFILE, &saved_); }
+  OpenFileLimit(const OpenFileLimit&) = delete;
+  OpenFileLimit& operator=(const OpenFileLimit&) = delete;
+  bool ok() const { return ok_; }
+
+ private:
+  rlimit saved_{};
+  bool ok_ = false;
+};
 
 TEST(JobStore, EveryOperationBehavesAsAStoreShould) {
   StoreServer server("127.0.0.1", 0, "s3cret");
@@ -287,6 +469,135 @@ TEST(JobStore, AClientThatSpeaksAnotherProtocolIsDroppedAndOthersAreServed) {
   JobStoreClient store("127.0.0.1", server.port(), "", 5s);
   store.set("still", bytes("served"));
   EXPECT_EQ(text(store.get("still")), "served");
+}
+
+TEST(JobStore, AFloodOfConnectionsThatNeverGreetIsCrowdedOutAndAWorkerStillGetsIn) {
+  // As at a launcher whose descriptors would not hold the flood: enough for the flood's own
+  // sockets, the strangers the store keeps (at most 128) and a worker, not for all of it.
+  constexpr int kFlood = 300;
+  constexpr int kKept = 128;
+  Reports reports;
+  const auto before = thread_ids();
+  StoreServer server("127.0.0.1", 0, "k", reports.sink());
+  const pid_t serving = new_thread(before);
+  ASSERT_NE(serving, 0) << "cannot tell the store's thread";
+  OpenFileLimit limit(static_cast<rlim_t>(highest_fd() + 1 + kFlood + kKept + 64));
+  ASSERT_TRUE(limit.ok());
+  const ThreadCpuTime cpu_time(serving);
+  const auto start = std::chrono::steady_clock::now();
+  const double cpu_at_start = cpu_time.seconds();
+  ASSERT_GE(cpu_at_start, 0) << "cannot read the CPU time of the store's thread";
+
+  // A third from the worker's own address, the rest from eight others; none greets.
+  Descriptors flood;
+  for (int i = 0; i < kFlood; ++i) {
+    const std::string from = i % 3 == 0 ? "127.0.0.1" : "127.0.0." + std::to_string(2 + i % 8);
+    const int fd = raw_connect_from(from, "127.0.0.1", server.port());
+    ASSERT_GE(fd, 0) << "connection " << i << " from " << from << ": " << std::strerror(errno);
+    flood.fds.push_back(fd);
+  }
+  // The store closes the oldest, keeping at most kKept.
+  const auto closed = [&] {
+    return std::count_if(flood.fds.begin(), flood.fds.end(), [](int fd) { return closed_by_peer(fd); });
+  };
+  EXPECT_TRUE(eventually([&] { return closed() >= kFlood - kKept; }, 5000ms))
+      << closed() << " of " << kFlood << " connections without a greeting were closed";
+  EXPECT_TRUE(closed_by_peer(flood.fds.front()));
+  EXPECT_FALSE(closed_by_peer(flood.fds.back()));
+
+  // A worker comes while the rest of the flood waits, and is served.
+  try {
+    JobStoreClient worker("127.0.0.1", server.port(), "k", 10s);
+    worker.set("key", bytes("value"));
+    EXPECT_EQ(text(worker.get("key")), "value");
+  } catch (const c10::Error& e) {
+    ADD_FAILURE() << "the worker was kept out: " << e.what_without_backtrace();
+  }
+  // The closed ones are reported, in a line and a count a second.
+  EXPECT_TRUE(eventually([&] { return reports.refusals() >= static_cast<size_t>(kFlood - kKept); }, 5000ms))
+      << reports.text();
+  EXPECT_THAT(reports.text(), HasSubstr("crowded out by newer connections without a greeting"));
+
+  // Holding the flood costs the store's thread little.
+  std::this_thread::sleep_until(start + 1500ms);
+  const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double cpu = cpu_time.seconds() - cpu_at_start;
+  EXPECT_LT(cpu, 0.3 * wall) << "the store's thread used " << cpu << "s of CPU in " << wall << "s";
+}
+
+TEST(JobStore, OutOfDescriptorsTheStoreWaitsWithoutSpinningAndLetsTheQueuedWorkerInOnceSomeAreFree) {
+  namespace proto = store_protocol;
+  Reports reports;
+  const auto before = thread_ids();
+  StoreServer server("127.0.0.1", 0, "k", reports.sink());
+  const pid_t serving = new_thread(before);
+  ASSERT_NE(serving, 0) << "cannot tell the store's thread";
+  // The worker's socket is made before the descriptors run out; it connects after.
+  Descriptors worker;
+  worker.fds.push_back(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  ASSERT_GE(worker.fds[0], 0);
+  const ThreadCpuTime cpu_time(serving);
+  ASSERT_GE(cpu_time.seconds(), 0) << "cannot read the CPU time of the store's thread";
+  {
+    OpenFileLimit limit(static_cast<rlim_t>(highest_fd() + 1 + 16));
+    ASSERT_TRUE(limit.ok());
+    Descriptors filler;
+    for (int fd; (fd = ::eventfd(0, EFD_CLOEXEC)) >= 0;) filler.fds.push_back(fd);
+    ASSERT_EQ(errno, EMFILE);
+    sockaddr_in to{};
+    to.sin_family = AF_INET;
+    to.sin_port = htons(static_cast<uint16_t>(server.port()));
+    ::inet_pton(AF_INET, "127.0.0.1", &to.sin_addr);
+    ASSERT_EQ(::connect(worker.fds[0], reinterpret_cast<sockaddr*>(&to), sizeof(to)), 0) << std::strerror(errno);
+    // The store cannot accept it, and neither spins nor closes it meanwhile.
+    const auto start = std::chrono::steady_clock::now();
+    const double cpu_at_start = cpu_time.seconds();
+    std::this_thread::sleep_for(1500ms);
+    const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const double cpu = cpu_time.seconds() - cpu_at_start;
+    EXPECT_LT(cpu, 0.3 * wall) << "the store's thread used " << cpu << "s of CPU in " << wall << "s";
+    EXPECT_FALSE(closed_by_peer(worker.fds[0]));
+  }
+  EXPECT_THAT(reports.text(), HasSubstr("the rendezvous store cannot accept connections for now: Too many open files "
+                                        "(this process is out of file descriptors: raise `ulimit -n` if this lasts); "
+                                        "those waiting are let in once it can"));
+  // Descriptors are free again: the queued worker is let in, and so is a new one.
+  const std::string greeting = greeting_with("k");
+  ASSERT_EQ(::write(worker.fds[0], greeting.data(), greeting.size()), static_cast<ssize_t>(greeting.size()));
+  pollfd answer_ready{worker.fds[0], POLLIN, 0};
+  ASSERT_EQ(::poll(&answer_ready, 1, 10000), 1) << "the queued worker got no answer";
+  char answer = 1;
+  ASSERT_EQ(::read(worker.fds[0], &answer, 1), 1);
+  EXPECT_EQ(static_cast<uint8_t>(answer), proto::kGreetingAccepted);
+  JobStoreClient another("127.0.0.1", server.port(), "k", 10s);
+  another.set("key", bytes("value"));
+  EXPECT_EQ(text(another.get("key")), "value");
+}
+
+TEST(JobStore, ABurstOfRefusalsIsReportedInFullWithoutWaitingForAnother) {
+  Reports reports;
+  StoreServer server("127.0.0.1", 0, "right", reports.sink());
+  // Two processes of another job, then four programs that speak something else, from two other
+  // addresses; then nothing more.
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_THROWS_WITH(JobStoreClient("127.0.0.1", server.port(), "wrong", 5s), "does not know the job's secret");
+  }
+  for (const char* from : {"127.0.0.2", "127.0.0.3", "127.0.0.2", "127.0.0.3"}) {
+    const int fd = raw_connect_from(from, "127.0.0.1", server.port());
+    ASSERT_GE(fd, 0) << std::strerror(errno);
+    const std::string junk = "GET / HTTP/1.1\r\n\r\n";
+    EXPECT_EQ(::write(fd, junk.data(), junk.size()), static_cast<ssize_t>(junk.size()));
+    char c = 0;
+    EXPECT_EQ(::read(fd, &c, 1), 0);  // refused
+    ::close(fd);
+  }
+  // All six are counted within a few seconds, naming every address they came from.
+  EXPECT_TRUE(eventually([&] { return reports.refusals() == 6; }, 5000ms)) << reports.text();
+  const std::string said = reports.text();
+  EXPECT_THAT(said, HasSubstr("refused a rendezvous connection from 127.0.0.1:"));
+  EXPECT_THAT(said, HasSubstr("more rendezvous connections since the last report, from "));
+  for (const char* from : {"127.0.0.2", "127.0.0.3"}) EXPECT_THAT(said, HasSubstr(from));
+  EXPECT_THAT(said, HasSubstr("not speaking the store's protocol"));
 }
 
 TEST(JobStore, SomethingElseThatClosesTheConnectionIsNamedAsSuch) {

@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -21,6 +22,7 @@
 #include <list>
 #include <sstream>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 namespace accelerate::detail {
@@ -32,7 +34,8 @@ namespace accelerate::detail {
 // authenticates its clients, so any host that reaches the port could join the job or overwrite
 // its keys. This server listens only on the address it is given (loopback for a job on one
 // machine) and lets a client in only after a greeting that carries the job's secret, compared in
-// constant time; a client without it gets a refusal it can name, and the server reports it.
+// constant time; a client without it gets a refusal it can name, and the server reports it
+// (Note [Reporting refusals]). Connections that have not greeted yet are bounded (Note [Strangers]).
 // It speaks a protocol of its own (store_protocol.h) to `JobStoreClient`, a c10d::Store, so
 // Gloo, NCCL and the MPI group use it like any store. One thread serves every connection with
 // poll(); a request for a key that does not exist yet (get, wait) is answered when a later write
@@ -46,32 +49,90 @@ namespace proto = store_protocol;
 
 constexpr auto kGreetingTime = std::chrono::seconds(10);
 constexpr auto kReportInterval = std::chrono::seconds(1);
+constexpr auto kShortageReportInterval = std::chrono::seconds(10);
+
+// Note [Strangers]
+// A connection is a stranger until its greeting has shown the job's secret, and strangers are
+// bounded: at most kMaxStrangersPerAddress from one address and kMaxStrangers in all, so that
+// connections that never greet (a scanner, a flood) cannot take the descriptors that the job's
+// workers need. A newcomer beyond a bound crowds out the stranger that has waited longest, from
+// the newcomer's address when that address is over its bound, else from anywhere. A worker
+// greets as soon as it connects, so it is never the oldest for long; to keep it from being
+// closed all the same, a connection's greeting is read as soon as it is accepted, the oldest
+// stranger gets a last read before it is crowded out, and the server accepts kAcceptBatch
+// connections at a time, after serving those it has. (An IPv6 host that speaks from many
+// addresses meets only the bound in all.)
+constexpr size_t kMaxStrangersPerAddress = 32;
+constexpr size_t kMaxStrangers = 128;
+constexpr int kAcceptBatch = 16;
+
+// Note [Out of descriptors]
+// When accept fails for want of descriptors (EMFILE, ENFILE) or memory, the connection stays
+// queued and the listening socket stays readable: polling it again at once would spin. The
+// server stops polling it for kAcceptPause, or until it closes a connection of its own, and
+// says so (at most every kShortageReportInterval). The other remedy, a spare descriptor closed
+// to accept the newcomer and hang up on it, turns away whoever came, a worker as likely as a
+// stranger; a queued worker instead waits (its greeting may take 10s) and is let in once
+// descriptors are free, and strangers hold few of them (Note [Strangers]).
+constexpr auto kAcceptPause = std::chrono::milliseconds(200);
+
+// Note [Reporting refusals]
+// The first refusal after a quiet second is reported at once, naming the peer and why; later
+// ones are counted, with their reasons and addresses, and the server's loop reports them
+// together once a second has passed since the last line, whether or not another refusal comes.
+// A line names at most kNamedAddresses addresses.
+constexpr size_t kNamedAddresses = 8;
+constexpr size_t kCountedAddresses = 1024;
+
+enum class Refusal { kNotTheProtocol, kOtherVersion, kWrongSecret, kMalformedGreeting, kCrowdedOut, kSilent };
+constexpr size_t kRefusalKinds = 6;
+
+// How the summary of Note [Reporting refusals] counts a kind: "3 without the job's secret".
+const char* counted_as(Refusal kind) {
+  switch (kind) {
+    case Refusal::kNotTheProtocol: return "not speaking the store's protocol";
+    case Refusal::kOtherVersion: return "speaking another version of the store's protocol";
+    case Refusal::kWrongSecret: return "without the job's secret (ACCELERATE_RDZV_SECRET)";
+    case Refusal::kMalformedGreeting: return "with a malformed greeting";
+    case Refusal::kCrowdedOut: return "crowded out by newer connections without a greeting";
+    case Refusal::kSilent: return "without a greeting within 10s";
+  }
+  return "refused";
+}
 
 std::string errno_text(int e) { return std::strerror(e); }
 
+std::chrono::milliseconds until(Clock::time_point when, Clock::time_point now) {
+  return std::max(std::chrono::milliseconds(0), std::chrono::ceil<std::chrono::milliseconds>(when - now));
+}
+
 struct Client {
   int fd = -1;
-  std::string peer;
+  std::string host;  // the peer's address
+  std::string peer;  // and its port: "127.0.0.1:40000", "[::1]:40000"
   std::string in;
   std::string out;
   bool greeted = false;
   bool closing = false;  // close once `out` is written
   Clock::time_point greeting_deadline;
+  short revents = 0;  // from the last poll
   bool pending = false;
   proto::Op op{};
   std::vector<std::string> args;
 };
 
-std::string peer_of(int fd) {
+void name_peer(Client& c) {
+  c.host = c.peer = "an unknown peer";
   sockaddr_storage address{};
   socklen_t length = sizeof(address);
-  if (::getpeername(fd, reinterpret_cast<sockaddr*>(&address), &length) != 0) return "an unknown peer";
+  if (::getpeername(c.fd, reinterpret_cast<sockaddr*>(&address), &length) != 0) return;
   char host[NI_MAXHOST] = {}, service[NI_MAXSERV] = {};
   if (::getnameinfo(reinterpret_cast<sockaddr*>(&address), length, host, sizeof(host), service, sizeof(service),
                     NI_NUMERICHOST | NI_NUMERICSERV) != 0) {
-    return "an unknown peer";
+    return;
   }
-  return std::string(host) + ":" + service;
+  c.host = host;
+  c.peer = address.ss_family == AF_INET6 ? "[" + c.host + "]:" + service : c.host + ":" + service;
 }
 
 bool same_secret(const std::string& a, const std::string& b) {
@@ -97,26 +158,63 @@ struct StoreServer::State {
   std::string secret;
   std::function<void(const std::string&)> report;
   std::unordered_map<std::string, std::string> data;
-  std::list<Client> clients;
+  std::list<Client> clients;  // greeted, in the order they came
+  std::list<Client> strangers;  // not yet greeted, oldest first (Note [Strangers])
+  std::unordered_map<std::string, size_t> strangers_from;  // how many per address
+  Clock::time_point accept_paused_until{};
+  Clock::time_point last_shortage_report{};
+  // Refusals not reported yet (Note [Reporting refusals]).
   Clock::time_point last_report{};
-  int unreported = 0;
+  size_t unreported = 0;
+  std::array<size_t, kRefusalKinds> unreported_kinds{};
+  std::vector<std::string> unreported_named;  // the first kNamedAddresses addresses
+  std::unordered_set<std::string> unreported_from;
+  bool maybe_written = false;  // a client may have written a key since waiting requests were tried
 
   ~State() {
     for (auto& c : clients) ::close(c.fd);
+    for (auto& c : strangers) ::close(c.fd);
     if (listen_fd >= 0) ::close(listen_fd);
     if (wake_fd >= 0) ::close(wake_fd);
   }
 
-  void refused(const Client& c, const std::string& why) {
+  void refused(const Client& c, Refusal kind, const std::string& why) {
     if (!report) return;
     const auto now = Clock::now();
-    if (now - last_report < kReportInterval) {
-      ++unreported;
+    if (unreported == 0 && now - last_report >= kReportInterval) {
+      last_report = now;
+      report("refused a rendezvous connection from " + c.peer + ": " + why);
       return;
     }
-    std::string line = "refused a rendezvous connection from " + c.peer + ": " + why;
-    if (unreported > 0) line += " (and " + std::to_string(unreported) + " more since the last report)";
+    ++unreported;
+    ++unreported_kinds[static_cast<size_t>(kind)];
+    if (unreported_from.size() < kCountedAddresses && unreported_from.insert(c.host).second &&
+        unreported_named.size() < kNamedAddresses) {
+      unreported_named.push_back(c.host);
+    }
+    report_refusals(now);
+  }
+
+  // Reports the refusals counted since the last line, once a second has passed since it.
+  void report_refusals(Clock::time_point now) {
+    if (unreported == 0 || now - last_report < kReportInterval) return;
+    std::string line = "refused " + std::to_string(unreported) + " more rendezvous connection" +
+                       (unreported == 1 ? "" : "s") + " since the last report, from ";
+    for (size_t i = 0; i < unreported_named.size(); ++i) line += (i == 0 ? "" : ", ") + unreported_named[i];
+    if (unreported_from.size() > unreported_named.size()) {
+      line += " and " + std::string(unreported_from.size() >= kCountedAddresses ? "over " : "") +
+              std::to_string(unreported_from.size() - unreported_named.size()) + " more addresses";
+    }
+    const char* separator = ": ";
+    for (size_t k = 0; k < kRefusalKinds; ++k) {
+      if (unreported_kinds[k] == 0) continue;
+      line += separator + std::to_string(unreported_kinds[k]) + " " + counted_as(static_cast<Refusal>(k));
+      separator = ", ";
+    }
     unreported = 0;
+    unreported_kinds.fill(0);
+    unreported_named.clear();
+    unreported_from.clear();
     last_report = now;
     report(line);
   }
@@ -197,10 +295,11 @@ struct StoreServer::State {
 
   // Consumes what the client sent; returns false when the connection must end at once.
   bool consume(Client& c) {
+    if (c.closing) return true;  // refused: what else it sends is not read
     if (!c.greeted) {
       if (c.in.size() < 16) return true;
       if (std::memcmp(c.in.data(), proto::kMagic, sizeof(proto::kMagic)) != 0) {
-        refused(c, "it does not speak the store's protocol");
+        refused(c, Refusal::kNotTheProtocol, "it does not speak the store's protocol");
         return false;
       }
       const uint32_t version = proto::get_u32(c.in.data() + 8);
@@ -208,19 +307,20 @@ struct StoreServer::State {
       if (version != proto::kVersion) {
         c.out.push_back(static_cast<char>(proto::kGreetingWrongVersion));
         c.closing = true;
-        refused(c, "it speaks version " + std::to_string(version) + " of the store's protocol, not " +
-                       std::to_string(proto::kVersion) + " (another release of accelerate-cpp?)");
+        refused(c, Refusal::kOtherVersion,
+                "it speaks version " + std::to_string(version) + " of the store's protocol, not " +
+                    std::to_string(proto::kVersion) + " (another release of accelerate-cpp?)");
         return true;
       }
       if (length > proto::kMaxSecretBytes) {
-        refused(c, "its greeting is malformed");
+        refused(c, Refusal::kMalformedGreeting, "its greeting is malformed");
         return false;
       }
       if (c.in.size() < 16 + length) return true;
       if (!same_secret(c.in.substr(16, length), secret)) {
         c.out.push_back(static_cast<char>(proto::kGreetingWrongSecret));
         c.closing = true;
-        refused(c, "it does not know the job's secret (ACCELERATE_RDZV_SECRET)");
+        refused(c, Refusal::kWrongSecret, "it does not know the job's secret (ACCELERATE_RDZV_SECRET)");
         return true;
       }
       c.in.erase(0, 16 + length);
@@ -241,67 +341,170 @@ struct StoreServer::State {
   }
 
   void serve() {
+    std::vector<pollfd> fds;
     while (true) {
-      std::vector<pollfd> fds;
-      fds.push_back({wake_fd, POLLIN, 0});
-      fds.push_back({listen_fd, POLLIN, 0});
+      auto now = Clock::now();
+      report_refusals(now);
+      const bool accepting = now >= accept_paused_until;
       auto timeout = std::chrono::milliseconds(1000);
-      const auto now = Clock::now();
-      for (auto& c : clients) {
-        fds.push_back({c.fd, static_cast<short>(POLLIN | (c.out.empty() ? 0 : POLLOUT)), 0});
-        if (!c.greeted) {
-          timeout = std::min(timeout, std::max(std::chrono::milliseconds(0),
-                                               std::chrono::duration_cast<std::chrono::milliseconds>(
-                                                   c.greeting_deadline - now)));
-        }
+      if (!strangers.empty()) timeout = std::min(timeout, until(strangers.front().greeting_deadline, now));
+      if (unreported > 0) timeout = std::min(timeout, until(last_report + kReportInterval, now));
+      if (!accepting) timeout = std::min(timeout, until(accept_paused_until, now));
+      fds.clear();
+      fds.push_back({wake_fd, POLLIN, 0});
+      fds.push_back({accepting ? listen_fd : -1, POLLIN, 0});  // poll skips a negative descriptor
+      for (auto* list : {&strangers, &clients}) {
+        for (auto& c : *list) fds.push_back({c.fd, static_cast<short>(POLLIN | (c.out.empty() ? 0 : POLLOUT)), 0});
       }
-      if (::poll(fds.data(), fds.size(), static_cast<int>(timeout.count())) < 0 && errno != EINTR) return;
+      if (::poll(fds.data(), fds.size(), static_cast<int>(timeout.count())) < 0 && errno != EINTR) {
+        if (report) report("the rendezvous store stopped: poll failed: " + errno_text(errno));
+        return;
+      }
       if (fds[0].revents != 0) return;
-      if ((fds[1].revents & POLLIN) != 0) accept_all();
-      bool changed = false;
       size_t i = 2;
-      for (auto it = clients.begin(); it != clients.end(); ++i) {
-        Client& c = *it;
-        bool keep = true;
-        const short revents = i < fds.size() && fds[i].fd == c.fd ? fds[i].revents : 0;
-        if ((revents & (POLLIN | POLLHUP | POLLERR)) != 0) keep = read_from(c) && consume(c);
-        if (keep && (revents & POLLOUT) != 0) keep = write_to(c);
-        if (keep && !c.out.empty() && (revents & POLLOUT) == 0) keep = write_to(c);  // try at once
-        if (keep && c.closing && c.out.empty()) keep = false;
-        if (keep && !c.greeted && Clock::now() >= c.greeting_deadline) keep = false;
-        if (!keep) {
-          ::close(c.fd);
-          it = clients.erase(it);
-          continue;
-        }
-        changed = true;
-        ++it;
+      for (auto* list : {&strangers, &clients}) {
+        for (auto& c : *list) c.revents = fds[i++].revents;
       }
-      // Writes may have created what waiting requests need.
-      if (changed) {
-        for (auto& c : clients) {
-          if (c.pending && execute(c)) {
-            c.pending = false;
-            consume(c);  // requests queued behind it
-            write_to(c);
-          }
+      now = Clock::now();
+      const size_t before = strangers.size() + clients.size();
+      for (auto it = strangers.begin(); it != strangers.end();) {
+        const auto next = std::next(it);
+        settle(it, now);
+        it = next;
+      }
+      for (auto it = clients.begin(); it != clients.end();) {
+        if ((it->revents & POLLIN) != 0) maybe_written = true;
+        if (serve_one(*it, now)) {
+          ++it;
+        } else {
+          ::close(it->fd);
+          it = clients.erase(it);
+        }
+      }
+      answer_waiting();
+      // A closed connection frees a descriptor (Note [Out of descriptors]).
+      if (strangers.size() + clients.size() < before) accept_paused_until = {};
+      if (accepting && (fds[1].revents & POLLIN) != 0) {
+        accept_some(now);
+        answer_waiting();
+      }
+    }
+  }
+
+  // Answers the requests that wait for keys, when a client may have written since the last try.
+  void answer_waiting() {
+    while (maybe_written) {
+      maybe_written = false;
+      for (auto& c : clients) {
+        if (c.pending && execute(c)) {
+          c.pending = false;
+          if (!c.in.empty()) maybe_written = true;
+          consume(c);  // requests queued behind it
+          write_to(c);
         }
       }
     }
   }
 
-  void accept_all() {
+  // Reads, answers and writes what the poll found; returns false when the connection must end.
+  bool serve_one(Client& c, Clock::time_point now) {
+    bool keep = true;
+    if ((c.revents & (POLLIN | POLLHUP | POLLERR)) != 0) keep = read_from(c) && consume(c);
+    c.revents = 0;
+    if (keep && !c.out.empty()) keep = write_to(c);
+    if (keep && c.closing && c.out.empty()) keep = false;
+    if (keep && !c.greeted && !c.closing && now >= c.greeting_deadline) {
+      refused(c, Refusal::kSilent, "it sent no greeting within 10s");
+      keep = false;
+    }
+    return keep;
+  }
+
+  enum class Settled { kStranger, kGreeted, kClosed };
+
+  // Serves a stranger, then closes it, or moves it to the clients once it is greeted.
+  Settled settle(std::list<Client>::iterator it, Clock::time_point now) {
+    if (!serve_one(*it, now)) {
+      drop_stranger(it);
+      return Settled::kClosed;
+    }
+    if (!it->greeted) return Settled::kStranger;
+    forget_stranger(*it);
+    maybe_written = true;
+    clients.splice(clients.end(), strangers, it);
+    return Settled::kGreeted;
+  }
+
+  void forget_stranger(const Client& c) {
+    auto from = strangers_from.find(c.host);
+    if (from != strangers_from.end() && --from->second == 0) strangers_from.erase(from);
+  }
+
+  void drop_stranger(std::list<Client>::iterator it) {
+    forget_stranger(*it);
+    ::close(it->fd);
+    strangers.erase(it);
+  }
+
+  // Makes room for one more stranger from `host` (Note [Strangers]).
+  void make_room(const std::string& host, Clock::time_point now) {
     while (true) {
+      const auto from = strangers_from.find(host);
+      const bool address_full = from != strangers_from.end() && from->second >= kMaxStrangersPerAddress;
+      if (!address_full && strangers.size() < kMaxStrangers) return;
+      const auto oldest = address_full ? std::find_if(strangers.begin(), strangers.end(),
+                                                      [&](const Client& c) { return c.host == host; })
+                                       : strangers.begin();
+      // A last read: a worker whose greeting has come is let in, not crowded out.
+      oldest->revents = POLLIN;
+      if (settle(oldest, now) != Settled::kStranger) continue;
+      refused(*oldest, Refusal::kCrowdedOut,
+              "it had waited longest of too many connections without a greeting (at most " +
+                  std::to_string(kMaxStrangersPerAddress) + " from one address and " + std::to_string(kMaxStrangers) +
+                  " in all may wait)");
+      drop_stranger(oldest);
+    }
+  }
+
+  // Accepts up to kAcceptBatch connections and reads their greetings (Note [Strangers]).
+  void accept_some(Clock::time_point now) {
+    for (int i = 0; i < kAcceptBatch; ++i) {
       const int fd = ::accept4(listen_fd, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
-      if (fd < 0) return;
+      if (fd < 0) {
+        const int error = errno;
+        if (error == EAGAIN || error == EWOULDBLOCK) return;
+        // The connection failed before it was accepted: take the next.
+        if (error == EINTR || error == ECONNABORTED || error == EPROTO || error == ENETDOWN || error == ENOPROTOOPT ||
+            error == EHOSTDOWN || error == ENONET || error == EHOSTUNREACH || error == ENETUNREACH) {
+          continue;
+        }
+        pause_accepting(error, now);
+        return;
+      }
       int one = 1;
       ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
       Client c;
       c.fd = fd;
-      c.peer = peer_of(fd);
-      c.greeting_deadline = Clock::now() + kGreetingTime;
-      clients.push_back(std::move(c));
+      name_peer(c);
+      c.greeting_deadline = now + kGreetingTime;
+      c.revents = POLLIN;  // the greeting usually comes with the connection
+      make_room(c.host, now);
+      ++strangers_from[c.host];
+      strangers.push_back(std::move(c));
+      settle(std::prev(strangers.end()), now);
     }
+  }
+
+  // Stops accepting for a while when accept fails for want of resources (Note [Out of descriptors]).
+  void pause_accepting(int error, Clock::time_point now) {
+    accept_paused_until = now + kAcceptPause;
+    if (!report || now - last_shortage_report < kShortageReportInterval) return;
+    last_shortage_report = now;
+    std::string hint;
+    if (error == EMFILE) hint = " (this process is out of file descriptors: raise `ulimit -n` if this lasts)";
+    if (error == ENFILE) hint = " (the machine is out of file descriptors: see fs.file-max)";
+    report("the rendezvous store cannot accept connections for now: " + errno_text(error) + hint +
+           "; those waiting are let in once it can");
   }
 
   static bool read_from(Client& c) {

@@ -33,7 +33,9 @@ std::string store_bind_address(const std::string& main_process_address, bool sev
 class StoreServer {
  public:
   /// Listens on `host`:`port` ("" for every interface; port 0 picks a free one) and serves until destroyed, on a thread
-  /// of its own. `report` receives one line for each refused client (at most a few per second).
+  /// of its own. `report` receives a line naming a refused client, then at most one a second
+  /// counting those refused since, and a line when the server cannot accept connections for want
+  /// of descriptors (Note [Reporting refusals] in store_server.cpp).
   StoreServer(const std::string& host, int port, std::string secret,
               std::function<void(const std::string&)> report = {});
   ~StoreServer();
