@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the safetensors header fuzzer with clang (libFuzzer + ASan + UBSan) into build/fuzz and
 # runs it from the seed corpus in fuzz/corpus. Fails on any crash, leak or sanitizer report.
-# Usage: scripts/fuzz.sh [seconds]   (default 60)
+# Then, when the asan preset has built it, runs the load_state fuzzer (fuzz/load_state_fuzzer.cpp)
+# for half as long. Usage: scripts/fuzz.sh [seconds]   (default 60)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seconds=${1:-60}
@@ -16,3 +17,8 @@ mkdir -p "$build/corpus" "$build/artifacts"
   -max_total_time="$seconds" -rss_limit_mb=2048 -timeout=10 -max_len=4096 \
   -dict=fuzz/safetensors.dict -artifact_prefix="$build/artifacts/" -print_final_stats=1 \
   "$build/corpus" fuzz/corpus
+
+# load_state of mutated checkpoint folders, under ASan + UBSan (built by scripts/test.sh).
+if [ -x build/asan/tests/load_state_fuzzer ]; then
+  ASAN_OPTIONS=allocator_may_return_null=1 build/asan/tests/load_state_fuzzer --seconds "$((seconds / 2))" "$RANDOM"
+fi

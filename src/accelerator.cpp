@@ -138,6 +138,7 @@ Accelerator::Accelerator(const AcceleratorOptions& options)
   impl_->options = options;
   impl_->standalone = options.standalone_state.has_value();
   impl_->project = options.project_config;
+  impl_->iteration_chosen = impl_->project.iteration != 0;
   if (impl_->project.project_dir.empty()) impl_->project.project_dir = options.project_dir;
   if (impl_->project.logging_dir.empty()) impl_->project.logging_dir = impl_->project.project_dir;
   impl_->log_with = detail::filter_trackers(options.log_with, impl_->project.logging_dir, "Accelerator");

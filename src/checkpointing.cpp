@@ -2,6 +2,8 @@
 #include "accelerate/checkpointing.h"
 
 #include "detail/files.h"
+#include "detail/load_checks.h"
+#include "detail/offload_dtypes.h"
 #include "detail/optimizer_state.h"
 #include "detail/torch_compat.h"
 
@@ -195,6 +197,8 @@ auto param_key(const at::Tensor& p) { return detail::compat::optimizer_state_key
 // StateDict's tensors then being views of it for the checks.
 struct TensorSource {
   const SafetensorsFile* file = nullptr;
+  bool convert_dtypes = false;
+  bool check_only = false;  // stop after the checks, changing nothing
 };
 
 // Adam and AdamW keep the same per-parameter state in two unrelated LibTorch types.
@@ -287,6 +291,13 @@ std::unique_ptr<torch::optim::OptimizerParamState> load_param_state(Kind kind, c
     TORCH_CHECK_VALUE(!like_param || it->second.sizes() == param.sizes(), where, ": tensor ", prefix, name,
                       " has shape ", it->second.sizes(), " but its parameter has shape ", param.sizes(),
                       " (was the checkpoint saved from another model?)");
+    // A state tensor that mirrors its parameter has its dtype (Note [Dtypes are checked like shapes]).
+    const bool convert = like_param && it->second.scalar_type() != param.scalar_type();
+    TORCH_CHECK_VALUE(!convert || source.convert_dtypes, where, ": tensor ", prefix, name, " holds ",
+                      detail::dtype_name(it->second.scalar_type()), " but its parameter holds ",
+                      detail::dtype_name(param.scalar_type()), "; set convert_dtypes to convert");
+    const auto dtype = convert ? param.scalar_type() : it->second.scalar_type();
+    if (source.check_only) return it->second;
     if (source.file != nullptr) {
       // Filled from the file once every check has passed: into the optimizer's own tensor of
       // that name when it matches, else into a new one.
@@ -294,17 +305,17 @@ std::unique_ptr<torch::optim::OptimizerParamState> load_param_state(Kind kind, c
       auto current = existing.find(prefix + name);
       at::Tensor destination;
       if (current != existing.end() && current->second.sizes() == view.sizes() &&
-          current->second.scalar_type() == view.scalar_type() && current->second.device() == param.device() &&
+          current->second.scalar_type() == dtype && current->second.device() == param.device() &&
           current->second.is_contiguous()) {
         destination = current->second;
       } else {
-        destination = at::empty(view.sizes(), view.options().device(param.device()));
+        destination = at::empty(view.sizes(), view.options().dtype(dtype).device(param.device()));
       }
       pending.insert_or_assign(prefix + name, destination);
       return destination;
     }
     // An owned copy: the optimizer updates its state in place.
-    return it->second.to(param.device(), /*non_blocking=*/false, /*copy=*/true);
+    return it->second.to(param.device(), dtype, /*non_blocking=*/false, /*copy=*/true);
   };
   const auto list = [&](const char* name) {
     std::vector<at::Tensor> out;
@@ -396,8 +407,8 @@ StateDict load_state_dict_file(const std::string& path) {
       state.values = nlohmann::json::parse(detail::read_file(path));
     } catch (const nlohmann::json::exception& e) {
       C10_THROW_ERROR(ValueError, c10::str("[load_state_dict_file] ", path, " is not valid JSON: ", e.what()));
-    } catch (const std::runtime_error& e) {
-      C10_THROW_ERROR(ValueError, c10::str("[load_state_dict_file] ", e.what()));
+    } catch (const c10::Error& e) {
+      C10_THROW_ERROR(ValueError, c10::str("[load_state_dict_file] ", e.what_without_backtrace()));
     }
     return state;
   }
@@ -451,7 +462,8 @@ namespace {
 
 void load_optimizer_state(torch::optim::Optimizer& optimizer, const StateDict& state, const TensorSource& source) {
   const Kind kind = kind_of(optimizer, "load_optimizer_state_dict");
-  const std::string where = "[load_optimizer_state_dict]";
+  const std::string where =
+      source.file != nullptr ? "[load_optimizer_state_dict] " + source.file->path() + ":" : "[load_optimizer_state_dict]";
   const Reader top{state.values, where};
   const auto& saved_kind = top.at("optimizer");
   TORCH_CHECK_VALUE(saved_kind.is_string() && saved_kind.get<std::string>() == kind_name(kind), where,
@@ -511,6 +523,7 @@ void load_optimizer_state(torch::optim::Optimizer& optimizer, const StateDict& s
                                              c10::str(where, " state of parameter ", index), source, existing,
                                              pending));
   }
+  if (source.check_only) return;
   if (source.file != nullptr) source.file->read_into(pending);
   for (size_t g = 0; g < live_groups.size(); ++g) live_groups[g].set_options(std::move(new_options[g]));
   optimizer.state().clear();
@@ -519,15 +532,21 @@ void load_optimizer_state(torch::optim::Optimizer& optimizer, const StateDict& s
 
 }  // namespace
 
-void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, const StateDict& state) {
-  load_optimizer_state(optimizer, state, {});
+void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, const StateDict& state,
+                               const LoadOptimizerStateOptions& options) {
+  load_optimizer_state(optimizer, state, {.file = nullptr, .convert_dtypes = options.convert_dtypes});
 }
 
 namespace detail {
 
 void load_optimizer_state_from_file(torch::optim::Optimizer& optimizer, const StateDict& views,
-                                    const SafetensorsFile& file) {
-  load_optimizer_state(optimizer, views, {.file = &file});
+                                    const SafetensorsFile& file, const LoadOptimizerStateOptions& options) {
+  load_optimizer_state(optimizer, views, {.file = &file, .convert_dtypes = options.convert_dtypes});
+}
+
+void check_optimizer_state(torch::optim::Optimizer& optimizer, const StateDict& state, const SafetensorsFile* file,
+                           const LoadOptimizerStateOptions& options) {
+  load_optimizer_state(optimizer, state, {.file = file, .convert_dtypes = options.convert_dtypes, .check_only = true});
 }
 
 }  // namespace detail

@@ -85,8 +85,8 @@ void close_file(const std::string& api, std::FILE*& file, const std::string& pat
 void write_whole(const std::string& api, const std::string& path, const std::string& bytes) {
   try {
     detail::write_file_atomically(path, bytes);
-  } catch (const std::runtime_error& e) {
-    C10_THROW_ERROR(ValueError, "[" + api + "] " + e.what());
+  } catch (const c10::Error& e) {
+    C10_THROW_ERROR(ValueError, "[" + api + "] " + e.what_without_backtrace());
   }
 }
 

@@ -18,6 +18,7 @@
 #include <cerrno>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 
 namespace accelerate::testing {
 namespace {
@@ -600,6 +601,340 @@ TEST(RemoveTree, RemovesAFolderWithEverythingInItButNotWhatALinkPointsTo) {
   EXPECT_THAT(error_of([&] { detail::remove_tree(below_a_file); }),
               HasSubstr("cannot remove " + below_a_file.string() + ": Not a directory"));
   EXPECT_EQ(detail::try_remove_tree(below_a_file), ENOTDIR);
+}
+
+
+// ---- what a probe of checkpoints found ------------------------------------------------------
+
+// The folders of `dir`/checkpoints.
+std::vector<std::string> checkpoints_in(const TempDir& dir) { return entries(dir.path() / "checkpoints"); }
+
+TEST(SaveState, ANewRunInAnEarlierRunsFolderNumbersAfterItsCheckpointsAndKeepsItsOwn) {
+  TempDir dir;
+  run_accelerators(1, [&](const Accelerator& acc, int) {
+    Training t;
+    (void)acc.prepare(t.net, t.adam);
+    for (int i = 0; i < 5; ++i) acc.save_state();
+  }, project_options(dir.str(), 2));
+  ASSERT_THAT(checkpoints_in(dir), ElementsAre("checkpoint_3", "checkpoint_4"));
+  // A second run, not resumed, in the same folder (upstream would write checkpoint_0 and prune it).
+  torch::Tensor trained;
+  CapturedLines lines;
+  run_accelerators(1, [&](const Accelerator& acc, int) {
+    Training t;
+    auto [model, opt, loader] = acc.prepare(t.net, t.adam, t.loader);
+    train_one_pass(acc, model, opt, loader);
+    EXPECT_EQ(acc.save_state(), (dir.path() / "checkpoints/checkpoint_5").string());
+    EXPECT_THAT(checkpoints_in(dir), ElementsAre("checkpoint_4", "checkpoint_5"));
+    train_one_pass(acc, model, opt, loader);
+    EXPECT_EQ(acc.save_state(), (dir.path() / "checkpoints/checkpoint_6").string());
+    trained = model->weight.clone();
+  }, project_options(dir.str(), 2));
+  EXPECT_THAT(checkpoints_in(dir), ElementsAre("checkpoint_5", "checkpoint_6"));
+  EXPECT_TRUE(lines.saw("already holds checkpoints up to checkpoint_4 of an earlier run; this run's checkpoints "
+                        "are numbered from checkpoint_5"));
+  // Resuming takes the second run's newest.
+  run_accelerators(1, [&](const Accelerator& acc, int) {
+    Training t;
+    auto [model, opt] = acc.prepare(t.net, t.adam);
+    acc.load_state();
+    EXPECT_TRUE(torch::equal(model->weight, trained));
+  }, project_options(dir.str(), 2));
+}
+
+TEST(SaveState, PruningKeepsTheCheckpointJustWrittenAndThisRunsOwnBeforeAnEarlierRunsNewerOnes) {
+  TempDir dir;
+  run_accelerators(1, [&](const Accelerator& acc, int) {
+    Training t;
+    (void)acc.prepare(t.net, t.adam);
+    acc.set_save_iteration(3);
+    acc.save_state();
+    acc.save_state();
+  }, project_options(dir.str(), 2));
+  ASSERT_THAT(checkpoints_in(dir), ElementsAre("checkpoint_3", "checkpoint_4"));
+  run_accelerators(1, [&](const Accelerator& acc, int) {
+    Training t;
+    (void)acc.prepare(t.net, t.adam);
+    acc.set_save_iteration(0);  // chosen by the program: no renumbering
+    acc.save_state();
+    EXPECT_THAT(checkpoints_in(dir), ElementsAre("checkpoint_0", "checkpoint_4"));
+    acc.save_state();
+    EXPECT_THAT(checkpoints_in(dir), ElementsAre("checkpoint_0", "checkpoint_1"));
+    acc.save_state();
+    EXPECT_THAT(checkpoints_in(dir), ElementsAre("checkpoint_1", "checkpoint_2"));
+  }, project_options(dir.str(), 2));
+  // With a limit of one, the save still keeps the checkpoint it made.
+  run_accelerators(1, [&](const Accelerator& acc, int) {
+    Training t;
+    (void)acc.prepare(t.net, t.adam);
+    acc.set_save_iteration(0);
+    fs::remove_all(dir.path() / "checkpoints/checkpoint_0");
+    acc.save_state();
+    EXPECT_THAT(checkpoints_in(dir), ElementsAre("checkpoint_0"));
+  }, project_options(dir.str(), 1));
+}
+
+TEST(LoadState, TheNewestCompleteCheckpointSkipsAnEmptyFolderOfThatNameAndNamesIt) {
+  TempDir dir;
+  torch::Tensor newest;
+  run_accelerators(1, [&](const Accelerator& acc, int) {
+    Training t;
+    auto [model, opt, loader] = acc.prepare(t.net, t.adam, t.loader);
+    for (int i = 0; i < 2; ++i) {
+      train_one_pass(acc, model, opt, loader);
+      acc.save_state();
+    }
+    newest = model->weight.clone();
+  }, project_options(dir.str()));
+  fs::create_directories(dir.path() / "checkpoints/checkpoint_5");
+  fs::create_directories(dir.path() / "checkpoints/checkpoint_7");
+  detail::write_file((dir.path() / "checkpoints/checkpoint_7/model.safetensors").string(), "half");
+  CapturedLines lines;
+  run_accelerators(1, [&](const Accelerator& acc, int) {
+    Training t;
+    auto [model, opt, loader] = acc.prepare(t.net, t.adam, t.loader);
+    acc.load_state();
+    EXPECT_TRUE(torch::equal(model->weight, newest));
+    EXPECT_EQ(acc.save_iteration(), 2);
+  }, project_options(dir.str()));
+  EXPECT_TRUE(lines.saw("skipped checkpoint_5, checkpoint_7 in " + dir.str() + "/checkpoints: not complete"));
+  // Only incomplete folders: the error names them.
+  fs::remove_all(dir.path() / "checkpoints/checkpoint_0");
+  fs::remove_all(dir.path() / "checkpoints/checkpoint_1");
+  run_accelerators(1, [&](const Accelerator& acc, int) {
+    EXPECT_THROWS_WITH(acc.load_state(), "no complete checkpoint in " + dir.str() +
+                                             "/checkpoints (not complete: checkpoint_5, checkpoint_7)");
+  }, project_options(dir.str()));
+}
+
+// Rewrites one tensor of a safetensors file with another dtype, keeping its metadata.
+void retype_tensor(const std::string& path, const std::string& name, c10::ScalarType dtype) {
+  SafetensorsFile file(path);
+  TensorMap tensors;
+  for (const auto& key : file.keys()) tensors.emplace(key, file.get_tensor(key).clone());
+  const auto metadata = file.metadata();
+  tensors.at(name) = tensors.at(name).mul(100).to(dtype);
+  save_file(tensors, path, metadata);
+}
+
+TEST(LoadState, AModelTensorOfAnotherDtypeIsRefusedNamingFileTensorAndDtypesUnlessConversionIsAsked) {
+  TempDir dir;
+  run_accelerators(1, [&](const Accelerator& acc, int) {
+    Training t;
+    auto [model, opt, loader] = acc.prepare(t.net, t.adam, t.loader);
+    train_one_pass(acc, model, opt, loader);
+    acc.save_state(dir.str() + "/ckpt");
+    const auto file = dir.str() + "/ckpt/model.safetensors";
+    retype_tensor(file, "weight", at::kInt);
+    const auto saved = load_file(file).at("weight");
+    train_one_pass(acc, model, opt, loader);
+    const auto weight = model->weight.clone();
+    const auto exp_avg = optimizer_state_dict(*t.adam).tensors.at("state.0.exp_avg").clone();
+    const auto error = error_of([&] { acc.load_state(dir.str() + "/ckpt"); });
+    EXPECT_THAT(error, HasSubstr("dtype mismatch for weight in " + file +
+                                 ": the checkpoint holds int32, the module holds float32; set "
+                                 "LoadStateOptions::convert_dtypes to convert"));
+    EXPECT_TRUE(torch::equal(model->weight, weight)) << "a refused load changed the model";
+    EXPECT_TRUE(torch::equal(optimizer_state_dict(*t.adam).tensors.at("state.0.exp_avg"), exp_avg))
+        << "a refused load changed the optimizer";
+    EXPECT_THROW(acc.load_state(dir.str() + "/ckpt"), c10::ValueError);
+    // Asked for, the conversion happens.
+    acc.load_state(dir.str() + "/ckpt", {.convert_dtypes = true});
+    EXPECT_TRUE(torch::equal(model->weight, saved.to(at::kFloat)));
+    EXPECT_EQ(model->weight.scalar_type(), at::kFloat);
+  });
+  // load_checkpoint_in_model refuses it too, and converts when asked.
+  torch::nn::Linear plain(3, 1);
+  EXPECT_THROWS_WITH(load_checkpoint_in_model(*plain, dir.str() + "/ckpt/model.safetensors"),
+                     "[load_checkpoint_in_model] dtype mismatch for weight in " + dir.str() + "/ckpt/model.safetensors");
+  load_checkpoint_in_model(*plain, dir.str() + "/ckpt/model.safetensors", {.convert_dtypes = true});
+  EXPECT_EQ(plain->weight.scalar_type(), at::kFloat);
+}
+
+TEST(LoadState, AnOptimizerStateOfAnotherDtypeIsRefusedAtLoadNamingTheFileNotAtTheFirstStep) {
+  TempDir dir;
+  run_accelerators(1, [&](const Accelerator& acc, int) {
+    Training t;
+    auto [model, opt, loader] = acc.prepare(t.net, t.adam, t.loader);
+    train_one_pass(acc, model, opt, loader);
+    acc.save_state(dir.str() + "/ckpt");
+    const auto file = dir.str() + "/ckpt/optimizer.safetensors";
+    retype_tensor(file, "state.0.exp_avg", at::kInt);
+    const auto weight = model->weight.clone();
+    EXPECT_THROWS_WITH(acc.load_state(dir.str() + "/ckpt"),
+                       file + ": state of parameter 0: tensor state.0.exp_avg holds int32 but its parameter holds "
+                              "float32");
+    EXPECT_TRUE(torch::equal(model->weight, weight));
+    acc.load_state(dir.str() + "/ckpt", {.convert_dtypes = true});
+    EXPECT_EQ(optimizer_state_dict(*t.adam).tensors.at("state.0.exp_avg").scalar_type(), at::kFloat);
+    train_one_pass(acc, model, opt, loader);  // and training goes on
+  });
+}
+
+TEST(LoadState, WeightsHoldingNaNWhereTheModelHadNoneAreNamedInAWarning) {
+  TempDir dir;
+  CapturedLines lines;
+  run_accelerators(1, [&](const Accelerator& acc, int) {
+    Training t;
+    auto [model, opt] = acc.prepare(t.net, t.adam);
+    acc.save_state(dir.str() + "/ckpt");
+    acc.load_state(dir.str() + "/ckpt");
+    EXPECT_FALSE(lines.saw("NaN or infinite")) << "a finite checkpoint was warned about";
+    const auto file = dir.str() + "/ckpt/model.safetensors";
+    auto weights = load_file(file);
+    weights.at("bias") = torch::full({1}, std::numeric_limits<float>::quiet_NaN());
+    save_file(weights, file);
+    acc.load_state(dir.str() + "/ckpt");
+  });
+  EXPECT_TRUE(lines.saw(dir.str() + "/ckpt/model.safetensors: 1 tensor(s) hold NaN or infinite values where the "
+                                    "module's had none: bias"));
+}
+
+struct Limited {
+  int value = 0;
+  nlohmann::json state_dict() const { return {{"value", value}, {"name", "limited"}}; }
+  void load_state_dict(const nlohmann::json& state) {
+    const int v = state.at("value").get<int>();
+    TORCH_CHECK_VALUE(v >= 0, "[Limited] a value >= 0, got ", v);
+    value = v;
+  }
+};
+
+TEST(LoadState, EveryStateFileIsCheckedBeforeAnythingChangesAndItsErrorsNameFileAndKey) {
+  TempDir dir;
+  run_accelerators(1, [&](const Accelerator& acc, int) {
+    Training t;
+    auto schedule = std::make_shared<LambdaLR>(t.adam, [](int64_t epoch) { return 1.0 / (1 + epoch); });
+    auto [model, opt, loader, sched] = acc.prepare(t.net, t.adam, t.loader, schedule);
+    Limited limited{3};
+    acc.register_for_checkpointing(limited);
+    train_one_pass(acc, model, opt, loader);
+    sched.step();
+    acc.save_state(dir.str() + "/ckpt");
+    train_one_pass(acc, model, opt, loader);
+    sched.step();
+    limited.value = 8;
+    const auto weight = model->weight.clone();
+    const auto expect_unchanged = [&](const std::string& what) {
+      EXPECT_TRUE(torch::equal(model->weight, weight)) << what;
+      EXPECT_EQ(sched.scheduler()->last_epoch(), 2) << what;
+      EXPECT_EQ(limited.value, 8) << what;
+    };
+    const auto copy = [&](const std::string& name) {
+      fs::remove_all(dir.path() / name);
+      fs::copy(dir.path() / "ckpt", dir.path() / name, fs::copy_options::recursive);
+      return dir.str() + "/" + name;
+    };
+    const auto edit_json = [](const std::string& path, const std::function<void(nlohmann::json&)>& edit) {
+      auto json = nlohmann::json::parse(detail::read_file(path));
+      edit(json);
+      detail::write_file(path, json.dump());
+    };
+
+    // A registered object's value of the wrong JSON type: named with file and key before its
+    // own code would meet it.
+    auto folder = copy("custom_type");
+    edit_json(folder + "/custom_checkpoint_0.json", [](auto& j) { j["value"] = "three"; });
+    EXPECT_THROWS_WITH(acc.load_state(folder), folder + "/custom_checkpoint_0.json: \"value\" holds a string where "
+                                                        "the object's state holds a number");
+    expect_unchanged("custom_type");
+
+    // The object's own refusal comes after the scheduler was loaded: the scheduler is put back.
+    folder = copy("custom_value");
+    edit_json(folder + "/custom_checkpoint_0.json", [](auto& j) { j["value"] = -1; });
+    EXPECT_THROWS_WITH(acc.load_state(folder), folder + "/custom_checkpoint_0.json: [Limited] a value >= 0, got -1");
+    expect_unchanged("custom_value");
+
+    // A scheduler state of the wrong type names scheduler.json.
+    folder = copy("scheduler");
+    edit_json(folder + "/scheduler.json", [](auto& j) { j["last_epoch"] = "one"; });
+    EXPECT_THROWS_WITH(acc.load_state(folder), folder + "/scheduler.json: [LambdaLR::load_state_dict]");
+    expect_unchanged("scheduler");
+
+    // A data loader's state of the wrong type names its file.
+    folder = copy("sampler");
+    edit_json(folder + "/sampler.json", [](auto& j) { j["epoch"] = "two"; });
+    EXPECT_THROWS_WITH(acc.load_state(folder), folder + "/sampler.json: ");
+    expect_unchanged("sampler");
+
+    // A model tensor of another dtype: refused before anything is applied.
+    folder = copy("model");
+    retype_tensor(folder + "/model.safetensors", "bias", at::kDouble);
+    EXPECT_THROWS_WITH(acc.load_state(folder), "dtype mismatch for bias");
+    expect_unchanged("model");
+
+    acc.load_state(dir.str() + "/ckpt");
+    EXPECT_EQ(limited.value, 3);
+    EXPECT_EQ(sched.scheduler()->last_epoch(), 1);
+  });
+}
+
+TEST(LoadState, AModelOrOptimizerThatFailsItsChecksLeavesTheOtherAsItWas) {
+  // The two load side by side: each one's checks run before either changes.
+  TempDir dir;
+  run_accelerators(1, [&](const Accelerator& acc, int) {
+    Training t;
+    auto [model, opt, loader] = acc.prepare(t.net, t.adam, t.loader);
+    train_one_pass(acc, model, opt, loader);
+    acc.save_state(dir.str() + "/ckpt");
+    fs::copy(dir.path() / "ckpt", dir.path() / "bad_model", fs::copy_options::recursive);
+    fs::copy(dir.path() / "ckpt", dir.path() / "bad_optimizer", fs::copy_options::recursive);
+    auto weights = load_file(dir.str() + "/bad_model/model.safetensors");
+    weights.emplace("weigh", weights.at("weight"));
+    weights.erase("weight");
+    save_file(weights, dir.str() + "/bad_model/model.safetensors");
+    auto optimizer = load_state_dict_file(dir.str() + "/bad_optimizer/optimizer.safetensors");
+    optimizer.values["state"]["0"].erase("step");
+    save_state_dict_file(optimizer, dir.str() + "/bad_optimizer/optimizer.safetensors");
+
+    train_one_pass(acc, model, opt, loader);
+    const auto weight = model->weight.clone();
+    const auto exp_avg = optimizer_state_dict(*t.adam).tensors.at("state.0.exp_avg").clone();
+    const auto step = optimizer_state_dict(*t.adam).values["state"]["0"]["step"];
+    EXPECT_THROWS_WITH(acc.load_state(dir.str() + "/bad_model"), "missing keys [weight], unexpected keys [weigh]");
+    EXPECT_TRUE(torch::equal(optimizer_state_dict(*t.adam).tensors.at("state.0.exp_avg"), exp_avg));
+    EXPECT_EQ(optimizer_state_dict(*t.adam).values["state"]["0"]["step"], step);
+    EXPECT_THROWS_WITH(acc.load_state(dir.str() + "/bad_optimizer"),
+                       dir.str() + "/bad_optimizer/optimizer.safetensors: state of parameter 0: missing \"step\"");
+    EXPECT_TRUE(torch::equal(model->weight, weight));
+  });
+}
+
+TEST(LoadState, ErrorsOfEveryCheckpointEntryPointAreC10ErrorsOnEveryProcess) {
+  TempDir dir;
+  detail::write_file((dir.path() / "a_file").string(), "x");
+  std::vector<std::string> kinds(2);
+  run_accelerators(2, [&](const Accelerator& acc, int rank) {
+    Training t;
+    auto [model, opt] = acc.prepare(t.net, t.adam);
+    // A folder that cannot be made: an operation that failed.
+    EXPECT_THROW(acc.save_state((dir.path() / "a_file/ckpt").string()), c10::Error);
+    acc.save_state(dir.str() + "/ckpt");
+    // Bad input: a value error, on every process.
+    EXPECT_THROW(acc.load_state(dir.str() + "/nowhere"), c10::ValueError);
+    acc.wait_for_everyone();
+    if (rank == 0) fs::remove(dir.path() / "ckpt/optimizer.safetensors");
+    acc.wait_for_everyone();
+    try {
+      acc.load_state(dir.str() + "/ckpt");
+      kinds[rank] = "none";
+    } catch (const c10::ValueError& e) {
+      kinds[rank] = std::string("ValueError: ") + e.what_without_backtrace();
+    } catch (const c10::Error& e) {
+      kinds[rank] = std::string("Error: ") + e.what_without_backtrace();
+    }
+  });
+  for (const auto& kind : kinds) {
+    EXPECT_THAT(kind, HasSubstr("ValueError: [Accelerator::load_state] loading " + dir.str() + "/ckpt failed on "
+                                "process 0: the checkpoint has no optimizer.safetensors"));
+  }
+  // The free functions.
+  EXPECT_THROW(save_file({{"a", at::ones({1})}}, (dir.path() / "a_file/x.safetensors").string()), c10::Error);
+  EXPECT_THROW(load_state_dict_file((dir.path() / "missing.json").string()), c10::ValueError);
+  EXPECT_THROW(SafetensorsFile((dir.path() / "a_file").string()), c10::Error);
+  torch::nn::Linear net(3, 1);
+  EXPECT_THROW(load_checkpoint_in_model(*net, (dir.path() / "missing.safetensors").string()), c10::Error);
+  EXPECT_THROW(save_state_dict_file({}, (dir.path() / "a_file/s.json").string()), c10::Error);
 }
 
 }  // namespace

@@ -146,6 +146,13 @@ template <typename X, typename A>
 struct is_value_list<std::vector<X, A>> : std::bool_constant<std::is_arithmetic_v<X> || std::is_same_v<X, std::string>> {};
 }  // namespace accelerator_detail
 
+/// Options of `Accelerator::load_state`.
+struct LoadStateOptions {
+  /// Convert a tensor whose dtype differs from the one it is loaded into (a model's weight, an
+  /// optimizer's state, a registered object's tensor) instead of refusing the checkpoint.
+  bool convert_dtypes = false;
+};
+
 /// A save-state pre-hook: called on every process by `save_state` before anything is written, with
 /// the prepared models, their state dicts (remove an entry to keep that model out of the
 /// checkpoint; the remaining ones are numbered in order) and the folder being written (renamed
@@ -502,11 +509,14 @@ class Accelerator {
   /// leaves the previous checkpoint as it was. A collective; returns the checkpoint folder.
   std::string save_state(const std::string& output_dir = "") const;
   /// Restores what `save_state` wrote (upstream: `load_state`). Without `input_dir` (and with
-  /// `automatic_checkpoint_naming`) the newest complete checkpoint of the project is taken, and
-  /// the iteration continues after it. Every file is read and checked before anything changes;
-  /// a failure on any process fails the load on every process. Model weights must match the
-  /// prepared models exactly (names and shapes). A collective.
-  void load_state(const std::string& input_dir = "") const;
+  /// `automatic_checkpoint_naming`) the newest complete checkpoint of the project is taken
+  /// (folders of that name without a save's files are skipped and named in a warning), and the
+  /// iteration continues after it. Every file is read and checked before anything changes, and
+  /// a failure leaves every object as it was; a failure on any process fails the load on every
+  /// process, naming the file and the key. Model weights and optimizer states must match the
+  /// prepared objects exactly (names, shapes and dtypes, unless `options.convert_dtypes`); tensors
+  /// holding NaN or infinity where the model's had none are named in a warning. A collective.
+  void load_state(const std::string& input_dir = "", const LoadStateOptions& options = {}) const;
 
   /// Registers objects whose state `save_state` saves and `load_state` restores, in order
   /// (upstream: `register_for_checkpointing`): anything with `state_dict()` and
@@ -628,6 +638,9 @@ class Accelerator {
   void save_module(const std::shared_ptr<torch::nn::Module>& module, const std::string& save_directory,
                    const std::string& max_shard_size) const;
   bool writes_shared_files() const;
+  // Numbers the first automatically named checkpoint after an earlier run's (Note [A new run
+  // beside an earlier run's checkpoints]); updates `project.iteration`.
+  void number_after_earlier_run(ProjectConfiguration& project) const;
 
   template <typename T>
   void prepare_optimizer_first(const T& object) const {

@@ -51,11 +51,18 @@ StateDict load_state_dict_file(const std::string& path);
 /// "state": {"<index>": {scalars}}} and tensors "state.<index>.<name>", parameters numbered in
 /// group order. Raises a ValueError for other optimizers, naming their type.
 StateDict optimizer_state_dict(const torch::optim::Optimizer& optimizer);
+/// Options of `load_optimizer_state_dict`.
+struct LoadOptimizerStateOptions {
+  /// Convert a state tensor whose dtype differs from its parameter's (otherwise refused).
+  bool convert_dtypes = false;
+};
 /// Restores `optimizer_state_dict`'s output into an optimizer of the same kind over parameters
 /// of the same shapes, in the same groups; state tensors go to the device of their parameter.
-/// Everything is checked before anything changes; a mismatch raises a ValueError saying what
+/// Everything is checked before anything changes; a mismatch (a shape, or a state tensor's dtype
+/// that is not its parameter's, unless `options.convert_dtypes`) raises a ValueError saying what
 /// differs.
-void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, const StateDict& state);
+void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, const StateDict& state,
+                               const LoadOptimizerStateOptions& options = {});
 
 /// The states of LibTorch's default generators: tensor "torch_manual_seed" (the CPU generator)
 /// and, with CUDA, "torch_cuda_manual_seed.<device>".

@@ -6,6 +6,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <vector>
 
 namespace accelerate::detail {
@@ -19,6 +20,10 @@ struct AcceleratorImpl {
 
   std::mutex mutex;  // guards everything below
   ProjectConfiguration project;
+  // Whether the program chose the next checkpoint's number (ProjectConfiguration::iteration,
+  // set_save_iteration or load_state); else the first save numbers after an earlier run's.
+  bool iteration_chosen = false;
+  std::set<int64_t> checkpoints_written;  // numbers of the checkpoints this accelerator saved
   std::vector<DistributedDataParallel> models;
   std::vector<AcceleratedOptimizer> optimizers;
   std::vector<AcceleratedScheduler> schedulers;

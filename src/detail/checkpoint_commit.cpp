@@ -1,5 +1,6 @@
 #include "detail/checkpoint_commit.h"
 
+#include "detail/check.h"
 #include "detail/collectives.h"
 #include "detail/errors.h"
 #include "detail/files.h"
@@ -11,6 +12,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstdlib>
@@ -79,9 +81,7 @@ void publish(const fs::path& staging, const fs::path& final_dir) {
     detail::remove_tree(staging);  // now the old checkpoint
     return;
   }
-  if (errno != EINVAL && errno != ENOSYS) {
-    throw std::runtime_error("cannot replace " + final_dir.string() + ": " + std::strerror(errno));
-  }
+  if (errno != EINVAL && errno != ENOSYS) raise_error("cannot replace " + final_dir.string() + ": " + std::strerror(errno));
   const auto replaced = replaced_of(final_dir);
   detail::remove_tree(replaced);
   fs::rename(final_dir, replaced);
@@ -91,26 +91,41 @@ void publish(const fs::path& staging, const fs::path& final_dir) {
 
 }  // namespace
 
+// Note [Agreed errors keep their kind]
+// Every process raises the same error after a collective step, so a program catches it the same
+// way everywhere: as c10::ValueError when every failure was one (bad input: a wrong dtype, a
+// missing file), else as c10::Error. Each process sends its message behind one byte saying which.
 void run_agreed(const PartialState& state, const std::string& what, const std::function<void()>& fn) {
   std::string error;
+  char kind = 'v';
   try {
     fn();
   } catch (const std::exception& e) {
     error = error_message(e);
     if (error.empty()) error = "unknown error";
+    if (dynamic_cast<const c10::ValueError*>(&e) == nullptr && dynamic_cast<const std::invalid_argument*>(&e) == nullptr) {
+      kind = 'e';
+    }
   }
+  const auto raise = [](bool value_error, const std::string& message) {
+    if (value_error) C10_THROW_ERROR(ValueError, message);
+    C10_THROW_ERROR(Error, message);
+  };
   if (state.num_processes() == 1) {
-    if (!error.empty()) throw std::runtime_error(what + " failed: " + error);
+    if (!error.empty()) raise(kind == 'v', what + " failed: " + error);
     return;
   }
-  const auto gathered = all_gather_bytes(state, std::vector<char>(error.begin(), error.end()), what.c_str());
+  const std::string tagged = error.empty() ? std::string() : kind + error;
+  const auto gathered = all_gather_bytes(state, std::vector<char>(tagged.begin(), tagged.end()), what.c_str());
   std::string message;
+  bool all_value_errors = true;
   for (size_t rank = 0; rank < gathered.size(); ++rank) {
     if (gathered[rank].empty()) continue;
+    all_value_errors = all_value_errors && gathered[rank][0] == 'v';
     message += (message.empty() ? "" : "; ") + std::string("process ") + std::to_string(rank) + ": " +
-               std::string(gathered[rank].begin(), gathered[rank].end());
+               std::string(gathered[rank].begin() + 1, gathered[rank].end());
   }
-  if (!message.empty()) throw std::runtime_error(what + " failed on " + message);
+  if (!message.empty()) raise(all_value_errors, what + " failed on " + message);
 }
 
 CheckpointCommit::CheckpointCommit(const PartialState& state, fs::path final_dir, bool save_on_each_node,
@@ -133,11 +148,9 @@ CheckpointCommit::CheckpointCommit(const PartialState& state, fs::path final_dir
   // A machine that does not see process 0's staging folder has a file system of its own.
   run_agreed(state, "preparing the checkpoint folder " + final_.string(), [&] {
     if (state.is_main_process() || !state.is_local_main_process() || sees_token(staging_, token)) return;
-    if (!save_on_each_node) {
-      throw std::runtime_error("the staging folder " + staging_.string() +
-                               " created by process 0 is not visible here; without a shared file system set "
-                               "ProjectConfiguration::save_on_each_node");
-    }
+    ACCELERATE_CHECK_VALUE(save_on_each_node, "the staging folder ", staging_.string(),
+                           " created by process 0 is not visible here; without a shared file system set "
+                           "ProjectConfiguration::save_on_each_node");
     create_staging(final_, staging_, clean_all_leftovers, token);
     owner_ = true;
   });
@@ -162,7 +175,19 @@ fs::path CheckpointCommit::commit(const std::function<void()>& write) {
   return final_;
 }
 
-std::vector<std::pair<int64_t, fs::path>> list_checkpoints(const fs::path& folder) {
+bool is_complete_checkpoint(const fs::path& folder) {
+  // Every process writes its generators' states last; a folder that `publish` put in place holds
+  // at least one, whichever machine's file system it is on.
+  static const std::regex name(R"(random_states_\d{1,9}\.safetensors)");
+  std::error_code error;
+  for (const auto& entry : fs::directory_iterator(folder, error)) {
+    if (entry.is_regular_file(error) && std::regex_match(entry.path().filename().string(), name)) return true;
+  }
+  return false;
+}
+
+std::vector<std::pair<int64_t, fs::path>> list_checkpoints(const fs::path& folder,
+                                                           std::vector<std::pair<int64_t, fs::path>>* incomplete) {
   std::vector<std::pair<int64_t, fs::path>> out;
   std::error_code error;
   if (!fs::is_directory(folder, error)) return out;
@@ -170,24 +195,42 @@ std::vector<std::pair<int64_t, fs::path>> list_checkpoints(const fs::path& folde
   for (const auto& entry : fs::directory_iterator(folder)) {
     std::smatch match;
     const auto file = entry.path().filename().string();
-    if (entry.is_directory() && std::regex_match(file, match, name)) out.emplace_back(std::stoll(match[1]), entry.path());
+    if (!entry.is_directory() || !std::regex_match(file, match, name)) continue;
+    if (is_complete_checkpoint(entry.path())) {
+      out.emplace_back(std::stoll(match[1]), entry.path());
+    } else if (incomplete != nullptr) {
+      incomplete->emplace_back(std::stoll(match[1]), entry.path());
+    }
   }
   std::sort(out.begin(), out.end());
+  if (incomplete != nullptr) std::sort(incomplete->begin(), incomplete->end());
   return out;
 }
 
-void prune_checkpoints(const fs::path& folder, int total_limit) {
+void prune_checkpoints(const fs::path& folder, int total_limit, const std::set<int64_t>& written_here,
+                       std::optional<int64_t> just_written) {
   if (total_limit <= 0) return;
   auto checkpoints = list_checkpoints(folder);
   if (checkpoints.size() <= static_cast<size_t>(total_limit)) return;
   const size_t excess = checkpoints.size() - static_cast<size_t>(total_limit);
-  for (size_t i = 0; i < excess; ++i) {
-    const auto deleting = deleting_of(checkpoints[i].second);
+  // Note [Pruning keeps the running job's checkpoints]
+  // The oldest go first, by number; but a checkpoint this job wrote goes only after every other
+  // (the folder may hold an earlier run's checkpoints, with any numbers), and the one the save
+  // just made never goes.
+  std::stable_partition(checkpoints.begin(), checkpoints.end(),
+                        [&](const auto& c) { return written_here.count(c.first) == 0; });
+  std::vector<fs::path> doomed;
+  for (const auto& [number, path] : checkpoints) {
+    if (doomed.size() == excess) break;
+    if (number != just_written) doomed.push_back(path);
+  }
+  for (const auto& path : doomed) {
+    const auto deleting = deleting_of(path);
     detail::remove_tree(deleting);
-    fs::rename(checkpoints[i].second, deleting);
+    fs::rename(path, deleting);
   }
   fsync_directory(folder.string());
-  for (size_t i = 0; i < excess; ++i) detail::remove_tree(deleting_of(checkpoints[i].second));
+  for (const auto& path : doomed) detail::remove_tree(deleting_of(path));
 }
 
 void checkpoint_file_written(const PartialState& state) {

@@ -11,6 +11,8 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -18,8 +20,9 @@
 namespace accelerate::detail {
 
 /// Runs `fn` on every process of `state` and agrees on the outcome: when it throws on any process,
-/// it throws on every process a std::runtime_error that starts with `what` and lists each failed
-/// process with its message. A collective.
+/// it throws on every process an error that starts with `what` and lists each failed process with
+/// its message (c10::ValueError when every failure was a value error, else c10::Error). A
+/// collective.
 void run_agreed(const PartialState& state, const std::string& what, const std::function<void()>& fn);
 
 /// One checkpoint being written. A collective: every process constructs it and calls `commit`.
@@ -51,12 +54,20 @@ class CheckpointCommit {
   bool owner_ = false;  // creates and publishes the staging folder on this machine's file system
 };
 
-/// The complete checkpoints `checkpoint_<n>` in `folder`, sorted by `n`.
-std::vector<std::pair<int64_t, std::filesystem::path>> list_checkpoints(const std::filesystem::path& folder);
+/// Whether `folder` is a complete checkpoint: one that a save published (it holds the random
+/// states that every process writes), not an empty or hand-made folder of that name.
+bool is_complete_checkpoint(const std::filesystem::path& folder);
 
-/// Removes the oldest complete checkpoints of `folder` until at most `total_limit` remain; each is
-/// first renamed to a hidden name, so a crash never leaves a half-removed checkpoint visible.
-void prune_checkpoints(const std::filesystem::path& folder, int total_limit);
+/// The complete checkpoints `checkpoint_<n>` in `folder`, sorted by `n`; the folders of that name
+/// that are not complete go to `incomplete` when given.
+std::vector<std::pair<int64_t, std::filesystem::path>> list_checkpoints(
+    const std::filesystem::path& folder, std::vector<std::pair<int64_t, std::filesystem::path>>* incomplete = nullptr);
+
+/// Removes complete checkpoints of `folder` until at most `total_limit` remain: the oldest of
+/// other runs first, then the oldest of `written_here`, never `just_written`. Each is first
+/// renamed to a hidden name, so a crash never leaves a half-removed checkpoint visible.
+void prune_checkpoints(const std::filesystem::path& folder, int total_limit,
+                       const std::set<int64_t>& written_here = {}, std::optional<int64_t> just_written = {});
 
 /// The test hook of the crash tests: when the environment variable
 /// ACCELERATE_TEST_PAUSE_SAVE_AFTER_FIRST_FILE holds a path, the first call of a process creates

@@ -1,5 +1,7 @@
 #include "detail/files.h"
 
+#include "detail/check.h"
+
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
@@ -22,7 +24,7 @@ namespace accelerate::detail {
 namespace {
 
 [[noreturn]] void fail(const std::string& what, const std::string& path, int error) {
-  throw std::runtime_error("cannot " + what + " " + path + ": " + std::strerror(error));
+  raise_error("cannot " + what + " " + path + ": " + std::strerror(error));
 }
 
 // Closes a descriptor when it goes out of scope.

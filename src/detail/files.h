@@ -1,6 +1,6 @@
 // Durable file operations: whole-file reads, writes that are flushed to the disk and renamed
-// into place, and flushing a folder's entries. Errors raise std::runtime_error naming the path
-// and the system's reason.
+// into place, and flushing a folder's entries. Errors name the path and the system's reason; they
+// are c10::Errors in the library and std::runtime_errors in the torch-free launcher (detail/check.h).
 #pragma once
 
 #include <cstddef>

@@ -10,6 +10,9 @@ namespace accelerate::detail {
 
 /// NumPy's name of `type`; a ValueError for dtypes an offload folder cannot hold.
 std::string numpy_dtype_name(c10::ScalarType type);
+/// The dtype's name as PyTorch and NumPy spell it ("float32", "int32", "bfloat16"; LibTorch's
+/// name for a dtype neither has), for messages.
+std::string dtype_name(c10::ScalarType type);
 /// The dtype NumPy calls `name`; a ValueError naming `where` for an unknown name.
 c10::ScalarType numpy_dtype(const std::string& name, const std::string& where);
 

@@ -13,8 +13,8 @@ namespace accelerate::detail {
 StateDict state_dict_views(const SafetensorsFile& file);
 
 /// `load_optimizer_state_dict(optimizer, views)` for `views = state_dict_views(file)`, reading the
-/// values from `file` only after every check passed.
+/// values from `file` only after every check passed; errors name the file.
 void load_optimizer_state_from_file(torch::optim::Optimizer& optimizer, const StateDict& views,
-                                    const SafetensorsFile& file);
+                                    const SafetensorsFile& file, const LoadOptimizerStateOptions& options = {});
 
 }  // namespace accelerate::detail

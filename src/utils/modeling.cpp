@@ -2,6 +2,8 @@
 
 #include "detail/checkpoint_index.h"
 #include "detail/files.h"
+#include "detail/load_checks.h"
+#include "detail/offload_dtypes.h"
 #include "detail/warn.h"
 
 #include <ATen/ATen.h>
@@ -225,6 +227,42 @@ TensorMap load_state_dict(const std::string& checkpoint_file) {
   return load_file(checkpoint_file);
 }
 
+namespace {
+
+// Refuses loading a tensor stored as `stored` into `target` when that would change its dtype
+// without being asked for (Note [Dtypes are checked like shapes] in docs/design.md).
+void check_dtype(const at::Tensor& target, c10::ScalarType stored, const LoadCheckpointOptions& options,
+                 const char* api, const std::string& key, const std::string& file) {
+  if (options.convert_dtypes || target.is_meta() || target.scalar_type() == stored) return;
+  if (options.dtype && c10::isFloatingType(stored)) return;
+  TORCH_CHECK_VALUE(false, "[", api, "] dtype mismatch for ", key, file.empty() ? "" : " in ", file,
+                    ": the checkpoint holds ", detail::dtype_name(stored), ", the module holds ",
+                    detail::dtype_name(target.scalar_type()),
+                    "; set LoadCheckpointOptions::convert_dtypes to convert");
+}
+
+// Whether every value of `t` is finite: one pass, no copy (a finite sum in double precision
+// cannot overflow for finite elements of any dtype narrower than double, so only NaN or infinity
+// makes it non-finite).
+bool all_finite(const at::Tensor& t) {
+  if (!t.is_floating_point() || t.numel() == 0 || t.is_meta()) return true;
+  if (t.scalar_type() == at::kDouble) return at::isfinite(t).all().item<bool>();
+  return std::isfinite(t.sum(at::kDouble).item<double>());
+}
+
+// Warns about the tensors of `file` that hold NaN or infinity where the module's had none.
+void warn_non_finite(const std::vector<std::string>& names, const std::string& file) {
+  if (names.empty()) return;
+  detail::warn("accelerate.utils.modeling",
+               c10::str("[load_checkpoint_in_model] ", file, ": ", names.size(),
+                        " tensor(s) hold NaN or infinite values where the module's had none: ",
+                        c10::Join(", ", std::vector<std::string>(names.begin(),
+                                                                 names.begin() + std::min<size_t>(names.size(), 8))),
+                        names.size() > 8 ? ", …" : ""));
+}
+
+}  // namespace
+
 LoadCheckpointResult load_state_dict_into_module(torch::nn::Module& module, const TensorMap& tensors,
                                                  const LoadCheckpointOptions& options) {
   auto targets = module_tensors(module);
@@ -239,6 +277,7 @@ LoadCheckpointResult load_state_dict_into_module(torch::nn::Module& module, cons
     TORCH_CHECK_VALUE(it->second.sizes() == value.sizes(), "[load_state_dict] size mismatch for ", name,
                       ": the checkpoint has shape ", shape_string(value.sizes()), ", the module has ",
                       shape_string(it->second.sizes()));
+    check_dtype(it->second, value.scalar_type(), options, "load_state_dict", name, "");
     if (it->second.numel() > 0 && !it->second.is_meta()) loaded_storages.insert(it->second.storage().data());
   }
   std::vector<std::string> names;
@@ -273,8 +312,18 @@ LoadCheckpointResult load_state_dict_into_module(torch::nn::Module& module, cons
   return result;
 }
 
-LoadCheckpointResult load_checkpoint_in_model(torch::nn::Module& module, const std::string& checkpoint,
-                                              const LoadCheckpointOptions& options) {
+namespace {
+
+// The files of `checkpoint`, opened (and so validated), and what a load into `module` would find,
+// after every check of names, shapes and dtypes.
+struct CheckedCheckpoint {
+  std::vector<SafetensorsFile> opened;
+  LoadCheckpointResult result;
+  std::unordered_map<std::string, at::Tensor> targets;
+};
+
+CheckedCheckpoint check_checkpoint(torch::nn::Module& module, const std::string& checkpoint,
+                                   const LoadCheckpointOptions& options) {
   const auto files = detail::resolve_checkpoint(checkpoint, "load_checkpoint_in_model").files;
   // Every file is opened (and so validated) before anything is loaded.
   std::vector<SafetensorsFile> opened;
@@ -319,16 +368,38 @@ LoadCheckpointResult load_checkpoint_in_model(torch::nn::Module& module, const s
       TORCH_CHECK_VALUE(it->second.sizes() == at::IntArrayRef(shape), "[load_checkpoint_in_model] size mismatch for ",
                         key, " in ", file.path(), ": the checkpoint has shape ", shape_string(shape),
                         ", the module has ", shape_string(it->second.sizes()));
+      check_dtype(it->second, safetensors_dtype(file.entry(key).dtype), options, "load_checkpoint_in_model", key,
+                  file.path());
     }
   }
+  return {std::move(opened), std::move(result), std::move(targets)};
+}
+
+}  // namespace
+
+namespace detail {
+
+void check_checkpoint_in_model(torch::nn::Module& module, const std::string& checkpoint,
+                               const LoadCheckpointOptions& options) {
+  (void)check_checkpoint(module, checkpoint, options);
+}
+
+}  // namespace detail
+
+LoadCheckpointResult load_checkpoint_in_model(torch::nn::Module& module, const std::string& checkpoint,
+                                              const LoadCheckpointOptions& options) {
+  auto [opened, result, targets] = check_checkpoint(module, checkpoint, options);
   for (const auto& file : opened) {
     // Tensors that only need their values are read in bulk straight into the module; those
     // materialised from the meta device or given a new dtype go through load_state_dict.
     TensorMap in_place, replaced;
+    std::vector<std::string> non_finite;
     for (const auto& key : file.keys()) {
       auto it = targets.find(key);
       if (it == targets.end()) continue;
       const auto& target = it->second;
+      // The module's tensor is looked at only when the checkpoint's is not finite (rare).
+      if (!all_finite(file.get_tensor(key)) && all_finite(target)) non_finite.push_back(key);
       const bool floating = at::isFloatingType(safetensors_dtype(file.entry(key).dtype));
       if (!target.is_meta() && (!options.dtype || !floating || target.scalar_type() == *options.dtype)) {
         in_place.emplace(key, target);
@@ -336,8 +407,10 @@ LoadCheckpointResult load_checkpoint_in_model(torch::nn::Module& module, const s
         replaced.emplace(key, file.get_tensor(key));
       }
     }
+    warn_non_finite(non_finite, file.path());
     file.read_into(in_place);
-    load_state_dict_into_module(module, replaced, {.dtype = options.dtype, .strict = false});
+    load_state_dict_into_module(module, replaced,
+                                {.dtype = options.dtype, .strict = false, .convert_dtypes = options.convert_dtypes});
   }
   if (!options.strict && (!result.missing_keys.empty() || !result.unexpected_keys.empty())) {
     detail::warn("accelerate.utils.modeling",

@@ -106,6 +106,13 @@ std::string numpy_dtype_name(c10::ScalarType type) {
   TORCH_CHECK_VALUE(false, "[offload] dtype ", type, " cannot be offloaded");
 }
 
+std::string dtype_name(c10::ScalarType type) {
+  for (const auto& d : kDtypes) {
+    if (d.type == type) return d.name;
+  }
+  return c10::toString(type);
+}
+
 c10::ScalarType numpy_dtype(const std::string& name, const std::string& where) {
   for (const auto& d : kDtypes) {
     if (name == d.name) return d.type;

@@ -359,8 +359,8 @@ void save_file(const TensorMap& tensors, const std::string& path, const Safetens
           }
         },
         fsync);
-  } catch (const std::runtime_error& e) {
-    throw std::runtime_error(std::string("[save_file] ") + e.what());
+  } catch (const c10::Error& e) {
+    C10_THROW_ERROR(Error, std::string("[save_file] ") + e.what_without_backtrace());
   }
 }
 

@@ -1,6 +1,7 @@
 // The examples run as documented, on two processes through the launcher: the main character-level
 // GPT job learns and resumes from its newest checkpoint, and each by-feature example does what its
 // feature promises.
+#include "accelerate/utils/safetensors.h"
 #include "support/process.h"
 #include "support/test_support.h"
 
@@ -93,6 +94,43 @@ TEST(CharGptExample, ResumeContinuesFromTheNewestCheckpoint) {
   EXPECT_THAT(resumed->err, ::testing::Not(HasSubstr("step 0: val_loss")));
   EXPECT_THAT(resumed->err, HasSubstr("step 40: train_loss"));
   EXPECT_TRUE(std::filesystem::is_directory(dir.path() / "checkpoints/checkpoint_1"));
+}
+
+TEST(CharGptExample, ANewRunInAnEarlierRunsFolderKeepsItsCheckpointsAndABadCheckpointIsNamedNotAborted) {
+  TempDir dir;
+  const auto checkpoints = dir.path() / "checkpoints";
+  const std::vector<std::string> every_10 = {"--max_steps", "20", "--checkpoint_every", "10", "--total_limit", "2"};
+  auto first = launch_example("char_gpt", small_gpt(dir.str(), every_10));
+  ASSERT_EQ(first->exit_code(), 0) << first->out << first->err;
+  ASSERT_TRUE(std::filesystem::is_directory(checkpoints / "checkpoint_1"));
+  // A second run, not resumed, in the same folder: its checkpoints follow the first run's and stay.
+  auto second = launch_example("char_gpt", small_gpt(dir.str(), every_10));
+  ASSERT_EQ(second->exit_code(), 0) << second->out << second->err;
+  EXPECT_THAT(second->err, HasSubstr("this run's checkpoints are numbered from checkpoint_2"));
+  EXPECT_TRUE(std::filesystem::is_directory(checkpoints / "checkpoint_2"));
+  EXPECT_TRUE(std::filesystem::is_directory(checkpoints / "checkpoint_3"));
+  EXPECT_FALSE(std::filesystem::exists(checkpoints / "checkpoint_0"));
+  EXPECT_FALSE(std::filesystem::exists(checkpoints / "checkpoint_1"));
+
+  // A weight stored with another dtype: the resume fails naming the file, tensor and dtypes, with
+  // the main job's own error line and status (a c10::Error it catches, not an abort), and
+  // nothing is removed.
+  const auto file = (checkpoints / "checkpoint_3/model.safetensors").string();
+  TensorMap weights;
+  {
+    SafetensorsFile saved(file);
+    for (const auto& key : saved.keys()) weights.emplace(key, saved.get_tensor(key).clone());
+  }
+  auto& first_weight = weights.begin()->second;
+  first_weight = first_weight.to(at::kInt);
+  save_file(weights, file);
+  auto resumed = launch_example("char_gpt", small_gpt(dir.str(), {"--max_steps", "30", "--resume"}));
+  EXPECT_EQ(resumed->exit_code(), 1) << resumed->out << resumed->err;
+  EXPECT_THAT(resumed->err, HasSubstr("dtype mismatch for " + weights.begin()->first + " in " + file +
+                                      ": the checkpoint holds int32, the module holds float32"));
+  EXPECT_THAT(resumed->err, ::testing::Not(HasSubstr("SIGABRT")));
+  EXPECT_TRUE(std::filesystem::is_directory(checkpoints / "checkpoint_2"));
+  EXPECT_TRUE(std::filesystem::is_directory(checkpoints / "checkpoint_3"));
 }
 
 TEST(CharGptExample, ResumeWithoutACheckpointIsAnError) {

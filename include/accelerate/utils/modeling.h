@@ -88,6 +88,10 @@ struct LoadCheckpointOptions {
   /// Raise when the checkpoint lacks a name of the module or holds a name the module lacks
   /// (otherwise both are warned about and returned).
   bool strict = false;
+  /// Convert a tensor whose dtype differs from the module tensor it is loaded into (otherwise
+  /// refused with a ValueError naming the file, the key and both dtypes, before anything changes;
+  /// `dtype` asks for the conversion of floating-point weights by itself).
+  bool convert_dtypes = false;
 };
 
 /// What a load found besides the weights it loaded.
@@ -103,15 +107,18 @@ struct LoadCheckpointResult {
 /// `model.safetensors` or exactly one `*.index.json`. Index entries must name files inside the
 /// index's folder: absolute paths and ".." are refused. Each tensor is copied into the module's
 /// own tensor (so optimizers and gradient-synchronisation buckets keep pointing at it); a shape
-/// that differs is refused with a ValueError naming the key and both shapes. A tensor goes
+/// that differs is refused with a ValueError naming the key and both shapes, and so is a dtype
+/// that differs unless `dtype` or `convert_dtypes` asks for the conversion (upstream converts
+/// silently, which turns a checkpoint of another model's integers into NaN weights). A tensor goes
 /// through `dtype` (floating-point ones only) and then to the module tensor's device and dtype.
+/// Tensors holding NaN or infinity where the module's had none are named in a warning.
 LoadCheckpointResult load_checkpoint_in_model(torch::nn::Module& module, const std::string& checkpoint,
                                               const LoadCheckpointOptions& options = {});
 
 /// Copies the tensors of `tensors` into `module`'s tensors of the same names, as
 /// `load_checkpoint_in_model` does for one file (upstream: `model.load_state_dict(state_dict,
-/// strict)`). Raises before changing anything when a shape differs or, with `strict`, when a
-/// name is missing or unexpected.
+/// strict)`). Raises before changing anything when a shape or (without `dtype` or
+/// `convert_dtypes`) a dtype differs or, with `strict`, when a name is missing or unexpected.
 LoadCheckpointResult load_state_dict_into_module(torch::nn::Module& module, const TensorMap& tensors,
                                                  const LoadCheckpointOptions& options = {});
 

@@ -1,0 +1,256 @@
+// A fuzz target for `Accelerator::load_state`: a whole checkpoint folder (model, optimizer,
+// scheduler, sampler, a registered object, the random states) in which one file is replaced by
+// the input. Whatever the bytes, the load must either succeed or raise a c10::Error, and a load
+// that raises must leave every object as it was (weights, optimizer state, scheduler, sampler,
+// registered object, generator). Anything else — another exception, a crash, a sanitizer report,
+// an object changed by a refused load — aborts.
+//
+// The input is one byte choosing the file (its index, modulo the number of files) followed by
+// the file's new content. Built two ways from this one source: with clang's libFuzzer
+// (`-fsanitize=fuzzer`, which supplies main), or, by default, with the small driver at the end,
+// which mutates the saved files itself (`load_state_fuzzer <iterations> [seed]`, or
+// `--seconds N`) and is what the test suite and scripts/fuzz.sh run in the sanitizer build.
+#include <accelerate/accelerate.h>
+
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace acc = accelerate;
+namespace fs = std::filesystem;
+
+namespace {
+
+struct Counter {
+  int64_t value = 7;
+  nlohmann::json state_dict() const { return {{"value", value}, {"tag", "counter"}}; }
+  void load_state_dict(const nlohmann::json& state) { value = state.at("value").get<int64_t>(); }
+};
+
+std::string read_all(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+void write_all(const fs::path& path, const std::string& bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+[[noreturn]] void broken(const std::string& what) {
+  std::fprintf(stderr, "invariant broken: %s\n", what.c_str());
+  std::abort();
+}
+
+// Everything a load may change, to compare before and after a refused one.
+struct Observed {
+  std::vector<at::Tensor> weights;
+  nlohmann::json optimizer_values;
+  std::map<std::string, at::Tensor> optimizer_tensors;
+  nlohmann::json scheduler;
+  std::string sampler;
+  int64_t counter = 0;
+  at::Tensor generator;
+};
+
+// The training objects, a folder with their checkpoint, and the scratch folder loads read.
+struct Setup {
+  acc::Accelerator accelerator;
+  torch::nn::Linear net{3, 2};
+  std::shared_ptr<torch::optim::Adam> adam = std::make_shared<torch::optim::Adam>(net->parameters(), 0.01);
+  std::shared_ptr<acc::LambdaLR> schedule =
+      std::make_shared<acc::LambdaLR>(adam, [](int64_t epoch) { return 1.0 / (1.0 + static_cast<double>(epoch)); });
+  acc::DataLoader loader{std::make_shared<acc::TensorDataset>(torch::randn({8, 3}), torch::randn({8, 2})),
+                         {.batch_size = 4, .shuffle = true}};
+  Counter counter;
+  fs::path root;
+  std::vector<std::string> names;  // the checkpoint's files, sorted
+  std::vector<std::string> seeds;  // their saved bytes
+
+  Setup() {
+    std::string tmpl = (fs::temp_directory_path() / "accelerate-fuzz-XXXXXX").string();
+    root = ::mkdtemp(tmpl.data());
+    auto [model, opt, data, sched] = accelerator.prepare(net, adam, loader, schedule);
+    accelerator.register_for_checkpointing(counter);
+    for (auto& batch : data) {
+      opt.zero_grad();
+      accelerator.backward(torch::mse_loss(model(batch.data), batch.target));
+      opt.step();
+    }
+    sched.step();
+    accelerator.save_state((root / "seed").string());
+    for (const auto& entry : fs::directory_iterator(root / "seed")) names.push_back(entry.path().filename());
+    std::sort(names.begin(), names.end());
+    for (const auto& name : names) seeds.push_back(read_all(root / "seed" / name));
+    fs::copy(root / "seed", root / "load", fs::copy_options::recursive);
+  }
+  ~Setup() { fs::remove_all(root); }
+
+  Observed observe() const {
+    Observed o;
+    for (const auto& p : net->parameters()) o.weights.push_back(p.detach().clone());
+    const auto optimizer = acc::optimizer_state_dict(*adam);
+    o.optimizer_values = optimizer.values;
+    for (const auto& [name, tensor] : optimizer.tensors) o.optimizer_tensors[name] = tensor.clone();
+    o.scheduler = schedule->state_dict();
+    o.sampler = loader.state_dict().to_json();
+    o.counter = counter.value;
+    o.generator = at::detail::getDefaultCPUGenerator().get_state();
+    return o;
+  }
+};
+
+Setup& setup() {
+  static Setup* s = [] {
+    setenv("ACCELERATE_LOG_LEVEL", "ERROR", /*overwrite=*/0);  // warnings about odd files are expected here
+    return new Setup();
+  }();
+  return *s;
+}
+
+// Equal values, NaN equal to NaN (an earlier load may have put NaN in place).
+bool same_values(const at::Tensor& a, const at::Tensor& b) {
+  if (a.sizes() != b.sizes() || a.scalar_type() != b.scalar_type()) return false;
+  if (!a.is_floating_point()) return torch::equal(a, b);
+  return at::isclose(a, b, /*rtol=*/0, /*atol=*/0, /*equal_nan=*/true).all().item<bool>();
+}
+
+bool same(const Observed& a, const Observed& b) {
+  if (a.weights.size() != b.weights.size() || a.optimizer_values != b.optimizer_values ||
+      a.scheduler != b.scheduler || a.sampler != b.sampler || a.counter != b.counter ||
+      !same_values(a.generator, b.generator) || a.optimizer_tensors.size() != b.optimizer_tensors.size()) {
+    return false;
+  }
+  for (size_t i = 0; i < a.weights.size(); ++i) {
+    if (!same_values(a.weights[i], b.weights[i])) return false;
+  }
+  for (const auto& [name, tensor] : a.optimizer_tensors) {
+    auto it = b.optimizer_tensors.find(name);
+    if (it == b.optimizer_tensors.end() || !same_values(tensor, it->second)) return false;
+  }
+  return true;
+}
+
+// Loads the checkpoint with file `index` replaced by `bytes`, checking the invariants; returns
+// whether the load was refused.
+bool load_with(size_t index, const std::string& bytes) {
+  auto& s = setup();
+  const auto folder = s.root / "load";
+  for (size_t i = 0; i < s.names.size(); ++i) write_all(folder / s.names[i], i == index ? bytes : s.seeds[i]);
+  const Observed before = s.observe();
+  try {
+    s.accelerator.load_state(folder.string());
+  } catch (const c10::Error& e) {
+    if (!same(before, s.observe())) {
+      write_all(s.root.parent_path() / "load_state_fuzzer.crash", std::string(1, static_cast<char>(index)) + bytes);
+      broken("a refused load of a mutated " + s.names[index] + " changed an object (the input is in " +
+             (s.root.parent_path() / "load_state_fuzzer.crash").string() + "); the error: " + e.what_without_backtrace());
+    }
+    return true;
+  } catch (const std::exception& e) {
+    broken("load_state raised something other than a c10::Error for a mutated " + s.names[index] + ": " + e.what());
+  }
+  return false;
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  if (size == 0) return 0;
+  const auto& s = setup();
+  load_with(data[0] % s.names.size(), std::string(reinterpret_cast<const char*>(data) + 1, size - 1));
+  return 0;
+}
+
+#ifndef ACCELERATE_LIBFUZZER
+// The driver without libFuzzer: each iteration mutates one saved file with a few random edits
+// (bit flips, bytes set to edge values, cuts, insertions, a digit or a JSON value swapped for
+// another kind) and loads it; every 16th iteration loads the unmutated checkpoint, which must
+// succeed. Deterministic for a given seed.
+int main(int argc, char** argv) {
+  int64_t iterations = 500;
+  double seconds = 0;
+  uint64_t seed = 1;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--seconds") == 0 && i + 1 < argc) {
+      seconds = std::atof(argv[++i]);
+    } else if (i == 1) {
+      iterations = std::atoll(argv[i]);
+    } else {
+      seed = std::strtoull(argv[i], nullptr, 10);
+    }
+  }
+  std::printf("load_state_fuzzer: seed %llu\n", static_cast<unsigned long long>(seed));
+  std::fflush(stdout);
+  auto& s = setup();
+  std::mt19937_64 random(seed);
+  const auto pick = [&](size_t n) { return static_cast<size_t>(random() % n); };
+  const auto start = std::chrono::steady_clock::now();
+  int64_t done = 0, refused = 0;
+  static const std::vector<std::string> replacements = {"\"x\"", "-1", "1e308", "null", "[]", "{}", "true",
+                                                        "18446744073709551616", "0", "\"\""};
+  while (seconds > 0 ? std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() < seconds
+                     : done < iterations) {
+    ++done;
+    const size_t index = pick(s.names.size());
+    std::string bytes = s.seeds[index];
+    if (done % 16 == 0) {
+      try {
+        s.accelerator.load_state((s.root / "seed").string());
+      } catch (const std::exception& e) {
+        broken(std::string("the unmutated checkpoint no longer loads: ") + e.what());
+      }
+      continue;
+    }
+    const size_t edits = 1 + pick(4);
+    for (size_t e = 0; e < edits; ++e) {
+      const size_t at = bytes.empty() ? 0 : pick(bytes.size());
+      switch (pick(7)) {
+        case 0:
+          if (!bytes.empty()) bytes[at] = static_cast<char>(bytes[at] ^ (1 << pick(8)));
+          break;
+        case 1:
+          if (!bytes.empty()) bytes[at] = static_cast<char>(std::vector<int>{0, 0x7f, 0x80, 0xff, '"', '{'}[pick(6)]);
+          break;
+        case 2:
+          bytes.resize(at);
+          break;
+        case 3:
+          bytes.insert(at, std::string(1 + pick(16), static_cast<char>(random())));
+          break;
+        case 4:  // the safetensors header length
+          if (bytes.size() >= 8) bytes[pick(8)] = static_cast<char>(random());
+          break;
+        case 5: {  // a digit for another
+          const auto digit = bytes.find_first_of("0123456789", at);
+          if (digit != std::string::npos) bytes[digit] = static_cast<char>('0' + pick(10));
+          break;
+        }
+        default: {  // a JSON value for one of another kind
+          const auto colon = bytes.find(':', at);
+          if (colon == std::string::npos) break;
+          const auto end = bytes.find_first_of(",}", colon);
+          if (end == std::string::npos) break;
+          bytes.replace(colon + 1, end - colon - 1, replacements[pick(replacements.size())]);
+          break;
+        }
+      }
+    }
+    if (load_with(index, bytes)) ++refused;
+  }
+  std::printf("load_state_fuzzer: %lld loads of mutated checkpoints, %lld refused, every refusal left every object "
+              "as it was\n",
+              static_cast<long long>(done), static_cast<long long>(refused));
+  return 0;
+}
+#endif
