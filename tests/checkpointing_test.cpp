@@ -335,18 +335,24 @@ TEST(SaveState, AnOptimizerOfAnUnknownTypeIsRefusedNamingItAndNothingIsCommitted
   EXPECT_TRUE(fs::is_empty(dir.path())) << "the refused save left a folder behind";
 }
 
-TEST(LoadState, TakesTheNewestCompleteCheckpointIgnoringLeftoversAndContinuesItsNumbering) {
-  TempDir dir;
+// Trains `saves` passes in the project `dir`, saving after each; returns the last weight.
+torch::Tensor train_and_save(const TempDir& dir, int saves) {
   torch::Tensor newest;
   run_accelerators(1, [&](const Accelerator& acc, int) {
     Training t;
     auto [model, opt, loader] = acc.prepare(t.net, t.adam, t.loader);
-    for (int i = 0; i < 3; ++i) {
+    for (int i = 0; i < saves; ++i) {
       train_one_pass(acc, model, opt, loader);
       acc.save_state();
     }
     newest = model->weight.clone();
   }, project_options(dir.str()));
+  return newest;
+}
+
+TEST(LoadState, TakesTheNewestCompleteCheckpointIgnoringLeftoversAndContinuesItsNumbering) {
+  TempDir dir;
+  const auto newest = train_and_save(dir, 3);
   // A crashed save leaves a hidden staging folder; it is never taken for a checkpoint.
   fs::create_directories(dir.path() / "checkpoints/.checkpoint_3.partial");
   detail::write_file((dir.path() / "checkpoints/.checkpoint_3.partial/model.safetensors").string(), "garbage");
@@ -676,16 +682,7 @@ TEST(SaveState, PruningKeepsTheCheckpointJustWrittenAndThisRunsOwnBeforeAnEarlie
 
 TEST(LoadState, TheNewestCompleteCheckpointSkipsAnEmptyFolderOfThatNameAndNamesIt) {
   TempDir dir;
-  torch::Tensor newest;
-  run_accelerators(1, [&](const Accelerator& acc, int) {
-    Training t;
-    auto [model, opt, loader] = acc.prepare(t.net, t.adam, t.loader);
-    for (int i = 0; i < 2; ++i) {
-      train_one_pass(acc, model, opt, loader);
-      acc.save_state();
-    }
-    newest = model->weight.clone();
-  }, project_options(dir.str()));
+  const auto newest = train_and_save(dir, 2);
   fs::create_directories(dir.path() / "checkpoints/checkpoint_5");
   fs::create_directories(dir.path() / "checkpoints/checkpoint_7");
   detail::write_file((dir.path() / "checkpoints/checkpoint_7/model.safetensors").string(), "half");
