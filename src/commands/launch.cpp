@@ -672,10 +672,6 @@ int launch_command(const LaunchPlan& given) {
   std::map<std::string, std::string> base;
   for (auto& [key, value] : detail::environment_entries()) base.emplace(std::move(key), std::move(value));
   base.erase("ACCELERATE_ERROR_FILE");
-  {
-    const std::string mark = detail::job_environment_mark();
-    base[mark.substr(0, mark.find('='))] = mark.substr(mark.find('=') + 1);
-  }
 
   // Note [A machine that comes back].
   const bool restarts_together = plan.num_machines > 1 && plan.max_restarts > 0 && plan.backend != "mpi";

@@ -177,8 +177,11 @@ int open_log(const fs::path& path) {
 // Whether a process has ended: no such pid, or a zombie its parent has not reaped yet.
 bool process_gone(pid_t pid) {
   if (::kill(pid, 0) != 0) return errno == ESRCH;
+  // Through the stream, not its buffer: reading a process that ends meanwhile fails with ESRCH,
+  // which the buffer throws and the stream turns into an empty read.
   std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-  std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+  std::string text;
+  std::getline(stat, text);
   const auto close_paren = text.rfind(')');
   return close_paren == std::string::npos || (close_paren + 2 < text.size() && text[close_paren + 2] == 'Z');
 }
@@ -211,37 +214,22 @@ std::vector<pid_t> own_children() {
   return children;
 }
 
-// The variable every process of the job inherits, with the launcher's pid as its value.
-std::string job_mark() {
-  std::ostringstream mark;
-  mark << kJobMarkVariable << '=' << ::getpid();
-  return mark.str();
-}
-
-// Whether a process was started with this launcher's job mark in its environment.
-bool carries_job_mark(pid_t pid) {
-  std::ifstream in("/proc/" + std::to_string(pid) + "/environ", std::ios::binary);
-  const std::string mark = job_mark();
-  for (std::string entry; std::getline(in, entry, '\0');) {
-    if (entry == mark) return true;
-  }
-  return false;
-}
-
 // Note [The launcher returns last]
 // A supervisor such as Slurm or systemd restarts a job the moment its launcher returns, so the
 // launcher must not return while any process of the job still runs: a second generation would
 // write the same checkpoint folder as the first. Workers under mpirun are not the launcher's
-// children, and when mpirun or a worker's wrapper dies first, the workers it started are left
-// to their own. So the supervisor makes the launcher a child subreaper: every process of the job
-// that loses its parent (the wrappers of a dead mpirun, the worker of a dead wrapper, a worker's
-// own children) becomes the launcher's child, which it can wait for and stop. An attempt ends
-// only when no worker is alive and no child of the launcher is left in one of the job's process
-// groups (each worker's own, and mpirun's) or carrying the job's mark in its environment
-// (job_environment_mark(), which reaches even a wrapper's helper in a group of its own); those
-// left over get SIGTERM, then SIGKILL after the grace period. A worker the launcher reaps this way died before its wrapper could report it,
-// and its wait status is the real one, which makes it the root cause rather than the ranks that
-// mpirun stopped because of it.
+// children, and when mpirun or a worker's wrapper dies first, the workers it started are left to
+// their own. So the supervisor makes the launcher a child subreaper: every process of the job that
+// loses its parent (the wrappers of a dead mpirun, the worker of a dead wrapper, a worker's own
+// children, a daemon in a session of its own with an emptied environment) becomes the launcher's
+// child, which it can wait for and stop. The launcher starts no process but the workers (or
+// mpirun), so every child it has during an attempt is the job's, except those it had before the
+// attempt began (a shell that `exec`s the launcher hands it its own background jobs). An attempt
+// ends only when no worker is alive and no other child of the launcher is left; those left over
+// get SIGTERM, then SIGKILL after the grace period (at once when the workers' grace period has
+// already run out, or the launcher was asked twice to stop). A worker the launcher reaps this way
+// died before its wrapper could report it, and its wait status is the real one, which makes it the
+// root cause rather than the ranks that mpirun stopped because of it.
 
 // Note [Signals of other threads]
 // The supervisor blocks the signals it forwards in its own thread and reads them from a signalfd.
@@ -257,8 +245,6 @@ void pass_to_supervisor(int sig) { ::pthread_kill(g_supervisor_thread.load(), si
 constexpr int kForwardedSignals[] = {SIGINT, SIGTERM, SIGHUP};
 
 }  // namespace
-
-std::string job_environment_mark() { return job_mark(); }
 
 Supervisor::Supervisor() {
   sigset_t set;
@@ -291,6 +277,9 @@ Supervisor::~Supervisor() {
 AttemptResult Supervisor::run(const std::vector<WorkerSpec>& specs, const SuperviseOptions& options,
                               const CarrierSpec* carrier) {
   AttemptResult result;
+  // Children from before the attempt are not the job's (Note [The launcher returns last]).
+  const std::vector<pid_t> before = own_children();
+  std::set<pid_t> not_the_jobs(before.begin(), before.end());
   std::vector<Worker> workers(specs.size());
   const bool logs = options.log_dir.has_value();
   const fs::path attempt_dir = logs ? fs::path(*options.log_dir) / ("attempt_" + std::to_string(options.attempt))
@@ -298,6 +287,7 @@ AttemptResult Supervisor::run(const std::vector<WorkerSpec>& specs, const Superv
 
   int interrupt_signal = pending_signal_;
   bool tearing_down = false;
+  int teardown_signal = SIGTERM;  // what the workers were asked to stop with
   Clock::time_point kill_deadline = Clock::time_point::max();
   bool killed_hard = false;
   const Worker* root = nullptr;
@@ -322,6 +312,7 @@ AttemptResult Supervisor::run(const std::vector<WorkerSpec>& specs, const Superv
   auto begin_teardown = [&](int sig) {
     if (tearing_down) return;
     tearing_down = true;
+    teardown_signal = sig;
     signal_all(sig);
     kill_deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                        std::chrono::duration<double>(options.grace_period));
@@ -425,7 +416,7 @@ AttemptResult Supervisor::run(const std::vector<WorkerSpec>& specs, const Superv
         if (w.spec->rank != rank) continue;
         if (what == "start") {
           w.pid = static_cast<pid_t>(value);
-          if (tearing_down) signal_worker(w, killed_hard ? SIGKILL : SIGTERM);
+          if (tearing_down) signal_worker(w, killed_hard ? SIGKILL : teardown_signal);
         } else if (what == "exit") {
           worker_ended(w, status_of_code(static_cast<int>(value)));
         }
@@ -434,11 +425,15 @@ AttemptResult Supervisor::run(const std::vector<WorkerSpec>& specs, const Superv
     status_partial.erase(0, start);
   };
 
+  // Leftovers already named or signalled are not again. A pid leaves these sets once reaped.
+  std::set<pid_t> named_leftovers, termed_leftovers, killed_leftovers;
+
   auto reap = [&] {
     while (true) {
       int status = 0;
       pid_t pid = ::waitpid(-1, &status, WNOHANG);
       if (pid <= 0) return;
+      for (auto* pids : {&not_the_jobs, &named_leftovers, &termed_leftovers, &killed_leftovers}) pids->erase(pid);
       if (carrier != nullptr && pid == carrier_proc.pid && carrier_proc.alive) {
         carrier_proc.alive = false;
         carrier_proc.status = status;
@@ -476,31 +471,22 @@ AttemptResult Supervisor::run(const std::vector<WorkerSpec>& specs, const Superv
     }
   };
 
-  // The launcher's children that belong to the job but are not tracked as workers: what is left
-  // of it once every worker has ended (Note [The launcher returns last]). Once found, a process
-  // stays one until it is gone: a process that is exiting no longer shows its environment.
-  std::set<pid_t> known_leftovers;
-  auto leftovers = [&] {
-    std::set<pid_t> groups;
-    for (const Worker* w : {&carrier_proc}) {
-      if (w->pid > 0) groups.insert(w->pid);
-    }
-    for (const auto& w : workers) {
-      if (w.pid > 0) groups.insert(w.pid);
-    }
+  // What is left of the job once every worker has ended: the launcher's other children, whatever
+  // their session or environment (Note [The launcher returns last]). `settled` stays false while
+  // one is a zombie not reaped yet, whose own children may have come to the launcher after the
+  // list was read.
+  auto leftovers = [&](bool& settled) {
     std::vector<pid_t> left;
+    settled = true;
     for (pid_t child : own_children()) {
-      if (process_gone(child)) continue;
-      const pid_t group = ::getpgid(child);
-      if (known_leftovers.count(child) > 0 || (group > 0 && groups.count(group) > 0) || carries_job_mark(child)) {
-        left.push_back(child);
-      }
+      if (not_the_jobs.count(child) > 0) continue;
+      settled = false;
+      if (!process_gone(child)) left.push_back(child);
     }
-    known_leftovers = std::set<pid_t>(left.begin(), left.end());
     return left;
   };
-  std::set<pid_t> stopped_leftovers;
   Clock::time_point leftover_deadline = Clock::time_point::max();
+  bool leftovers_named = false;
 
   std::vector<Worker*> everyone;
   for (auto& w : workers) everyone.push_back(&w);
@@ -522,28 +508,41 @@ AttemptResult Supervisor::run(const std::vector<WorkerSpec>& specs, const Superv
     const bool any_open = std::any_of(everyone.begin(), everyone.end(),
                                       [](const Worker* w) { return w->out.fd >= 0 || w->err.fd >= 0; });
     std::vector<pid_t> left;
+    bool settled = true;
     if (!any_alive) {
-      left = leftovers();
+      left = leftovers(settled);
       if (!left.empty()) {
         if (leftover_deadline == Clock::time_point::max()) {
           leftover_deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                                  std::chrono::duration<double>(options.grace_period));
         }
-        if (stopped_leftovers.empty() && !options.quiet) {
-          say("stopping " + std::to_string(left.size()) +
-              " process(es) the workers left behind: " + describe_processes(left));
-        }
         const bool hard = killed_hard || Clock::now() >= leftover_deadline;
+        const int sig = hard ? SIGKILL : SIGTERM;
+        // Each leftover is named once: those adopted after the first notice as "more".
+        std::vector<pid_t> fresh, stubborn;
         for (pid_t pid : left) {
-          if (hard) {
-            ::kill(pid, SIGKILL);
-          } else if (stopped_leftovers.insert(pid).second) {
-            ::kill(pid, SIGTERM);
+          if (named_leftovers.insert(pid).second) {
+            fresh.push_back(pid);
+          } else if (hard && termed_leftovers.count(pid) > 0 && killed_leftovers.count(pid) == 0) {
+            stubborn.push_back(pid);
           }
+        }
+        if (!options.quiet && !fresh.empty()) {
+          say("sending " + signal_name(sig) + " to " + std::to_string(fresh.size()) + (leftovers_named ? " more" : "") +
+              " process(es) the workers left behind: " + describe_processes(fresh));
+        }
+        leftovers_named = leftovers_named || !fresh.empty();
+        if (!stubborn.empty()) {
+          say(std::to_string(stubborn.size()) +
+              " process(es) the workers left behind still running after SIGTERM; sending SIGKILL");
+        }
+        for (pid_t pid : left) {
+          auto& sent = hard ? killed_leftovers : termed_leftovers;
+          if (sent.insert(pid).second) ::kill(pid, sig);
         }
       }
     }
-    if (!any_alive && !any_open && left.empty()) break;
+    if (!any_alive && !any_open && settled) break;
 
     std::vector<struct pollfd> fds;
     std::vector<Stream*> streams;
@@ -563,7 +562,7 @@ AttemptResult Supervisor::run(const std::vector<WorkerSpec>& specs, const Superv
       timeout = std::min<std::chrono::duration<double>>(timeout, kill_deadline - Clock::now());
     }
     if (!any_alive) timeout = std::min<std::chrono::duration<double>>(timeout, std::chrono::milliseconds(200));
-    if (!left.empty()) timeout = std::min<std::chrono::duration<double>>(timeout, std::chrono::milliseconds(10));
+    if (!settled) timeout = std::min<std::chrono::duration<double>>(timeout, std::chrono::milliseconds(10));
     const int timeout_ms = std::max(0, static_cast<int>(std::ceil(timeout.count() * 1000)));
     int ready = ::poll(fds.data(), fds.size(), timeout_ms);
     if (ready < 0 && errno != EINTR)
@@ -604,8 +603,8 @@ AttemptResult Supervisor::run(const std::vector<WorkerSpec>& specs, const Superv
     if (tearing_down && !killed_hard && Clock::now() >= kill_deadline) {
       const auto alive = std::count_if(workers.begin(), workers.end(), [](const Worker& w) { return w.alive; });
       if (alive > 0) {
-        say(std::to_string(alive) + " worker(s) still running " + seconds_text(options.grace_period) +
-            " after SIGTERM; sending SIGKILL");
+        say(std::to_string(alive) + " worker(s) still running " + seconds_text(options.grace_period) + " after " +
+            signal_name(teardown_signal) + "; sending SIGKILL");
       }
       if (alive > 0 || carrier_proc.alive) signal_all(SIGKILL);
       killed_hard = true;

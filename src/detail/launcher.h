@@ -47,11 +47,6 @@ struct AttemptResult {
   std::string root_cause;      ///< one-paragraph description of the failure, empty on success
 };
 
-/// The variable that marks every process of this launcher's job ("KEY=VALUE"); the launcher puts
-/// it in the environment of what it starts, and stops whatever carries it before returning.
-inline constexpr const char* kJobMarkVariable = "ACCELERATE_LAUNCH_JOB";
-std::string job_environment_mark();
-
 /// Owns the launcher's signal handling. Construct it before starting any thread (for example
 /// the rendezvous store), so that every thread of the launcher blocks the signals it handles.
 class Supervisor {

@@ -7,7 +7,9 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <fstream>
+#include <iterator>
 #include <regex>
 
 namespace accelerate::testing {
@@ -26,6 +28,23 @@ std::vector<std::string> launch(std::vector<std::string> flags, std::vector<std:
 
 // The secret the launchers of a job on several machines share.
 const std::map<std::string, std::string> kJobSecret = {{"ACCELERATE_RDZV_SECRET", "0123456789abcdef"}};
+
+// How many times `pattern` occurs in `text`.
+size_t count_of(const std::string& text, const std::string& pattern) {
+  const std::regex re(pattern);
+  return static_cast<size_t>(std::distance(std::sregex_iterator(text.begin(), text.end(), re), std::sregex_iterator()));
+}
+
+// A process's command line, its arguments separated by spaces ("" once it is gone or a zombie).
+std::string command_line(pid_t pid) {
+  std::string text = read_file("/proc/" + std::to_string(pid) + "/cmdline");
+  std::replace(text.begin(), text.end(), '\0', ' ');
+  while (!text.empty() && text.back() == ' ') text.pop_back();
+  return text;
+}
+
+// The notice naming what the workers left behind (later arrivals are named as "N more").
+constexpr const char* kLeftoverNotice = "to [0-9]+ process\\(es\\) the workers left behind: ";
 
 std::string port_of(const std::string& out, const std::string& rank_prefix) {
   std::smatch m;
@@ -172,7 +191,71 @@ TEST(Launch, ProcessesTheWorkersLeaveBehindAreStoppedBeforeTheLauncherReturns) {
                                       << read_file("/proc/" + std::to_string(orphan) + "/stat");
     EXPECT_THAT(r->err, HasSubstr(std::to_string(orphan) + " (mp_worker)")) << "the message names each one";
   }
-  EXPECT_THAT(r->err, HasSubstr("stopping 2 process(es) the workers left behind: "));
+  EXPECT_THAT(r->err, HasSubstr("sending SIGTERM to 2 process(es) the workers left behind: "));
+  EXPECT_THAT(r->err, HasSubstr("2 process(es) the workers left behind still running after SIGTERM; sending SIGKILL"));
+  EXPECT_EQ(count_of(r->err, kLeftoverNotice), 1u) << r->err;
+}
+
+TEST(Launch, ADaemonInASessionOfItsOwnWithoutTheJobsEnvironmentIsStoppedBeforeTheLauncherReturns) {
+  TempDir dir;
+  auto r = run(launch({"-n", "2", "--main_process_port", "0", "--grace_period", "1"}, {"daemon", dir.str()}), 30);
+  EXPECT_EQ(r->exit_code(), 0) << r->err;
+  for (int rank : {0, 1}) {
+    const int daemon = wait_for_int_file(dir.str() + "/daemon_" + std::to_string(rank), 1);
+    ASSERT_GT(daemon, 0);
+    const bool outlived = command_line(daemon) == "sleep 302";
+    EXPECT_FALSE(outlived) << "the daemon of rank " << rank << " outlived the launcher";
+    if (outlived) ::kill(daemon, SIGKILL);
+    EXPECT_EQ(count_of(r->err, "(^|[^0-9])" + std::to_string(daemon) + " \\(sleep\\)"), 1u) << r->err;
+  }
+  EXPECT_EQ(count_of(r->err, kLeftoverNotice), 1u) << r->err;
+}
+
+TEST(Launch, AChildTheLauncherHadBeforeTheJobIsNotTakenForOneOfTheJobs) {
+  // A shell that starts a process and then becomes the launcher (`exec`) hands it that child.
+  TempDir dir;
+  auto argv = launch({"-n", "2", "--main_process_port", "0", "--grace_period", "1"}, {"daemon", dir.str()});
+  const std::string script = "sleep 60 >/dev/null 2>&1 & echo $! >" + dir.str() + "/before; exec \"$@\"";
+  const std::vector<std::string> shell = {"sh", "-c", script, "sh"};
+  argv.insert(argv.begin(), shell.begin(), shell.end());
+  auto r = run(argv, 30);
+  EXPECT_EQ(r->exit_code(), 0) << r->err;
+  const int before = wait_for_int_file(dir.str() + "/before", 1);
+  ASSERT_GT(before, 0);
+  EXPECT_EQ(command_line(before), "sleep 60") << "the launcher stopped a process that was not the job's";
+  EXPECT_EQ(count_of(r->err, "(^|[^0-9])" + std::to_string(before) + " \\("), 0u) << r->err;
+  if (command_line(before) == "sleep 60") ::kill(before, SIGKILL);
+  // The job's own daemons are still stopped.
+  for (int rank : {0, 1}) {
+    const int daemon = wait_for_int_file(dir.str() + "/daemon_" + std::to_string(rank), 1);
+    const bool outlived = command_line(daemon) == "sleep 302";
+    EXPECT_FALSE(outlived) << "the daemon of rank " << rank << " outlived the launcher";
+    if (outlived) ::kill(daemon, SIGKILL);
+  }
+}
+
+TEST(Launch, AfterSigintTheMessagesNameSigintAndTheLeftoversOnce) {
+  TempDir dir;
+  Running launcher(
+      launch({"-n", "2", "--main_process_port", "0", "--grace_period", "1"}, {"orphan_stubborn", dir.str()}));
+  ASSERT_GT(wait_for_int_file(dir.str() + "/pid_0", 30), 0);
+  ASSERT_GT(wait_for_int_file(dir.str() + "/pid_1", 30), 0);
+  launcher.signal(SIGINT);
+  launcher.wait(30);
+  EXPECT_EQ(launcher.exit_code(), 128 + SIGINT);
+  EXPECT_THAT(launcher.err, HasSubstr("received SIGINT, forwarding it to 2 worker(s)"));
+  // Both workers ignore SIGINT.
+  EXPECT_THAT(launcher.err, HasSubstr("2 worker(s) still running 1s after SIGINT; sending SIGKILL"));
+  EXPECT_THAT(launcher.err, Not(HasSubstr("after SIGTERM")));
+  // Their children, adopted once the workers were killed, get no second grace period.
+  EXPECT_EQ(count_of(launcher.err, kLeftoverNotice), 1u) << launcher.err;
+  EXPECT_THAT(launcher.err, HasSubstr("sending SIGKILL to "));
+  for (int rank : {0, 1}) {
+    const int orphan = wait_for_int_file(dir.str() + "/orphan_" + std::to_string(rank), 1);
+    ASSERT_GT(orphan, 0);
+    EXPECT_TRUE(process_gone(orphan)) << "the child of rank " << rank << " outlived the launcher";
+    EXPECT_EQ(count_of(launcher.err, "(^|[^0-9])" + std::to_string(orphan) + " \\(mp_worker\\)"), 1u) << launcher.err;
+  }
 }
 
 TEST(Launch, NoShellNoticeReachesTheOutput) {

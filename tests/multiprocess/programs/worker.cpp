@@ -16,6 +16,11 @@
 //                                  DIR/alive_<rank> every 20 ms until killed
 //   worker orphan DIR              leave behind a child of its own process group that ignores
 //                                  SIGTERM (its pid in DIR/orphan_<rank>), then exit 0
+//   worker orphan_stubborn DIR     leave the same child, then ignore SIGINT and SIGTERM, write pid
+//                                  to DIR/pid_<rank>, print "ready" and sleep until killed
+//   worker daemon DIR              start `env -i setsid sleep 302 &` (a session of its own, no
+//                                  environment; its pid in DIR/daemon_<rank> once it runs sleep),
+//                                  then exit 0
 //   worker barriers DIR [SECONDS]  rendezvous (collective timeout SECONDS), write pid to
 //                                  DIR/pid_<rank>, then meet the others in a barrier every 10 ms
 //                                  for up to 2 minutes
@@ -138,7 +143,7 @@ int main(int argc, char** argv) {
     }
     return 0;
   }
-  if (mode == "orphan") {
+  if (mode == "orphan" || mode == "orphan_stubborn") {
     const pid_t child = ::fork();
     if (child == 0) {
       ::setpgid(0, 0);
@@ -147,6 +152,29 @@ int main(int argc, char** argv) {
       ::_exit(0);
     }
     std::ofstream(arg(2) + "/orphan_" + std::to_string(rank)) << child << std::endl;
+    if (mode == "orphan") return 0;
+    std::signal(SIGINT, SIG_IGN);
+    std::signal(SIGTERM, SIG_IGN);
+    std::ofstream(arg(2) + "/pid_" + std::to_string(rank)) << ::getpid() << std::endl;
+    std::cout << "ready" << std::endl;
+    sleep_seconds(60);
+    return 0;
+  }
+  if (mode == "daemon") {
+    // The shell's background job is no process-group leader, so setsid makes the session itself
+    // and execs sleep in the same process: $! is the daemon.
+    const std::string file = arg(2) + "/daemon_" + std::to_string(rank);
+    const std::string command = "env -i setsid sleep 302 & echo $! >" + file + ".tmp";
+    if (std::system(command.c_str()) != 0) return 4;
+    int pid = 0;
+    std::ifstream(file + ".tmp") >> pid;
+    for (int i = 0; i < 500; ++i) {  // until it runs sleep, so that the launcher names it so
+      std::string name;
+      std::getline(std::ifstream("/proc/" + std::to_string(pid) + "/comm"), name);
+      if (name == "sleep") break;
+      sleep_seconds(0.01);
+    }
+    std::ofstream(file) << pid << std::endl;
     return 0;
   }
   if (mode == "rejoin") {
