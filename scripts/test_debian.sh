@@ -2,10 +2,12 @@
 # Runs the project's test command inside a Debian root made with debootstrap, so that the tree is
 # checked against that release's LibTorch, compiler and Open MPI without leaving this machine.
 #
-# Usage: scripts/test_debian.sh SUITE [--cuda] [--dev | --main-job | --bench NAME] [-- ARGS...]
+# Usage: scripts/test_debian.sh SUITE [--cuda] [--prepare | --dev | --main-job | --bench NAME] [-- ARGS...]
 #   SUITE       bookworm (LibTorch 1.13), trixie (2.6) or sid (newest)
 #   --cuda      use the release's CUDA build of LibTorch (libtorch-cuda-dev, in contrib); CUDA code
 #               is compiled and its tests run, those that need a GPU skipping with a reason
+#   --prepare   only make the root and install the packages scripts/setup.sh names (CI does this
+#               while the native build compiles)
 #   --dev       only the dev tier (unit, cli, multiprocess and gpu tests), without the sanitizer
 #               and fuzzer stages of scripts/test.sh
 #   --main-job  the README's other command instead, scripts/run_main_job.sh (ARGS go to the example)
@@ -23,7 +25,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '5,14p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '5,16p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 [ $# -ge 1 ] || usage
 suite=$1; shift
 case "$suite" in bookworm|trixie|sid|forky) ;; *) echo "test_debian.sh: unknown suite '$suite'" >&2; usage ;; esac
@@ -31,6 +33,7 @@ cuda=0; tier=all; ctest_args=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --cuda) cuda=1 ;;
+    --prepare) tier=prepare ;;
     --dev) tier=dev ;;
     --main-job) tier=main-job ;;
     --bench)
@@ -121,7 +124,9 @@ if [ $cuda -eq 1 ]; then
       printf "#!/bin/sh\nexit 0\n" > /var/lib/dpkg/info/nvidia-cudnn.postinst
       dpkg --configure -a'
 fi
-if [ $tier = dev ]; then
+if [ $tier = prepare ]; then
+  inner='scripts/setup.sh'
+elif [ $tier = dev ]; then
   inner='scripts/setup.sh && scripts/build.sh dev && ctest --preset dev "$@"'
 elif [ $tier = main-job ]; then
   inner='scripts/run_main_job.sh "$@"'

@@ -694,7 +694,8 @@ void Accelerator::load_state(const std::string& input_dir, const LoadStateOption
             for (const auto& name : file.keys()) values.emplace_back(name, file.get_tensor(name));
             model_engines[i]->load_full_state_dict(values, /*strict=*/true);
           } else {
-            load_checkpoint_in_model(*models[i].module(), model_files[i], {.strict = true, .convert_dtypes = convert});
+            load_checkpoint_in_model(*models[i].module(), model_files[i],
+                                     LoadCheckpointOptions{.strict = true, .convert_dtypes = convert});
           }
         }
       };

@@ -11,7 +11,7 @@
 #include <torch/torch.h>
 
 namespace accelerate::testing {
-namespace {
+namespace accelerator_test {  // not anonymous: its names must not meet another file's in a unity batch
 
 using ::testing::HasSubstr;
 
@@ -251,5 +251,5 @@ TEST(AcceleratorTraining, ProfileWritesATracePerProcess) {
   EXPECT_TRUE(std::filesystem::exists(dir.path() / "profile_1.json"));
 }
 
-}  // namespace
+}  // namespace accelerator_test
 }  // namespace accelerate::testing

@@ -27,7 +27,7 @@
 #include <vector>
 
 namespace accelerate::testing {
-namespace {
+namespace data_loader_test {  // not anonymous: its names must not meet another file's in a unity batch
 
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
@@ -1818,5 +1818,5 @@ TEST(DataLoaderState, RefusesHostileJson) {
                      "expected \"generator_state\" to be an even number of hex digits, got 3 characters");
 }
 
-}  // namespace
+}  // namespace data_loader_test
 }  // namespace accelerate::testing

@@ -12,7 +12,7 @@
 #include <limits>
 
 namespace accelerate::testing {
-namespace {
+namespace grad_scaler_test {  // not anonymous: its names must not meet another file's in a unity batch
 
 struct Fixture {
   torch::Tensor weight = torch::ones({3}, torch::requires_grad());
@@ -199,5 +199,5 @@ TEST(GetGradScaler, BuildsAScalerWithTheGivenSettingsAndTheRestAtTheirDefaults) 
   EXPECT_EQ(get_grad_scaler().get_scale(), 65536.0);
 }
 
-}  // namespace
+}  // namespace grad_scaler_test
 }  // namespace accelerate::testing

@@ -11,7 +11,7 @@
 #include <stdexcept>
 
 namespace accelerate::testing {
-namespace {
+namespace local_sgd_test {  // not anonymous: its names must not meet another file's in a unity batch
 
 constexpr int kRanks = 2;
 
@@ -162,5 +162,5 @@ TEST(LocalSGD, AnExceptionPropagatesWithoutTheFinalAveraging) {
   });
 }
 
-}  // namespace
+}  // namespace local_sgd_test
 }  // namespace accelerate::testing

@@ -14,7 +14,7 @@
 #include <filesystem>
 
 namespace accelerate::testing {
-namespace {
+namespace modeling_test {  // not anonymous: its names must not meet another file's in a unity batch
 
 namespace fs = std::filesystem;
 using ::testing::ElementsAre;
@@ -282,5 +282,5 @@ TEST(GetModuleChildrenBottomUp, ChildrenInOrderBeforeTheirParentAndTheModelLast)
   EXPECT_THROWS_WITH(get_module_children_bottom_up(nullptr), "expected a module, got null");
 }
 
-}  // namespace
+}  // namespace modeling_test
 }  // namespace accelerate::testing

@@ -15,7 +15,7 @@
 #include <vector>
 
 namespace accelerate::testing {
-namespace {
+namespace random_test {  // not anonymous: its names must not meet another file's in a unity batch
 
 std::vector<float> values(const at::Tensor& t) {
   auto c = t.contiguous();
@@ -201,5 +201,5 @@ TEST_F(ProcessWideState, WithOneProcessSynchronisingLeavesEveryStreamAsItWas) {
   EXPECT_EQ(draw(at::make_generator<at::CPUGeneratorImpl>(3)), from_generator);
 }
 
-}  // namespace
+}  // namespace random_test
 }  // namespace accelerate::testing

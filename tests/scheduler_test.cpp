@@ -9,7 +9,7 @@
 #include <torch/torch.h>
 
 namespace accelerate::testing {
-namespace {
+namespace scheduler_test {  // not anonymous: its names must not meet another file's in a unity batch
 
 double warmup_then_decay(int64_t epoch) { return epoch < 4 ? (epoch + 1) / 4.0 : 4.0 / (epoch + 1); }
 
@@ -122,5 +122,5 @@ TEST(AcceleratedScheduler, RefusesANullSchedulerOrNoProcesses) {
                      "num_processes must be at least 1");
 }
 
-}  // namespace
+}  // namespace scheduler_test
 }  // namespace accelerate::testing

@@ -30,7 +30,7 @@
 #include <vector>
 
 namespace accelerate::testing {
-namespace {
+namespace tracking_test {  // not anonymous: its names must not meet another file's in a unity batch
 
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
@@ -644,5 +644,5 @@ TEST(TrackingAccelerator, EveryTrackerIsFinishedEvenWhenOneFails) {
   EXPECT_THAT(after->calls(), ElementsAre("finish"));
 }
 
-}  // namespace
+}  // namespace tracking_test
 }  // namespace accelerate::testing

@@ -17,7 +17,7 @@
 #include <sstream>
 
 namespace accelerate::testing {
-namespace {
+namespace merge_test {  // not anonymous: its names must not meet another file's in a unity batch
 
 namespace fs = std::filesystem;
 using commands::merge_weights;
@@ -192,5 +192,5 @@ TEST(MergeWeights, HelpExitsZeroAndBadArgumentsExitTwo) {
   EXPECT_THAT(missing.err, HasSubstr("output_path"));
 }
 
-}  // namespace
+}  // namespace merge_test
 }  // namespace accelerate::testing

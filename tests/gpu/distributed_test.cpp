@@ -14,7 +14,7 @@
 #include <torch/torch.h>
 
 namespace accelerate::testing {
-namespace {
+namespace gpu_distributed_test {  // not anonymous: its names must not meet another file's in a unity batch
 
 torch::Device gpu(int index) { return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index)); }
 
@@ -90,5 +90,5 @@ TEST(Nccl, TwoGpuRanksExchangeObjectsAndTriggerFlags) {
   }
 }
 
-}  // namespace
+}  // namespace gpu_distributed_test
 }  // namespace accelerate::testing

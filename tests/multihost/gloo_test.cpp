@@ -16,7 +16,7 @@
 #include <filesystem>
 
 namespace accelerate::testing {
-namespace {
+namespace gloo_test {  // not anonymous: its names must not meet another file's in a unity batch
 
 namespace fs = std::filesystem;
 using ::testing::HasSubstr;
@@ -276,5 +276,5 @@ INSTANTIATE_TEST_SUITE_P(Folders, MultiHostCheckpoint,
                                   (folder.second ? "SaveOnEachNode" : "SaveOnMainProcess");
                          });
 
-}  // namespace
+}  // namespace gloo_test
 }  // namespace accelerate::testing
