@@ -143,8 +143,11 @@ inline std::unique_ptr<Running> run(const std::vector<std::string>& argv, double
 /// Whether a process is gone (no such pid, or a zombie nobody reaped yet).
 inline bool process_gone(pid_t pid) {
   if (::kill(pid, 0) != 0) return true;
+  // Through the stream, not its buffer: reading a process that ends meanwhile fails with ESRCH,
+  // which the buffer throws and the stream turns into an empty read (a process gone).
   std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-  std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+  std::string text;
+  std::getline(stat, text);
   const auto close_paren = text.rfind(')');
   return close_paren == std::string::npos || (close_paren + 2 < text.size() && text[close_paren + 2] == 'Z');
 }
@@ -152,7 +155,8 @@ inline bool process_gone(pid_t pid) {
 /// The parent of a process, from /proc (-1 when it is gone).
 inline pid_t parent_of(pid_t pid) {
   std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::string text;
+  std::getline(in, text);  // as in process_gone: a process that ends meanwhile reads as empty
   const auto close_paren = text.rfind(')');
   if (close_paren == std::string::npos) return -1;
   std::istringstream rest(text.substr(close_paren + 2));
