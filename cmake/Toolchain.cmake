@@ -50,12 +50,17 @@ if(ACCELERATE_UNITY_BUILD)
   list(APPEND ACCELERATE_WARNINGS -Wno-subobject-linkage)
 endif()
 
-# Applies the project's warnings, shared precompiled header and unity batches to a target.
-function(accelerate_target_defaults target)
-  target_compile_options(${target} PRIVATE ${ACCELERATE_WARNINGS})
+# Compiles a target's sources in unity batches when ACCELERATE_UNITY_BUILD is on.
+function(accelerate_unity_batches target)
   if(ACCELERATE_UNITY_BUILD)
     set_target_properties(${target} PROPERTIES UNITY_BUILD ON UNITY_BUILD_BATCH_SIZE ${ACCELERATE_UNITY_BATCH})
   endif()
+endfunction()
+
+# Applies the project's warnings, shared precompiled header and unity batches to a target.
+function(accelerate_target_defaults target)
+  target_compile_options(${target} PRIVATE ${ACCELERATE_WARNINGS})
+  accelerate_unity_batches(${target})
   if(ACCELERATE_PCH AND NOT target STREQUAL "accelerate")
     target_precompile_headers(${target} REUSE_FROM accelerate)
   endif()
