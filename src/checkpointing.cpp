@@ -1,6 +1,7 @@
 // Optimizer, generator and object states as safetensors + JSON; see include/accelerate/checkpointing.h.
 #include "accelerate/checkpointing.h"
 
+#include "detail/accelerator_device.h"
 #include "detail/files.h"
 #include "detail/load_checks.h"
 #include "detail/offload_dtypes.h"
@@ -553,6 +554,24 @@ void check_optimizer_state(torch::optim::Optimizer& optimizer, const StateDict& 
 
 // ---- random generators ---------------------------------------------------------------------
 
+namespace {
+
+// The generators of an out-of-tree accelerator's devices, each with its key in a checkpoint
+// ("torch_<backend>_manual_seed.<index>", beside CUDA's), where LibTorch gives access to them
+// (Note [Accelerators other than CUDA]).
+template <typename F>
+void for_each_backend_generator(F&& f) {
+  if (detail::accelerator_type() != c10::DeviceType::PrivateUse1) return;
+  const std::string prefix = "torch_" + c10::DeviceTypeName(c10::DeviceType::PrivateUse1, /*lower_case=*/true);
+  for (int i = 0; i < detail::accelerator_count(); ++i) {
+    auto generator =
+        detail::compat::backend_generator(c10::Device(c10::DeviceType::PrivateUse1, static_cast<c10::DeviceIndex>(i)));
+    if (generator) f(prefix + "_manual_seed." + std::to_string(i), *generator);
+  }
+}
+
+}  // namespace
+
 StateDict rng_state_dict() {
   StateDict out;
   {
@@ -568,6 +587,10 @@ StateDict rng_state_dict() {
       out.tensors.emplace("torch_cuda_manual_seed." + std::to_string(i), generator.get_state());
     }
   }
+  for_each_backend_generator([&](const std::string& key, at::Generator& generator) {
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    out.tensors.emplace(key, generator.get_state());
+  });
   return out;
 }
 
@@ -597,6 +620,12 @@ void load_rng_state_dict(const StateDict& state) {
       generator.set_state(cuda->second.clone());
     }
   }
+  for_each_backend_generator([&](const std::string& key, at::Generator& generator) {
+    const auto found = state.tensors.find(key);
+    if (found == state.tensors.end()) return;
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    generator.set_state(found->second.clone());
+  });
 }
 
 // ---- modules as registered objects -----------------------------------------------------------

@@ -2,6 +2,7 @@
 #include "accelerate/state.h"
 
 #include "accelerate/utils/environment.h"
+#include "detail/accelerator_device.h"
 #include "detail/blas.h"
 #include "detail/collectives.h"
 #include "detail/errors.h"
@@ -111,15 +112,22 @@ std::shared_ptr<detail::PartialStateImpl> build_partial_state(const PartialState
   impl->topology = topo;
 
   impl->cpu = options.cpu || parse_flag_from_env("ACCELERATE_USE_CPU");
-  if (!impl->cpu && is_cuda_available()) {
-    const auto count = static_cast<int>(torch::cuda::device_count());
-    impl->device = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(topo.local_rank % count));
+  if (!impl->cpu) {
+    // Note [Accelerators other than CUDA]
+    const c10::DeviceType type = detail::accelerator_type();
+    if (type != c10::kCPU) {
+      impl->device = c10::Device(type, static_cast<c10::DeviceIndex>(topo.local_rank % detail::accelerator_count()));
+    }
   }
   impl->debug = options.debug.value_or(parse_flag_from_env("ACCELERATE_DEBUG_MODE"));
   impl->timeout = options.init_kwargs.timeout.value_or(std::chrono::minutes(30));
   TORCH_CHECK_VALUE(impl->timeout.count() > 0, "[PartialState] InitProcessGroupKwargs.timeout must be positive");
 
   if (topo.world_size > 1) {
+    TORCH_CHECK_VALUE(impl->device.is_cpu() || impl->device.is_cuda(), "[PartialState] a job of ", topo.world_size,
+                      " processes cannot run on ", impl->device,
+                      ": c10d's Gloo and NCCL back-ends take CPU and CUDA tensors only; pass cpu=true (or set "
+                      "ACCELERATE_USE_CPU=1) to run it on the CPU");
     impl->distributed_type = impl->device.is_cuda() ? DistributedType::kMultiGpu : DistributedType::kMultiCpu;
     impl->backend = options.init_kwargs.backend;
     if (impl->backend.empty()) impl->backend = get_env("ACCELERATE_BACKEND").value_or("");

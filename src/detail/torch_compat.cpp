@@ -1,6 +1,7 @@
 // LibTorch release differences; see Note [LibTorch releases] in torch_compat.h.
 #include "detail/torch_compat.h"
 
+#include <ATen/Context.h>
 #include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/profiler_kineto.h>
 #include <torch/csrc/distributed/c10d/reducer.hpp>
@@ -181,5 +182,19 @@ int64_t event_duration_us(const torch::autograd::profiler::KinetoEvent& event) {
   return static_cast<int64_t>(event.durationUs());
 }
 #endif
+
+std::optional<at::Generator> backend_generator(c10::Device device) {
+#if TORCH_VERSION_MAJOR >= 2
+  if (!at::isPrivateUse1HooksRegistered()) return std::nullopt;
+  try {
+    return at::globalContext().defaultGenerator(device);
+  } catch (const c10::Error&) {
+    return std::nullopt;  // the backend's hooks provide no generator
+  }
+#else
+  (void)device;
+  return std::nullopt;
+#endif
+}
 
 }  // namespace accelerate::detail::compat

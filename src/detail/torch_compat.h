@@ -14,10 +14,12 @@
 // - optimizer state keys (a string of the parameter's address in 1.x, the address in 2.x);
 // - `c10::Error`'s constructor (the backtrace became a lazily computed value);
 // - autocast (per-device functions in 2.x; the 1.x ones are deprecated there);
-// - profiler event times (microseconds in 1.x, nanoseconds in 2.x).
+// - profiler event times (microseconds in 1.x, nanoseconds in 2.x);
+// - generators of out-of-tree (PrivateUse1) backends (2.x only).
 #pragma once
 
 #include <ATen/Tensor.h>
+#include <ATen/core/Generator.h>
 #include <c10/core/DeviceType.h>
 #include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
@@ -33,6 +35,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <memory>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -102,6 +105,11 @@ bool is_autocast_enabled(c10::DeviceType device);
 c10::ScalarType get_autocast_dtype(c10::DeviceType device);
 void set_autocast_enabled(c10::DeviceType device, bool enabled);
 void set_autocast_dtype(c10::DeviceType device, c10::ScalarType dtype);
+
+/// The default generator of `device`, a device of an out-of-tree backend (PrivateUse1), where
+/// this LibTorch lets the backend provide one (2.x, through its hooks); none in 1.x, which asks
+/// only CUDA for generators, or when the backend registered no hooks.
+std::optional<at::Generator> backend_generator(c10::Device device);
 
 /// A profiler event's start and duration in whole microseconds (the Chrome trace's unit).
 int64_t event_start_us(const torch::autograd::profiler::KinetoEvent& event);

@@ -1,6 +1,7 @@
 #include "accelerate/utils/device_map.h"
 
 #include "accelerate/utils/modeling.h"
+#include "detail/accelerator_device.h"
 #include "detail/warn.h"
 
 #include <ATen/ATen.h>
@@ -130,7 +131,7 @@ MapDevice::MapDevice(const std::string& name) {
 MapDevice::MapDevice(const c10::Device& device) {
   if (device.is_cpu()) {
     rank_ = 1;
-  } else if (device.is_cuda()) {
+  } else if (device.is_cuda() || device.type() == c10::DeviceType::PrivateUse1) {
     rank_ = 0;
     index_ = device.has_index() ? device.index() : 0;
   } else {
@@ -140,7 +141,11 @@ MapDevice::MapDevice(const c10::Device& device) {
 
 c10::Device MapDevice::device() const {
   TORCH_CHECK_VALUE(!is_disk(), "[device_map] \"disk\" is a storage place, not a device tensors can live on");
-  return is_gpu() ? c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(index_)) : c10::Device(c10::kCPU);
+  if (!is_gpu()) return c10::Device(c10::kCPU);
+  // Integers name the accelerator's devices (Note [Accelerators other than CUDA]); CUDA's when
+  // there is none, so that the error names what was asked for.
+  const c10::DeviceType type = detail::accelerator_type();
+  return c10::Device(type == c10::kCPU ? c10::kCUDA : type, static_cast<c10::DeviceIndex>(index_));
 }
 
 std::string MapDevice::str() const { return is_gpu() ? std::to_string(index_) : is_cpu() ? "cpu" : "disk"; }
@@ -152,20 +157,20 @@ MemorySize::MemorySize(const std::string& text) : bytes(convert_file_size_to_int
 
 MaxMemory get_max_memory(const std::optional<MaxMemory>& max_memory) {
   if (max_memory.has_value()) {
-    const auto gpus = static_cast<int>(torch::cuda::device_count());
+    const auto gpus = detail::accelerator_count();
     for (const auto& [device, size] : *max_memory) {
       TORCH_CHECK_VALUE(size.bytes >= 0, "[get_max_memory] the budget of ", device.str(), " is negative");
       if (device.is_gpu() && device.index() >= gpus) {
         detail::warn("accelerate.utils.modeling",
                      c10::str("Device ", device.index(), " is not available, available devices are ", gpus,
-                              " CUDA device(s)"),
+                              " accelerator device(s)"),
                      {.once = true});
       }
     }
     return *max_memory;
   }
-  TORCH_CHECK_VALUE(torch::cuda::device_count() == 0,
-                    "[get_max_memory] CUDA devices are visible but their free memory cannot be queried here; pass "
+  TORCH_CHECK_VALUE(detail::accelerator_count() == 0,
+                    "[get_max_memory] accelerator devices are visible but their free memory cannot be queried here; pass "
                     "max_memory with a budget for each GPU (e.g. {{0, \"20GiB\"}, {\"cpu\", \"60GiB\"}})");
   return MaxMemory{{"cpu", available_ram()}};
 }
