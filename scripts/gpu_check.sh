@@ -34,6 +34,8 @@
 #              the programs it launches), the main example char_gpt and the W1 program bench_training
 #   env        `accelerate env` (must report CUDA)
 #   tests      ctest -L gpu, one test at a time (fails when every test skipped)
+#              a test that crashes is run again alone under gdb and compute-sanitizer, where
+#              the machine has them (logs in build/gpu/logs/crash-NAME.*.log)
 #   main-job   examples/char_gpt through `accelerate launch`, 1 process on one GPU, 100 steps,
 #              --mixed_precision bf16 (the validation loss must fall)
 #   bench-w1   W1 (the MLP of bench/training.cpp, batch 64, SGD) on one GPU, fp32 and bf16, 3
@@ -301,6 +303,27 @@ step_configure() {
 step_build() {
   # -k 0: a compiler error does not stop the other files, so one run reports every error.
   cmake --build "$BUILD" -j "$JOBS" --target accelerate accelerate_cli accelerate_gpu_tests char_gpt bench_training -- -k 0
+  interposed_symbols
+}
+
+# The wheel's libtorch exported its own std::filesystem::remove_all, and the dynamic linker bound
+# our calls to that copy, which crashed (Note [Removing a tree] in src/detail/files.cpp). Lists
+# every C++ standard library function our programs import that one of PyTorch's libraries defines
+# too: each is a call that may land in PyTorch's copy instead of libstdc++'s.
+interposed_symbols() {
+  local torch_lib ours theirs both
+  torch_lib=$("$PYTHON" -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')
+  command -v nm >/dev/null 2>&1 || { echo "interposed symbols: nm is missing, not checked"; return 0; }
+  ours=$(nm -D --undefined-only "$BUILD/tests/accelerate_gpu_tests" "$BUILD/bin/accelerate" 2>/dev/null \
+    | awk '{print $NF}' | grep -E '^_ZN(K)?St|^_ZSt' | sort -u)
+  theirs=$(for f in "$torch_lib"/*.so*; do nm -D --defined-only "$f" 2>/dev/null | awk '{print $NF}'; done | sort -u)
+  both=$(comm -12 <(echo "$ours") <(echo "$theirs") | grep -v '^$' || true)
+  if [ -z "$both" ]; then
+    echo "interposed symbols: none of the standard library functions our programs import is defined by PyTorch's libraries"
+  else
+    echo "interposed symbols: PyTorch's libraries define $(wc -l <<< "$both") standard library function(s) our programs import:"
+    c++filt <<< "$both" | sed 's/^/  /'
+  fi
 }
 
 step_env() {
@@ -308,6 +331,30 @@ step_env() {
   out=$("$BUILD/bin/accelerate" env)
   echo "$out"
   grep -q -- "- PyTorch accelerator: CUDA" <<< "$out" || die "accelerate env does not report CUDA"
+}
+
+# Each GPU test that crashed (a signal, not a failed assertion) is run again alone, under gdb for
+# a backtrace of every thread and under compute-sanitizer's memcheck for the faulting access,
+# where the machine has them; the logs are build/gpu/logs/crash-NAME.{gdb,memcheck}.log and their
+# first lines are printed, so one device call brings back what a crash needs to be understood.
+diagnose_crashes() {
+  local name program="$BUILD/tests/accelerate_gpu_tests"
+  while read -r name; do
+    [ -n "$name" ] || continue
+    echo "---- $name crashed: running it again alone"
+    if command -v gdb >/dev/null 2>&1; then
+      ACCELERATE_BINARY_DIR=$BUILD timeout 300 gdb -q -batch -ex run -ex "thread apply all bt 30" \
+        --args "$program" --gtest_filter="$name" > "$BUILD/logs/crash-$name.gdb.log" 2>&1 || true
+      grep -E '^(Thread|#[0-9]+ )|SIG' "$BUILD/logs/crash-$name.gdb.log" | head -n 60
+    fi
+    local sanitizer
+    sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -n 1 || true)
+    if [ -n "$sanitizer" ]; then
+      ACCELERATE_BINARY_DIR=$BUILD timeout 300 "$sanitizer" --tool memcheck --show-backtrace host \
+        "$program" --gtest_filter="$name" > "$BUILD/logs/crash-$name.memcheck.log" 2>&1 || true
+      grep -E 'Invalid|Address|at 0x|====' "$BUILD/logs/crash-$name.memcheck.log" | head -n 40
+    fi
+  done < <(grep -E 'Test +#[0-9]+: .*\*\*\*Exception' <<< "$1" | sed -E 's/.*Test +#[0-9]+: ([^ ]+) .*/\1/')
 }
 
 step_tests() {
@@ -318,6 +365,7 @@ step_tests() {
   total=$(grep -cE '^ *[0-9]+/[0-9]+ Test +#' <<< "$out" || true)
   skipped=$(grep -c '\*\*\*Skipped' <<< "$out" || true)
   echo "gpu tier: $total tests, $skipped skipped"
+  diagnose_crashes "$out"
   [ "$status" -eq 0 ] || return "$status"
   [ "$total" -gt 0 ] || die "ctest found no test labelled gpu"
   [ "$skipped" -lt "$total" ] || die "every GPU test skipped: the tests see no GPU"
