@@ -5,6 +5,7 @@
 #include "accelerate/state.h"
 #include "accelerate/utils/operations.h"
 #include "detail/process_group.h"
+#include "detail/torch_compat.h"
 #include "support/gpu.h"
 #include "support/test_support.h"
 
@@ -42,6 +43,58 @@ TEST(Nccl, AOneProcessGroupOnOneGpuGathersACudaTensor) {
   rendezvous.process_group->allreduce(sums)->wait(std::chrono::seconds(60));
   torch::cuda::synchronize();
   EXPECT_TRUE(torch::equal(sums[0].cpu(), input.cpu()));
+}
+
+// Every collective the library issues (collectives.cpp, distributed.cpp, the FSDP engine's flat
+// ones through the adapter), on a one-process NCCL group: each output starts as zeros, so only a
+// collective that ran fills it, and with one process each must equal its input.
+TEST(Nccl, AOneProcessGroupOnOneGpuRunsEveryCollectiveTheLibraryIssues) {
+  SKIP_WITHOUT_GPUS(1);
+  detail::RendezvousConfig config;
+  config.topology.rank = 0;
+  config.topology.world_size = 1;
+  config.backend = "nccl";
+  config.store = c10::make_intrusive<c10d::HashStore>();
+  config.rdzv_timeout = std::chrono::seconds(30);
+  config.collective_timeout = std::chrono::seconds(60);
+  auto group = detail::rendezvous(config).process_group;
+  ASSERT_TRUE(group);
+  const auto timeout = std::chrono::milliseconds(60000);
+  const auto input = torch::arange(1, 9, torch::TensorOptions().dtype(torch::kFloat).device(gpu(0)));
+  auto expect_input = [&](const at::Tensor& out, const char* what) {
+    torch::cuda::synchronize();
+    EXPECT_TRUE(torch::equal(out.cpu(), input.cpu())) << what << ": " << out;
+  };
+
+  std::vector<at::Tensor> max{input.clone()};
+  c10d::AllreduceOptions max_options;
+  max_options.reduceOp = c10d::ReduceOp::MAX;
+  group->allreduce(max, max_options)->wait(timeout);
+  expect_input(max[0], "allreduce MAX");
+
+  std::vector<at::Tensor> from_root{torch::zeros_like(input)};
+  from_root[0].copy_(input);
+  c10d::BroadcastOptions broadcast_options;
+  broadcast_options.rootRank = 0;
+  group->broadcast(from_root, broadcast_options)->wait(timeout);
+  expect_input(from_root[0], "broadcast");
+
+  at::Tensor flat_in = input.clone();
+  at::Tensor flat_out = torch::zeros_like(input);
+  ASSERT_TRUE(detail::compat::has_flat_collectives(*group)) << "NCCL has the flat collectives on every release";
+  detail::compat::all_gather_single(*group, flat_out, flat_in)->wait(timeout);
+  expect_input(flat_out, "all_gather_single");
+
+  at::Tensor scattered = torch::zeros_like(input);
+  detail::compat::reduce_scatter_single(*group, scattered, flat_in)->wait(timeout);
+  expect_input(scattered, "reduce_scatter_single");
+
+  at::Tensor exchanged = torch::zeros_like(input);
+  std::vector<int64_t> out_splits, in_splits;
+  detail::compat::all_to_all_single(*group, exchanged, flat_in, out_splits, in_splits)->wait(timeout);
+  expect_input(exchanged, "all_to_all_single");
+
+  group->barrier()->wait(timeout);
 }
 
 TEST(Nccl, TwoGpuRanksPickNcclAndGatherReduceAndBroadcastCudaTensors) {
