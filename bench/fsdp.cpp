@@ -5,8 +5,12 @@
 // are those of a transformer's MLPs, which hold two thirds of its parameters. Process 0 prints one
 // JSON object: samples/s over the timed steps (after warm-up), its peak resident memory (VmHWM),
 // its resident memory before the model was built, the fp32 bytes of the largest unit, and the
-// final loss.
+// final loss. On a GPU (the accelerator's device) the model and the batches live there, and it
+// also prints the CUDA caching allocator's peaks of its device (allocated to tensors and
+// reserved), the figures FSDP divides.
 // Usage: accelerate launch -n N bench_fsdp ddp|full_shard|shard_grad_op [--quick]
+#include "device_memory.h"
+
 #include <accelerate/accelerate.h>
 
 #include <torch/torch.h>
@@ -74,6 +78,9 @@ int main(int argc, char** argv) {
         .transformer_cls_names_to_wrap = {"Block"}};
   }
   acc::Accelerator accelerator(options);
+  const c10::Device device = accelerator.device();
+  const int gpu = device.is_cuda() ? device.index() : -1;
+  if (gpu >= 0) bench::reset_device_peaks(gpu);
   torch::manual_seed(0);
   Net net;
   int64_t params = 0;
@@ -92,8 +99,8 @@ int main(int argc, char** argv) {
   stage("prepared");
   const int rank = accelerator.process_index();
   auto gen = at::make_generator<at::CPUGeneratorImpl>(1234 + rank);
-  const auto x = at::randn({kRowsPerProcess, kWidth}, gen);
-  const auto y = at::randint(0, 16, {kRowsPerProcess}, gen);
+  const auto x = at::randn({kRowsPerProcess, kWidth}, gen).to(device);
+  const auto y = at::randint(0, 16, {kRowsPerProcess}, gen).to(device);
   const int warmup = 2, steps = quick ? 4 : 10;
   double loss = 0;
   Clock::time_point start;
@@ -117,9 +124,11 @@ int main(int argc, char** argv) {
     std::printf(
         "{\"workload\": \"fsdp\", \"mode\": \"%s\", \"side\": \"cpp\", \"processes\": %d, \"params\": %lld, "
         "\"samples_per_s\": %.1f, \"peak_mib\": %.1f, \"base_mib\": %.1f, \"largest_unit_mib\": %.1f, "
+        "\"device\": \"%s\", \"peak_device_allocated_mib\": %.1f, \"peak_device_reserved_mib\": %.1f, "
         "\"last_loss\": %.6f}\n",
         mode.c_str(), accelerator.num_processes(), static_cast<long long>(params), samples_per_s, peak_mib, base_mib,
-        largest_unit / 1048576.0, loss);
+        largest_unit / 1048576.0, device.str().c_str(), gpu >= 0 ? bench::peak_device_allocated_mib(gpu) : -1.0,
+        gpu >= 0 ? bench::peak_device_reserved_mib(gpu) : -1.0, loss);
     std::fflush(stdout);
   }
   return 0;

@@ -18,6 +18,8 @@
 // bench/run_training compares them. On a CUDA machine the model and the batch live on the GPU
 // (the accelerator's device) and the clock is read after the GPU finished (scripts/gpu_check.sh
 // compares with `training_twin.py --device cuda`); the per-phase times then measure the launches.
+#include "training_models.h"
+
 #include <accelerate/accelerate.h>
 
 #include <ATen/ATen.h>
@@ -39,62 +41,14 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
+using bench::EncoderClassifier;
+using bench::init_transformer;
+using bench::Mlp;
+using bench::Tiny;
+
 // The benchmark side this run stands for: C++ on the default back-end, or on MPI.
 const char* side(const acc::Accelerator& accelerator) {
   return accelerator.state().partial_state().backend() == "mpi" ? "cpp-mpi" : "cpp";
-}
-
-struct MlpImpl : torch::nn::Module {
-  MlpImpl()
-      : fc1(register_module("fc1", torch::nn::Linear(512, 1024))),
-        fc2(register_module("fc2", torch::nn::Linear(1024, 1024))),
-        fc3(register_module("fc3", torch::nn::Linear(1024, 10))) {}
-  at::Tensor forward(const at::Tensor& x) { return fc3(torch::relu(fc2(torch::relu(fc1(x))))); }
-  torch::nn::Linear fc1, fc2, fc3;
-};
-TORCH_MODULE(Mlp);
-
-struct TinyImpl : torch::nn::Module {
-  TinyImpl() : fc(register_module("fc", torch::nn::Linear(32, 32))) {}
-  at::Tensor forward(const at::Tensor& x) { return fc(x); }
-  torch::nn::Linear fc;
-};
-TORCH_MODULE(Tiny);
-
-// W2. Parameters are set by `init_transformer`, so both sides start from the same numbers.
-struct EncoderClassifierImpl : torch::nn::Module {
-  EncoderClassifierImpl()
-      : encoder(register_module(
-            "encoder", torch::nn::TransformerEncoder(torch::nn::TransformerEncoderOptions(
-                           torch::nn::TransformerEncoderLayerOptions(256, 4).dim_feedforward(2048).dropout(0.0), 2)))),
-        head(register_module("head", torch::nn::Linear(256, 10))) {}
-  // x: [sequence, batch, 256] -> logits [batch, 10].
-  at::Tensor forward(const at::Tensor& x) { return head(encoder(x).mean(0)); }
-  torch::nn::TransformerEncoder encoder;
-  torch::nn::Linear head;
-};
-TORCH_MODULE(EncoderClassifier);
-
-// Deterministic parameters independent of each framework's initialisation order: in name order,
-// matrices N(0, 0.02²) from one generator, layer-norm weights 1, biases 0 (bench/training_twin.py
-// does the same).
-void init_transformer(torch::nn::Module& net) {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(7);
-  auto named = net.named_parameters();
-  std::vector<std::string> names;
-  for (const auto& item : named) names.push_back(item.key());
-  std::sort(names.begin(), names.end());
-  at::NoGradGuard no_grad;
-  for (const auto& name : names) {
-    auto& p = named[name];
-    if (p.dim() >= 2) {
-      p.copy_(at::randn(p.sizes(), gen) * 0.02);
-    } else if (name.find("norm") != std::string::npos && name.size() > 6 && name.substr(name.size() - 6) == "weight") {
-      p.fill_(1.0);
-    } else {
-      p.zero_();
-    }
-  }
 }
 
 struct Flags {

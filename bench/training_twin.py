@@ -1,14 +1,14 @@
 """Twin of bench/training.cpp: the same models, batches, seeds, SGD settings and step counts,
 trained with torch.nn.parallel.DistributedDataParallel over Gloo (default bucket settings) on
-2 processes, or the bare model on 1; gradient accumulation with DDP's no_sync, bf16 with
-torch.autocast around the forward pass (outputs back to float32, as upstream Accelerate's
-prepared model does). Starts its own processes with the launcher's environment contract, since
+2 processes, or the bare model on 1; gradient accumulation with DDP's no_sync, bf16 (and, on
+CUDA, fp16 with PyTorch's GradScaler) with torch.autocast around the forward pass (outputs back to
+float32, as upstream Accelerate's prepared model does). Starts its own processes with the launcher's environment contract, since
 Debian's torchrun does not run on its Python; the parent imports torch as torchrun would.
 With --device cuda the model and the batches live on the GPU (process i on GPU i, NCCL between
 processes) and the clock is read after the GPU finished, as bench/training.cpp does on a CUDA
 machine (scripts/gpu_check.sh).
 Usage: /usr/bin/python3 bench/training_twin.py [--quick] [--nproc 2] [--threads 1] [--device cpu|cuda]
-       [--mixed_precision no|bf16] [--workloads mlp,mlp_accum4,tiny,transformer|startup]
+       [--mixed_precision no|bf16|fp16] [--workloads mlp,mlp_accum4,tiny,transformer|startup]
        [--warmup_steps 20] [--mlp_steps 200] [--tiny_steps 2000] [--transformer_warmup_steps 3]
        [--transformer_steps 40]
 """
@@ -74,6 +74,13 @@ def init_transformer(net):
                 p.zero_()
 
 
+def make_grad_scaler():
+    """PyTorch's loss scaler for CUDA (torch.amp's from 2.3, torch.cuda.amp's before)."""
+    if hasattr(torch, "amp") and hasattr(torch.amp, "GradScaler"):
+        return torch.amp.GradScaler("cuda")
+    return torch.cuda.amp.GradScaler()
+
+
 def median_mean(v):
     v = sorted(v)
     return v[len(v) // 2], sum(v) / len(v)
@@ -89,7 +96,7 @@ def data_parallel(net):
     return DistributedDataParallel(net, device_ids=[DEVICE.index] if DEVICE.type == "cuda" else None)
 
 
-def run(workload, net, x, y, loss_fn, warmup_steps, steps, accumulation=1, bf16=False):
+def run(workload, net, x, y, loss_fn, warmup_steps, steps, accumulation=1, precision="no"):
     distributed = dist.is_initialized()
     net.to(DEVICE)
     x, y = x.to(DEVICE), y.to(DEVICE)
@@ -98,12 +105,27 @@ def run(workload, net, x, y, loss_fn, warmup_steps, steps, accumulation=1, bf16=
     barrier = dist.barrier if distributed else (lambda: None)
     counter = 0
 
+    # fp16 scales the loss as the Accelerator does (its GradScaler); the scaler's step skips a step
+    # whose gradients overflowed and update() moves the scale.
+    scaler = make_grad_scaler() if precision == "fp16" else None
+
     def forward():
-        if bf16:
-            with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        if precision != "no":
+            dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+            with torch.autocast(DEVICE.type, dtype=dtype):
                 out = model(x)
             return loss_fn(out.float(), y)
         return loss_fn(model(x), y)
+
+    def backward(loss):
+        (scaler.scale(loss) if scaler else loss).backward()
+
+    def step():
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
 
     def sync_context():
         # Every `accumulation`-th step synchronises, counted from the first warm-up step.
@@ -116,9 +138,9 @@ def run(workload, net, x, y, loss_fn, warmup_steps, steps, accumulation=1, bf16=
         sync, context = sync_context()
         with context:
             loss = forward()
-            (loss / accumulation).backward()
+            backward(loss / accumulation)
         if sync:
-            opt.step()
+            step()
             opt.zero_grad(set_to_none=True)  # the default of the C++ side (and of PyTorch 2)
 
     phases = [[0.0] * steps for _ in range(4)]
@@ -133,10 +155,10 @@ def run(workload, net, x, y, loss_fn, warmup_steps, steps, accumulation=1, bf16=
         with context:
             loss = forward()
             t1 = clock()
-            (loss / accumulation).backward()
+            backward(loss / accumulation)
         t2 = clock()
         if sync:
-            opt.step()
+            step()
         t3 = clock()
         if sync:
             opt.zero_grad(set_to_none=True)
@@ -155,7 +177,7 @@ def run(workload, net, x, y, loss_fn, warmup_steps, steps, accumulation=1, bf16=
     names = ["forward", "backward", "step", "zero_grad"]
     print(json.dumps({
         "side": "python", "workload": workload, "device": str(DEVICE), "processes": n, "threads": torch.get_num_threads(),
-        "mixed_precision": "bf16" if bf16 else "no", "batch_size": batch, "warmup_steps": warmup_steps,
+        "mixed_precision": precision, "batch_size": batch, "warmup_steps": warmup_steps,
         "steps": steps, "steps_per_s": round(steps / seconds, 3), "samples_per_s": round(steps / seconds * batch * n, 1),
         "step_median_us": round(step_median, 1), "step_mean_us": round(step_mean, 1),
         "phase_median_mean_us": {name: [round(m, 1) for m in median_mean(p)] for name, p in zip(names, phases)},
@@ -187,7 +209,9 @@ def worker(args):
     if int(os.environ["WORLD_SIZE"]) > 1:
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     rank = int(os.environ["RANK"])
-    bf16 = args.mixed_precision == "bf16"
+    precision = args.mixed_precision
+    if precision == "fp16" and args.device != "cuda":
+        raise SystemExit("[training_twin] fp16 needs --device cuda (as the Accelerator, which refuses fp16 on the CPU)")
     for workload in args.workloads.split(","):
         torch.manual_seed(0)
         gen = torch.Generator().manual_seed(1000 + rank)
@@ -198,18 +222,18 @@ def worker(args):
                 first_step(x, y)
             else:
                 run(workload, Mlp(), x, y, F.cross_entropy, args.warmup_steps, args.mlp_steps,
-                    1 if workload == "mlp" else 4, bf16)
+                    1 if workload == "mlp" else 4, precision)
         elif workload == "tiny":
             net = Tiny()
             x = torch.randn(8, 32, generator=gen)
             y = torch.randn(8, 32, generator=gen)
-            run("tiny", net, x, y, F.mse_loss, args.warmup_steps, args.tiny_steps, 1, bf16)
+            run("tiny", net, x, y, F.mse_loss, args.warmup_steps, args.tiny_steps, 1, precision)
         elif workload == "transformer":
             net = EncoderClassifier()
             init_transformer(net)
             x = torch.randn(64, 16, 256, generator=gen)
             y = torch.randint(0, 10, (16,), generator=gen)
-            run("transformer", net, x, y, F.cross_entropy, args.transformer_warmup_steps, args.transformer_steps, 1, bf16)
+            run("transformer", net, x, y, F.cross_entropy, args.transformer_warmup_steps, args.transformer_steps, 1, precision)
         else:
             raise ValueError(f"[training_twin] unknown workload {workload} "
                              "(expected mlp, mlp_accum4, tiny, transformer or startup)")
@@ -222,7 +246,7 @@ def main():
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--mixed_precision", default="no", choices=["no", "bf16"])
+    parser.add_argument("--mixed_precision", default="no", choices=["no", "bf16", "fp16"])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--workloads", default="mlp,mlp_accum4,tiny,transformer")
     parser.add_argument("--warmup_steps", type=int, default=20)

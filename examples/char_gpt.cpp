@@ -18,6 +18,7 @@
 
 #include <torch/torch.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -330,8 +331,13 @@ void train(const Settings& s) {
   }
   double running = 0;
   int64_t running_count = 0;
+  // Throughput of the training steps alone (evaluation and checkpoints excluded); loss.item()
+  // waits for the device, so each micro-batch's time is its whole time.
+  double train_seconds = 0;
+  int64_t micro_batches = 0;
   while (progress->step < s.max_steps) {
     for (auto& batch : train) {
+      const auto started = std::chrono::steady_clock::now();
       // accumulate skips the gradient synchronisation until the last micro-batch.
       auto sync = accelerator.accumulate(model);
       auto loss = loss_per_sample(model(batch.data), batch.target).mean();
@@ -342,6 +348,8 @@ void train(const Settings& s) {
       opt.step();
       scheduler.step();
       opt.zero_grad();
+      train_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+      ++micro_batches;
       if (!accelerator.sync_gradients()) continue;
 
       const int64_t step = ++progress->step;
@@ -367,6 +375,12 @@ void train(const Settings& s) {
   }
   bar.close();
   accelerator.end_training();
+  if (micro_batches > 0) {
+    const double tokens = static_cast<double>(micro_batches * s.batch_size * s.block_size * accelerator.num_processes());
+    logger.info(c10::str("throughput: ", static_cast<int64_t>(tokens / train_seconds), " tokens/s over ",
+                         accelerator.num_processes(), " process(es) on ", accelerator.device(), " (", micro_batches,
+                         " micro-batches in ", fixed(train_seconds, 1), " s; evaluation and checkpoints excluded)"));
+  }
 
   accelerator.wait_for_everyone();
   if (accelerator.is_main_process()) {

@@ -31,19 +31,22 @@
 #   configure  CMake (Release, Ninja) with CMAKE_PREFIX_PATH = torch.utils.cmake_prefix_path, that
 #              prefix and DIR/root/usr; no MPI back-end
 #   build      the library, `accelerate` (accelerate_cli), the GPU tier (accelerate_gpu_tests and
-#              the programs it launches), the main example char_gpt and the W1 program bench_training
+#              the programs it launches), the main example char_gpt and the benchmark programs
+#              of the device table (bench_training, bench_training_plain, bench_fsdp)
 #   env        `accelerate env` (must report CUDA)
 #   tests      ctest -L gpu, one test at a time (fails when every test skipped)
 #              a test that crashes is run again alone under gdb and compute-sanitizer, where
 #              the machine has them (logs in build/gpu/logs/crash-NAME.*.log)
 #   main-job   examples/char_gpt through `accelerate launch`, 1 process on one GPU, 100 steps,
 #              --mixed_precision bf16 (the validation loss must fall)
-#   bench-w1   W1 (the MLP of bench/training.cpp, batch 64, SGD) on one GPU, fp32 and bf16, 3
-#              repetitions, against its PyTorch twin bench/training_twin.py --device cuda; prints
-#              both throughputs (samples/s, medians) and the ratio C++ / PyTorch
+#   bench      the GPU table, bench/device_table.py --device cuda on one GPU: W1 (the MLP) and W2
+#              (the transformer) in fp32, bf16 and fp16 with the scaler, the library's loop beside
+#              the same loop in plain LibTorch (bench_training_plain, the limit) and beside its
+#              PyTorch twin; the main job's tokens/s; W9 (bench_fsdp) at 2 processes sharing the
+#              GPU: DDP, FULL_SHARD and SHARD_GRAD_OP, peak device memory of process 0
 # The script goes on after a failed step where later steps do not depend on it, then prints a
 # summary and exits 1 naming the failed steps. Where one command may only run for a few minutes,
-# split it: `--steps deps,configure,build`, then `--steps env,tests,main-job,bench-w1` on the same
+# split it: `--steps deps,configure,build`, then `--steps env,tests,main-job,bench` on the same
 # machine (build/gpu is kept).
 #
 # Gloo and NCCL. src/ includes c10d's ProcessGroupGloo.hpp (under USE_C10D_GLOO, which LibTorch's
@@ -159,7 +162,7 @@ prepare() {
 
 # ---- the check: on the GPU machine --------------------------------------------------------------
 
-all_steps="deps,configure,build,env,tests,main-job,bench-w1"
+all_steps="deps,configure,build,env,tests,main-job,bench"
 
 # The facts about the installed PyTorch that the build needs, as shell assignments.
 torch_facts() {
@@ -302,7 +305,8 @@ step_configure() {
 
 step_build() {
   # -k 0: a compiler error does not stop the other files, so one run reports every error.
-  cmake --build "$BUILD" -j "$JOBS" --target accelerate accelerate_cli accelerate_gpu_tests char_gpt bench_training -- -k 0
+  cmake --build "$BUILD" -j "$JOBS" --target accelerate accelerate_cli accelerate_gpu_tests char_gpt bench_training \
+    bench_training_plain bench_fsdp -- -k 0
   interposed_symbols
 }
 
@@ -389,60 +393,43 @@ step_main_job() {
   echo "main job: 100 steps in ${seconds} s on GPU $ONE_GPU (launch included); validation loss $first -> $last"
 }
 
-step_bench_w1() {
-  local raw="$BUILD/bench_w1.jsonl" flags=(--workloads mlp --warmup_steps 200 --mlp_steps 3000)
-  : > "$raw"
-  local mp
-  for _ in 1 2 3; do
-    for mp in no bf16; do
-      CUDA_VISIBLE_DEVICES=$ONE_GPU "$BUILD/bin/accelerate" launch --num_processes 1 --main_process_port 0 \
-        --num_cpu_threads_per_process 1 --mixed_precision "$mp" "$BUILD/bench/bench_training" "${flags[@]}" \
-        | sed 's/^\[rank0\]: //' | grep '^{' >> "$raw"
-      CUDA_VISIBLE_DEVICES=$ONE_GPU "$PYTHON" bench/training_twin.py --nproc 1 --threads 1 --device cuda \
-        --mixed_precision "$mp" "${flags[@]}" | grep '^{' >> "$raw"
-    done
-  done
-  "$PYTHON" - "$raw" <<'EOF'
-import json, statistics, sys
-rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
-print(f"W1 (MLP 512-1024-1024-10, batch 64, SGD) on {rows[0].get('device', '?') if rows else '?'}, 1 process, "
-      "samples/s: median of 3 runs [min-max]")
-print(f"{'precision':<10} {'C++ (accelerate-cpp)':>26} {'PyTorch (twin)':>26} {'C++ / PyTorch':>14}  last loss C++ / PyTorch")
-missing = False
-for mp in ("no", "bf16"):
-    side = {s: [r for r in rows if r["side"] == s and r.get("mixed_precision", "no") == mp] for s in ("cpp", "python")}
-    if not side["cpp"] or not side["python"]:
-        print(f"{mp:<10} missing results: C++ {len(side['cpp'])}, PyTorch {len(side['python'])}")
-        missing = True
-        continue
-    def text(rs):
-        v = [r["samples_per_s"] for r in rs]
-        return statistics.median(v), f"{statistics.median(v):.0f} [{min(v):.0f}-{max(v):.0f}]"
-    cpp, cpp_text = text(side["cpp"])
-    py, py_text = text(side["python"])
-    cpu = [r for r in side["cpp"] + side["python"] if not str(r.get("device", "cuda")).startswith("cuda")]
-    if cpu:
-        print(f"{mp:<10} ran on {cpu[0].get('device')}, not on a GPU")
-        missing = True
-    print(f"{mp:<10} {cpp_text:>26} {py_text:>26} {cpp / py:>14.2f}  "
-          f"{side['cpp'][-1]['last_loss']:.4f} / {side['python'][-1]['last_loss']:.4f}")
-sys.exit(1 if missing else 0)
-EOF
+step_bench() {
+  CUDA_VISIBLE_DEVICES=$ONE_GPU "$PYTHON" bench/device_table.py --build "$BUILD" --device cuda --reps 2 \
+    --python "$PYTHON" --out "$BUILD/device_table.jsonl"
 }
 
 # Runs one step in a child shell (errexit applies inside it), its output on the console and in
 # $LOGS/NAME.log; records a failure.
 failed=()
+step_lines=()
 run_step() {
   local name=$1 start=$SECONDS
   printf '\n==> %s\n' "$name"
   if bash "$self" --run-step "$name" 2>&1 | tee "$LOGS/$name.log"; then
     printf '==> %s: ok (%d s)\n' "$name" $((SECONDS - start))
+    step_lines+=("$(printf '%-10s ok      %4d s' "$name" $((SECONDS - start)))")
   else
     printf '==> %s: FAILED (%d s); log: %s\n' "$name" $((SECONDS - start)) "$LOGS/$name.log"
+    step_lines+=("$(printf '%-10s FAILED  %4d s  %s' "$name" $((SECONDS - start)) "$LOGS/$name.log")")
     failed+=("$name")
     return 1
   fi
+}
+
+# The closing summary: each step's result and time, the GPU tier's counts, and the figures.
+summary() {
+  echo
+  echo "gpu_check.sh: summary (logs in $LOGS; $SECONDS s in all)"
+  printf '  %s\n' "${step_lines[@]}"
+  if [ -f "$LOGS/tests.log" ]; then
+    local counts failed_tests
+    counts=$(grep -E '^gpu tier: ' "$LOGS/tests.log" | tail -n 1)
+    failed_tests=$(grep -oE '[0-9]+ tests failed out of [0-9]+' "$LOGS/tests.log" | tail -n 1)
+    echo "  ${counts:-gpu tier: no count}${failed_tests:+; $failed_tests}"
+    grep -E '^\s+[0-9]+ - .*\((Failed|SEGFAULT|Subprocess aborted|Timeout|Exception)' "$LOGS/tests.log" | sed -E 's/^[[:space:]]+/    failed: /'
+  fi
+  [ -f "$LOGS/main-job.log" ] && grep -E '^main job: ' "$LOGS/main-job.log" | sed 's/^/  /'
+  [ -f "$LOGS/bench.log" ] && sed -n '/^Device table/,$p' "$LOGS/bench.log" | sed 's/^/  /'
 }
 
 wanted() { [[ ",$STEPS," == *",$1,"* ]]; }
@@ -491,7 +478,7 @@ check() {
       failed+=("nccl (configure found no usable NCCL)")
     fi
   done
-  for step in env tests main-job bench-w1; do
+  for step in env tests main-job bench; do
     wanted "$step" || continue
     if [ $built = 1 ]; then
       run_step "$step" || true
@@ -501,8 +488,7 @@ check() {
     fi
   done
 
-  echo
-  echo "gpu_check.sh: summary (logs in $LOGS)"
+  summary
   if [ ${#failed[@]} -eq 0 ]; then
     echo "  every step passed: $STEPS"
     return 0
@@ -521,7 +507,7 @@ if [ "${1:-}" = "--run-step" ]; then  # internal: one step in a child shell
     env) step_env ;;
     tests) step_tests ;;
     main-job) step_main_job ;;
-    bench-w1) step_bench_w1 ;;
+    bench) step_bench ;;
     *) die "unknown step '$2'" ;;
   esac
   exit 0
