@@ -40,6 +40,37 @@ TEST(CudaFsdp, TwoGpuProcessesEndWhereOneProcessEndsInFp32AndBf16) {
   }
 }
 
+TEST(CudaFsdp, ShardGradOpOnTwoProcessesSharingOneGpuEndsWhereOneProcessEnds) {
+  SKIP_WITHOUT_GPUS(1);
+  TempDir dir;
+  auto r = launch_fsdp(dir, {"--fsdp_sharding_strategy", "SHARD_GRAD_OP"});
+  ASSERT_EQ(r->exit_code(), 0) << r->out << r->err;
+  EXPECT_THAT(r->out, HasSubstr("[rank0]: fsdp: OK (SHARD_GRAD_OP, 2 processes")) << r->out;
+}
+
+// HYBRID_SHARD at 4 processes on one GPU: two launchers (machine ranks) of two processes each,
+// sharding within each machine and replicating across them, over Gloo.
+TEST(CudaFsdp, HybridShardOfFourProcessesOnOneGpuEndsWhereOneProcessEnds) {
+  SKIP_WITHOUT_GPUS(1);
+  TempDir dir;
+  const std::string port = std::to_string(free_port());
+  const auto machine = [&](const char* rank) {
+    return std::vector<std::string>{accelerate_bin(), "launch", "--num_processes", "4", "--num_machines", "2",
+                                    "--machine_rank", rank, "--main_process_ip", "127.0.0.1", "--main_process_port",
+                                    port, "--rdzv_timeout", "60", "--backend", "gloo", "--fsdp_sharding_strategy",
+                                    "HYBRID_SHARD", built("tests/mp_fsdp"), dir.str()};
+  };
+  const std::map<std::string, std::string> env = {{"ACCELERATE_RDZV_SECRET", "0123456789abcdef"},
+                                                  {"CUDA_VISIBLE_DEVICES", visible_gpu(0)}};
+  Running machine0(machine("0"), env);
+  Running machine1(machine("1"), env);
+  machine0.wait(240);
+  machine1.wait(240);
+  ASSERT_EQ(machine0.exit_code(), 0) << machine0.out << machine0.err;
+  ASSERT_EQ(machine1.exit_code(), 0) << machine1.out << machine1.err;
+  EXPECT_THAT(machine0.out, HasSubstr("[rank0]: fsdp: OK (HYBRID_SHARD, 4 processes")) << machine0.out;
+}
+
 TEST(CudaFsdp, Fp16LossScalingOfGpuShardsEndsWhereOneProcessEnds) {
   SKIP_WITHOUT_GPUS(1);
   // Each process sees only its rows' gradients; the processes agree on overflow before stepping.

@@ -53,6 +53,19 @@ TEST(GpuLaunch, TwoGpuProcessesEndWithTheSingleProcessModelInEveryMode) {
   for (const auto& mode : modes) EXPECT_THAT(r->out, HasSubstr("[rank0]: " + mode + ": OK")) << r->out;
 }
 
+// Two processes sharing one GPU (NCCL refuses two ranks on one device; Gloo stages CUDA tensors
+// through host memory) reproduce single-process training, as on two GPUs.
+TEST(GpuLaunch, TwoProcessesSharingOneGpuOverGlooEndWithTheSingleProcessModelInEveryMode) {
+  SKIP_WITHOUT_GPUS(1);
+  const std::vector<std::string> modes = {"plain", "split_batches", "bf16", "seedable"};
+  std::vector<std::string> argv = {accelerate_bin(), "launch", "--num_processes", "2", "--backend", "gloo",
+                                   "--main_process_port", "0", built("tests/mp_training")};
+  argv.insert(argv.end(), modes.begin(), modes.end());
+  auto r = run(argv, 240, {{"CUDA_VISIBLE_DEVICES", visible_gpu(0)}});
+  ASSERT_EQ(r->exit_code(), 0) << r->out << r->err;
+  for (const auto& mode : modes) EXPECT_THAT(r->out, HasSubstr("[rank0]: " + mode + ": OK")) << r->out;
+}
+
 TEST(GpuLaunch, AModelThatDiffersBetweenGpuProcessesFailsTheLaunchNamingTheDifference) {
   SKIP_WITHOUT_GPUS(2);
   auto r = run(launch_on_gpus(2, {built("tests/mp_training"), "mismatch"}), 120);

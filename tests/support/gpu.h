@@ -6,11 +6,28 @@
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
 
+#include <cstdlib>
+#include <string>
+
 namespace accelerate::testing {
 
 /// CUDA devices usable here: 0 when LibTorch has no CUDA, or finds no driver or no device.
 inline int cuda_device_count() {
   return torch::cuda::is_available() ? static_cast<int>(torch::cuda::device_count()) : 0;
+}
+
+/// The CUDA_VISIBLE_DEVICES value that shows a job only the `index`-th GPU this process sees (the
+/// `index`-th entry of this process's own CUDA_VISIBLE_DEVICES, else `index` itself).
+inline std::string visible_gpu(int index) {
+  const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+  if (visible == nullptr || *visible == '\0') return std::to_string(index);
+  std::string all = visible;
+  for (int i = 0; i < index; ++i) {
+    const auto comma = all.find(',');
+    if (comma == std::string::npos) return std::to_string(index);
+    all = all.substr(comma + 1);
+  }
+  return all.substr(0, all.find(','));
 }
 
 }  // namespace accelerate::testing
