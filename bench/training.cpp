@@ -51,17 +51,9 @@ const char* side(const acc::Accelerator& accelerator) {
   return accelerator.state().partial_state().backend() == "mpi" ? "cpp-mpi" : "cpp";
 }
 
-struct Flags {
-  std::vector<std::string> workloads{"mlp", "mlp_accum4", "tiny", "transformer"};
-  int warmup_steps = 20;
-  int mlp_steps = 200;
-  int tiny_steps = 2000;
-  int transformer_warmup_steps = 3;
-  int transformer_steps = 40;
-};
-
-Flags parse_flags(int argc, char** argv) {
-  Flags f;
+bench::StepFlags parse_flags(int argc, char** argv) {
+  bench::StepFlags f;
+  f.workloads = {"mlp", "mlp_accum4", "tiny", "transformer"};
   bool quick = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -71,25 +63,8 @@ Flags parse_flags(int argc, char** argv) {
     };
     if (a == "--quick") {
       quick = true;
-    } else if (a == "--workloads") {
-      f.workloads.clear();
-      std::string list = value();
-      for (size_t start = 0, comma; start <= list.size(); start = comma + 1) {
-        comma = std::min(list.find(',', start), list.size());
-        if (comma > start) f.workloads.push_back(list.substr(start, comma - start));
-      }
-    } else if (a == "--warmup_steps") {
-      f.warmup_steps = std::stoi(value());
-    } else if (a == "--mlp_steps") {
-      f.mlp_steps = std::stoi(value());
-    } else if (a == "--tiny_steps") {
-      f.tiny_steps = std::stoi(value());
-    } else if (a == "--transformer_warmup_steps") {
-      f.transformer_warmup_steps = std::stoi(value());
-    } else if (a == "--transformer_steps") {
-      f.transformer_steps = std::stoi(value());
     } else {
-      TORCH_CHECK_VALUE(false, "[bench_training] unknown flag ", a);
+      TORCH_CHECK_VALUE(bench::parse_step_flag(f, a, value), "[bench_training] unknown flag ", a);
     }
   }
   if (quick) {
@@ -235,7 +210,7 @@ void first_step(const acc::Accelerator& accelerator, const at::Tensor& x, const 
 }  // namespace
 
 int main(int argc, char** argv) {
-  const Flags flags = parse_flags(argc, argv);
+  const bench::StepFlags flags = parse_flags(argc, argv);
   acc::Accelerator accelerator;
   const int64_t rank = accelerator.process_index();
   const c10::Device device = accelerator.device();  // the prepared models' device: batches go there too

@@ -65,4 +65,41 @@ inline void init_transformer(torch::nn::Module& net) {
   }
 }
 
+// The workloads and step counts both training programs take.
+struct StepFlags {
+  std::vector<std::string> workloads;
+  int warmup_steps = 20;
+  int mlp_steps = 200;
+  int tiny_steps = 2000;
+  int transformer_warmup_steps = 3;
+  int transformer_steps = 40;
+};
+
+/// Reads flag `a` into `f`, taking its argument from `value()`; false when `a` is not one of
+/// StepFlags' (--workloads a,b,c and the step counts).
+template <typename Value>
+bool parse_step_flag(StepFlags& f, const std::string& a, Value&& value) {
+  if (a == "--workloads") {
+    f.workloads.clear();
+    const std::string list = value();
+    for (size_t start = 0, comma; start <= list.size(); start = comma + 1) {
+      comma = std::min(list.find(',', start), list.size());
+      if (comma > start) f.workloads.push_back(list.substr(start, comma - start));
+    }
+  } else if (a == "--warmup_steps") {
+    f.warmup_steps = std::stoi(value());
+  } else if (a == "--mlp_steps") {
+    f.mlp_steps = std::stoi(value());
+  } else if (a == "--tiny_steps") {
+    f.tiny_steps = std::stoi(value());
+  } else if (a == "--transformer_warmup_steps") {
+    f.transformer_warmup_steps = std::stoi(value());
+  } else if (a == "--transformer_steps") {
+    f.transformer_steps = std::stoi(value());
+  } else {
+    return false;
+  }
+  return true;
+}
+
 }  // namespace bench

@@ -27,20 +27,15 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-struct Flags {
+struct Flags : bench::StepFlags {
   c10::Device device = torch::cuda::is_available() ? c10::Device(c10::kCUDA, 0) : c10::Device(c10::kCPU);
   std::string precision = "no";
   int threads = 1;
-  std::vector<std::string> workloads{"mlp", "transformer"};
-  int warmup_steps = 20;
-  int mlp_steps = 200;
-  int tiny_steps = 2000;
-  int transformer_warmup_steps = 3;
-  int transformer_steps = 40;
 };
 
 Flags parse_flags(int argc, char** argv) {
   Flags f;
+  f.workloads = {"mlp", "transformer"};
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto value = [&]() -> std::string {
@@ -55,25 +50,8 @@ Flags parse_flags(int argc, char** argv) {
                         "[bench_training_plain] --mixed_precision takes no, bf16 or fp16, got ", f.precision);
     } else if (a == "--threads") {
       f.threads = std::stoi(value());
-    } else if (a == "--workloads") {
-      f.workloads.clear();
-      const std::string list = value();
-      for (size_t start = 0, comma; start <= list.size(); start = comma + 1) {
-        comma = std::min(list.find(',', start), list.size());
-        if (comma > start) f.workloads.push_back(list.substr(start, comma - start));
-      }
-    } else if (a == "--warmup_steps") {
-      f.warmup_steps = std::stoi(value());
-    } else if (a == "--mlp_steps") {
-      f.mlp_steps = std::stoi(value());
-    } else if (a == "--tiny_steps") {
-      f.tiny_steps = std::stoi(value());
-    } else if (a == "--transformer_warmup_steps") {
-      f.transformer_warmup_steps = std::stoi(value());
-    } else if (a == "--transformer_steps") {
-      f.transformer_steps = std::stoi(value());
     } else {
-      TORCH_CHECK_VALUE(false, "[bench_training_plain] unknown flag ", a);
+      TORCH_CHECK_VALUE(bench::parse_step_flag(f, a, value), "[bench_training_plain] unknown flag ", a);
     }
   }
   TORCH_CHECK_VALUE(f.precision != "fp16" || f.device.is_cuda(),

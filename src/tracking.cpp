@@ -738,8 +738,13 @@ std::vector<std::string> csv_fields(const std::string& record) {
 
 std::string csv_header(const std::vector<std::string>& columns) {
   std::string out = "step,wall_time";
-  for (const auto& c : columns) out += "," + csv_field(c);
-  return out + "\n";
+  for (const auto& c : columns) {
+    // Appended piece by piece: GCC 12 misreads `"," + field` as an unbounded copy.
+    out += ',';
+    out += csv_field(c);
+  }
+  out += '\n';
+  return out;
 }
 
 }  // namespace
@@ -799,8 +804,12 @@ void CSVTracker::log(const nlohmann::json& values, std::optional<int64_t> step) 
     row[i] = csv_field(value_text(value, /*python=*/false));
   }
   std::string line = step ? std::to_string(*step) : "";
-  line += "," + nlohmann::json(wall_time()).dump();
-  for (const auto& field : row) line += "," + field;
+  line += ',';
+  line += nlohmann::json(wall_time()).dump();
+  for (const auto& field : row) {
+    line += ',';
+    line += field;
+  }
   write_bytes("CSVTracker.log", file_, line + "\n", path_);
 }
 

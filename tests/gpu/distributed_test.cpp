@@ -19,8 +19,8 @@ namespace gpu_distributed_test {  // not anonymous: its names must not meet anot
 
 torch::Device gpu(int index) { return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index)); }
 
-TEST(Nccl, AOneProcessGroupOnOneGpuGathersACudaTensor) {
-  SKIP_WITHOUT_GPUS(1);
+// The rendezvous of a one-process NCCL group over an in-memory store.
+detail::RendezvousConfig one_process_nccl() {
   detail::RendezvousConfig config;
   config.topology.rank = 0;
   config.topology.world_size = 1;
@@ -28,7 +28,12 @@ TEST(Nccl, AOneProcessGroupOnOneGpuGathersACudaTensor) {
   config.store = c10::make_intrusive<c10d::HashStore>();
   config.rdzv_timeout = std::chrono::seconds(30);
   config.collective_timeout = std::chrono::seconds(60);
-  auto rendezvous = detail::rendezvous(config);
+  return config;
+}
+
+TEST(Nccl, AOneProcessGroupOnOneGpuGathersACudaTensor) {
+  SKIP_WITHOUT_GPUS(1);
+  auto rendezvous = detail::rendezvous(one_process_nccl());
   ASSERT_TRUE(rendezvous.process_group);
 
   auto input = torch::arange(1, 7, torch::TensorOptions().dtype(torch::kFloat).device(gpu(0)));
@@ -50,14 +55,7 @@ TEST(Nccl, AOneProcessGroupOnOneGpuGathersACudaTensor) {
 // collective that ran fills it, and with one process each must equal its input.
 TEST(Nccl, AOneProcessGroupOnOneGpuRunsEveryCollectiveTheLibraryIssues) {
   SKIP_WITHOUT_GPUS(1);
-  detail::RendezvousConfig config;
-  config.topology.rank = 0;
-  config.topology.world_size = 1;
-  config.backend = "nccl";
-  config.store = c10::make_intrusive<c10d::HashStore>();
-  config.rdzv_timeout = std::chrono::seconds(30);
-  config.collective_timeout = std::chrono::seconds(60);
-  auto group = detail::rendezvous(config).process_group;
+  auto group = detail::rendezvous(one_process_nccl()).process_group;
   ASSERT_TRUE(group);
   const auto timeout = std::chrono::milliseconds(60000);
   const auto input = torch::arange(1, 9, torch::TensorOptions().dtype(torch::kFloat).device(gpu(0)));

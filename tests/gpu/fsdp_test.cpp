@@ -54,16 +54,10 @@ TEST(CudaFsdp, HybridShardOfFourProcessesOnOneGpuEndsWhereOneProcessEnds) {
   SKIP_WITHOUT_GPUS(1);
   TempDir dir;
   const std::string port = std::to_string(free_port());
-  const auto machine = [&](const char* rank) {
-    return std::vector<std::string>{accelerate_bin(), "launch", "--num_processes", "4", "--num_machines", "2",
-                                    "--machine_rank", rank, "--main_process_ip", "127.0.0.1", "--main_process_port",
-                                    port, "--rdzv_timeout", "60", "--backend", "gloo", "--fsdp_sharding_strategy",
-                                    "HYBRID_SHARD", built("tests/mp_fsdp"), dir.str()};
-  };
   const std::map<std::string, std::string> env = {{"ACCELERATE_RDZV_SECRET", "0123456789abcdef"},
                                                   {"CUDA_VISIBLE_DEVICES", visible_gpu(0)}};
-  Running machine0(machine("0"), env);
-  Running machine1(machine("1"), env);
+  Running machine0(hybrid_shard_launcher("0", port, dir.str()), env);
+  Running machine1(hybrid_shard_launcher("1", port, dir.str()), env);
   machine0.wait(240);
   machine1.wait(240);
   ASSERT_EQ(machine0.exit_code(), 0) << machine0.out << machine0.err;

@@ -147,15 +147,9 @@ TEST(FsdpLaunch, HybridShardShardsWithinEachOfTwoMachinesAndReplicatesAcrossThem
   // Two launchers, one per machine rank, of two processes each (on Gloo: MPI jobs have one launcher).
   TempDir dir;
   const std::string port = std::to_string(free_port());
-  const auto machine = [&](const char* rank) {
-    return std::vector<std::string>{accelerate_bin(), "launch", "--num_processes", "4", "--num_machines", "2",
-                                    "--machine_rank", rank, "--main_process_ip", "127.0.0.1", "--main_process_port",
-                                    port, "--rdzv_timeout", "60", "--backend", "gloo", "--fsdp_sharding_strategy",
-                                    "HYBRID_SHARD", built("tests/mp_fsdp"), dir.str()};
-  };
   const std::map<std::string, std::string> secret = {{"ACCELERATE_RDZV_SECRET", "0123456789abcdef"}};
-  Running machine0(machine("0"), secret);
-  Running machine1(machine("1"), secret);
+  Running machine0(hybrid_shard_launcher("0", port, dir.str()), secret);
+  Running machine1(hybrid_shard_launcher("1", port, dir.str()), secret);
   machine0.wait(240);
   machine1.wait(240);
   ASSERT_EQ(machine0.exit_code(), 0) << machine0.out << machine0.err;

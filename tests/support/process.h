@@ -203,6 +203,16 @@ inline int free_port() {
   return ntohs(addr.sin_port);
 }
 
+/// The launcher of machine rank `rank` of a HYBRID_SHARD job of tests/mp_fsdp in `dir`: four
+/// processes over two machine ranks on this host, on Gloo, meeting at `port`. Start one for "0"
+/// and one for "1", with ACCELERATE_RDZV_SECRET set.
+inline std::vector<std::string> hybrid_shard_launcher(const char* rank, const std::string& port,
+                                                      const std::string& dir) {
+  return {accelerate_bin(), "launch", "--num_processes", "4", "--num_machines", "2", "--machine_rank", rank,
+          "--main_process_ip", "127.0.0.1", "--main_process_port", port, "--rdzv_timeout", "60", "--backend", "gloo",
+          "--fsdp_sharding_strategy", "HYBRID_SHARD", built("tests/mp_fsdp"), dir};
+}
+
 /// Waits up to `seconds` until something accepts connections on 127.0.0.1:`port`.
 inline bool wait_for_port(int port, double seconds) {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
