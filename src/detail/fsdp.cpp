@@ -516,9 +516,14 @@ class UnitHook final : public ModelHook {
       }
     }
     if (differentiable.empty()) return;  // the end of the backward pass reduces this unit
+    // See Note [GCC 14 and autograd::Function::apply] in src/hooks.cpp.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Warray-bounds"
+#pragma GCC diagnostic ignored "-Wstringop-overflow"
     auto routed = UnitInputNode::apply(at::TensorList(differentiable),
                                        static_cast<int64_t>(reinterpret_cast<intptr_t>(e.get())),
                                        static_cast<int64_t>(unit_));
+#pragma GCC diagnostic pop
     for (size_t i = 0; i < positions.size(); ++i) inputs[positions[i]] = routed[i];
     ++u.pending_input_nodes;
   }
