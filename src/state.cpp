@@ -14,7 +14,6 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
-#include <torch/cuda.h>
 
 #include <ATen/ATen.h>
 

@@ -6,7 +6,6 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
-#include <torch/cuda.h>
 
 #include <algorithm>
 #include <fstream>
