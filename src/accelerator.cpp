@@ -5,10 +5,12 @@
 
 #include "accelerate/memory_utils.h"
 #include "accelerate/utils/environment.h"
-#include "detail/accelerator_impl.h"
-#include "detail/env.h"
-#include "detail/fsdp.h"
-#include "detail/tracking.h"
+#include "accelerator_impl.h"
+#include "distributed_impl.h"
+#include "fsdp/engine.h"
+#include "grad_scaler_impl.h"
+#include "detail/topology.h"
+#include "tracking_impl.h"
 #include "detail/warn.h"
 
 #include <c10/util/Exception.h>
@@ -152,7 +154,8 @@ Accelerator::Accelerator(const AcceleratorOptions& options)
       policy = FsdpMixedPrecisionPolicy{dtype, dtype, dtype};
     }
   }
-  if (impl_->fsdp) (void)detail::resolve_fsdp_plugin(*impl_->fsdp, state_.device());  // refuse bad settings now
+  // Resolved once (refusing bad settings now); prepare and every later question read the result.
+  if (impl_->fsdp) impl_->fsdp_settings = detail::resolve_fsdp_plugin(*impl_->fsdp, state_.device());
   if (state_.mixed_precision() == PrecisionType::kFp16 && state_.device().is_cuda()) {
     impl_->scaler = get_grad_scaler(distributed_type(), options.scaler_kwargs);
     if (impl_->fsdp) detail::share_inf_checks(*impl_->scaler, partial());
@@ -177,7 +180,7 @@ DistributedType Accelerator::distributed_type() const {
                                                                           : state_.distributed_type();
 }
 bool Accelerator::is_fsdp2() const {
-  return impl_->fsdp && detail::resolve_fsdp_plugin(*impl_->fsdp, state_.device()).fsdp_version == 2;
+  return impl_->fsdp_settings && impl_->fsdp_settings->fsdp_version == 2;
 }
 
 bool Accelerator::split_batches() const { return impl_->options.dataloader_config.split_batches; }
@@ -260,8 +263,8 @@ DistributedDataParallel Accelerator::prepare_module(const std::shared_ptr<torch:
   // Evaluation-only models are not synchronised: a one-process engine does no communication.
   DistributedDataParallel ddp = evaluation_mode
                                     ? DistributedDataParallel::local(module, state_.device(), forward)
-                                    : impl_->fsdp ? DistributedDataParallel::fully_sharded(module, partial(), *impl_->fsdp, forward,
-                                                                                           impl_->dp_shard_size)
+                                    : impl_->fsdp ? detail::fully_sharded(module, partial(), *impl_->fsdp_settings, forward,
+                                                                          impl_->dp_shard_size)
                                                   : DistributedDataParallel(module, partial(), impl_->options.ddp_kwargs, forward);
   std::lock_guard<std::mutex> lock(impl_->mutex);
   impl_->models.push_back(ddp);

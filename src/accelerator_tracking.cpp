@@ -2,8 +2,8 @@
 // end_training (upstream: the tracking methods of accelerator.py). The trackers are in
 // src/tracking.cpp.
 #include "accelerate/accelerator.h"
-#include "detail/accelerator_impl.h"
-#include "detail/tracking.h"
+#include "accelerator_impl.h"
+#include "tracking_impl.h"
 
 #include <c10/util/Exception.h>
 

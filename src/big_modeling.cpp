@@ -1,7 +1,7 @@
 #include "accelerate/big_modeling.h"
 
-#include "detail/checkpoint_index.h"
-#include "detail/offload_dtypes.h"
+#include "checkpoint/index.h"
+#include "checkpoint/offload_dtypes.h"
 #include "detail/module_table.h"
 #include "detail/warn.h"
 

@@ -2,8 +2,9 @@
 #include "accelerate/distributed.h"
 
 #include "detail/collectives.h"
-#include "detail/fsdp.h"
-#include "detail/errors.h"
+#include "distributed_impl.h"
+#include "fsdp/engine.h"
+#include "detail/check.h"
 #include "detail/state_impl.h"
 #include "detail/torch_compat.h"
 #include "detail/warn.h"
@@ -201,7 +202,7 @@ void wait_for(const detail::DistributedDataParallelImpl& impl, const c10::intrus
     C10_THROW_ERROR(Error, c10::str("[DistributedDataParallel.join] a collective of the join protocol failed on "
                                     "process ", impl.process_group->getRank(), " of ", impl.process_group->getSize(),
                                     " (a peer died or did not arrive within ", impl.timeout.count() / 1000.0,
-                                    "s): ", detail::error_message(e)));
+                                    "s): ", detail::error_text(e)));
   }
 }
 
@@ -349,23 +350,34 @@ DistributedDataParallel DistributedDataParallel::fully_sharded(std::shared_ptr<t
                                                                const PartialState& state,
                                                                const FullyShardedDataParallelPlugin& plugin,
                                                                const ForwardOptions& forward, int dp_shard_size) {
+  return detail::fully_sharded(std::move(module), state, detail::resolve_fsdp_plugin(plugin, state.device()), forward,
+                               dp_shard_size);
+}
+
+namespace detail {
+
+DistributedDataParallel fully_sharded(std::shared_ptr<torch::nn::Module> module, const PartialState& state,
+                                      FsdpSettings settings, const ForwardOptions& forward, int dp_shard_size) {
   TORCH_CHECK_VALUE(module != nullptr, "[FullyShardedDataParallel] expected a module, got null");
   TORCH_CHECK_VALUE(dp_shard_size >= 0, "[FullyShardedDataParallel] dp_shard_size must not be negative, got ",
                     dp_shard_size);
-  auto settings = detail::resolve_fsdp_plugin(plugin, state.device());
-  auto impl = std::make_shared<detail::DistributedDataParallelImpl>();
+  auto impl = std::make_shared<DistributedDataParallelImpl>();
   impl->module = module;
   impl->forward = forward;
   impl->device_type = state.device().type();
   impl->state = state;
   if (state.use_distributed()) {
-    impl->process_group = detail::process_group(state, "FullyShardedDataParallel");
+    impl->process_group = process_group(state, "FullyShardedDataParallel");
     impl->timeout = state.timeout();
     impl->device = state.device();
-    impl->fsdp = std::make_shared<detail::FsdpEngine>(std::move(module), state, std::move(settings), dp_shard_size);
+    impl->fsdp = std::make_shared<FsdpEngine>(std::move(module), state, std::move(settings), dp_shard_size);
   }
   return DistributedDataParallel(std::move(impl));
 }
+
+FsdpEngine* fsdp_engine(const DistributedDataParallel& model) { return model.impl()->fsdp.get(); }
+
+}  // namespace detail
 
 DistributedDataParallel DistributedDataParallel::without_synchronisation(bool keep_mixed_precision) const {
   // A sharded model cannot run without its engine: its parameters hold shards between calls.
@@ -391,9 +403,6 @@ at::Tensor DistributedDataParallel::cast_forward_input(const at::Tensor& input) 
   return impl_->fsdp ? impl_->fsdp->cast_forward_input(input) : input;
 }
 
-namespace detail {
-FsdpEngine* fsdp_engine(const DistributedDataParallel& model) { return model.impl()->fsdp.get(); }
-}  // namespace detail
 const DistributedDataParallelKwargs& DistributedDataParallel::kwargs() const { return impl_->kwargs; }
 const ForwardOptions& DistributedDataParallel::forward_options() const { return impl_->forward; }
 bool DistributedDataParallel::require_backward_grad_sync() const { return impl_->require_backward_grad_sync; }

@@ -2,7 +2,7 @@
 #include "accelerate/grad_scaler.h"
 
 #include "detail/collectives.h"
-#include "detail/fsdp.h"
+#include "grad_scaler_impl.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>

@@ -5,7 +5,7 @@
 #include "detail/accelerator_device.h"
 #include "detail/blas.h"
 #include "detail/collectives.h"
-#include "detail/errors.h"
+#include "detail/check.h"
 #include "detail/process_group.h"
 #include "detail/process_group_mpi.h"
 #include "detail/state_impl.h"
@@ -43,7 +43,7 @@ void write_error_file_and_abort() {
       try {
         std::rethrow_exception(current);
       } catch (const std::exception& e) {
-        message = detail::error_message(e);
+        message = detail::error_text(e);
       } catch (...) {
         message = "terminated by an exception that is not a std::exception";
       }
@@ -388,7 +388,7 @@ PartialState split_state(const PartialState& state, const std::vector<std::vecto
 }
 
 std::string collective_error_text(const PartialState& state, const std::exception& e) {
-  const std::string text = error_message(e);
+  const std::string text = error_text(e);
   return text + name_lost_machines(state.impl()->addresses, text);
 }
 

@@ -3,7 +3,11 @@
 #include "accelerate/tracking.h"
 
 #include "detail/files.h"
-#include "detail/tracking.h"
+#include "formats/checksums.h"
+#include "formats/png.h"
+#include "formats/tensorboard.h"
+#include "formats/yaml.h"
+#include "tracking_impl.h"
 
 #include <c10/util/Exception.h>
 #include <unistd.h>
@@ -23,6 +27,13 @@
 namespace accelerate {
 
 namespace fs = std::filesystem;
+using detail::encode_png;
+using detail::hparams_summary;
+using detail::Proto;
+using detail::scalar_summary;
+using detail::summary_value;
+using detail::text_summary;
+using detail::to_yaml;
 
 namespace {
 
@@ -122,223 +133,6 @@ std::vector<std::pair<std::string, nlohmann::json>> flatten(const nlohmann::json
   return out;
 }
 
-// ---- YAML -------------------------------------------------------------------------------------
-
-bool plain_yaml(const std::string& s) {
-  if (s.empty()) return false;
-  static const std::vector<std::string> reserved = {"true", "false", "yes", "no", "on", "off", "null", "y", "n", "~"};
-  std::string lower = s;
-  std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char c) { return std::tolower(c); });
-  if (contains(reserved, lower)) return false;
-  if (!(std::isalpha(static_cast<unsigned char>(s[0])) || s[0] == '_')) return false;
-  return std::all_of(s.begin(), s.end(),
-                     [](unsigned char c) {
-                       return std::isalnum(c) || c == '_' || c == '-' || c == '.' || c == '/' || c == ' ';
-                     }) &&
-         s.back() != ' ';
-}
-
-// A JSON string is also a valid YAML double-quoted scalar.
-std::string yaml_string(const std::string& s) { return plain_yaml(s) ? s : nlohmann::json(s).dump(); }
-
-void emit_yaml(std::ostringstream& out, const nlohmann::json& value, int indent) {
-  const std::string pad(static_cast<size_t>(indent), ' ');
-  if (value.is_object()) {
-    for (const auto& [key, v] : value.items()) {
-      out << pad << yaml_string(key) << ":";
-      if ((v.is_object() || v.is_array()) && !v.empty()) {
-        out << "\n";
-        emit_yaml(out, v, indent + 2);
-      } else {
-        out << " ";
-        emit_yaml(out, v, 0);
-      }
-    }
-  } else if (value.is_array()) {
-    for (const auto& v : value) {
-      if ((v.is_object() || v.is_array()) && !v.empty()) {
-        out << pad << "-\n";
-        emit_yaml(out, v, indent + 2);
-      } else {
-        out << pad << "- ";
-        emit_yaml(out, v, 0);
-      }
-    }
-  } else if (value.is_string()) {
-    out << yaml_string(value.get<std::string>()) << "\n";
-  } else {
-    out << (value.is_object() ? "{}" : value.is_array() ? "[]" : value.dump()) << "\n";
-  }
-}
-
-std::string to_yaml(const nlohmann::json& value) {
-  if (value.empty()) return "{}\n";
-  std::ostringstream out;
-  emit_yaml(out, value, 0);
-  return out.str();
-}
-
-// ---- protobuf wire format -------------------------------------------------------------------
-// Only the encodings the Event, Summary and HParams messages need: varints, fixed 32/64-bit
-// numbers and length-delimited fields. Fields at their proto3 default are left out, as protobuf
-// does.
-
-class Proto {
- public:
-  Proto& varint(int field, uint64_t value) {
-    if (value != 0) {
-      key(field, 0);
-      raw_varint(value);
-    }
-    return *this;
-  }
-  Proto& fixed64(int field, double value) { return value != 0 ? fixed64_always(field, value) : *this; }
-  // For oneof members, which are written even at their default.
-  Proto& fixed64_always(int field, double value) {
-    key(field, 1);
-    uint64_t bits = 0;
-    std::memcpy(&bits, &value, sizeof(bits));
-    for (int i = 0; i < 8; ++i) bytes_.push_back(static_cast<char>((bits >> (8 * i)) & 0xff));
-    return *this;
-  }
-  // Always written: a scalar of 0 is still a value the reader must see.
-  Proto& fixed32_always(int field, float value) {
-    key(field, 5);
-    uint32_t bits = 0;
-    std::memcpy(&bits, &value, sizeof(bits));
-    for (int i = 0; i < 4; ++i) bytes_.push_back(static_cast<char>((bits >> (8 * i)) & 0xff));
-    return *this;
-  }
-  Proto& bytes(int field, const std::string& value) {
-    if (!value.empty()) bytes_always(field, value);
-    return *this;
-  }
-  // For oneof members and repeated elements, which are written even when empty.
-  Proto& bytes_always(int field, const std::string& value) {
-    key(field, 2);
-    raw_varint(value.size());
-    bytes_ += value;
-    return *this;
-  }
-  Proto& message(int field, const Proto& value) { return bytes_always(field, value.str()); }
-  const std::string& str() const { return bytes_; }
-
- private:
-  void key(int field, int wire_type) { raw_varint((static_cast<uint64_t>(field) << 3) | wire_type); }
-  void raw_varint(uint64_t value) {
-    while (value >= 0x80) {
-      bytes_.push_back(static_cast<char>((value & 0x7f) | 0x80));
-      value >>= 7;
-    }
-    bytes_.push_back(static_cast<char>(value));
-  }
-  std::string bytes_;
-};
-
-// tensorflow.Summary.Value with the given tag.
-Proto summary_value(const std::string& tag) { return std::move(Proto().bytes(1, tag)); }
-
-Proto plugin_metadata(const std::string& plugin_name, const std::string& content) {
-  return std::move(Proto().message(1, std::move(Proto().bytes(1, plugin_name).bytes(2, content))));
-}
-
-Proto scalar_summary(const std::string& tag, double value) {
-  return std::move(Proto().message(1, summary_value(tag).fixed32_always(2, static_cast<float>(value))));
-}
-
-Proto text_summary(const std::string& tag, const std::string& text) {
-  constexpr int kDtString = 7;
-  Proto shape = std::move(Proto().message(2, std::move(Proto().varint(1, 1))));
-  Proto tensor = std::move(Proto().varint(1, kDtString).message(2, shape).bytes_always(8, text));
-  // The text plugin's content is TextPluginData{version: 0}, which serialises to nothing.
-  Proto value = summary_value(tag + "/text_summary");
-  value.message(8, tensor).message(9, plugin_metadata("text", ""));  // fields in number order, as protobuf writes
-  return std::move(Proto().message(1, value));
-}
-
-Proto hparams_summary(const std::string& tag, const Proto& plugin_data) {
-  Proto value = summary_value(tag);
-  value.message(9, plugin_metadata("hparams", plugin_data.str()));
-  return std::move(Proto().message(1, value));
-}
-
-// ---- checksums ----------------------------------------------------------------------------------
-
-// A table-driven CRC-32 over the reflected polynomial `Poly`, starting from all ones and inverted at
-// the end: 0xEDB88320 is zlib's CRC-32 (PNG chunks), 0x82F63B78 is CRC-32C (TFRecord framing).
-template <uint32_t Poly>
-uint32_t reflected_crc32(const unsigned char* data, size_t size) {
-  static const std::array<uint32_t, 256> table = [] {
-    std::array<uint32_t, 256> t{};
-    for (uint32_t n = 0; n < 256; ++n) {
-      uint32_t c = n;
-      for (int k = 0; k < 8; ++k) c = (c & 1) ? Poly ^ (c >> 1) : c >> 1;
-      t[n] = c;
-    }
-    return t;
-  }();
-  uint32_t c = 0xffffffffu;
-  for (size_t i = 0; i < size; ++i) c = table[(c ^ data[i]) & 0xff] ^ (c >> 8);
-  return c ^ 0xffffffffu;
-}
-
-// ---- PNG --------------------------------------------------------------------------------------
-
-uint32_t crc32_png(const std::string& bytes) {
-  return reflected_crc32<0xEDB88320u>(reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size());
-}
-
-void put_be32(std::string& out, uint32_t v) {
-  for (int i = 3; i >= 0; --i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
-}
-
-void png_chunk(std::string& out, const char* type, const std::string& data) {
-  put_be32(out, static_cast<uint32_t>(data.size()));
-  std::string typed = std::string(type, 4) + data;
-  out += typed;
-  put_be32(out, crc32_png(typed));
-}
-
-// An 8-bit RGB or RGBA PNG of `pixels` (rows of width * channels bytes), compressed with zlib
-// "stored" blocks: valid deflate, readable everywhere, no compression.
-std::string encode_png(const std::string& pixels, int64_t height, int64_t width, int64_t channels) {
-  std::string raw;
-  const auto row = static_cast<size_t>(width * channels);
-  raw.reserve(static_cast<size_t>(height) * (row + 1));
-  for (int64_t y = 0; y < height; ++y) {
-    raw.push_back('\0');  // filter type None
-    raw.append(pixels, static_cast<size_t>(y) * row, row);
-  }
-  std::string zlib = {'\x78', '\x01'};
-  size_t done = 0;
-  do {
-    const size_t n = std::min<size_t>(65535, raw.size() - done);
-    zlib.push_back(done + n == raw.size() ? '\x01' : '\x00');
-    zlib.push_back(static_cast<char>(n & 0xff));
-    zlib.push_back(static_cast<char>(n >> 8));
-    zlib.push_back(static_cast<char>(~n & 0xff));
-    zlib.push_back(static_cast<char>((~n >> 8) & 0xff));
-    zlib.append(raw, done, n);
-    done += n;
-  } while (done < raw.size());
-  uint32_t a = 1, b = 0;
-  for (unsigned char c : raw) {
-    a = (a + c) % 65521;
-    b = (b + a) % 65521;
-  }
-  put_be32(zlib, (b << 16) | a);
-
-  std::string ihdr;
-  put_be32(ihdr, static_cast<uint32_t>(width));
-  put_be32(ihdr, static_cast<uint32_t>(height));
-  ihdr += {'\x08', channels == 4 ? '\x06' : '\x02', '\x00', '\x00', '\x00'};
-  std::string png = "\x89PNG\r\n\x1a\n";
-  png_chunk(png, "IHDR", ihdr);
-  png_chunk(png, "IDAT", zlib);
-  png_chunk(png, "IEND", "");
-  return png;
-}
-
 struct Image {
   int64_t height, width, channels;
   std::string png;
@@ -404,25 +198,12 @@ void check_option_keys(const nlohmann::json& kwargs, const std::vector<std::stri
 
 }  // namespace
 
-// ---- CRC32C and TFRecord framing ----------------------------------------------------------------
+// ---- CRC32C (the public function; TFRecord framing is in formats/tensorboard.cpp) --------------
 
 uint32_t crc32c(const void* data, size_t size) {
-  return reflected_crc32<0x82F63B78u>(static_cast<const unsigned char*>(data), size);
+  return detail::reflected_crc32<0x82F63B78u>(static_cast<const unsigned char*>(data), size);
 }
 
-namespace {
-
-// TFRecord's masked CRC: rotate right by 15 bits and add a constant.
-uint32_t masked_crc32c(const std::string& bytes) {
-  const uint32_t crc = crc32c(bytes.data(), bytes.size());
-  return ((crc >> 15) | (crc << 17)) + 0xa282ead8u;
-}
-
-void put_le(std::string& out, uint64_t v, int size) {
-  for (int i = 0; i < size; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
-}
-
-}  // namespace
 
 // One event file: TFRecord records (length, masked CRC of the length, data, masked CRC of the
 // data) holding serialised tensorflow.Event messages, the first one naming the file version.
@@ -456,15 +237,7 @@ class TensorBoardTracker::EventWriter {
  private:
   void write(const Proto& event) {
     TORCH_CHECK(file_ != nullptr, "[TensorBoardTracker] the tracker is finished: ", path_, " is closed");
-    const std::string& data = event.str();
-    std::string record;
-    std::string length;
-    put_le(length, data.size(), 8);
-    record += length;
-    put_le(record, masked_crc32c(length), 4);
-    record += data;
-    put_le(record, masked_crc32c(data), 4);
-    write_bytes("TensorBoardTracker", file_, record, path_);
+    write_bytes("TensorBoardTracker", file_, detail::tfrecord(event.str()), path_);
   }
 
   std::string path_;

@@ -2,7 +2,7 @@
 // (utils/environment.h).
 #include "accelerate/utils/environment.h"
 
-#include "detail/env.h"
+#include "detail/topology.h"
 #include "support/test_support.h"
 
 #include <gmock/gmock.h>

@@ -173,7 +173,7 @@ TEST(ShouldReduceBatchSize, RecognisesTheCpuAllocatorsOutOfMemoryError) {
     (void)at::empty({int64_t{1} << 42});
     FAIL() << "allocating 16 TiB succeeded";
   } catch (const std::exception& e) {
-    EXPECT_THAT(detail::error_message(e), ::testing::HasSubstr("DefaultCPUAllocator: can't allocate memory"));
+    EXPECT_THAT(detail::error_text(e), ::testing::HasSubstr("DefaultCPUAllocator: can't allocate memory"));
     EXPECT_TRUE(should_reduce_batch_size(e));
   }
 }

@@ -56,7 +56,7 @@ std::string error_of_or_empty(Fn&& fn) {
   try {
     fn();
   } catch (const std::exception& e) {
-    return detail::error_message(e);
+    return detail::error_text(e);
   }
   return {};
 }

@@ -3,7 +3,6 @@
 // client usable, the secret, the address it listens on, clients that misbehave or flood it, and a
 // server out of descriptors.
 #include "detail/check.h"
-#include "detail/errors.h"
 #include "detail/network.h"
 #include "detail/process_group.h"
 #include "detail/store_client.h"
@@ -413,7 +412,7 @@ TEST(SourceAddress, AHostWithoutARouteIsNamed) {
       try {
         result = "address " + source_address_towards("10.9.9.9", 29500);
       } catch (const std::exception& e) {
-        result = error_message(e);
+        result = error_text(e);
       }
     }
     (void)!::write(pipe_fds[1], result.data(), result.size());

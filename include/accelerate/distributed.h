@@ -32,8 +32,13 @@
 
 namespace accelerate {
 
+class DistributedDataParallel;
+struct ForwardOptions;
 namespace detail {
 struct DistributedDataParallelImpl;
+struct FsdpSettings;
+DistributedDataParallel fully_sharded(std::shared_ptr<torch::nn::Module> module, const PartialState& state,
+                                      FsdpSettings settings, const ForwardOptions& forward, int dp_shard_size);
 }  // namespace detail
 
 /// How a prepared model runs its forward pass, beyond gradient synchronisation.
@@ -201,6 +206,9 @@ class DistributedDataParallel {
   // the final model.
   void join_until_all_finished() const;
 
+  friend DistributedDataParallel detail::fully_sharded(std::shared_ptr<torch::nn::Module> module,
+                                                      const PartialState& state, detail::FsdpSettings settings,
+                                                      const ForwardOptions& forward, int dp_shard_size);
   explicit DistributedDataParallel(std::shared_ptr<detail::DistributedDataParallelImpl> impl) : impl_(std::move(impl)) {}
   std::shared_ptr<detail::DistributedDataParallelImpl> impl_;
 };

@@ -160,7 +160,7 @@ int env_main(const std::vector<std::string>& args, std::istream& /*in*/, std::os
     try {
       (void)load_config_from_file(path);
     } catch (const std::exception& e) {
-      out << "\t(this file is not usable by accelerate-cpp: " << detail::error_message(e) << ")\n";
+      out << "\t(this file is not usable by accelerate-cpp: " << detail::error_text(e) << ")\n";
     }
     return 0;
   });

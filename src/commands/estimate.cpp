@@ -2,7 +2,7 @@
 #include "accelerate/commands/estimate.h"
 
 #include "accelerate/utils/safetensors.h"
-#include "detail/checkpoint_index.h"
+#include "checkpoint/index.h"
 #include "detail/cli.h"
 
 #include <c10/util/Exception.h>

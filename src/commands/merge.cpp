@@ -2,8 +2,8 @@
 #include "accelerate/commands/merge.h"
 
 #include "accelerate/utils/safetensors.h"
-#include "detail/checkpoint_index.h"
-#include "detail/fsdp.h"
+#include "checkpoint/index.h"
+#include "checkpoint/sharded_format.h"
 #include "detail/cli.h"
 #include "detail/files.h"
 

@@ -4,7 +4,7 @@
 #include "accelerate/accelerator.h"
 #include "accelerate/commands/launch.h"
 #include "accelerate/utils/environment.h"
-#include "detail/errors.h"
+#include "detail/check.h"
 #include "detail/files.h"
 
 #include <CLI/CLI.hpp>
@@ -271,7 +271,7 @@ int test_main(const std::vector<std::string>& argv, const std::string& accelerat
       run_test_checks();
     } catch (const std::exception& e) {
       // Escapes main, so the launcher reports it as the root cause; without LibTorch's backtrace.
-      throw std::runtime_error(detail::error_message(e));
+      throw std::runtime_error(detail::error_text(e));
     }
     return 0;
   }

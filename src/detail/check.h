@@ -1,5 +1,5 @@
 // Raising and describing errors in the sources the launcher shares with the library; see
-// Note [The launcher without LibTorch] in tools/cli/CMakeLists.txt.
+// Note [The launcher without LibTorch] in src/launch/CMakeLists.txt.
 //
 // These sources are compiled once and linked twice: into the library, where the two functions
 // below throw LibTorch's c10::ValueError and c10::Error as the rest of the library does, and into

@@ -3,7 +3,7 @@
 // (exit code 1). Header-only over CLI11, which stays out of the public headers.
 #pragma once
 
-#include "detail/errors.h"
+#include "detail/check.h"
 
 #include <CLI/CLI.hpp>
 
@@ -48,7 +48,7 @@ inline int run_cli_command(const std::string& command, std::ostream& err, const 
   try {
     return body();
   } catch (const std::exception& e) {
-    err << "accelerate " << command << ": error: " << error_message(e) << "\n";
+    err << "accelerate " << command << ": error: " << error_text(e) << "\n";
     return 1;
   }
 }

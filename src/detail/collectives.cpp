@@ -1,7 +1,7 @@
 // Collectives over a state's process group; see collectives.h.
 #include "detail/collectives.h"
 
-#include "detail/errors.h"
+#include "detail/check.h"
 #include "detail/state_impl.h"
 #include "detail/torch_compat.h"
 

@@ -3,7 +3,6 @@
 
 #include "build_config.h"
 #include "detail/check.h"
-#include "detail/errors.h"
 #include "detail/durations.h"
 #include "detail/network.h"
 #include "detail/process_group_mpi.h"

@@ -2,7 +2,7 @@
 // "everyone joined" barrier with a clear error, then Gloo (CPU) or NCCL (CUDA).
 #pragma once
 
-#include "detail/env.h"
+#include "detail/topology.h"
 #include "detail/store_server.h"  // is_loopback_address
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>

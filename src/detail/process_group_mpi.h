@@ -14,7 +14,7 @@
 // the group is then broken, because an MPI collective cannot be cancelled.
 #pragma once
 
-#include "detail/env.h"
+#include "detail/topology.h"
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>

@@ -3,7 +3,7 @@
 #pragma once
 
 #include "accelerate/state.h"
-#include "detail/env.h"
+#include "detail/topology.h"
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>

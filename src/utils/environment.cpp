@@ -3,7 +3,7 @@
 
 #include "accelerate/utils/dataclasses.h"
 #include "build_config.h"
-#include "detail/env.h"
+#include "detail/topology.h"
 #include "detail/warn.h"
 
 #include <c10/util/Exception.h>

@@ -5,7 +5,7 @@
 #include "accelerate/utils/dataclasses.h"
 #include "build_config.h"
 #include "detail/check.h"
-#include "detail/env.h"
+#include "detail/topology.h"
 
 #include <algorithm>
 #include <cctype>

@@ -1,9 +1,9 @@
 #include "accelerate/utils/modeling.h"
 
-#include "detail/checkpoint_index.h"
+#include "checkpoint/index.h"
 #include "detail/files.h"
-#include "detail/load_checks.h"
-#include "detail/offload_dtypes.h"
+#include "checkpoint/load_checks.h"
+#include "checkpoint/offload_dtypes.h"
 #include "detail/warn.h"
 
 #include <ATen/ATen.h>

@@ -2,7 +2,7 @@
 
 #include "accelerate/utils/device_map.h"
 #include "detail/files.h"
-#include "detail/offload_dtypes.h"
+#include "checkpoint/offload_dtypes.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>

@@ -1,5 +1,5 @@
 // The `accelerate` executable: `launch` runs in a process without LibTorch, every other command
-// in `accelerate-commands` (Note [The launcher without LibTorch] in src/CMakeLists.txt).
+// in `accelerate-commands` (Note [The launcher without LibTorch] in src/launch/CMakeLists.txt).
 #include "accelerate/utils/environment.h"
 #include "support/process.h"
 #include "support/test_support.h"

@@ -3,7 +3,7 @@
 #include "accelerate/commands/launch.h"
 
 #include "accelerate/utils/environment.h"
-#include "detail/env.h"
+#include "detail/topology.h"
 #include "support/test_support.h"
 
 #include <gmock/gmock.h>

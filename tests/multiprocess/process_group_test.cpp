@@ -103,7 +103,7 @@ TEST(MpiBackend, AWorkerKilledInTheMiddleOfACollectiveTearsTheJobDownWithTheRoot
 }
 
 // Note [MPI's start on one machine] and Note [Only shared memory on one machine] in
-// src/commands/launch.cpp.
+// src/launch/mpi.cpp.
 TEST(MpiBackend, OnOneMachineTheWorkersUseOb1OverSharedMemoryUnlessTheUserChoseOtherwise) {
   auto shell = [](const std::map<std::string, std::string>& env) {
     return run({accelerate_bin(), "launch", "--backend", "mpi", "-n", "2", "--main_process_port", "0", "/bin/sh", "-c",

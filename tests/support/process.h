@@ -3,7 +3,7 @@
 // test fails), and small probes for pids and ports.
 #pragma once
 
-#include "detail/env.h"
+#include "detail/topology.h"
 #include "detail/subprocess.h"
 
 #include <gtest/gtest.h>

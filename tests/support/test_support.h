@@ -4,7 +4,7 @@
 
 #include "accelerate/logging.h"
 #include "accelerate/state.h"
-#include "detail/errors.h"
+#include "detail/check.h"
 #include "detail/files.h"
 
 #include <gtest/gtest.h>
@@ -81,7 +81,7 @@ std::string error_of(Fn&& fn) {
   try {
     fn();
   } catch (const std::exception& e) {
-    return detail::error_message(e);
+    return detail::error_text(e);
   }
   ADD_FAILURE() << "expected an exception, none was thrown";
   return {};

@@ -1,6 +1,6 @@
 // The `accelerate` command. `accelerate launch` runs in this process, which does not load
 // LibTorch; every other command is carried out by `accelerate-commands`, which this process
-// becomes (Note [The launcher without LibTorch] in src/CMakeLists.txt).
+// becomes (Note [The launcher without LibTorch] in src/launch/CMakeLists.txt).
 #include "accelerate/commands/launch.h"
 
 #include <unistd.h>

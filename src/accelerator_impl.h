@@ -1,0 +1,45 @@
+// The state behind an `Accelerator` handle, shared by the files that implement it.
+#pragma once
+
+#include "accelerate/accelerator.h"
+#include "fsdp/settings.h"
+
+#include <map>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <vector>
+
+namespace accelerate::detail {
+
+struct AcceleratorImpl {
+  AcceleratorOptions options;
+  bool standalone = false;
+  std::optional<GradScaler> scaler;
+  std::optional<FullyShardedDataParallelPlugin> fsdp;  // when prepared models are sharded
+  std::optional<FsdpSettings> fsdp_settings;           // `fsdp`, resolved when the Accelerator was built
+  int dp_shard_size = 0;  // a parallelism_config's shard groups (0: the plugin decides)
+
+  std::mutex mutex;  // guards everything below
+  ProjectConfiguration project;
+  // Whether the program chose the next checkpoint's number (ProjectConfiguration::iteration,
+  // set_save_iteration or load_state); else the first save numbers after an earlier run's.
+  bool iteration_chosen = false;
+  std::set<int64_t> checkpoints_written;  // numbers of the checkpoints this accelerator saved
+  std::vector<DistributedDataParallel> models;
+  std::vector<AcceleratedOptimizer> optimizers;
+  std::vector<AcceleratedScheduler> schedulers;
+  std::vector<DataLoader> data_loaders;
+  int64_t step = 0;
+  std::vector<CheckpointObject> custom_objects;
+  std::map<int64_t, SaveStatePreHook> save_hooks;
+  std::map<int64_t, LoadStatePreHook> load_hooks;
+  int64_t next_hook_id = 0;
+
+  // Experiment tracking (src/accelerator_tracking.cpp).
+  std::vector<Tracker> log_with;  // checked and resolved by filter_trackers
+  std::vector<std::shared_ptr<GeneralTracker>> trackers;
+  bool trackers_running = false;
+};
+
+}  // namespace accelerate::detail

@@ -1,0 +1,362 @@
+// Writing an Accelerator's checkpoints: save/save_model/save_state, with one writer per kind of
+// object; see include/accelerate/accelerator.h and docs/design.md ("Checkpoints"). The commit
+// protocol is in commit.cpp, the sharded format in sharded_format.cpp.
+#include "accelerate/accelerator.h"
+
+#include "accelerator_impl.h"
+#include "checkpoint/commit.h"
+#include "checkpoint/sharded_format.h"
+#include "checkpoint/state_objects.h"
+#include "detail/collectives.h"
+#include "detail/files.h"
+#include "detail/warn.h"
+#include "distributed_impl.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <limits>
+#include <set>
+
+namespace fs = std::filesystem;
+
+namespace accelerate {
+
+bool Accelerator::writes_shared_files() const {
+  return project_configuration().save_on_each_node ? is_local_main_process() : is_main_process();
+}
+
+void Accelerator::save(const StateDictMap& tensors, const std::string& path) const {
+  TensorMap map;
+  for (const auto& item : tensors) map.emplace(item.key(), item.value());
+  save(map, path);
+}
+
+void Accelerator::save(const TensorMap& tensors, const std::string& path) const {
+  if (writes_shared_files()) save_file(tensors, path);
+}
+
+void Accelerator::save(const nlohmann::json& values, const std::string& path) const {
+  if (writes_shared_files()) detail::write_file_atomically(path, values.dump(2) + "\n");
+}
+
+StateDictMap Accelerator::model_state_dict(const std::shared_ptr<torch::nn::Module>& module) const {
+  std::optional<DistributedDataParallel> sharded;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mutex);
+    for (const auto& prepared : impl_->models) {
+      if (prepared.module() == module && prepared.is_fully_sharded()) sharded = prepared;
+    }
+  }
+  if (!sharded) return accelerate::get_state_dict(*module);
+  StateDictMap out;
+  for (auto& [name, tensor] : detail::fsdp_engine(*sharded)->full_state_dict()) out.insert(name, tensor);
+  return out;
+}
+
+void Accelerator::save_module(const std::shared_ptr<torch::nn::Module>& module, const std::string& save_directory,
+                              const std::string& max_shard_size) const {
+  TORCH_CHECK_VALUE(!fs::is_regular_file(save_directory), "[Accelerator::save_model] provided path (", save_directory,
+                    ") should be a directory, not a file");
+  auto weights = model_state_dict(module);
+  if (writes_shared_files()) save_state_dict_sharded(weights, save_directory, max_shard_size);
+}
+
+void Accelerator::register_checkpoint_objects(std::vector<CheckpointObject> objects) const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  for (auto& object : objects) impl_->custom_objects.push_back(std::move(object));
+}
+
+namespace {
+
+// Registers `hook` in one of the accelerator's hook maps; the handle removes it again (a no-op
+// once the accelerator is gone).
+template <typename Hook>
+RemovableHandle add_hook(const std::shared_ptr<detail::AcceleratorImpl>& impl,
+                         std::map<int64_t, Hook> detail::AcceleratorImpl::*hooks, Hook hook, const char* api) {
+  TORCH_CHECK_VALUE(hook != nullptr, "[Accelerator::", api, "] expected a hook, got none");
+  std::lock_guard<std::mutex> lock(impl->mutex);
+  const auto id = impl->next_hook_id++;
+  ((*impl).*hooks).emplace(id, std::move(hook));
+  std::weak_ptr<detail::AcceleratorImpl> weak = impl;
+  return RemovableHandle([weak, hooks, id] {
+    if (auto alive = weak.lock()) {
+      std::lock_guard<std::mutex> lock(alive->mutex);
+      ((*alive).*hooks).erase(id);
+    }
+  });
+}
+
+}  // namespace
+
+RemovableHandle Accelerator::register_save_state_pre_hook(SaveStatePreHook hook) const {
+  return add_hook(impl_, &detail::AcceleratorImpl::save_hooks, std::move(hook), "register_save_state_pre_hook");
+}
+
+RemovableHandle Accelerator::register_load_state_pre_hook(LoadStatePreHook hook) const {
+  return add_hook(impl_, &detail::AcceleratorImpl::load_hooks, std::move(hook), "register_load_state_pre_hook");
+}
+
+int Accelerator::save_iteration() const { return project_configuration().iteration; }
+
+void Accelerator::set_save_iteration(int iteration) const {
+  TORCH_CHECK_VALUE(iteration >= 0, "[Accelerator::set_save_iteration] expected a non-negative iteration, got ",
+                    iteration);
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  impl_->project.iteration = iteration;
+  impl_->iteration_chosen = true;
+}
+
+// Note [A new run beside an earlier run's checkpoints]
+// Upstream numbers a run's checkpoints from 0 whatever the folder holds and prunes the lowest
+// numbers, so a new run started in the folder of an earlier one removes its own checkpoints as
+// soon as it writes them, and a later resume takes the earlier run's. Here a run that did not
+// choose its numbers (ProjectConfiguration::iteration, set_save_iteration, load_state) numbers its
+// first checkpoint after every `checkpoint_<n>` folder there, saying so once: its checkpoints are
+// then the newest, and pruning removes the earlier run's first.
+void Accelerator::number_after_earlier_run(ProjectConfiguration& project) const {
+  {
+    std::lock_guard<std::mutex> lock(impl_->mutex);
+    if (impl_->iteration_chosen) return;
+    impl_->iteration_chosen = true;
+  }
+  const auto root = fs::path(project.project_dir) / "checkpoints";
+  int64_t highest = -1;
+  if (is_main_process()) {
+    std::vector<std::pair<int64_t, fs::path>> incomplete;
+    for (const auto& [number, path] : detail::list_checkpoints(root, &incomplete)) highest = std::max(highest, number);
+    for (const auto& [number, path] : incomplete) highest = std::max(highest, number);
+  }
+  if (num_processes() > 1) {
+    const auto text = std::to_string(highest);
+    const auto bytes = detail::broadcast_bytes(partial(), std::vector<char>(text.begin(), text.end()), 0,
+                                               "[Accelerator::save_state]");
+    highest = std::stoll(std::string(bytes.begin(), bytes.end()));
+  }
+  if (highest < project.iteration) return;
+  TORCH_CHECK_VALUE(highest < std::numeric_limits<int>::max(), "[Accelerator::save_state] ", root.string(),
+                    " holds checkpoint_", highest, ", past the last number a checkpoint can have");
+  detail::warn("accelerate.accelerator",
+               c10::str("[Accelerator::save_state] ", root.string(), " already holds checkpoints up to checkpoint_",
+                        highest, " of an earlier run; this run's checkpoints are numbered from checkpoint_",
+                        highest + 1, " so that total_limit removes the earlier run's first (load_state() continues "
+                        "that run instead; set_save_iteration chooses the number)"),
+               {.state = partial()});
+  project.iteration = static_cast<int>(highest + 1);
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  impl_->project.iteration = project.iteration;
+}
+
+namespace {
+
+// Where the writers put a checkpoint's files, and how they report each one written.
+struct Destination {
+  fs::path folder;
+  PartialState state;
+  std::string operator/(const std::string& name) const { return (folder / name).string(); }
+  void written() const { detail::checkpoint_file_written(state); }
+};
+
+// Each model's state dict, as its checkpoint holds it: a sharded model's own shards (sharded
+// states), or its whole tensors gathered from every process (a collective).
+std::vector<StateDictMap> model_states(const detail::CheckpointObjects& objects) {
+  std::vector<StateDictMap> weights;
+  for (size_t i = 0; i < objects.models.size(); ++i) {
+    auto* engine = objects.model_engines[i];
+    if (!engine) {
+      weights.push_back(accelerate::get_state_dict(*objects.models[i].module()));
+      continue;
+    }
+    StateDictMap state;
+    for (auto& [name, tensor] : detail::sharded_state(engine) ? engine->local_state_dict() : engine->full_state_dict()) {
+      state.insert(name, tensor);
+    }
+    weights.push_back(std::move(state));
+  }
+  return weights;
+}
+
+// The models with sharded states: every process writes its own part, in
+// `pytorch_model_fsdp_<i>` (Note [Sharded checkpoint layout]).
+void write_sharded_models(const detail::CheckpointObjects& objects, const std::vector<StateDictMap>& weights,
+                          const Destination& to) {
+  for (size_t i = 0; i < weights.size() && i < objects.models.size(); ++i) {
+    auto* engine = objects.model_engines[i];
+    if (!engine || !detail::sharded_state(engine)) continue;
+    std::map<std::string, at::Tensor> tensors;
+    std::map<std::string, std::vector<int64_t>> whole;
+    std::map<std::string, at::Tensor> params;
+    for (const auto& item : objects.models[i].module()->named_parameters()) params.emplace(item.key(), item.value());
+    for (const auto& item : weights[i]) {
+      tensors.emplace(item.key(), item.value());
+      auto it = params.find(item.key());
+      if (it != params.end() && engine->is_sharded(it->second)) whole[item.key()] = engine->whole_shape(it->second);
+    }
+    if (engine->replica_index() != 0) continue;  // hybrid sharding: the first replica writes the shards
+    detail::save_sharded_state(engine->shard_group(), to / ("pytorch_model_fsdp_" + std::to_string(i)), {{"model", i}},
+                               tensors, whole);
+    to.written();
+  }
+}
+
+// The optimizers over sharded parameters: sharded states are written here by every process
+// (`optimizer_<i>`); whole ones are gathered (a collective, in the same order everywhere) and
+// returned for the shared files. Nothing for the other optimizers.
+std::vector<std::optional<StateDict>> sharded_optimizer_states(const detail::CheckpointObjects& objects,
+                                                               const Destination& to) {
+  std::vector<std::optional<StateDict>> states(objects.optimizers.size());
+  for (size_t i = 0; i < objects.optimizers.size(); ++i) {
+    auto* engine = objects.optimizer_engines[i];
+    if (!engine) continue;
+    StateDict state = optimizer_state_dict(*objects.optimizers[i].optimizer());
+    const auto params = detail::optimizer_params(*objects.optimizers[i].optimizer());
+    std::map<std::string, std::vector<int64_t>> whole;
+    for (auto& [key, tensor] : state.tensors) {
+      const auto& param = params.at(detail::state_param_index(key));
+      if (!engine->is_sharded(param) || tensor.sizes() != param.sizes()) continue;
+      if (detail::sharded_state(engine)) {
+        whole[key] = engine->whole_shape(param);
+      } else {
+        tensor = engine->whole_rows(param, tensor);
+      }
+    }
+    if (detail::sharded_state(engine)) {
+      if (engine->replica_index() != 0) continue;
+      detail::save_sharded_state(engine->shard_group(), to / ("optimizer_" + std::to_string(i)), state.values,
+                                 state.tensors, whole);
+      to.written();
+    } else {
+      states[i] = std::move(state);
+    }
+  }
+  return states;
+}
+
+// The shared files, written by one process (per machine with save_on_each_node).
+
+void write_models(const detail::CheckpointObjects& objects, const std::vector<StateDictMap>& weights,
+                  const Destination& to) {
+  for (size_t i = 0; i < weights.size(); ++i) {
+    if (i < objects.models.size() && objects.model_engines[i] && detail::sharded_state(objects.model_engines[i])) {
+      continue;
+    }
+    TensorMap tensors;
+    for (const auto& item : clean_state_dict_for_safetensors(weights[i])) tensors.emplace(item.key(), item.value());
+    save_file(tensors, to / detail::numbered("model", i, ".safetensors"), {{"format", "pt"}});
+    to.written();
+  }
+}
+
+void write_optimizers(const detail::CheckpointObjects& objects, const std::vector<std::optional<StateDict>>& states,
+                      const Destination& to) {
+  for (size_t i = 0; i < objects.optimizers.size(); ++i) {
+    if (objects.optimizer_engines[i] && !states[i]) continue;  // sharded, written already
+    save_state_dict_file(states[i] ? *states[i] : optimizer_state_dict(*objects.optimizers[i].optimizer()),
+                         to / detail::numbered("optimizer", i, ".safetensors"));
+    to.written();
+  }
+}
+
+void write_schedulers(const detail::CheckpointObjects& objects, const Destination& to) {
+  for (size_t i = 0; i < objects.schedulers.size(); ++i) {
+    save_state_dict_file({objects.schedulers[i].scheduler()->state_dict(), {}},
+                         to / detail::numbered("scheduler", i, ".json"));
+    to.written();
+  }
+}
+
+void write_data_loaders(const detail::CheckpointObjects& objects, const Destination& to) {
+  for (size_t i = 0; i < objects.loaders.size(); ++i) {
+    save_state_dict_file({nlohmann::json::parse(detail::sampler_state(objects.loaders[i]).to_json()), {}},
+                         to / detail::loader_file(objects.loaders[i], i));
+    to.written();
+  }
+}
+
+void write_scaler(const std::optional<GradScaler>& scaler, const Destination& to) {
+  if (!scaler) return;
+  save_state_dict_file({scaler->state_dict(), {}}, to / "scaler.json");
+  to.written();
+}
+
+void write_custom_objects(const detail::CheckpointObjects& objects, const Destination& to) {
+  for (size_t i = 0; i < objects.custom.size(); ++i) {
+    const auto state = objects.custom[i].state_dict();
+    const auto ext = state.tensors.empty() ? ".json" : ".safetensors";
+    save_state_dict_file(state, to / ("custom_checkpoint_" + std::to_string(i) + ext));
+    to.written();
+  }
+}
+
+// Every process's random generators and the step: its last file, whose presence marks the
+// checkpoint complete.
+void write_random_states(int64_t step, int process_index, const Destination& to) {
+  auto random = rng_state_dict();
+  random.values["step"] = step;
+  save_state_dict_file(random, to / ("random_states_" + std::to_string(process_index) + ".safetensors"));
+  to.written();
+}
+
+}  // namespace
+
+std::string Accelerator::save_state(const std::string& output_dir) const {
+  auto project = project_configuration();
+  fs::path target;
+  if (project.automatic_checkpoint_naming) {
+    TORCH_CHECK_VALUE(output_dir.empty(), "[Accelerator::save_state] automatic_checkpoint_naming chooses the folder; "
+                                          "got output_dir ", output_dir);
+    TORCH_CHECK_VALUE(!project.project_dir.empty(), "[Accelerator::save_state] automatic_checkpoint_naming needs "
+                                                    "ProjectConfiguration::project_dir");
+    number_after_earlier_run(project);
+    target = fs::path(project.project_dir) / "checkpoints" / ("checkpoint_" + std::to_string(project.iteration));
+  } else {
+    TORCH_CHECK_VALUE(!output_dir.empty(), "[Accelerator::save_state] expected an output_dir (or "
+                                           "ProjectConfiguration::automatic_checkpoint_naming)");
+    target = output_dir;
+  }
+  // Every process decides alike: process 0's view of the folder is what counts.
+  detail::run_agreed(partial(), "[Accelerator::save_state]", [&] {
+    TORCH_CHECK_VALUE(!project.automatic_checkpoint_naming || !is_main_process() || !fs::exists(target),
+                      "checkpoint directory ", target.string(), " (", project.iteration,
+                      ") already exists; call set_save_iteration with the iteration to start with");
+  });
+
+  auto objects = detail::checkpoint_objects(*impl_);  // not const: the hooks may change the models
+  detail::CheckpointCommit commit(partial(), target, project.save_on_each_node, project.automatic_checkpoint_naming);
+  const Destination to{commit.staging(), partial()};
+  const auto path = commit.commit([&] {
+    auto weights = model_states(objects);
+    for (const auto& hook : objects.save_hooks) hook(objects.models, weights, to.folder.string());
+    write_sharded_models(objects, weights, to);
+    const auto optimizer_states = sharded_optimizer_states(objects, to);
+    if (commit.writes_shared_files()) {
+      write_models(objects, weights, to);
+      write_optimizers(objects, optimizer_states, to);
+      write_schedulers(objects, to);
+      write_data_loaders(objects, to);
+      write_scaler(impl_->scaler, to);
+      write_custom_objects(objects, to);
+    }
+    write_random_states(objects.step, process_index(), to);
+  });
+
+  std::set<int64_t> written_here;
+  if (project.automatic_checkpoint_naming) {
+    std::lock_guard<std::mutex> lock(impl_->mutex);
+    impl_->checkpoints_written.insert(project.iteration);
+    written_here = impl_->checkpoints_written;
+  }
+  detail::run_agreed(partial(), "[Accelerator::save_state] removing old checkpoints", [&] {
+    if (project.automatic_checkpoint_naming && project.total_limit > 0 && commit.writes_shared_files()) {
+      detail::prune_checkpoints(target.parent_path(), project.total_limit, written_here, project.iteration);
+    }
+  });
+  if (project.automatic_checkpoint_naming) {
+    std::lock_guard<std::mutex> lock(impl_->mutex);
+    impl_->project.iteration = project.iteration + 1;
+  }
+  return path.string();
+}
+
+}  // namespace accelerate

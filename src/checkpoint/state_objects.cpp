@@ -1,0 +1,104 @@
+// The objects of a checkpoint and their files; see state_objects.h.
+#include "checkpoint/state_objects.h"
+
+#include "distributed_impl.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cctype>
+#include <mutex>
+#include <regex>
+
+namespace accelerate::detail {
+namespace {
+
+namespace fs = std::filesystem;
+
+// The fully sharded engine that holds the parameters of `optimizer`, if any.
+FsdpEngine* sharding_engine(const std::vector<DistributedDataParallel>& models,
+                                    const torch::optim::Optimizer& optimizer) {
+  for (const auto& model : models) {
+    auto* engine = fsdp_engine(model);
+    if (!engine) continue;
+    for (const auto& group : optimizer.param_groups()) {
+      for (const auto& p : group.params()) {
+        if (engine->manages(p)) return engine;
+      }
+    }
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+CheckpointObjects checkpoint_objects(AcceleratorImpl& impl) {
+  CheckpointObjects out;
+  {
+    std::lock_guard<std::mutex> lock(impl.mutex);
+    out.models = impl.models;
+    out.optimizers = impl.optimizers;
+    out.schedulers = impl.schedulers;
+    out.loaders = impl.data_loaders;
+    out.custom = impl.custom_objects;
+    out.step = impl.step;
+    for (const auto& [id, hook] : impl.save_hooks) out.save_hooks.push_back(hook);
+    for (const auto& [id, hook] : impl.load_hooks) out.load_hooks.push_back(hook);
+  }
+  for (const auto& model : out.models) out.model_engines.push_back(fsdp_engine(model));
+  for (const auto& optimizer : out.optimizers) {
+    out.optimizer_engines.push_back(sharding_engine(out.models, *optimizer.optimizer()));
+  }
+  return out;
+}
+
+std::string numbered(const std::string& stem, size_t i, const std::string& ext) {
+  return i == 0 ? stem + ext : stem + "_" + std::to_string(i) + ext;
+}
+
+DataLoaderState sampler_state(const DataLoader& loader) {
+  auto state = loader.state_dict();
+  if (!loader.use_stateful_dataloader()) state.batches_yielded = 0;
+  return state;
+}
+
+bool sharded_state(FsdpEngine* engine) {
+  return engine->settings().state_dict_type != FsdpStateDictType::kFullStateDict;
+}
+bool local_state(FsdpEngine* engine) {
+  return engine->settings().state_dict_type == FsdpStateDictType::kLocalStateDict;
+}
+
+std::vector<at::Tensor> optimizer_params(const torch::optim::Optimizer& optimizer) {
+  std::vector<at::Tensor> params;
+  for (const auto& group : optimizer.param_groups()) {
+    for (const auto& p : group.params()) params.push_back(p);
+  }
+  return params;
+}
+
+size_t state_param_index(const std::string& key) {
+  const auto dot = key.find('.', 6);
+  const bool numbered = key.rfind("state.", 0) == 0 && dot != std::string::npos && dot > 6 &&
+                        std::all_of(key.begin() + 6, key.begin() + static_cast<std::ptrdiff_t>(dot),
+                                    [](unsigned char c) { return std::isdigit(c); });
+  TORCH_CHECK_VALUE(numbered, "expected optimizer state tensors named 'state.<index>.<name>', got '", key, "'");
+  return static_cast<size_t>(std::stoull(key.substr(6, dot - 6)));
+}
+
+std::string loader_file(const DataLoader& loader, size_t i) {
+  return numbered(loader.use_stateful_dataloader() ? "dl_state_dict" : "sampler", i, ".json");
+}
+
+std::map<size_t, fs::path> custom_checkpoint_files(const fs::path& folder) {
+  static const std::regex name(R"(custom_checkpoint_(\d{1,9})\.(json|safetensors))");
+  std::map<size_t, fs::path> files;
+  for (const auto& entry : fs::directory_iterator(folder)) {
+    std::smatch match;
+    const auto file = entry.path().filename().string();
+    if (std::regex_match(file, match, name)) files[std::stoul(match[1])] = entry.path();
+  }
+  return files;
+}
+
+}  // namespace accelerate::detail

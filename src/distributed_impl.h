@@ -1,0 +1,22 @@
+// What the library's other files need of distributed.cpp beyond the public header: the fully
+// sharded engine behind a prepared model, and the FSDP constructor that takes settings the
+// `Accelerator` resolved once.
+#pragma once
+
+#include "accelerate/distributed.h"
+#include "fsdp/settings.h"
+
+#include <memory>
+
+namespace accelerate::detail {
+
+class FsdpEngine;
+
+/// The fully sharded engine of a prepared model, or null.
+FsdpEngine* fsdp_engine(const DistributedDataParallel& model);
+
+/// `DistributedDataParallel::fully_sharded` with the plugin already resolved into `settings`.
+DistributedDataParallel fully_sharded(std::shared_ptr<torch::nn::Module> module, const PartialState& state,
+                                      FsdpSettings settings, const ForwardOptions& forward, int dp_shard_size);
+
+}  // namespace accelerate::detail

@@ -1,0 +1,144 @@
+// Resolving the FSDP plugin; see settings.h.
+#include "fsdp/settings.h"
+
+#include "accelerate/utils/environment.h"
+#include "detail/topology.h"
+
+#include <c10/util/Exception.h>
+
+namespace accelerate::detail {
+
+namespace {
+
+// A dtype of the mixed-precision policy by upstream's names, or none for an empty one.
+c10::optional<at::ScalarType> policy_dtype(const char* field, const std::string& name) {
+  if (name.empty()) return c10::nullopt;
+  if (name == "fp32" || name == "float32" || name == "float") return at::kFloat;
+  if (name == "bf16" || name == "bfloat16") return at::kBFloat16;
+  if (name == "fp16" || name == "float16" || name == "half") return at::kHalf;
+  if (name == "fp64" || name == "float64" || name == "double") return at::kDouble;
+  TORCH_CHECK_VALUE(false, "[FullyShardedDataParallelPlugin] mixed_precision_policy.", field, " must be one of fp32, ",
+                    "bf16, fp16 or fp64 (or empty for the parameters' own dtype), got \"", name, "\"");
+  return c10::nullopt;
+}
+
+}  // namespace
+
+FsdpSettings resolve_fsdp_plugin(const FullyShardedDataParallelPlugin& plugin, c10::Device device) {
+  const auto env = [](const char* name) { return get_env(name); };
+  const auto flag = [&](const std::optional<bool>& given, const char* name, bool fallback) {
+    if (given) return *given;
+    auto value = env(name);
+    return value ? str_to_bool(*value) : fallback;
+  };
+  FsdpSettings s;
+  if (plugin.fsdp_version) {
+    s.fsdp_version = *plugin.fsdp_version;
+  } else if (auto v = env("FSDP_VERSION")) {
+    s.fsdp_version = parse_env_int("FSDP_VERSION", *v);
+  }
+  TORCH_CHECK_VALUE(s.fsdp_version == 1 || s.fsdp_version == 2,
+                    "[FullyShardedDataParallelPlugin] fsdp_version must be 1 or 2, got ", s.fsdp_version);
+
+  // What the user set wins over both variables of the environment.
+  const bool user_chose = plugin.sharding_strategy || plugin.reshard_after_forward;
+  std::optional<FsdpShardingStrategy> strategy = plugin.sharding_strategy;
+  if (!user_chose) {
+    if (auto v = env("FSDP_SHARDING_STRATEGY")) strategy = parse_fsdp_sharding_strategy(*v);
+  }
+  std::optional<bool> reshard = plugin.reshard_after_forward;
+  if (!user_chose) {
+    if (auto v = env("FSDP_RESHARD_AFTER_FORWARD")) {
+      // Version 1 configurations write a sharding strategy here; version 2 a boolean.
+      const std::string text = *v;
+      bool is_bool = true;
+      try {
+        reshard = str_to_bool(text);
+      } catch (const std::exception&) {
+        is_bool = false;
+      }
+      if (!is_bool && !strategy) strategy = parse_fsdp_sharding_strategy(text);
+    }
+  }
+  if (strategy && reshard) {
+    const bool implied = *strategy == FsdpShardingStrategy::kFullShard || *strategy == FsdpShardingStrategy::kHybridShard;
+    const bool conflicting = *strategy != FsdpShardingStrategy::kNoShard && implied != *reshard;
+    TORCH_CHECK_VALUE(!conflicting, "[FullyShardedDataParallelPlugin] sharding_strategy ", to_string(*strategy),
+                      " and reshard_after_forward=", *reshard ? "true" : "false",
+                      " contradict each other; set one of them");
+  }
+  if (strategy) {
+    s.sharding_strategy = *strategy;
+  } else if (reshard) {
+    s.sharding_strategy = *reshard ? FsdpShardingStrategy::kFullShard : FsdpShardingStrategy::kShardGradOp;
+  }
+  s.reshard_after_forward = s.sharding_strategy == FsdpShardingStrategy::kFullShard ||
+                            s.sharding_strategy == FsdpShardingStrategy::kHybridShard;
+
+  if (plugin.backward_prefetch) {
+    s.backward_prefetch = *plugin.backward_prefetch;
+  } else if (auto v = env("FSDP_BACKWARD_PREFETCH")) {
+    s.backward_prefetch = parse_fsdp_backward_prefetch(*v);
+  }
+  s.forward_prefetch = flag(plugin.forward_prefetch, "FSDP_FORWARD_PREFETCH", false);
+  // At most one gather is on its way ahead of its unit (Note [Prefetching]), within either setting.
+  s.limit_all_gathers = flag(plugin.limit_all_gathers, "FSDP_LIMIT_ALL_GATHERS", true);
+
+  const auto& mp = plugin.mixed_precision_policy;
+  s.param_dtype = policy_dtype("param_dtype", mp.param_dtype);
+  s.reduce_dtype = policy_dtype("reduce_dtype", mp.reduce_dtype);
+  s.buffer_dtype = policy_dtype("buffer_dtype", mp.buffer_dtype);
+
+  if (plugin.auto_wrap_policy) {
+    s.auto_wrap_policy = *plugin.auto_wrap_policy;
+  } else if (auto v = env("FSDP_AUTO_WRAP_POLICY")) {
+    s.auto_wrap_policy = parse_fsdp_auto_wrap_policy(*v);
+  }
+  TORCH_CHECK_VALUE(!(plugin.auto_wrap_policy && plugin.auto_wrap_callable),
+                    "[FullyShardedDataParallelPlugin] give either auto_wrap_policy or auto_wrap_callable, not both");
+  s.auto_wrap_callable = plugin.auto_wrap_callable;
+  s.transformer_cls_names_to_wrap = plugin.transformer_cls_names_to_wrap;
+  if (s.transformer_cls_names_to_wrap.empty()) {
+    if (auto v = env("FSDP_TRANSFORMER_CLS_TO_WRAP")) {
+      std::stringstream in(*v);
+      for (std::string item; std::getline(in, item, ',');) {
+        item.erase(0, item.find_first_not_of(' '));
+        item.erase(item.find_last_not_of(' ') + 1);
+        if (!item.empty()) s.transformer_cls_names_to_wrap.push_back(item);
+      }
+    }
+  }
+  TORCH_CHECK_VALUE(s.auto_wrap_policy != FsdpAutoWrapPolicy::kTransformerBasedWrap ||
+                        !s.transformer_cls_names_to_wrap.empty(),
+                    "[FullyShardedDataParallelPlugin] TRANSFORMER_BASED_WRAP needs transformer_cls_names_to_wrap "
+                    "(or FSDP_TRANSFORMER_CLS_TO_WRAP): the class names of the modules to wrap");
+  if (plugin.min_num_params) {
+    s.min_num_params = *plugin.min_num_params;
+  } else if (auto v = env("FSDP_MIN_NUM_PARAMS")) {
+    s.min_num_params = parse_env_int("FSDP_MIN_NUM_PARAMS", *v);
+  }
+  TORCH_CHECK_VALUE(s.min_num_params > 0, "[FullyShardedDataParallelPlugin] min_num_params must be positive, got ",
+                    s.min_num_params);
+
+  s.cpu_offload = flag(plugin.cpu_offload, "FSDP_OFFLOAD_PARAMS", false);  // Note [Offloading to the CPU]
+  s.ignored_modules = plugin.ignored_modules;
+  if (plugin.state_dict_type) {
+    s.state_dict_type = *plugin.state_dict_type;
+  } else if (auto v = env("FSDP_STATE_DICT_TYPE")) {
+    s.state_dict_type = parse_fsdp_state_dict_type(*v);
+  }
+  s.sync_module_states = flag(plugin.sync_module_states, "FSDP_SYNC_MODULE_STATES", true);
+  s.param_init_fn = plugin.param_init_fn;
+  s.cpu_ram_efficient_loading = flag(plugin.cpu_ram_efficient_loading, "FSDP_CPU_RAM_EFFICIENT_LOADING", false);
+  TORCH_CHECK_VALUE(!s.cpu_ram_efficient_loading || s.sync_module_states,
+                    "[FullyShardedDataParallelPlugin] cpu_ram_efficient_loading needs sync_module_states: the "
+                    "processes other than 0 get their weights from process 0");
+  s.activation_checkpointing = flag(plugin.activation_checkpointing, "FSDP_ACTIVATION_CHECKPOINTING", false);
+  s.use_orig_params = flag(plugin.use_orig_params, "FSDP_USE_ORIG_PARAMS", true);
+  TORCH_CHECK_VALUE(s.use_orig_params, "[FullyShardedDataParallelPlugin] use_orig_params=false (one flat parameter "
+                                       "per unit for the optimizer) is not supported: the optimizer always steps "
+                                       "the module's own parameters, sharded");
+  return s;
+}
+
+}  // namespace accelerate::detail

@@ -1,0 +1,49 @@
+// What a `FullyShardedDataParallelPlugin` decides, resolved once: the user's fields, else the
+// environment's `FSDP_*` variables (as upstream's `__post_init__` reads them), else the defaults.
+// The `Accelerator` resolves its plugin when it is built and keeps the result; the engine only
+// ever reads these settings.
+#pragma once
+
+#include "accelerate/utils/dataclasses.h"
+
+#include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
+#include <c10/util/Optional.h>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace accelerate::detail {
+
+
+/// The plugin with every field decided (from the user's struct, the environment, the defaults).
+struct FsdpSettings {
+  int fsdp_version = 1;
+  FsdpShardingStrategy sharding_strategy = FsdpShardingStrategy::kFullShard;
+  bool reshard_after_forward = true;
+  FsdpBackwardPrefetch backward_prefetch = FsdpBackwardPrefetch::kNoPrefetch;
+  c10::optional<at::ScalarType> param_dtype;
+  c10::optional<at::ScalarType> reduce_dtype;
+  c10::optional<at::ScalarType> buffer_dtype;
+  FsdpAutoWrapPolicy auto_wrap_policy = FsdpAutoWrapPolicy::kNoWrap;
+  FsdpWrapCallable auto_wrap_callable;
+  std::vector<std::string> transformer_cls_names_to_wrap;
+  int64_t min_num_params = 100000000;
+  bool cpu_offload = false;
+  std::vector<std::string> ignored_modules;
+  FsdpStateDictType state_dict_type = FsdpStateDictType::kFullStateDict;
+  bool sync_module_states = true;
+  std::function<void(torch::nn::Module&)> param_init_fn;
+  bool cpu_ram_efficient_loading = false;
+  bool activation_checkpointing = false;
+  bool forward_prefetch = false;
+  bool limit_all_gathers = true;
+  bool use_orig_params = true;
+};
+
+/// Resolves `plugin` against the environment (`FSDP_*`, as upstream's `__post_init__`) and the
+/// defaults, and refuses what cannot apply, naming the field.
+FsdpSettings resolve_fsdp_plugin(const FullyShardedDataParallelPlugin& plugin, c10::Device device);
+
+}  // namespace accelerate::detail

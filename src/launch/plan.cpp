@@ -1,0 +1,295 @@
+// Planning a launch: the flags merged with the configuration file, the environment and the
+// machine into a `LaunchPlan`, and each worker's environment (the torchrun contract).
+#include "accelerate/commands/launch.h"
+
+#include "accelerate/utils/environment.h"
+#include "detail/check.h"
+#include "detail/topology.h"
+#include "detail/files.h"
+#include "detail/subprocess.h"
+#include "launch/devices.h"
+#include "launch/mpi.h"
+
+#include <filesystem>
+
+namespace accelerate::commands {
+namespace {
+
+namespace fs = std::filesystem;
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// The steps of `resolve_launch`, in order.
+
+// The flags, else the configuration file's settings, else the defaults.
+void merge_flags_with_config(const LaunchArgs& args, const std::optional<ClusterConfig>& config, LaunchPlan& plan,
+                             bool& ip_given) {
+  plan.num_processes = args.num_processes.value_or(config ? config->num_processes : 1);
+  plan.num_machines = args.num_machines.value_or(config ? config->num_machines : 1);
+  plan.machine_rank = args.machine_rank.value_or(config ? config->machine_rank : 0);
+  const auto config_ip = config ? config->main_process_ip : std::nullopt;
+  const std::optional<std::string> ip = args.main_process_ip ? args.main_process_ip : config_ip;
+  plan.main_process_ip = ip.value_or("127.0.0.1");
+  ip_given = ip.has_value();
+  plan.main_process_port = args.main_process_port.value_or(
+      config && config->main_process_port ? *config->main_process_port : 29500);
+  plan.multi_gpu = args.multi_gpu || (!args.cpu && config && config->distributed_type == DistributedType::kMultiGpu);
+  plan.use_cpu = args.cpu || (!args.multi_gpu && config && config->use_cpu);
+  plan.gpu_ids = args.gpu_ids ? args.gpu_ids : (config ? config->gpu_ids : std::nullopt);
+  plan.mixed_precision = args.mixed_precision.value_or(config ? config->mixed_precision : "no");
+  plan.mixed_precision = to_string(parse_precision_type(plan.mixed_precision));
+  plan.gradient_accumulation_steps = args.gradient_accumulation_steps;
+  plan.debug = args.debug || (config && config->debug);
+  plan.enable_cpu_affinity = args.enable_cpu_affinity || (config && config->enable_cpu_affinity);
+  plan.max_restarts = args.max_restarts;
+  plan.monitor_interval = args.monitor_interval;
+  plan.rdzv_timeout = args.rdzv_timeout;
+  plan.grace_period = args.grace_period;
+  plan.log_dir = args.log_dir;
+  // ACCELERATE_BACKEND, which the workers read too, is the default of --backend.
+  plan.backend = args.backend.value_or(get_env("ACCELERATE_BACKEND").value_or(""));
+  plan.quiet = args.quiet;
+}
+
+// The FSDP settings the workers read from their environment.
+void plan_fsdp(const LaunchArgs& args, const std::optional<ClusterConfig>& config, LaunchPlan& plan) {
+  plan.use_fsdp = args.use_fsdp || !args.fsdp.empty() || (config && config->use_fsdp);
+  if (plan.use_fsdp) {
+    std::map<std::string, std::string> settings = config ? config->fsdp_config : std::map<std::string, std::string>{};
+    for (const auto& [key, value] : args.fsdp) {
+      check_fsdp_value(key, value, "launch");
+      settings[key] = value;
+    }
+    for (const auto& [key, variable] : fsdp_config_keys()) {
+      auto it = settings.find(key);
+      if (it != settings.end()) plan.fsdp_environment[variable] = it->second;
+    }
+  }
+
+}
+
+// The parallelism_config settings the workers read from their environment.
+void plan_parallelism(const LaunchArgs& args, const std::optional<ClusterConfig>& config, LaunchPlan& plan) {
+  std::map<std::string, std::string> parallelism =
+      config ? config->parallelism_config : std::map<std::string, std::string>{};
+  for (const auto& [key, value] : args.parallelism) {
+    check_parallelism_value(key, value, "launch");
+    parallelism[key] = value;
+  }
+  if (args.use_parallelism_config || !parallelism.empty()) {
+    ACCELERATE_CHECK_VALUE(plan.use_fsdp, "[launch] --use_parallelism_config (and the parallelism_config settings) "
+                           "needs --use_fsdp: its data-parallel sizes shard models");
+    plan.parallelism_environment["ACCELERATE_USE_PARALLELISM_CONFIG"] = "true";
+    for (const auto& [key, variable] : parallelism_config_keys()) {
+      auto it = parallelism.find(key);
+      if (it != parallelism.end()) plan.parallelism_environment[variable] = it->second;
+    }
+  }
+
+}
+
+// The job's size and place: processes, machines, the main process's address.
+void check_job_size(LaunchPlan& plan, bool ip_given) {
+  ACCELERATE_CHECK_VALUE(plan.num_processes >= 1, "[launch] --num_processes must be at least 1, got ",
+                         plan.num_processes);
+  ACCELERATE_CHECK_VALUE(plan.num_machines >= 1, "[launch] --num_machines must be at least 1, got ", plan.num_machines);
+  ACCELERATE_CHECK_VALUE(plan.machine_rank >= 0 && plan.machine_rank < plan.num_machines, "[launch] --machine_rank ",
+                         plan.machine_rank, " is outside [0, --num_machines=", plan.num_machines, ")");
+  ACCELERATE_CHECK_VALUE(plan.num_processes % plan.num_machines == 0, "[launch] --num_processes (", plan.num_processes,
+                         ", the total over all machines) must be a multiple of --num_machines (", plan.num_machines,
+                         ")");
+  plan.local_num_processes = plan.num_processes / plan.num_machines;
+  if (!plan.parallelism_environment.empty()) {
+    const auto size = [&](const char* variable, int fallback) {
+      auto it = plan.parallelism_environment.find(variable);
+      return it == plan.parallelism_environment.end() ? fallback : std::stoi(it->second);
+    };
+    const int replicate = size("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", 1);
+    const int shard = size("PARALLELISM_CONFIG_DP_SHARD_SIZE", std::max(1, plan.num_processes / replicate));
+    ACCELERATE_CHECK_VALUE(replicate * shard == plan.num_processes, "[launch] parallelism_config: dp_replicate_size (",
+                           replicate, ") x dp_shard_size (", shard, ") must equal --num_processes (",
+                           plan.num_processes, ")");
+  }
+  ACCELERATE_CHECK_VALUE(plan.main_process_port >= 0 && plan.main_process_port <= 65535,
+                         "[launch] --main_process_port must be a TCP port (0-65535), got ", plan.main_process_port);
+  if (plan.num_machines > 1) {
+    ACCELERATE_CHECK_VALUE(ip_given, "[launch] a job on ", plan.num_machines,
+                           " machines needs --main_process_ip, the address of the machine of rank 0");
+    ACCELERATE_CHECK_VALUE(plan.main_process_port != 0,
+                           "[launch] a job on several machines needs a fixed "
+                           "--main_process_port that every machine knows (0 picks a random one)");
+  }
+}
+
+// The remaining flags' ranges, and the devices they ask for.
+void check_flags(const LaunchArgs& args, const LaunchPlan& plan) {
+  ACCELERATE_CHECK_VALUE(!(args.cpu && args.multi_gpu), "[launch] --cpu and --multi_gpu exclude each other");
+  ACCELERATE_CHECK_VALUE(!plan.multi_gpu || detail::visible_cuda_devices() > 0,
+                         "[launch] --multi_gpu (or distributed_type MULTI_GPU in the config) needs CUDA devices, but ",
+                         ACCELERATE_HAVE_CUDA ? "the CUDA driver reports none visible here"
+                                              : "this build of accelerate-cpp has no CUDA (its LibTorch is CPU-only)",
+                         "; use --cpu");
+  ACCELERATE_CHECK_VALUE(plan.monitor_interval > 0, "[launch] --monitor_interval must be positive, got ",
+                         plan.monitor_interval);
+  ACCELERATE_CHECK_VALUE(plan.rdzv_timeout > 0, "[launch] --rdzv_timeout must be positive, got ", plan.rdzv_timeout);
+  ACCELERATE_CHECK_VALUE(plan.grace_period >= 0, "[launch] --grace_period must not be negative, got ",
+                         plan.grace_period);
+  ACCELERATE_CHECK_VALUE(plan.max_restarts >= 0, "[launch] --max_restarts must not be negative, got ",
+                         plan.max_restarts);
+  ACCELERATE_CHECK_VALUE(!plan.gradient_accumulation_steps || *plan.gradient_accumulation_steps >= 1,
+                         "[launch] --gradient_accumulation_steps must be at least 1, got ",
+                         plan.gradient_accumulation_steps.value_or(0));
+  ACCELERATE_CHECK_VALUE(
+      plan.backend.empty() || plan.backend == "gloo" || plan.backend == "nccl" || plan.backend == "mpi",
+      "[launch] --backend must be gloo, nccl or mpi, got '", plan.backend, "'");
+}
+
+// The back-end: the flag or ACCELERATE_BACKEND, else MPI for a host file or where MPI is the
+// default (Note [MPI by default] in mpi.cpp); mpirun is found now.
+void choose_backend(const LaunchArgs& args, const std::optional<ClusterConfig>& config, LaunchPlan& plan) {
+  plan.mpirun_hostfile = args.mpirun_hostfile ? args.mpirun_hostfile : (config ? config->mpirun_hostfile : std::nullopt);
+  if (plan.mpirun_hostfile && plan.backend.empty()) plan.backend = "mpi";
+  if (plan.backend.empty() && mpi_is_the_default(plan)) plan.backend = "mpi";
+  if (plan.backend == "mpi") resolve_mpirun(plan);
+}
+
+// Note [The job's secret]: every process of a job shows the rendezvous store the same
+// secret (Note [The job's store]). A launcher on one machine makes one for its workers; the
+// launchers of a job on several machines must be given the same one.
+void read_secret(const LaunchArgs& args, LaunchPlan& plan) {
+  if (args.rdzv_secret_file) {
+    std::string text;
+    try {
+      text = detail::read_file(*args.rdzv_secret_file);
+    } catch (const std::exception& e) {
+      detail::raise_value_error(detail::concat("[launch] --rdzv_secret_file: ", e.what()));
+    }
+    while (!text.empty() && (text.back() == '\n' || text.back() == '\r' || text.back() == ' ')) text.pop_back();
+    ACCELERATE_CHECK_VALUE(!text.empty(), "[launch] --rdzv_secret_file ", *args.rdzv_secret_file, " is empty");
+    plan.rdzv_secret = text;
+  } else if (auto secret = get_env("ACCELERATE_RDZV_SECRET"); secret && !secret->empty()) {
+    plan.rdzv_secret = *secret;
+  }
+  ACCELERATE_CHECK_VALUE(
+      plan.num_machines == 1 || !plan.rdzv_secret.empty() || plan.backend == "mpi", "[launch] a job on ",
+      plan.num_machines,
+      " machines needs a secret that every machine's launcher knows, so that the "
+      "rendezvous lets in only this job: put the same one in ACCELERATE_RDZV_SECRET or in a file given "
+      "with --rdzv_secret_file on every machine (e.g. `openssl rand -hex 16`)");
+}
+
+// A host file starts the workers through mpirun.
+void check_hostfile_backend(const LaunchPlan& plan) {
+  ACCELERATE_CHECK_VALUE(!plan.mpirun_hostfile || plan.backend == "mpi",
+                         "[launch] --mpirun_hostfile (or mpirun_config in "
+                         "the config file) starts the workers through mpirun, which needs --backend mpi, not ",
+                         plan.backend);
+}
+
+// Where the workers' output goes, and their CPU threads.
+void plan_output_and_threads(const LaunchArgs& args, LaunchPlan& plan) {
+  if (args.tee) {
+    const std::string& t = *args.tee;
+    ACCELERATE_CHECK_VALUE(t.size() == 1 && t[0] >= '0' && t[0] <= '3', "[launch] --tee must be 0, 1, 2 or 3, got '", t,
+                           "'");
+    plan.tee = t[0] - '0';
+  }
+  if (args.num_cpu_threads_per_process) {
+    ACCELERATE_CHECK_VALUE(*args.num_cpu_threads_per_process >= 1,
+                           "[launch] --num_cpu_threads_per_process must be at "
+                           "least 1, got ",
+                           *args.num_cpu_threads_per_process);
+    plan.num_cpu_threads_per_process = *args.num_cpu_threads_per_process;
+  } else if (auto omp = get_env("OMP_NUM_THREADS"); omp && !omp->empty()) {
+    plan.num_cpu_threads_per_process = get_int_from_env({"OMP_NUM_THREADS"}, 1);
+  } else {
+    const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    plan.num_cpu_threads_per_process = std::max(1, cores / plan.local_num_processes);
+  }
+
+}
+
+// The program each worker runs, and its arguments.
+void plan_command(const LaunchArgs& args, LaunchPlan& plan) {
+  ACCELERATE_CHECK_VALUE(!args.training_script.empty(),
+                         "[launch] no program to run was given: accelerate launch [options] <program> [args...]");
+  const bool python = !args.no_python && (args.module || ends_with(args.training_script, ".py"));
+  if (python) {
+    plan.command = {detail::resolve_program("python3")};
+    if (args.module) plan.command.push_back("-m");
+    plan.command.push_back(args.training_script);
+  } else {
+    plan.command = {detail::resolve_program(args.training_script)};
+  }
+  plan.command.insert(plan.command.end(), args.training_script_args.begin(), args.training_script_args.end());
+}
+
+}  // namespace
+
+LaunchPlan resolve_launch(const LaunchArgs& args) {
+  std::optional<ClusterConfig> config;
+  if (args.config_file) {
+    config = load_config_from_file(*args.config_file);
+  } else if (fs::is_regular_file(default_config_file())) {
+    config = load_config_from_file(default_config_file());
+  }
+
+  LaunchPlan plan;
+  bool ip_given = false;
+  merge_flags_with_config(args, config, plan, ip_given);
+  plan_fsdp(args, config, plan);
+  plan_parallelism(args, config, plan);
+  check_job_size(plan, ip_given);
+  check_flags(args, plan);
+  choose_backend(args, config, plan);
+  read_secret(args, plan);
+  check_hostfile_backend(plan);
+  plan_output_and_threads(args, plan);
+  plan_command(args, plan);
+  return plan;
+}
+
+std::map<std::string, std::string> worker_environment(const LaunchPlan& plan, int local_rank, int master_port,
+                                                      int restart_count) {
+  const int rank = plan.machine_rank * plan.local_num_processes + local_rank;
+  std::map<std::string, std::string> env = {
+      {"RANK", std::to_string(rank)},
+      {"WORLD_SIZE", std::to_string(plan.num_processes)},
+      {"LOCAL_RANK", std::to_string(local_rank)},
+      {"LOCAL_WORLD_SIZE", std::to_string(plan.local_num_processes)},
+      {"GROUP_RANK", std::to_string(plan.machine_rank)},
+      {"ROLE_RANK", std::to_string(rank)},
+      {"ROLE_WORLD_SIZE", std::to_string(plan.num_processes)},
+      {"MASTER_ADDR", plan.main_process_ip},
+      {"MASTER_PORT", std::to_string(master_port)},
+      {"TORCHELASTIC_RESTART_COUNT", std::to_string(restart_count)},
+      {"TORCHELASTIC_MAX_RESTARTS", std::to_string(plan.max_restarts)},
+      {"ACCELERATE_MIXED_PRECISION", plan.mixed_precision},
+      {"ACCELERATE_DEBUG_MODE", plan.debug ? "true" : "false"},
+      {"ACCELERATE_USE_CPU", plan.use_cpu ? "true" : "false"},
+      {"ACCELERATE_RDZV_TIMEOUT", std::to_string(plan.rdzv_timeout)},
+      {"OMP_NUM_THREADS", std::to_string(plan.num_cpu_threads_per_process)},
+      {"OPENBLAS_NUM_THREADS", std::to_string(plan.num_cpu_threads_per_process)},
+      {"MKL_NUM_THREADS", std::to_string(plan.num_cpu_threads_per_process)},
+      // Every line a worker writes gets "[rankN]: " from the launcher (loggers then add no rank).
+      {"ACCELERATE_LAUNCH_PREFIXES_OUTPUT", "1"},
+  };
+  if (plan.num_processes > 1) env["ACCELERATE_STORE_HOSTED"] = "1";
+  if (!plan.rdzv_secret.empty()) env["ACCELERATE_RDZV_SECRET"] = plan.rdzv_secret;
+  if (plan.gradient_accumulation_steps) {
+    env["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] = std::to_string(*plan.gradient_accumulation_steps);
+  }
+  if (plan.enable_cpu_affinity) env["ACCELERATE_CPU_AFFINITY"] = "1";
+  if (plan.use_fsdp) {
+    env["ACCELERATE_USE_FSDP"] = "true";
+    for (const auto& [variable, value] : plan.fsdp_environment) env[variable] = value;
+  }
+  for (const auto& [variable, value] : plan.parallelism_environment) env[variable] = value;
+  if (!plan.backend.empty()) env["ACCELERATE_BACKEND"] = plan.backend;
+  if (plan.gpu_ids && *plan.gpu_ids != "all") env["CUDA_VISIBLE_DEVICES"] = *plan.gpu_ids;
+  return env;
+}
+
+}  // namespace accelerate::commands

@@ -1,0 +1,731 @@
+// Supervision of worker processes; see supervisor.h.
+#include "launch/supervisor.h"
+
+#include "detail/check.h"
+#include "detail/durations.h"
+#include "detail/subprocess.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <csignal>
+#include <cstring>
+#include <deque>
+#include <dirent.h>
+#include <filesystem>
+#include <fcntl.h>
+#include <fstream>
+#include <poll.h>
+#include <set>
+#include <sstream>
+#include <pthread.h>
+#include <sys/prctl.h>
+#include <sys/signalfd.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+namespace accelerate::detail {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+namespace fs = std::filesystem;
+
+constexpr size_t kTailLines = 20;
+
+void write_all(int fd, const std::string& data) {
+  size_t done = 0;
+  while (done < data.size()) {
+    ssize_t n = ::write(fd, data.data() + done, data.size() - done);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN) {
+        struct pollfd p {fd, POLLOUT, 0};
+        ::poll(&p, 1, 100);
+        continue;
+      }
+      return;  // console gone (EPIPE): keep supervising regardless
+    }
+    done += static_cast<size_t>(n);
+  }
+}
+
+void say(const std::string& line) { write_all(STDERR_FILENO, "accelerate launch: " + line + "\n"); }
+
+// One output stream of one worker: line assembly, prefixing, log file, tail for diagnostics.
+struct Stream {
+  int fd = -1;
+  int console_fd = STDOUT_FILENO;
+  bool to_console = true;
+  int log_fd = -1;
+  std::string prefix;
+  std::string partial;
+  std::deque<std::string> tail;  // kept for stderr only
+  bool keep_tail = false;
+
+  void emit(const std::string& line) {
+    if (to_console) write_all(console_fd, prefix + line + "\n");
+    if (log_fd >= 0) write_all(log_fd, line + "\n");
+    if (keep_tail && !line.empty()) {
+      tail.push_back(line);
+      if (tail.size() > kTailLines) tail.pop_front();
+    }
+  }
+  // Reads what is available; returns false at end of stream.
+  bool pump() {
+    char buf[65536];
+    while (true) {
+      ssize_t n = ::read(fd, buf, sizeof(buf));
+      if (n > 0) {
+        partial.append(buf, static_cast<size_t>(n));
+        size_t start = 0;
+        for (size_t nl; (nl = partial.find('\n', start)) != std::string::npos; start = nl + 1) {
+          emit(partial.substr(start, nl - start));
+        }
+        partial.erase(0, start);
+        continue;
+      }
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
+      flush();
+      return false;
+    }
+  }
+  void flush() {
+    if (!partial.empty()) emit(partial);
+    partial.clear();
+  }
+  void close() {
+    if (fd >= 0) ::close(fd);
+    if (log_fd >= 0) ::close(log_fd);
+    fd = log_fd = -1;
+  }
+};
+
+struct Worker {
+  const WorkerSpec* spec = nullptr;
+  pid_t pid = -1;
+  bool alive = false;
+  int status = 0;
+  Stream out;
+  Stream err;
+  // A carried worker's pipes are also held open for writing by us, so that reading them never
+  // ends before the worker has started; closed once it has exited.
+  int keep_out = -1;
+  int keep_err = -1;
+
+  void release_pipes() {
+    for (int* fd : {&keep_out, &keep_err}) {
+      if (*fd >= 0) ::close(*fd);
+      *fd = -1;
+    }
+  }
+};
+
+// The wait status a worker's exit code stands for, as its wrapper shell reports it (128 + N for
+// a death by signal N).
+int status_of_code(int code) {
+  if (code > 128 && code < 128 + 65) return code - 128;
+  return (code & 0xff) << 8;
+}
+
+int open_pipe(const std::string& path, int flags) {
+  int fd = ::open(path.c_str(), flags | O_NONBLOCK | O_CLOEXEC);
+  ACCELERATE_CHECK(fd >= 0, "[launch] cannot open the pipe ", path, ": ", std::strerror(errno));
+  return fd;
+}
+
+std::string describe_status(int status) {
+  if (WIFSIGNALED(status)) {
+    const int sig = WTERMSIG(status);
+    return "was killed by signal " + std::to_string(sig) + " (" + signal_name(sig) + ")";
+  }
+  return "exited with code " + std::to_string(WEXITSTATUS(status));
+}
+
+int exit_code_of(int status) { return WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status); }
+
+// The worker's own account of its failure: the error file, else the most telling stderr line.
+std::string last_error(const Worker& w) {
+  if (!w.spec->error_file.empty()) {
+    std::ifstream in(w.spec->error_file);
+    std::stringstream text;
+    text << in.rdbuf();
+    std::string msg = text.str();
+    while (!msg.empty() && (msg.back() == '\n' || msg.back() == ' ')) msg.pop_back();
+    if (!msg.empty()) return msg;
+  }
+  for (auto it = w.err.tail.rbegin(); it != w.err.tail.rend(); ++it) {
+    const std::string& line = *it;
+    if (line.find("rror") != std::string::npos || line.find("what()") != std::string::npos ||
+        line.find("terminate") != std::string::npos || line.find("xception") != std::string::npos ||
+        line.find("ailed") != std::string::npos) {
+      return line;
+    }
+  }
+  return w.err.tail.empty() ? std::string() : w.err.tail.back();
+}
+
+int open_log(const fs::path& path) {
+  fs::create_directories(path.parent_path());
+  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  ACCELERATE_CHECK(fd >= 0, "[launch] cannot write the log file ", path.string(), ": ", std::strerror(errno));
+  return fd;
+}
+
+// Whether a process has ended: no such pid, or a zombie its parent has not reaped yet.
+bool process_gone(pid_t pid) {
+  if (::kill(pid, 0) != 0) return errno == ESRCH;
+  // Through the stream, not its buffer: reading a process that ends meanwhile fails with ESRCH,
+  // which the buffer throws and the stream turns into an empty read.
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string text;
+  std::getline(stat, text);
+  const auto close_paren = text.rfind(')');
+  return close_paren == std::string::npos || (close_paren + 2 < text.size() && text[close_paren + 2] == 'Z');
+}
+
+// "pid (name), ..." for the first few of `pids`, as /proc names them ("?" for one already gone).
+std::string describe_processes(const std::vector<pid_t>& pids) {
+  constexpr size_t kNamed = 8;
+  std::string out;
+  for (size_t i = 0; i < pids.size() && i < kNamed; ++i) {
+    std::ifstream comm("/proc/" + std::to_string(pids[i]) + "/comm");
+    std::string name;
+    if (!std::getline(comm, name) || name.empty()) name = "?";
+    out += (i == 0 ? "" : ", ") + std::to_string(pids[i]) + " (" + name + ")";
+  }
+  if (pids.size() > kNamed) out += ", and " + std::to_string(pids.size() - kNamed) + " more";
+  return out;
+}
+
+// The launcher's children, from every one of its threads.
+std::vector<pid_t> own_children() {
+  std::vector<pid_t> children;
+  DIR* tasks = ::opendir("/proc/self/task");
+  if (tasks == nullptr) return children;
+  while (const dirent* entry = ::readdir(tasks)) {
+    if (entry->d_name[0] == '.') continue;
+    std::ifstream in(std::string("/proc/self/task/") + entry->d_name + "/children");
+    for (long pid; in >> pid;) children.push_back(static_cast<pid_t>(pid));
+  }
+  ::closedir(tasks);
+  return children;
+}
+
+// Note [The launcher returns last]
+// A supervisor such as Slurm or systemd restarts a job the moment its launcher returns, so the
+// launcher must not return while any process of the job still runs: a second generation would
+// write the same checkpoint folder as the first. Workers under mpirun are not the launcher's
+// children, and when mpirun or a worker's wrapper dies first, the workers it started are left to
+// their own. So the supervisor makes the launcher a child subreaper: every process of the job that
+// loses its parent (the wrappers of a dead mpirun, the worker of a dead wrapper, a worker's own
+// children, a daemon in a session of its own with an emptied environment) becomes the launcher's
+// child, which it can wait for and stop. The launcher starts no process but the workers (or
+// mpirun), so every child it has during an attempt is the job's, except those it had before the
+// attempt began (a shell that `exec`s the launcher hands it its own background jobs). An attempt
+// ends only when no worker is alive and no other child of the launcher is left; those left over
+// get SIGTERM, then SIGKILL after the grace period (at once when the workers' grace period has
+// already run out, or the launcher was asked twice to stop). A worker the launcher reaps this way
+// died before its wrapper could report it, and its wait status is the real one, which makes it the
+// root cause rather than the ranks that mpirun stopped because of it.
+
+// Note [Signals of other threads]
+// The supervisor blocks the signals it forwards in its own thread and reads them from a signalfd.
+// A thread that a library started before that (LibTorch's CUDA build starts some while it loads)
+// does not block them, and a signal sent to the process may be delivered there, where its
+// default action would kill the launcher and leave the workers running. A handler, which every
+// thread shares, passes such a signal on to the supervisor's thread, where it stays pending until
+// the signalfd reads it.
+std::atomic<pthread_t> g_supervisor_thread{};
+
+void pass_to_supervisor(int sig) { ::pthread_kill(g_supervisor_thread.load(), sig); }
+
+constexpr int kForwardedSignals[] = {SIGINT, SIGTERM, SIGHUP};
+
+}  // namespace
+
+Supervisor::Supervisor() {
+  sigset_t set;
+  sigemptyset(&set);
+  for (int sig : kForwardedSignals) sigaddset(&set, sig);
+  sigaddset(&set, SIGCHLD);
+  ACCELERATE_CHECK(::pthread_sigmask(SIG_BLOCK, &set, nullptr) == 0, "[launch] cannot block signals");
+  signal_fd_ = ::signalfd(-1, &set, SFD_CLOEXEC | SFD_NONBLOCK);
+  ACCELERATE_CHECK(signal_fd_ >= 0, "[launch] signalfd failed: ", std::strerror(errno));
+  g_supervisor_thread.store(::pthread_self());
+  struct sigaction redirect {};
+  redirect.sa_handler = pass_to_supervisor;
+  sigemptyset(&redirect.sa_mask);
+  redirect.sa_flags = SA_RESTART;
+  for (int sig : kForwardedSignals) ::sigaction(sig, &redirect, nullptr);
+  ::signal(SIGPIPE, SIG_IGN);  // a closed console must not kill the supervisor
+  // Note [The launcher returns last]
+  int subreaper = 0;
+  if (::prctl(PR_GET_CHILD_SUBREAPER, &subreaper) == 0) was_subreaper_ = subreaper != 0;
+  ACCELERATE_CHECK(::prctl(PR_SET_CHILD_SUBREAPER, 1) == 0,
+                   "[launch] cannot adopt the job's orphaned processes: ", std::strerror(errno));
+}
+
+Supervisor::~Supervisor() {
+  if (!was_subreaper_) ::prctl(PR_SET_CHILD_SUBREAPER, 0);
+  for (int sig : kForwardedSignals) ::signal(sig, SIG_DFL);
+  if (signal_fd_ >= 0) ::close(signal_fd_);
+}
+
+namespace {
+
+// One attempt of the job: its workers (or the carrier that starts them), from their start until
+// every one of them, and everything they left behind, has ended. Supervisor::run drives it
+// through its steps: start, then watch (one poll at a time) until done, then report.
+class Attempt {
+ public:
+  Attempt(const std::vector<WorkerSpec>& specs, const SuperviseOptions& options, const CarrierSpec* carrier,
+          int signal_fd, int pending_signal)
+      : specs_(specs),
+        options_(options),
+        carrier_(carrier),
+        signal_fd_(signal_fd),
+        workers_(specs.size()),
+        interrupt_signal_(pending_signal) {
+    // Children from before the attempt are not the job's (Note [The launcher returns last]).
+    const std::vector<pid_t> before = own_children();
+    not_the_jobs_.insert(before.begin(), before.end());
+    if (options_.log_dir) attempt_dir_ = fs::path(*options_.log_dir) / ("attempt_" + std::to_string(options_.attempt));
+  }
+
+  // Step 1. Starts every worker (or the carrier that starts them); one that cannot start fails
+  // the attempt like a crash would.
+  void start() {
+    if (carrier_ != nullptr) {
+      start_carried();
+    } else {
+      start_directly();
+    }
+    if (!start_error_.empty()) say(result_.root_cause);
+    for (auto& w : workers_) everyone_.push_back(&w);
+    if (carrier_ != nullptr) everyone_.push_back(&carrier_proc_);
+  }
+
+  // Step 2. Watches until every worker has ended, every stream is closed and nothing the job
+  // left behind is still running.
+  void watch() {
+    while (true) {
+      watch_orphaned_carried_workers();
+      const bool any_alive = std::any_of(everyone_.begin(), everyone_.end(), [](const Worker* w) { return w->alive; });
+      const bool any_open = std::any_of(everyone_.begin(), everyone_.end(),
+                                        [](const Worker* w) { return w->out.fd >= 0 || w->err.fd >= 0; });
+      bool settled = true;
+      if (!any_alive) stop_leftovers(settled);
+      if (!any_alive && !any_open && settled) return;
+      poll_once(any_alive, settled);
+    }
+  }
+
+  // Step 3. Closes what is left open and says how the attempt ended.
+  AttemptResult finish() {
+    for (Worker* w : everyone_) {
+      w->out.close();
+      w->err.close();
+      w->release_pipes();
+    }
+    for (int fd : {status_fd_, status_keep_}) {
+      if (fd >= 0) ::close(fd);
+    }
+    if (root_ != nullptr) describe_root_cause();
+    if (interrupt_signal_ != 0) {
+      result_.interrupted = true;
+      result_.exit_code = 128 + interrupt_signal_;
+      if (result_.root_cause.empty()) result_.root_cause = "the launcher received " + signal_name(interrupt_signal_);
+    }
+    return result_;
+  }
+
+ private:
+  static void signal_worker(const Worker& w, int sig) {
+    if (!w.alive || w.pid <= 0) return;
+    if (::kill(-w.pid, sig) != 0) ::kill(w.pid, sig);
+  }
+
+  void signal_all(int sig) {
+    for (auto& w : workers_) signal_worker(w, sig);
+    // The carrier is left to end by itself once its workers have, unless it must die now or its
+    // workers are not known yet.
+    const bool known = std::any_of(workers_.begin(), workers_.end(), [](const Worker& w) { return w.pid > 0; });
+    if (carrier_ != nullptr && (sig == SIGKILL || !known)) signal_worker(carrier_proc_, sig);
+  }
+
+  void begin_teardown(int sig) {
+    if (tearing_down_) return;
+    tearing_down_ = true;
+    teardown_signal_ = sig;
+    signal_all(sig);
+    kill_deadline_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                        std::chrono::duration<double>(options_.grace_period));
+  }
+
+  void setup_streams(Worker& w, const WorkerSpec& spec, const std::string& tag) {
+    w.spec = &spec;
+    w.out.prefix = w.err.prefix = tag;
+    w.out.console_fd = STDOUT_FILENO;
+    w.err.console_fd = STDERR_FILENO;
+    w.err.keep_tail = true;
+    if (options_.log_dir && spec.rank >= 0) {
+      const fs::path dir = attempt_dir_ / ("rank_" + std::to_string(spec.rank));
+      w.out.log_fd = open_log(dir / "stdout.log");
+      w.err.log_fd = open_log(dir / "stderr.log");
+      w.out.to_console = (options_.tee & 1) != 0;
+      w.err.to_console = (options_.tee & 2) != 0;
+    }
+  }
+
+  void start_carried() {
+    for (size_t i = 0; i < specs_.size(); ++i) {
+      Worker& w = workers_[i];
+      setup_streams(w, specs_[i], "[rank" + std::to_string(specs_[i].rank) + "]: ");
+      w.out.fd = open_pipe(specs_[i].stdout_pipe, O_RDONLY);
+      w.keep_out = open_pipe(specs_[i].stdout_pipe, O_WRONLY);
+      w.err.fd = open_pipe(specs_[i].stderr_pipe, O_RDONLY);
+      w.keep_err = open_pipe(specs_[i].stderr_pipe, O_WRONLY);
+    }
+    status_fd_ = open_pipe(carrier_->status_pipe, O_RDONLY);
+    status_keep_ = open_pipe(carrier_->status_pipe, O_WRONLY);
+    carrier_spec_.rank = -1;
+    carrier_spec_.argv = carrier_->argv;
+    setup_streams(carrier_proc_, carrier_spec_, "[" + carrier_->name + "]: ");
+    if (interrupt_signal_ == 0) {
+      try {
+        ChildProcess child = spawn_child(carrier_->argv, carrier_->env);
+        carrier_proc_.pid = child.pid;
+        carrier_proc_.alive = true;
+        carrier_proc_.out.fd = child.stdout_fd;
+        carrier_proc_.err.fd = child.stderr_fd;
+        for (auto& w : workers_) w.alive = true;
+      } catch (const std::exception& e) {
+        start_error_ = detail::error_text(e);
+        result_.exit_code = 127;
+        result_.root_cause = carrier_->name + " could not start: " + start_error_;
+      }
+    }
+    for (auto& w : workers_) {
+      if (!w.alive) w.release_pipes();
+    }
+  }
+
+  void start_directly() {
+    for (size_t i = 0; i < specs_.size() && interrupt_signal_ == 0; ++i) {
+      Worker& w = workers_[i];
+      setup_streams(w, specs_[i], "[rank" + std::to_string(specs_[i].rank) + "]: ");
+      try {
+        ChildProcess child = spawn_child(specs_[i].argv, specs_[i].env);
+        w.pid = child.pid;
+        w.alive = true;
+        w.out.fd = child.stdout_fd;
+        w.err.fd = child.stderr_fd;
+      } catch (const std::exception& e) {
+        start_error_ = detail::error_text(e);
+        result_.exit_code = 127;
+        result_.root_cause = "rank " + std::to_string(specs_[i].rank) + " could not start: " + start_error_;
+        w.out.close();
+        w.err.close();
+        begin_teardown(SIGTERM);
+        break;
+      }
+    }
+  }
+
+  // A worker's end, as its wrapper reported it or as the launcher reaped it: the first failure is
+  // the root cause.
+  void worker_ended(Worker& w, int status) {
+    if (!w.alive) return;
+    w.alive = false;
+    w.status = status;
+    w.release_pipes();
+    if (status != 0 && !tearing_down_) {
+      root_ = &w;
+      begin_teardown(SIGTERM);
+    }
+  }
+
+  void read_status() {
+    if (status_fd_ < 0) return;
+    char buf[4096];
+    ssize_t n;
+    while ((n = ::read(status_fd_, buf, sizeof(buf))) > 0) status_partial_.append(buf, static_cast<size_t>(n));
+    size_t start = 0;
+    for (size_t nl; (nl = status_partial_.find('\n', start)) != std::string::npos; start = nl + 1) {
+      std::istringstream line(status_partial_.substr(start, nl - start));
+      std::string what;
+      long rank = -1, value = 0;
+      if (!(line >> what >> rank >> value)) continue;
+      for (auto& w : workers_) {
+        if (w.spec->rank != rank) continue;
+        if (what == "start") {
+          w.pid = static_cast<pid_t>(value);
+          if (tearing_down_) signal_worker(w, killed_hard_ ? SIGKILL : teardown_signal_);
+        } else if (what == "exit") {
+          worker_ended(w, status_of_code(static_cast<int>(value)));
+        }
+      }
+    }
+    status_partial_.erase(0, start);
+  }
+
+  void carrier_ended(int status) {
+    carrier_proc_.alive = false;
+    carrier_proc_.status = status;
+    // Every report its workers' wrappers wrote is in the pipe by now. A worker that never
+    // reported its start never ran; one that did may outlive mpirun and is stopped like any
+    // other (Note [The launcher returns last]).
+    read_status();
+    bool orphans = false;
+    for (auto& w : workers_) {
+      if (!w.alive) continue;
+      if (w.pid > 0 && !process_gone(w.pid)) {
+        orphans = true;
+        continue;
+      }
+      w.alive = false;
+      w.status = status == 0 ? 0 : SIGKILL;
+      w.release_pipes();
+    }
+    if (status != 0 && root_ == nullptr && !tearing_down_) root_ = &carrier_proc_;
+    if (status != 0 || orphans) begin_teardown(SIGTERM);
+  }
+
+  void reap() {
+    while (true) {
+      int status = 0;
+      pid_t pid = ::waitpid(-1, &status, WNOHANG);
+      if (pid <= 0) return;
+      for (auto* pids : {&not_the_jobs_, &named_leftovers_, &termed_leftovers_, &killed_leftovers_}) pids->erase(pid);
+      if (carrier_ != nullptr && pid == carrier_proc_.pid && carrier_proc_.alive) {
+        carrier_ended(status);
+        continue;
+      }
+      // A worker, or (under mpirun) one whose wrapper died first; other adopted processes of the
+      // job are only reaped.
+      for (auto& w : workers_) {
+        if (w.pid == pid) worker_ended(w, status);
+      }
+    }
+  }
+
+  // A carried worker whose wrapper and mpirun are both gone is watched directly.
+  void watch_orphaned_carried_workers() {
+    if (carrier_ == nullptr || carrier_proc_.alive) return;
+    for (auto& w : workers_) {
+      if (w.alive && w.pid > 0 && process_gone(w.pid)) {
+        read_status();  // its wrapper's report, when it had one to write
+        if (!w.alive) continue;
+        w.alive = false;
+        w.status = SIGKILL;
+        w.release_pipes();
+      }
+    }
+  }
+
+  // What is left of the job once every worker has ended: the launcher's other children, whatever
+  // their session or environment (Note [The launcher returns last]), asked to stop, then killed
+  // after the grace period. `settled` becomes false while one is a zombie not reaped yet, whose
+  // own children may have come to the launcher after the list was read.
+  void stop_leftovers(bool& settled) {
+    std::vector<pid_t> left;
+    settled = true;
+    for (pid_t child : own_children()) {
+      if (not_the_jobs_.count(child) > 0) continue;
+      settled = false;
+      if (!process_gone(child)) left.push_back(child);
+    }
+    if (left.empty()) return;
+    if (leftover_deadline_ == Clock::time_point::max()) {
+      leftover_deadline_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                              std::chrono::duration<double>(options_.grace_period));
+    }
+    const bool hard = killed_hard_ || Clock::now() >= leftover_deadline_;
+    const int sig = hard ? SIGKILL : SIGTERM;
+    // Each leftover is named once: those adopted after the first notice as "more".
+    std::vector<pid_t> fresh, stubborn;
+    for (pid_t pid : left) {
+      if (named_leftovers_.insert(pid).second) {
+        fresh.push_back(pid);
+      } else if (hard && termed_leftovers_.count(pid) > 0 && killed_leftovers_.count(pid) == 0) {
+        stubborn.push_back(pid);
+      }
+    }
+    if (!options_.quiet && !fresh.empty()) {
+      say("sending " + signal_name(sig) + " to " + std::to_string(fresh.size()) + (leftovers_named_ ? " more" : "") +
+          " process(es) the workers left behind: " + describe_processes(fresh));
+    }
+    leftovers_named_ = leftovers_named_ || !fresh.empty();
+    if (!stubborn.empty()) {
+      say(std::to_string(stubborn.size()) +
+          " process(es) the workers left behind still running after SIGTERM; sending SIGKILL");
+    }
+    for (pid_t pid : left) {
+      auto& sent = hard ? killed_leftovers_ : termed_leftovers_;
+      if (sent.insert(pid).second) ::kill(pid, sig);
+    }
+  }
+
+  // Signals to the launcher: the first is forwarded to the workers, a second kills them.
+  void read_signals() {
+    struct signalfd_siginfo info {};
+    while (::read(signal_fd_, &info, sizeof(info)) == static_cast<ssize_t>(sizeof(info))) {
+      const int sig = static_cast<int>(info.ssi_signo);
+      if (sig == SIGCHLD) continue;
+      if (interrupt_signal_ != 0 || tearing_down_) {
+        // A second request to stop: no more grace.
+        interrupt_signal_ = interrupt_signal_ != 0 ? interrupt_signal_ : sig;
+        signal_all(SIGKILL);
+        killed_hard_ = true;
+        continue;
+      }
+      interrupt_signal_ = sig;
+      const auto alive = std::count_if(workers_.begin(), workers_.end(), [](const Worker& w) { return w.alive; });
+      if (!options_.quiet) {
+        say("received " + signal_name(sig) + ", forwarding it to " + std::to_string(alive) + " worker(s)");
+      }
+      begin_teardown(sig);
+    }
+  }
+
+  // The grace period after a teardown's SIGTERM is over: SIGKILL.
+  void enforce_kill_deadline() {
+    if (!tearing_down_ || killed_hard_ || Clock::now() < kill_deadline_) return;
+    const auto alive = std::count_if(workers_.begin(), workers_.end(), [](const Worker& w) { return w.alive; });
+    if (alive > 0) {
+      say(std::to_string(alive) + " worker(s) still running " + seconds_text(options_.grace_period) + " after " +
+          signal_name(teardown_signal_) + "; sending SIGKILL");
+    }
+    if (alive > 0 || carrier_proc_.alive) signal_all(SIGKILL);
+    killed_hard_ = true;
+  }
+
+  // One wait for output, a signal or a death, and what follows from it.
+  void poll_once(bool any_alive, bool settled) {
+    std::vector<struct pollfd> fds;
+    std::vector<Stream*> streams;
+    fds.push_back({signal_fd_, POLLIN, 0});
+    fds.push_back({status_fd_, POLLIN, 0});  // ignored by poll while -1
+    for (Worker* wp : everyone_) {
+      Worker& w = *wp;
+      for (Stream* s : {&w.out, &w.err}) {
+        if (s->fd >= 0) {
+          fds.push_back({s->fd, POLLIN, 0});
+          streams.push_back(s);
+        }
+      }
+    }
+    auto timeout = std::chrono::duration<double>(options_.monitor_interval);
+    if (tearing_down_ && !killed_hard_) {
+      timeout = std::min<std::chrono::duration<double>>(timeout, kill_deadline_ - Clock::now());
+    }
+    if (!any_alive) timeout = std::min<std::chrono::duration<double>>(timeout, std::chrono::milliseconds(200));
+    if (!settled) timeout = std::min<std::chrono::duration<double>>(timeout, std::chrono::milliseconds(10));
+    const int timeout_ms = std::max(0, static_cast<int>(std::ceil(timeout.count() * 1000)));
+    int ready = ::poll(fds.data(), fds.size(), timeout_ms);
+    if (ready < 0 && errno != EINTR)
+      detail::raise_error(detail::concat("[launch] poll failed: ", std::strerror(errno)));
+
+    if (ready > 0 && (fds[0].revents & POLLIN) != 0) read_signals();
+    // Deaths the launcher reaps itself come first: a worker it reaps died before its wrapper
+    // could report it, so before the ranks mpirun stopped because of it.
+    reap();
+    if ((fds[1].revents & POLLIN) != 0) read_status();
+    for (size_t i = 2; i < fds.size(); ++i) {
+      if ((fds[i].revents & (POLLIN | POLLHUP | POLLERR)) == 0) continue;
+      Stream* s = streams[i - 2];
+      if (!s->pump()) {
+        ::close(s->fd);
+        s->fd = -1;
+      }
+    }
+    reap();
+    enforce_kill_deadline();
+    // Streams held open by a process outside our groups must not keep us waiting forever.
+    if (!any_alive) {
+      for (Worker* w : everyone_) {
+        for (Stream* s : {&w->out, &w->err}) {
+          if (s->fd >= 0 && !(ready > 0)) {
+            s->flush();
+            ::close(s->fd);
+            s->fd = -1;
+          }
+        }
+      }
+    }
+  }
+
+  void describe_root_cause() {
+    std::ostringstream msg;
+    if (root_ == &carrier_proc_) {
+      msg << carrier_->name << " (pid " << root_->pid << ") " << describe_status(root_->status);
+    } else {
+      msg << "rank " << root_->spec->rank << " (local rank " << root_->spec->local_rank << ", pid " << root_->pid
+          << ") " << describe_status(root_->status);
+    }
+    const std::string error = last_error(*root_);
+    if (!error.empty()) msg << "\n  error: " << error;
+    result_.root_cause = msg.str();
+    result_.exit_code = exit_code_of(root_->status);
+    say((root_ == &carrier_proc_ ? "" : "worker ") + result_.root_cause);
+    const auto others = std::count_if(workers_.begin(), workers_.end(),
+                                      [&](const Worker& w) { return &w != root_ && w.pid > 0 && w.status != 0; });
+    if (others > 0) say("stopped the other " + std::to_string(others) + " worker(s) of the group");
+  }
+
+  const std::vector<WorkerSpec>& specs_;
+  const SuperviseOptions& options_;
+  const CarrierSpec* carrier_;
+  const int signal_fd_;
+  AttemptResult result_;
+  std::set<pid_t> not_the_jobs_;
+  std::vector<Worker> workers_;
+  std::vector<Worker*> everyone_;  // the workers, and the carrier when there is one
+  fs::path attempt_dir_;
+  std::string start_error_;
+
+  int interrupt_signal_;
+  bool tearing_down_ = false;
+  int teardown_signal_ = SIGTERM;  // what the workers were asked to stop with
+  Clock::time_point kill_deadline_ = Clock::time_point::max();
+  bool killed_hard_ = false;
+  const Worker* root_ = nullptr;  // the root cause of a failure
+
+  Worker carrier_proc_;
+  WorkerSpec carrier_spec_;
+  int status_fd_ = -1;
+  int status_keep_ = -1;
+  std::string status_partial_;
+
+  // Leftovers already named or signalled are not again. A pid leaves these sets once reaped.
+  std::set<pid_t> named_leftovers_, termed_leftovers_, killed_leftovers_;
+  Clock::time_point leftover_deadline_ = Clock::time_point::max();
+  bool leftovers_named_ = false;
+};
+
+}  // namespace
+
+AttemptResult Supervisor::run(const std::vector<WorkerSpec>& specs, const SuperviseOptions& options,
+                              const CarrierSpec* carrier) {
+  Attempt attempt(specs, options, carrier, signal_fd_, pending_signal_);
+  attempt.start();
+  attempt.watch();
+  pending_signal_ = 0;
+  return attempt.finish();
+}
+
+SuperviseOptions supervise_options(const commands::LaunchPlan& plan, int attempt) {
+  SuperviseOptions options;
+  options.monitor_interval = plan.monitor_interval;
+  options.grace_period = plan.grace_period;
+  options.log_dir = plan.log_dir;
+  options.tee = plan.tee;
+  options.attempt = attempt;
+  options.quiet = plan.quiet;
+  return options;
+}
+
+}  // namespace accelerate::detail
