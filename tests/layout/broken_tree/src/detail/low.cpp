@@ -1,0 +1,2 @@
+// A detail file that calls up into a feature.
+#include "fsdp/engine.h"

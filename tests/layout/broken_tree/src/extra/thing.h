@@ -1,0 +1,2 @@
+// A folder with no rule and not on the map.
+#pragma once

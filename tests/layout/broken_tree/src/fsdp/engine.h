@@ -1,0 +1,2 @@
+// An engine header.
+#pragma once

@@ -1,0 +1,2 @@
+// A launcher source.
+#include "launch/supervisor.h"

@@ -1,0 +1,3 @@
+// A launcher header that pulls LibTorch in.
+#pragma once
+#include <torch/torch.h>
