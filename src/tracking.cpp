@@ -205,8 +205,7 @@ uint32_t crc32c(const void* data, size_t size) {
 }
 
 
-// One event file: TFRecord records (length, masked CRC of the length, data, masked CRC of the
-// data) holding serialised tensorflow.Event messages, the first one naming the file version.
+// One event file on disk; its records are made in formats/tensorboard.cpp.
 class TensorBoardTracker::EventWriter {
  public:
   EventWriter(const std::string& folder, const std::string& suffix) {
@@ -217,7 +216,7 @@ class TensorBoardTracker::EventWriter {
                                  std::to_string(::getpid()) + "." + std::to_string(event_file_counter++) + suffix))
                 .string();
     file_ = open_file("TensorBoardTracker", path_, "wb");
-    write(std::move(Proto().fixed64(1, wall_time()).bytes(3, "brain.Event:2")));
+    write(detail::file_version_event(wall_time()));
   }
   ~EventWriter() {
     try {
@@ -229,15 +228,15 @@ class TensorBoardTracker::EventWriter {
   EventWriter& operator=(const EventWriter&) = delete;
 
   void write_summary(const Proto& summary, std::optional<int64_t> step, double time) {
-    write(std::move(Proto().fixed64(1, time).varint(2, static_cast<uint64_t>(step.value_or(0))).message(5, summary)));
+    write(detail::summary_event(summary, step.value_or(0), time));
   }
   void close() { close_file("TensorBoardTracker.finish", file_, path_); }
   bool closed() const { return file_ == nullptr; }
 
  private:
-  void write(const Proto& event) {
+  void write(const std::string& record) {
     TORCH_CHECK(file_ != nullptr, "[TensorBoardTracker] the tracker is finished: ", path_, " is closed");
-    write_bytes("TensorBoardTracker", file_, detail::tfrecord(event.str()), path_);
+    write_bytes("TensorBoardTracker", file_, record, path_);
   }
 
   std::string path_;

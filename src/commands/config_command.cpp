@@ -2,7 +2,7 @@
 // include/accelerate/commands/config.h. Reading and writing the files is in config.cpp.
 #include "accelerate/commands/config.h"
 #include "accelerate/utils/environment.h"
-#include "detail/cli.h"
+#include "commands/cli.h"
 
 #include <c10/util/Exception.h>
 #include <torch/cuda.h>

@@ -3,8 +3,8 @@
 
 #include "accelerate/commands/config.h"
 #include "accelerate/utils/environment.h"
+#include "commands/cli.h"
 #include "detail/blas.h"
-#include "detail/cli.h"
 #include "detail/files.h"
 
 #include <ATen/ATen.h>

@@ -3,7 +3,7 @@
 
 #include "accelerate/utils/safetensors.h"
 #include "checkpoint/index.h"
-#include "detail/cli.h"
+#include "commands/cli.h"
 
 #include <c10/util/Exception.h>
 

@@ -4,7 +4,7 @@
 #include "accelerate/utils/safetensors.h"
 #include "checkpoint/index.h"
 #include "checkpoint/sharded_format.h"
-#include "detail/cli.h"
+#include "commands/cli.h"
 #include "detail/files.h"
 
 #include <c10/util/Exception.h>

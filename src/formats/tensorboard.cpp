@@ -56,4 +56,12 @@ std::string tfrecord(const std::string& data) {
   return record;
 }
 
+std::string file_version_event(double wall_time) {
+  return tfrecord(Proto().fixed64(1, wall_time).bytes(3, "brain.Event:2").str());
+}
+
+std::string summary_event(const Proto& summary, int64_t step, double wall_time) {
+  return tfrecord(Proto().fixed64(1, wall_time).varint(2, static_cast<uint64_t>(step)).message(5, summary).str());
+}
+
 }  // namespace accelerate::detail

@@ -177,7 +177,20 @@ struct FsdpEngineImpl : std::enable_shared_from_this<FsdpEngineImpl> {
     out.zero_();
     return out;
   }
+  // After `unit`'s backward: its whole gradients set aside (accumulated inside no_sync), then
+  // reduced into the shards, one collective per dtype group and one per large parameter.
   void reduce(Unit& unit);
+  void collect_whole_gradients(Unit& unit, bool sync);
+  void start_group_reduction(Unit& unit, DtypeGroup& group);
+  // The reduction of the group's `j`-th parameter in a collective of its own, from the buffer
+  // autograd wrote its gradient into; whether it had a gradient.
+  bool start_own_reduction(Unit& unit, DtypeGroup& group, size_t j, double total, double pre,
+                           const at::TensorOptions& options);
+  // The packed reduction of the group's other parameters (`packed`: positions in the group),
+  // followed by one flag per parameter of the group (`had`).
+  void start_packed_reduction(Unit& unit, DtypeGroup& group, std::vector<size_t> packed,
+                              const std::vector<float>& had, double total, double pre,
+                              const at::TensorOptions& options);
   void finish_reductions();
   at::Tensor whole_value(const ShardedParam& p);
   // A buffer as state dicts hold it: in its own dtype when buffer_dtype cast it.

@@ -149,6 +149,25 @@ bool FsdpEngineImpl::take_own_gradient(ShardedParam& p, bool& shared) {
 void FsdpEngineImpl::reduce(Unit& unit) {
   torch::NoGradGuard no_grad;
   const bool sync = require_sync;
+  collect_whole_gradients(unit, sync);
+  if (!sync) {
+    for (auto& p : unit.params) p.param.mutable_grad() = p.grad_at_rest, p.grad_at_rest = at::Tensor();
+    return;
+  }
+  // Note [When a reduction overlaps the backward pass]
+  // On a GPU, or between machines, a unit's reduction travels while the backward pass goes on to
+  // the next unit (the device's or the network's work beside the computation, as in PyTorch's
+  // FSDP); the one before it is finished first, so at most one unit's whole gradients wait in a
+  // buffer. When every process computes on the CPU of one machine, the collective's copies and
+  // sums take the same cores as the computation, and the overlap buys no time: the reduction is
+  // finished before the next unit's backward begins (pre_backward), and the next unit's whole
+  // gradients never share the memory with it (W9 at 4 processes: a peak some 20 MiB lower at the
+  // same rate; bench/README.md).
+  finish_reductions();
+  for (auto& group : unit.groups) start_group_reduction(unit, group);
+}
+
+void FsdpEngineImpl::collect_whole_gradients(Unit& unit, bool sync) {
   for (auto& group : unit.groups) {
     // Note [Accumulating inside no_sync]
     // Inside no_sync the whole gradients accumulate from pass to pass; when the policy reduces in
@@ -175,124 +194,124 @@ void FsdpEngineImpl::reduce(Unit& unit) {
       }
     }
   }
-  if (!sync) {
-    for (auto& p : unit.params) p.param.mutable_grad() = p.grad_at_rest, p.grad_at_rest = at::Tensor();
-    return;
+}
+
+void FsdpEngineImpl::start_group_reduction(Unit& unit, DtypeGroup& group) {
+  auto options = at::TensorOptions().dtype(group.reduce).device(state.device());
+  bool any = false;
+  for (size_t i : group.params) any = any || unit.params[i].param.requires_grad();
+  if (!any) return;
+  // Note [Dividing an fp16 sum]
+  // The processes' gradients are averaged: summed by the collective, then divided by their
+  // number. fp16 overflows above 65504, so a sum of N fp16 gradients, each of which fits, can
+  // become inf, and loss scaling would then skip a step that one process on the whole batch
+  // takes. For an fp16 reduction each process's gradients are divided by about √N before the
+  // collective (a power of two, which rounds nothing but the tiniest values) and the sum by the
+  // rest after it, as PyTorch's FSDP does; bf16 and fp32 have fp32's range and divide once,
+  // afterwards.
+  const double total = static_cast<double>(world) * num_replicas;
+  double pre = 1;
+  if (group.reduce == at::kHalf) {
+    while (pre * pre < total) pre *= 2;
   }
-  // Note [When a reduction overlaps the backward pass]
-  // On a GPU, or between machines, a unit's reduction travels while the backward pass goes on to
-  // the next unit (the device's or the network's work beside the computation, as in PyTorch's
-  // FSDP); the one before it is finished first, so at most one unit's whole gradients wait in a
-  // buffer. When every process computes on the CPU of one machine, the collective's copies and
-  // sums take the same cores as the computation, and the overlap buys no time: the reduction is
-  // finished before the next unit's backward begins (pre_backward), and the next unit's whole
-  // gradients never share the memory with it (W9 at 4 processes: a peak some 20 MiB lower at the
-  // same rate; bench/README.md).
-  finish_reductions();
-  for (auto& group : unit.groups) {
-    auto options = at::TensorOptions().dtype(group.reduce).device(state.device());
-    bool any = false;
-    for (size_t i : group.params) any = any || unit.params[i].param.requires_grad();
-    if (!any) continue;
-    // Note [Dividing an fp16 sum]
-    // The processes' gradients are averaged: summed by the collective, then divided by their
-    // number. fp16 overflows above 65504, so a sum of N fp16 gradients, each of which fits, can
-    // become inf, and loss scaling would then skip a step that one process on the whole batch
-    // takes. For an fp16 reduction each process's gradients are divided by about √N before the
-    // collective (a power of two, which rounds nothing but the tiniest values) and the sum by the
-    // rest after it, as PyTorch's FSDP does; bf16 and fp32 have fp32's range and divide once,
-    // afterwards.
-    const double total = static_cast<double>(world) * num_replicas;
-    double pre = 1;
-    if (group.reduce == at::kHalf) {
-      while (pre * pre < total) pre *= 2;
+  const size_t first = in_flight.size();
+  // Every process's packed piece ends with one flag per parameter of the group (Note [Which
+  // parameters had a gradient]).
+  std::vector<float> had(group.params.size(), 0.f);
+  std::vector<size_t> packed;  // positions in group.params
+  for (size_t j = 0; j < group.params.size(); ++j) {
+    auto& p = unit.params[group.params[j]];
+    if (!p.own_reduction) {
+      packed.push_back(j);
+      had[j] = p.pending_grad.defined() ? 1.f : 0.f;
+      continue;
     }
-    const size_t first = in_flight.size();
-    // Every process's packed piece ends with one flag per parameter of the group (Note [Which
-    // parameters had a gradient]).
-    std::vector<float> had(group.params.size(), 0.f);
-    std::vector<size_t> packed;  // positions in group.params
-    for (size_t j = 0; j < group.params.size(); ++j) {
-      auto& p = unit.params[group.params[j]];
-      if (!p.own_reduction) {
-        packed.push_back(j);
-        had[j] = p.pending_grad.defined() ? 1.f : 0.f;
-        continue;
-      }
-      if (!p.param.requires_grad()) continue;
-      // Note [Reducing large gradients where autograd wrote them]
-      bool shared = false;
-      had[j] = take_own_gradient(p, shared) ? 1.f : 0.f;
-      InFlight reduction;
-      reduction.unit = &unit;
-      reduction.group = &group;
-      reduction.slots = {j};
-      reduction.packed = false;
-      reduction.input = std::exchange(p.reduce_input, at::Tensor());
-      reduction.input_shared = shared;
-      reduction.post_divide = total / pre;
-      if (pre > 1) reduction.input.div_(pre);
-      const int64_t stride = p.shard_rows * p.row_numel;
-      reduction.mine_is_gradient = !p.grad_at_rest.defined() && p.shard.scalar_type() == group.reduce &&
-                                   p.shard.device() == state.device();
-      reduction.mine = reduction.mine_is_gradient ? at::empty({stride}, options) : pool.empty(stride, options);
-      reduction.pending = reduce_scatter_sum_async(state, reduction.mine, reduction.input, kApi);
-      in_flight.push_back(std::move(reduction));
-    }
-    bool complete = true;  // every packed parameter has a gradient: only padding needs zeros
-    for (size_t j : packed) complete = complete && had[j] > 0;
-    const auto flags = static_cast<int64_t>(had.size());
-    const int64_t stride = group.reduce_piece + flags;
-    auto input = pool.empty(shard ? stride * world : stride, options);
-    if (!complete) input.zero_();
-    auto by_rank = input.view({shard ? world : 1, stride});
-    by_rank.narrow(1, group.reduce_piece, flags).copy_(at::tensor(had).to(options));  // the same flags in every piece
-    if (complete && shard) {
-      for (size_t j : packed) {
-        const auto& p = unit.params[group.params[j]];
-        for (int r = 0; r < world; ++r) {
-          const int64_t n = p.rows_on(r);
-          if (n < p.shard_rows) {
-            by_rank[r].narrow(0, p.reduce_offset + n * p.row_numel, (p.shard_rows - n) * p.row_numel).zero_();
-          }
-        }
-      }
-    }
+    if (!p.param.requires_grad()) continue;
+    had[j] = start_own_reduction(unit, group, j, total, pre, options) ? 1.f : 0.f;
+  }
+  start_packed_reduction(unit, group, std::move(packed), had, total, pre, options);
+  const bool every = std::find(had.begin(), had.end(), 0.f) == had.end();
+  for (size_t k = first; k < in_flight.size(); ++k) in_flight[k].had_every_gradient = every;
+}
+
+bool FsdpEngineImpl::start_own_reduction(Unit& unit, DtypeGroup& group, size_t j, double total, double pre,
+                                         const at::TensorOptions& options) {
+  auto& p = unit.params[group.params[j]];
+  // Note [Reducing large gradients where autograd wrote them]
+  bool shared = false;
+  const bool had = take_own_gradient(p, shared);
+  InFlight reduction;
+  reduction.unit = &unit;
+  reduction.group = &group;
+  reduction.slots = {j};
+  reduction.packed = false;
+  reduction.input = std::exchange(p.reduce_input, at::Tensor());
+  reduction.input_shared = shared;
+  reduction.post_divide = total / pre;
+  if (pre > 1) reduction.input.div_(pre);
+  const int64_t stride = p.shard_rows * p.row_numel;
+  reduction.mine_is_gradient = !p.grad_at_rest.defined() && p.shard.scalar_type() == group.reduce &&
+                               p.shard.device() == state.device();
+  reduction.mine = reduction.mine_is_gradient ? at::empty({stride}, options) : pool.empty(stride, options);
+  reduction.pending = reduce_scatter_sum_async(state, reduction.mine, reduction.input, kApi);
+  in_flight.push_back(std::move(reduction));
+  return had;
+}
+
+void FsdpEngineImpl::start_packed_reduction(Unit& unit, DtypeGroup& group, std::vector<size_t> packed,
+                                            const std::vector<float>& had, double total, double pre,
+                                            const at::TensorOptions& options) {
+  bool complete = true;  // every packed parameter has a gradient: only padding needs zeros
+  for (size_t j : packed) complete = complete && had[j] > 0;
+  const auto flags = static_cast<int64_t>(had.size());
+  const int64_t stride = group.reduce_piece + flags;
+  auto input = pool.empty(shard ? stride * world : stride, options);
+  if (!complete) input.zero_();
+  auto by_rank = input.view({shard ? world : 1, stride});
+  by_rank.narrow(1, group.reduce_piece, flags).copy_(at::tensor(had).to(options));  // the same flags in every piece
+  if (complete && shard) {
     for (size_t j : packed) {
-      auto& p = unit.params[group.params[j]];
-      if (!p.pending_grad.defined()) continue;
-      auto rows = p.pending_grad.reshape({p.rows, p.row_numel});
-      if (!shard) {
-        input.narrow(0, p.reduce_offset, p.rows * p.row_numel).copy_(rows.reshape({-1}));
-        continue;
-      }
+      const auto& p = unit.params[group.params[j]];
       for (int r = 0; r < world; ++r) {
         const int64_t n = p.rows_on(r);
-        if (n > 0) {
-          by_rank[r]
-              .narrow(0, p.reduce_offset, n * p.row_numel)
-              .copy_(rows.narrow(0, r * p.shard_rows, n).reshape({-1}));
+        if (n < p.shard_rows) {
+          by_rank[r].narrow(0, p.reduce_offset + n * p.row_numel, (p.shard_rows - n) * p.row_numel).zero_();
         }
       }
     }
-    for (size_t j : packed) pool.release(unit.params[group.params[j]].pending_grad);  // `input` holds them now
-    if (pre > 1) input.div_(pre);
-    InFlight reduction;
-    reduction.unit = &unit;
-    reduction.group = &group;
-    reduction.slots = std::move(packed);
-    reduction.input = input;
-    reduction.post_divide = total / pre;
-    if (shard) {
-      reduction.mine = pool.empty(stride, options);
-      reduction.pending = reduce_scatter_sum_async(state, reduction.mine, reduction.input, kApi);
-    } else {
-      reduction.mine = all_reduce(state, input, Reduction::kSum, kApi);
-    }
-    in_flight.push_back(std::move(reduction));
-    const bool every = std::find(had.begin(), had.end(), 0.f) == had.end();
-    for (size_t k = first; k < in_flight.size(); ++k) in_flight[k].had_every_gradient = every;
   }
+  for (size_t j : packed) {
+    auto& p = unit.params[group.params[j]];
+    if (!p.pending_grad.defined()) continue;
+    auto rows = p.pending_grad.reshape({p.rows, p.row_numel});
+    if (!shard) {
+      input.narrow(0, p.reduce_offset, p.rows * p.row_numel).copy_(rows.reshape({-1}));
+      continue;
+    }
+    for (int r = 0; r < world; ++r) {
+      const int64_t n = p.rows_on(r);
+      if (n > 0) {
+        by_rank[r]
+            .narrow(0, p.reduce_offset, n * p.row_numel)
+            .copy_(rows.narrow(0, r * p.shard_rows, n).reshape({-1}));
+      }
+    }
+  }
+  for (size_t j : packed) pool.release(unit.params[group.params[j]].pending_grad);  // `input` holds them now
+  if (pre > 1) input.div_(pre);
+  InFlight reduction;
+  reduction.unit = &unit;
+  reduction.group = &group;
+  reduction.slots = std::move(packed);
+  reduction.input = input;
+  reduction.post_divide = total / pre;
+  if (shard) {
+    reduction.mine = pool.empty(stride, options);
+    reduction.pending = reduce_scatter_sum_async(state, reduction.mine, reduction.input, kApi);
+  } else {
+    reduction.mine = all_reduce(state, input, Reduction::kSum, kApi);
+  }
+  in_flight.push_back(std::move(reduction));
 }
 
 void FsdpEngineImpl::finish_reductions() {
