@@ -151,6 +151,15 @@ struct LoadStateOptions {
   /// Convert a tensor whose dtype differs from the one it is loaded into (a model's weight, an
   /// optimizer's state, a registered object's tensor) instead of refusing the checkpoint.
   bool convert_dtypes = false;
+  /// Whose files the folder holds: detected by default (upstream's when it holds their pickled
+  /// files: see `CheckpointLayout`), or forced.
+  CheckpointLayout layout = CheckpointLayout::kDetect;
+};
+
+/// Options of `Accelerator::save_state`.
+struct SaveStateOptions {
+  /// Whose files to write; unset: `ProjectConfiguration::checkpoint_layout`.
+  std::optional<CheckpointLayout> layout{};
 };
 
 /// A save-state pre-hook: called on every process by `save_state` before anything is written, with
@@ -507,7 +516,13 @@ class Accelerator {
   /// hidden staging folder, are flushed, every process confirms its writes, and only then is the
   /// folder renamed into place — an error on any process fails the save on every process and
   /// leaves the previous checkpoint as it was. A collective; returns the checkpoint folder.
-  std::string save_state(const std::string& output_dir = "") const;
+  /// With `CheckpointLayout::kPython` (`options.layout` or the project configuration) it writes
+  /// upstream's files instead, which Python Accelerate's `load_state` resumes: `model.safetensors`,
+  /// `optimizer.bin`, `scheduler.bin`, `scaler.pt`, `custom_checkpoint_<i>.pkl` and
+  /// `random_states_<process>.pkl` in torch.save's format (no data loader state: upstream's
+  /// `sampler.bin` is a pickled Python object). Models with sharded states and OneCycleLR are
+  /// refused there.
+  std::string save_state(const std::string& output_dir = "", const SaveStateOptions& options = {}) const;
   /// Restores what `save_state` wrote (upstream: `load_state`). Without `input_dir` (and with
   /// `automatic_checkpoint_naming`) the newest complete checkpoint of the project is taken
   /// (folders of that name without a save's files are skipped and named in a warning), and the
@@ -516,6 +531,12 @@ class Accelerator {
   /// process, naming the file and the key. Model weights and optimizer states must match the
   /// prepared objects exactly (names, shapes and dtypes, unless `options.convert_dtypes`); tensors
   /// holding NaN or infinity where the model's had none are named in a warning. A collective.
+  /// A folder written by Python Accelerate's `save_state` is read too (`LoadStateOptions::layout`):
+  /// the model (`model.safetensors`, `pytorch_model.bin`, or their index and shards), the
+  /// optimizers, LambdaLR schedulers, the scaler, the torch generators and the step, and
+  /// registered objects whose state is values and tensors; nothing in it runs code, and anything
+  /// but PyTorch's own classes is refused by name. Python's `random` and numpy states, and the
+  /// data loaders' pickled samplers, have no C++ counterpart: they are named in one warning.
   void load_state(const std::string& input_dir = "", const LoadStateOptions& options = {}) const;
 
   /// Registers objects whose state `save_state` saves and `load_state` restores, in order

@@ -177,7 +177,7 @@ fs::path CheckpointCommit::commit(const std::function<void()>& write) {
 bool is_complete_checkpoint(const fs::path& folder) {
   // Every process writes its generators' states last; a folder that `publish` put in place holds
   // at least one, whichever machine's file system it is on.
-  static const std::regex name(R"(random_states_\d{1,9}\.safetensors)");
+  static const std::regex name(R"(random_states_\d{1,9}\.(safetensors|pkl))");
   std::error_code error;
   for (const auto& entry : fs::directory_iterator(folder, error)) {
     if (entry.is_regular_file(error) && std::regex_match(entry.path().filename().string(), name)) return true;

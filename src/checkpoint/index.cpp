@@ -71,8 +71,9 @@ CheckpointLayout resolve_checkpoint(const std::string& checkpoint, const std::st
     return {.index = {}, .weight_map = {}, .files = {path / "model.safetensors"}};
   if (auto index = find_checkpoint_index(path, caller)) return read_checkpoint_index(*index, caller);
   TORCH_CHECK_VALUE(!fs::exists(path / "pytorch_model.bin"), "[", caller, "] ", checkpoint,
-                    " holds a pickled pytorch_model.bin, which is never unpickled here; convert it to "
-                    "model.safetensors");
+                    " holds a pickled pytorch_model.bin, which load_checkpoint_in_model does not read (it maps "
+                    "safetensors files); Accelerator::load_state reads it from Python Accelerate's save_state folder, "
+                    "or convert it to model.safetensors");
   C10_THROW_ERROR(ValueError, c10::str("[", caller, "] ", checkpoint,
                                        " is not a safetensors checkpoint: it holds neither model.safetensors nor a "
                                        "`.index.json` file"));

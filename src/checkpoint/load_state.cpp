@@ -4,9 +4,11 @@
 
 #include "accelerator_impl.h"
 #include "checkpoint/commit.h"
+#include "checkpoint/index.h"
 #include "checkpoint/load_checks.h"
 #include "checkpoint/offload_dtypes.h"
 #include "checkpoint/optimizer_state.h"
+#include "checkpoint/python_layout.h"
 #include "checkpoint/sharded_format.h"
 #include "checkpoint/state_objects.h"
 #include "detail/warn.h"
@@ -125,9 +127,12 @@ struct Undo {
 };
 
 
-// Where the readers find a checkpoint's files.
+namespace python = detail::python_layout;
+
+// Where the readers find a checkpoint's files, and whose layout they are in.
 struct Source {
   fs::path folder;
+  bool python = false;  // upstream's (Note [Checkpoints from and for Python])
   // The path of `name`, which the checkpoint must have.
   fs::path require(const std::string& name) const {
     const auto path = folder / name;
@@ -144,13 +149,71 @@ struct Source {
 struct ModelStates {
   std::vector<std::string> files;                 // the whole states' files ("" for sharded ones)
   std::vector<std::optional<StateDict>> sharded;  // sharded states, read already
+  std::vector<std::optional<TensorMap>> whole;    // whole states read already (Python's pickled or sharded files)
 };
+
+// The whole state of model `i` in upstream's layout: its one safetensors file (read as the
+// project's is), or the tensors of its pickled file or of its shards, read now.
+void read_python_model(const detail::CheckpointObjects& objects, const Source& from, size_t i, ModelStates& read,
+                       bool convert) {
+  const auto files = python::model_files(from.folder, i);
+  TORCH_CHECK_VALUE(!files.empty(), "the checkpoint has no ", python::model_file(i, true), " nor ",
+                    python::model_file(i, false));
+  auto& module = *objects.models[i].module();
+  if (files.size() == 1 && files[0].extension() == ".safetensors") {
+    read.files.push_back(files[0].string());
+    SafetensorsFile file(read.files.back());
+    std::map<std::string, c10::ScalarType> stored;
+    for (const auto& name : file.keys()) stored.emplace(name, safetensors_dtype(file.entry(name).dtype));
+    check_model_dtypes(module, stored, file.path(), convert);
+    return;
+  }
+  TensorMap tensors;
+  if (files.size() == 1 && files[0].extension() == ".json") {  // a safetensors index
+    for (const auto& shard : detail::read_checkpoint_index(files[0], "Accelerator::load_state").files) {
+      for (auto& [name, tensor] : SafetensorsFile(shard.string()).read_tensors()) tensors.emplace(name, tensor);
+    }
+  } else {
+    tensors = python::read_pickled_model(files);
+  }
+  std::map<std::string, c10::ScalarType> stored;
+  for (const auto& [name, tensor] : tensors) stored.emplace(name, tensor.scalar_type());
+  check_model_dtypes(module, stored, files[0].string(), convert);
+  // Names and shapes, as load_checkpoint_in_model checks a file's.
+  std::map<std::string, at::Tensor> targets;
+  for (const auto& item : module.named_parameters()) targets.emplace(item.key(), item.value());
+  for (const auto& item : module.named_buffers()) targets.emplace(item.key(), item.value());
+  std::vector<std::string> missing, unexpected;
+  for (const auto& [name, tensor] : tensors) {
+    auto it = targets.find(name);
+    if (it == targets.end()) {
+      unexpected.push_back(name);
+      continue;
+    }
+    TORCH_CHECK_VALUE(it->second.is_meta() || objects.model_engines[i] || it->second.sizes() == tensor.sizes(),
+                      "[load_checkpoint_in_model] size mismatch for ", name, " in ", files[0].string(),
+                      ": the checkpoint has shape ", tensor.sizes(), ", the module has ", it->second.sizes());
+  }
+  for (const auto& [name, tensor] : targets) {
+    if (!tensors.count(name)) missing.push_back(name);
+  }
+  TORCH_CHECK_VALUE(missing.empty() && unexpected.empty(), "[load_checkpoint_in_model] error(s) in loading ",
+                    files[0].string(), ": missing keys [", c10::Join(", ", missing), "], unexpected keys [",
+                    c10::Join(", ", unexpected), "]");
+  read.files.emplace_back();
+  read.whole[i] = std::move(tensors);
+}
 
 ModelStates read_models(const detail::CheckpointObjects& objects, const Source& from, bool convert) {
   ModelStates read;
   read.sharded.resize(objects.models.size());
+  read.whole.resize(objects.models.size());
   for (size_t i = 0; i < objects.models.size(); ++i) {
     auto* engine = objects.model_engines[i];
+    if (from.python) {
+      read_python_model(objects, from, i, read, convert);
+      continue;
+    }
     const auto sharded_folder = from.folder / ("pytorch_model_fsdp_" + std::to_string(i));
     std::map<std::string, c10::ScalarType> stored;
     if (engine && fs::is_directory(sharded_folder)) {
@@ -174,7 +237,7 @@ ModelStates read_models(const detail::CheckpointObjects& objects, const Source& 
 // optimizers, and one must not fail after another was loaded.
 void check_models(const detail::CheckpointObjects& objects, const ModelStates& read, bool convert) {
   for (size_t i = 0; i < objects.models.size(); ++i) {
-    if (!objects.model_engines[i]) {
+    if (!objects.model_engines[i] && !read.whole[i]) {
       detail::check_checkpoint_in_model(*objects.models[i].module(), read.files[i],
                                         {.strict = true, .convert_dtypes = convert});
     }
@@ -186,6 +249,11 @@ void load_models(const detail::CheckpointObjects& objects, const ModelStates& re
     auto* engine = objects.model_engines[i];
     if (read.sharded[i]) {
       engine->load_local_state_dict({read.sharded[i]->tensors.begin(), read.sharded[i]->tensors.end()});
+    } else if (read.whole[i] && engine) {
+      engine->load_full_state_dict({read.whole[i]->begin(), read.whole[i]->end()}, /*strict=*/true);
+    } else if (read.whole[i]) {
+      load_state_dict_into_module(*objects.models[i].module(), *read.whole[i],
+                                  {.strict = true, .convert_dtypes = convert});
     } else if (engine) {
       SafetensorsFile file(read.files[i]);
       std::vector<std::pair<std::string, at::Tensor>> values;
@@ -221,9 +289,15 @@ OptimizerStates read_optimizers(const detail::CheckpointObjects& objects, const 
       read.files.emplace_back();
       continue;
     }
-    read.paths.push_back(from.require(detail::numbered("optimizer", i, ".safetensors")));
-    auto file = std::make_unique<SafetensorsFile>(read.paths.back().string());
-    read.states.push_back(detail::state_dict_views(*file));
+    std::unique_ptr<SafetensorsFile> file;
+    if (from.python) {
+      read.paths.push_back(from.require(python::optimizer_file(i)));
+      read.states.push_back(python::read_optimizer(read.paths.back().string(), *objects.optimizers[i].optimizer()));
+    } else {
+      read.paths.push_back(from.require(detail::numbered("optimizer", i, ".safetensors")));
+      file = std::make_unique<SafetensorsFile>(read.paths.back().string());
+      read.states.push_back(detail::state_dict_views(*file));
+    }
     if (engine) {
       // A whole state: this process's rows of each sharded parameter's tensors.
       naming_file(read.paths.back(), [&] {
@@ -330,6 +404,11 @@ struct SmallStates {
 SmallStates read_schedulers(const detail::CheckpointObjects& objects, const Source& from) {
   SmallStates read;
   for (size_t i = 0; i < objects.schedulers.size(); ++i) {
+    if (from.python) {
+      read.paths.push_back(from.require(python::scheduler_file(i)));
+      read.states.push_back({python::read_scheduler(read.paths.back().string(), *objects.schedulers[i].scheduler()), {}});
+      continue;
+    }
     read.paths.push_back(from.require(detail::numbered("scheduler", i, ".json")));
     read.states.push_back(load_state_dict_file(read.paths.back().string()));
   }
@@ -351,6 +430,7 @@ struct LoaderStates {
 
 LoaderStates read_data_loaders(const detail::CheckpointObjects& objects, const Source& from) {
   LoaderStates read;
+  if (from.python) return read;  // upstream's samplers are pickled Python objects: skipped, and named
   for (size_t i = 0; i < objects.loaders.size(); ++i) {
     read.paths.push_back(from.require(detail::loader_file(objects.loaders[i], i)));
     read.positions.push_back(naming_file(read.paths.back(), [&] {
@@ -361,7 +441,7 @@ LoaderStates read_data_loaders(const detail::CheckpointObjects& objects, const S
 }
 
 void load_data_loaders(const detail::CheckpointObjects& objects, const LoaderStates& read, Undo& undo) {
-  for (size_t i = 0; i < objects.loaders.size(); ++i) {
+  for (size_t i = 0; i < read.positions.size(); ++i) {
     const auto& loader = objects.loaders[i];
     undo.steps.push_back([loader, before = loader.state_dict()] { loader.load_state_dict(before); });
     naming_file(read.paths[i], [&] { loader.load_state_dict(read.positions[i]); });
@@ -370,12 +450,14 @@ void load_data_loaders(const detail::CheckpointObjects& objects, const LoaderSta
 
 std::optional<StateDict> read_scaler(const std::optional<GradScaler>& scaler, const Source& from) {
   if (!scaler) return std::nullopt;
+  if (from.python) return StateDict{python::read_scaler(from.require(python::kScalerFile).string()), {}};
   return load_state_dict_file(from.require("scaler.json").string());
 }
 
 void load_scaler(const GradScaler& scaler, const StateDict& state, const Source& from, Undo& undo) {
   undo.steps.push_back([scaler, before = scaler.state_dict()] { scaler.load_state_dict(before); });
-  naming_file(from.folder / "scaler.json", [&] { scaler.load_state_dict(state.values); });
+  naming_file(from.folder / (from.python ? python::kScalerFile : "scaler.json"),
+              [&] { scaler.load_state_dict(state.values); });
 }
 
 // ---- Registered objects
@@ -396,7 +478,8 @@ CustomStates read_custom_objects(const detail::CheckpointObjects& objects, const
   for (size_t i = 0; i < objects.custom.size(); ++i) {
     auto it = read.files.find(i);
     TORCH_CHECK_VALUE(it != read.files.end(), "the checkpoint has no custom_checkpoint_", i);
-    read.states.push_back(load_state_dict_file(it->second.string()));
+    read.states.push_back(it->second.extension() == ".pkl" ? python::read_custom(it->second.string())
+                                                           : load_state_dict_file(it->second.string()));
     naming_file(it->second, [&] { check_state_like(read.states.back(), objects.custom[i].state_dict(), convert); });
   }
   return read;
@@ -417,7 +500,9 @@ void load_custom_objects(const detail::CheckpointObjects& objects, const CustomS
 // ---- Random generators and the step
 
 std::optional<StateDict> read_random_states(const Source& from, int process_index, const PartialState& state) {
-  const auto random_file = from.folder / ("random_states_" + std::to_string(process_index) + ".safetensors");
+  const auto random_file =
+      from.folder / (from.python ? python::random_file(process_index)
+                                 : "random_states_" + std::to_string(process_index) + ".safetensors");
   if (!fs::is_regular_file(random_file)) {
     detail::warn("accelerate.checkpointing",
                  c10::str("[Accelerator::load_state] ", random_file.string(),
@@ -426,10 +511,38 @@ std::optional<StateDict> read_random_states(const Source& from, int process_inde
                  {.every_process = true, .state = state});
     return std::nullopt;
   }
+  if (from.python) {
+    std::vector<std::string> skipped;
+    auto random = python::read_random(random_file.string(), skipped);
+    if (!skipped.empty()) {
+      detail::warn("accelerate.checkpointing",
+                   c10::str("[Accelerator::load_state] ", random_file.filename().string(), " holds ",
+                            c10::Join(", ", skipped),
+                            ", which have no C++ counterpart (Python's random and numpy generators) and are skipped"),
+                   {.once = true, .state = state});
+    }
+    return random;
+  }
   auto random = load_state_dict_file(random_file.string());
   TORCH_CHECK_VALUE(random.values.contains("step") && random.values.at("step").is_number_integer(),
                     random_file.string(), " has no integer \"step\"");
   return random;
+}
+
+// The data loaders' files of upstream's layout, which hold pickled Python objects (the sampler).
+void warn_python_skips(const detail::CheckpointObjects& objects, const Source& from, const PartialState& state) {
+  std::vector<std::string> skipped;
+  for (size_t i = 0; i < objects.loaders.size(); ++i) {
+    for (const auto& name : {python::sampler_file(i), python::loader_state_file(i)}) {
+      if (fs::is_regular_file(from.folder / name)) skipped.push_back(name);
+    }
+  }
+  if (skipped.empty() && objects.loaders.empty()) return;
+  detail::warn("accelerate.checkpointing",
+               c10::str("[Accelerator::load_state] ", from.folder.string(), " is in Python Accelerate's layout; the ",
+                        "data loaders keep their state (", skipped.empty() ? "none saved" : c10::Join(", ", skipped),
+                        ": pickled Python samplers, which are not read)"),
+               {.once = true, .state = state});
 }
 
 }  // namespace
@@ -468,7 +581,10 @@ void Accelerator::load_state(const std::string& input_dir, const LoadStateOption
   detail::run_agreed(partial(), "[Accelerator::load_state] loading " + folder.string(), [&] {
     for (const auto& hook : objects.load_hooks) hook(objects.models, folder.string());
     // Everything is read and checked first, then applied (Note [Loading changes nothing or all]).
-    const Source from{folder};
+    const bool python = options.layout == CheckpointLayout::kPython ||
+                        (options.layout == CheckpointLayout::kDetect && python::is_python_folder(folder));
+    const Source from{folder, python};
+    if (python) warn_python_skips(objects, from, partial());
     const auto models = read_models(objects, from, convert);
     auto optimizers = read_optimizers(objects, from);
     const auto schedulers = read_schedulers(objects, from);

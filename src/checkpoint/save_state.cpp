@@ -5,6 +5,7 @@
 
 #include "accelerator_impl.h"
 #include "checkpoint/commit.h"
+#include "checkpoint/python_layout.h"
 #include "checkpoint/sharded_format.h"
 #include "checkpoint/state_objects.h"
 #include "detail/collectives.h"
@@ -249,19 +250,27 @@ void write_models(const detail::CheckpointObjects& objects, const std::vector<St
 }
 
 void write_optimizers(const detail::CheckpointObjects& objects, const std::vector<std::optional<StateDict>>& states,
-                      const Destination& to) {
+                      const Destination& to, bool python) {
   for (size_t i = 0; i < objects.optimizers.size(); ++i) {
     if (objects.optimizer_engines[i] && !states[i]) continue;  // sharded, written already
-    save_state_dict_file(states[i] ? *states[i] : optimizer_state_dict(*objects.optimizers[i].optimizer()),
-                         to / detail::numbered("optimizer", i, ".safetensors"));
+    const auto state = states[i] ? *states[i] : optimizer_state_dict(*objects.optimizers[i].optimizer());
+    if (python) {
+      detail::python_layout::write_optimizer(state, to / detail::python_layout::optimizer_file(i));
+    } else {
+      save_state_dict_file(state, to / detail::numbered("optimizer", i, ".safetensors"));
+    }
     to.written();
   }
 }
 
-void write_schedulers(const detail::CheckpointObjects& objects, const Destination& to) {
+void write_schedulers(const detail::CheckpointObjects& objects, const Destination& to, bool python) {
   for (size_t i = 0; i < objects.schedulers.size(); ++i) {
-    save_state_dict_file({objects.schedulers[i].scheduler()->state_dict(), {}},
-                         to / detail::numbered("scheduler", i, ".json"));
+    const auto& scheduler = *objects.schedulers[i].scheduler();
+    if (python) {
+      detail::python_layout::write_scheduler(scheduler, to / detail::python_layout::scheduler_file(i));
+    } else {
+      save_state_dict_file({scheduler.state_dict(), {}}, to / detail::numbered("scheduler", i, ".json"));
+    }
     to.written();
   }
 }
@@ -274,34 +283,70 @@ void write_data_loaders(const detail::CheckpointObjects& objects, const Destinat
   }
 }
 
-void write_scaler(const std::optional<GradScaler>& scaler, const Destination& to) {
+void write_scaler(const std::optional<GradScaler>& scaler, const Destination& to, bool python) {
   if (!scaler) return;
-  save_state_dict_file({scaler->state_dict(), {}}, to / "scaler.json");
+  if (python) {
+    detail::python_layout::write_scaler(scaler->state_dict(), to / detail::python_layout::kScalerFile);
+  } else {
+    save_state_dict_file({scaler->state_dict(), {}}, to / "scaler.json");
+  }
   to.written();
 }
 
-void write_custom_objects(const detail::CheckpointObjects& objects, const Destination& to) {
+void write_custom_objects(const detail::CheckpointObjects& objects, const Destination& to, bool python) {
   for (size_t i = 0; i < objects.custom.size(); ++i) {
     const auto state = objects.custom[i].state_dict();
-    const auto ext = state.tensors.empty() ? ".json" : ".safetensors";
-    save_state_dict_file(state, to / ("custom_checkpoint_" + std::to_string(i) + ext));
+    if (python) {
+      detail::python_layout::write_custom(state, to / detail::python_layout::custom_file(i));
+    } else {
+      const auto ext = state.tensors.empty() ? ".json" : ".safetensors";
+      save_state_dict_file(state, to / ("custom_checkpoint_" + std::to_string(i) + ext));
+    }
     to.written();
   }
 }
 
 // Every process's random generators and the step: its last file, whose presence marks the
 // checkpoint complete.
-void write_random_states(int64_t step, int process_index, const Destination& to) {
+void write_random_states(int64_t step, int process_index, const Destination& to, bool python) {
   auto random = rng_state_dict();
-  random.values["step"] = step;
-  save_state_dict_file(random, to / ("random_states_" + std::to_string(process_index) + ".safetensors"));
+  if (python) {
+    detail::python_layout::write_random(random, step, to / detail::python_layout::random_file(process_index));
+  } else {
+    random.values["step"] = step;
+    save_state_dict_file(random, to / ("random_states_" + std::to_string(process_index) + ".safetensors"));
+  }
   to.written();
+}
+
+// What upstream's layout cannot hold, refused on every process before anything is written.
+void check_python_layout(const detail::CheckpointObjects& objects) {
+  for (size_t i = 0; i < objects.models.size(); ++i) {
+    TORCH_CHECK_VALUE(!objects.model_engines[i] || !detail::sharded_state(objects.model_engines[i]),
+                      "[Accelerator::save_state] model ", i, " saves sharded states (SHARDED_STATE_DICT or "
+                      "LOCAL_STATE_DICT), which Python's layout keeps in torch.distributed.checkpoint's format; "
+                      "use FULL_STATE_DICT or the project's layout");
+  }
+  for (size_t i = 0; i < objects.optimizers.size(); ++i) {
+    TORCH_CHECK_VALUE(!objects.optimizer_engines[i] || !detail::sharded_state(objects.optimizer_engines[i]),
+                      "[Accelerator::save_state] optimizer ", i, " is over sharded parameters with sharded states, "
+                      "which Python's layout cannot hold; use FULL_STATE_DICT or the project's layout");
+  }
+  for (size_t i = 0; i < objects.schedulers.size(); ++i) {
+    TORCH_CHECK_VALUE(dynamic_cast<const LambdaLR*>(objects.schedulers[i].scheduler().get()) != nullptr,
+                      "[Accelerator::save_state] scheduler ", i, " is not a LambdaLR: only LambdaLR schedulers (and "
+                      "transformers' schedules) are written in Python's layout");
+  }
 }
 
 }  // namespace
 
-std::string Accelerator::save_state(const std::string& output_dir) const {
+std::string Accelerator::save_state(const std::string& output_dir, const SaveStateOptions& options) const {
   auto project = project_configuration();
+  const auto layout = options.layout.value_or(project.checkpoint_layout);
+  TORCH_CHECK_VALUE(layout != CheckpointLayout::kDetect, "[Accelerator::save_state] CheckpointLayout::kDetect is for "
+                                                         "loading; save with kCpp or kPython");
+  const bool python = layout == CheckpointLayout::kPython;
   fs::path target;
   if (project.automatic_checkpoint_naming) {
     TORCH_CHECK_VALUE(output_dir.empty(), "[Accelerator::save_state] automatic_checkpoint_naming chooses the folder; "
@@ -323,6 +368,7 @@ std::string Accelerator::save_state(const std::string& output_dir) const {
   });
 
   auto objects = detail::checkpoint_objects(*impl_);  // not const: the hooks may change the models
+  if (python) check_python_layout(objects);
   detail::CheckpointCommit commit(partial(), target, project.save_on_each_node, project.automatic_checkpoint_naming);
   const Destination to{commit.staging(), partial()};
   const auto path = commit.commit([&] {
@@ -332,13 +378,13 @@ std::string Accelerator::save_state(const std::string& output_dir) const {
     const auto optimizer_states = sharded_optimizer_states(objects, to);
     if (commit.writes_shared_files()) {
       write_models(objects, weights, to);
-      write_optimizers(objects, optimizer_states, to);
-      write_schedulers(objects, to);
-      write_data_loaders(objects, to);
-      write_scaler(impl_->scaler, to);
-      write_custom_objects(objects, to);
+      write_optimizers(objects, optimizer_states, to, python);
+      write_schedulers(objects, to, python);
+      if (!python) write_data_loaders(objects, to);  // upstream's are pickled Python objects
+      write_scaler(impl_->scaler, to, python);
+      write_custom_objects(objects, to, python);
     }
-    write_random_states(objects.step, process_index(), to);
+    write_random_states(objects.step, process_index(), to, python);
   });
 
   std::set<int64_t> written_here;

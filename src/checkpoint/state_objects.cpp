@@ -91,7 +91,7 @@ std::string loader_file(const DataLoader& loader, size_t i) {
 }
 
 std::map<size_t, fs::path> custom_checkpoint_files(const fs::path& folder) {
-  static const std::regex name(R"(custom_checkpoint_(\d{1,9})\.(json|safetensors))");
+  static const std::regex name(R"(custom_checkpoint_(\d{1,9})\.(json|safetensors|pkl))");
   std::map<size_t, fs::path> files;
   for (const auto& entry : fs::directory_iterator(folder)) {
     std::smatch match;

@@ -1,7 +1,11 @@
 // The YAML writer; see yaml.h.
 #include "formats/yaml.h"
 
+#include <algorithm>
+#include <cctype>
 #include <sstream>
+#include <string>
+#include <vector>
 
 namespace accelerate::detail {
 namespace {
@@ -11,7 +15,7 @@ bool plain_yaml(const std::string& s) {
   static const std::vector<std::string> reserved = {"true", "false", "yes", "no", "on", "off", "null", "y", "n", "~"};
   std::string lower = s;
   std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char c) { return std::tolower(c); });
-  if (contains(reserved, lower)) return false;
+  if (std::find(reserved.begin(), reserved.end(), lower) != reserved.end()) return false;
   if (!(std::isalpha(static_cast<unsigned char>(s[0])) || s[0] == '_')) return false;
   return std::all_of(s.begin(), s.end(),
                      [](unsigned char c) {

@@ -46,6 +46,10 @@ constexpr Spellings<LoggerType, 10> kLoggerTypes{{{LoggerType::kAll, "all"},
 constexpr Spellings<ComputeEnvironment, 2> kComputeEnvironments{
     {{ComputeEnvironment::kLocalMachine, "LOCAL_MACHINE"}, {ComputeEnvironment::kAmazonSagemaker, "AMAZON_SAGEMAKER"}}};
 
+constexpr Spellings<CheckpointLayout, 3> kCheckpointLayouts{{{CheckpointLayout::kDetect, "detect"},
+                                                              {CheckpointLayout::kCpp, "cpp"},
+                                                              {CheckpointLayout::kPython, "python"}}};
+
 template <typename E, size_t N>
 std::string spelling_of(const Spellings<E, N>& spellings, E value, const char* type) {
   for (const auto& [member, text] : spellings) {
@@ -66,6 +70,7 @@ E member_of(const Spellings<E, N>& spellings, std::string_view text, const char*
 
 }  // namespace
 
+std::string to_string(CheckpointLayout layout) { return spelling_of(kCheckpointLayouts, layout, "CheckpointLayout"); }
 std::string to_string(RNGType type) { return spelling_of(kRngTypes, type, "RNGType"); }
 RNGType parse_rng_type(std::string_view text) { return member_of(kRngTypes, text, "RNGType"); }
 std::string to_string(LoggerType type) { return spelling_of(kLoggerTypes, type, "LoggerType"); }

@@ -4,6 +4,7 @@
 #include "detail/files.h"
 #include "checkpoint/load_checks.h"
 #include "checkpoint/offload_dtypes.h"
+#include "checkpoint/python_layout.h"
 #include "detail/warn.h"
 
 #include <ATen/ATen.h>
@@ -222,8 +223,13 @@ void save_state_dict_sharded(const StateDictMap& state_dict, const std::string& 
 }
 
 TensorMap load_state_dict(const std::string& checkpoint_file) {
-  TORCH_CHECK_VALUE(fs::path(checkpoint_file).extension() != ".bin", "[load_state_dict] ", checkpoint_file,
-                    " is a pickled checkpoint, which is never unpickled here; use safetensors files");
+  if (fs::path(checkpoint_file).extension() == ".bin") {
+    try {
+      return detail::python_layout::read_pickled_model({checkpoint_file});
+    } catch (const c10::ValueError& e) {
+      C10_THROW_ERROR(ValueError, c10::str("[load_state_dict] ", e.what_without_backtrace()));
+    }
+  }
   return load_file(checkpoint_file);
 }
 
@@ -330,7 +336,8 @@ CheckedCheckpoint check_checkpoint(torch::nn::Module& module, const std::string&
   std::set<std::string> in_files;
   for (const auto& file : files) {
     TORCH_CHECK_VALUE(file.extension() != ".bin", "[load_checkpoint_in_model] ", file.string(),
-                      " is a pickled checkpoint, which is never unpickled here; use safetensors files");
+                      " is a pickled checkpoint, which load_checkpoint_in_model does not read (it maps safetensors "
+                      "files); read it with load_state_dict, or convert it to safetensors");
     TORCH_CHECK_VALUE(fs::is_regular_file(file), "[load_checkpoint_in_model] the checkpoint file ", file.string(),
                       " does not exist");
     opened.emplace_back(file.string());

@@ -210,6 +210,16 @@ struct AutocastKwargs {
 };
 
 /// Where a project keeps its outputs (upstream: `ProjectConfiguration`).
+/// The files `save_state` writes and `load_state` reads.
+enum class CheckpointLayout {
+  kDetect,  ///< loading only: upstream's when the folder holds its pickled files, else the project's
+  kCpp,     ///< the project's: safetensors and JSON only, nothing pickled
+  kPython,  ///< upstream's (Python Accelerate's `save_state`): optimizer.bin, scheduler.bin, scaler.pt,
+            ///< random_states_<p>.pkl, custom_checkpoint_<i>.pkl in torch.save's format, model.safetensors
+};
+/// "detect", "cpp", "python".
+std::string to_string(CheckpointLayout layout);
+
 struct ProjectConfiguration {
   /// Root folder of the project's outputs.
   std::string project_dir{};
@@ -223,6 +233,9 @@ struct ProjectConfiguration {
   int iteration = 0;
   /// Save on the main process of every machine instead of only the global main process.
   bool save_on_each_node = false;
+  /// The files `save_state` writes: the project's own (the default: nothing pickled, every file
+  /// readable without running code) or upstream's, for Python Accelerate's `load_state` to resume.
+  CheckpointLayout checkpoint_layout = CheckpointLayout::kCpp;
 };
 
 }  // namespace accelerate

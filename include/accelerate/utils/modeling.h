@@ -78,7 +78,9 @@ void save_state_dict_sharded(const StateDictMap& state_dict, const std::string& 
                              const std::string& max_shard_size = "10GB");
 
 /// The tensors of a checkpoint file (upstream: `accelerate.utils.load_state_dict` without a
-/// device map): safetensors only — a pickled `.bin` file is refused, never unpickled.
+/// device map): a safetensors file, or a `.bin` file written by torch.save holding a state dict
+/// of tensors, read without running any of its code (anything but tensors, storages and
+/// OrderedDicts is refused by name, like `torch.load(weights_only=True)`).
 TensorMap load_state_dict(const std::string& checkpoint_file);
 
 /// Options of `load_checkpoint_in_model`.

@@ -1,0 +1,319 @@
+// Upstream's save_state folder (see python_layout.h).
+#include "checkpoint/python_layout.h"
+
+#include "checkpoint/index.h"
+#include "checkpoint/torch_save.h"
+
+#include <c10/util/Exception.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <random>
+#include <sstream>
+
+namespace fs = std::filesystem;
+
+namespace accelerate::detail::python_layout {
+
+// Note [Checkpoints from and for Python]
+// Upstream's save_state writes each object with torch.save under fixed names (model weights as
+// safetensors by default), and its load_state calls each object's load_state_dict on what
+// torch.load returns. So the two sides meet in PyTorch's state dicts, which this file converts
+// to and from the project's, kind by kind:
+// - optimizers: the same layout (state by parameter index, param groups with "params"), but
+//   PyTorch keeps "step" as a float tensor and None for absent buffers, and its groups carry
+//   options LibTorch lacks ("maximize" is refused when true; "foreach", "fused", "capturable",
+//   "differentiable" choose kernels and are ignored; Python fills them in when absent);
+// - LambdaLR: PyTorch's "_step_count" and "_last_lr" are the project's "step_count" and
+//   "last_lr"; its lambdas are saved as None, or as a callable object's attributes ({} for
+//   functools.partial, which transformers' schedules use), which a C++ lambda cannot take;
+// - random states: the torch generators' states are the same bytes on both sides; Python's
+//   `random` and numpy states have no counterpart in C++, are skipped when read and, when
+//   written, hold the Mersenne Twister seeded as numpy's seed(s) does from the CPU generator's seed;
+// - the scaler's state has the same keys; registered objects are dicts of values and tensors.
+// Reading goes through read_torch_save, which builds nothing but values and tensors.
+
+namespace {
+
+std::string numbered(const std::string& stem, size_t i, const std::string& ext) {
+  return i == 0 ? stem + ext : stem + "_" + std::to_string(i) + ext;
+}
+
+}  // namespace
+
+std::string model_file(size_t i, bool safetensors) {
+  return safetensors ? numbered("model", i, ".safetensors") : numbered("pytorch_model", i, ".bin");
+}
+std::string optimizer_file(size_t i) { return numbered("optimizer", i, ".bin"); }
+std::string scheduler_file(size_t i) { return numbered("scheduler", i, ".bin"); }
+std::string sampler_file(size_t i) { return numbered("sampler", i, ".bin"); }
+std::string loader_state_file(size_t i) { return numbered("dl_state_dict", i, ".bin"); }
+std::string random_file(int process_index) { return "random_states_" + std::to_string(process_index) + ".pkl"; }
+std::string custom_file(size_t i) { return "custom_checkpoint_" + std::to_string(i) + ".pkl"; }
+
+bool is_python_folder(const fs::path& folder) {
+  if (fs::is_regular_file(folder / "random_states_0.safetensors")) return false;
+  for (const auto* name : {"random_states_0.pkl", "optimizer.bin", "scheduler.bin", "scaler.pt", "pytorch_model.bin",
+                           "custom_checkpoint_0.pkl"}) {
+    if (fs::is_regular_file(folder / name)) return true;
+  }
+  return false;
+}
+
+std::vector<fs::path> model_files(const fs::path& folder, size_t i) {
+  for (const bool safetensors : {true, false}) {
+    const auto file = folder / model_file(i, safetensors);
+    if (fs::is_regular_file(file)) return {file};
+    const auto index = folder / (model_file(i, safetensors) + ".index.json");
+    if (fs::is_regular_file(index)) {
+      if (safetensors) return {index};  // the safetensors loaders read the index themselves
+      return read_checkpoint_index(index, "Accelerator::load_state").files;
+    }
+  }
+  return {};
+}
+
+TensorMap read_pickled_model(const std::vector<fs::path>& files) {
+  TensorMap out;
+  for (const auto& file : files) {
+    auto state = read_torch_save(file.string());
+    TORCH_CHECK_VALUE(state.values.is_object() && state.values.empty(), file.string(),
+                      " holds values besides tensors; a model's state dict holds only tensors");
+    for (auto& [name, tensor] : state.tensors) {
+      TORCH_CHECK_VALUE(!out.count(name), file.string(), ": tensor ", name, " is in more than one file");
+      out.emplace(name, std::move(tensor));
+    }
+  }
+  return out;
+}
+
+// ---- optimizers ----------------------------------------------------------------------------------
+
+StateDict read_optimizer(const std::string& path, const torch::optim::Optimizer& optimizer) {
+  auto kind = optimizer_state_dict(optimizer).values.at("optimizer").get<std::string>();
+  TORCH_CHECK_VALUE(kind != "LBFGS", path, ": LBFGS's state is not read from Python's optimizer.bin");
+  auto py = read_torch_save(path);
+  const auto where = path + ":";
+  TORCH_CHECK_VALUE(py.values.is_object() && py.values.contains("state") && py.values.contains("param_groups"),
+                    where, " not an optimizer's state dict (no \"state\" and \"param_groups\")");
+  StateDict out;
+  out.values["optimizer"] = kind;
+  out.values["param_groups"] = py.values.at("param_groups");
+  for (const auto& group : out.values["param_groups"]) {
+    TORCH_CHECK_VALUE(group.is_object(), where, " a param group is not a dict");
+    TORCH_CHECK_VALUE(!group.contains("maximize") || !group.at("maximize").is_boolean() || !group.at("maximize").get<bool>(),
+                      where, " the optimizer maximizes (maximize=True), which LibTorch's ", kind, " cannot");
+  }
+  auto& states = out.values["state"] = nlohmann::json::object();
+  TORCH_CHECK_VALUE(py.values.at("state").is_object(), where, " \"state\" is not a dict");
+  for (const auto& [index, entries] : py.values.at("state").items()) {
+    auto& s = states[index] = nlohmann::json::object();
+    for (const auto& [name, value] : entries.items()) {
+      if (!value.is_null()) s[name] = value;
+    }
+  }
+  for (auto& [key, tensor] : py.tensors) {
+    const auto dot = key.rfind('.');
+    if (key.rfind("state.", 0) != 0 || dot == std::string::npos) {
+      TORCH_CHECK_VALUE(false, where, " tensor ", key, " is outside the per-parameter state");
+    }
+    const auto index = key.substr(6, dot - 6);
+    const auto name = key.substr(dot + 1);
+    if (!states.contains(index)) states[index] = nlohmann::json::object();
+    if (name == "step") {
+      TORCH_CHECK_VALUE(tensor.numel() == 1, where, " ", key, " should hold one number");
+      const double step = tensor.to(at::kDouble).item<double>();
+      TORCH_CHECK_VALUE(step >= 0 && step == std::floor(step) && step < 9.0e15, where, " ", key,
+                        " should be a whole number of steps, got ", step);
+      states[index]["step"] = static_cast<int64_t>(step);
+      continue;
+    }
+    out.tensors.emplace(key, tensor);
+  }
+  return out;
+}
+
+void write_optimizer(const StateDict& ours, const std::string& path) {
+  const auto kind = ours.values.at("optimizer").get<std::string>();
+  TORCH_CHECK_VALUE(kind != "LBFGS", "[Accelerator::save_state] LBFGS's state is not written in Python's layout");
+  TorchSaveWriter w;
+  auto& tr = w.tree();
+  std::vector<std::pair<const pickle::Value*, const pickle::Value*>> groups_state;
+  for (const auto& [index, scalars] : ours.values.at("state").items()) {
+    std::vector<std::pair<const pickle::Value*, const pickle::Value*>> entries;
+    for (const auto& [name, value] : scalars.items()) {
+      // PyTorch keeps the step as a float tensor (its kernels update it in place).
+      const auto* v = name == "step" ? w.tensor(at::scalar_tensor(value.get<double>(), at::kFloat)) : w.from_json(value);
+      entries.emplace_back(tr.string(name), v);
+    }
+    const auto prefix = "state." + index + ".";
+    for (const auto& [key, tensor] : ours.tensors) {
+      if (key.rfind(prefix, 0) == 0) entries.emplace_back(tr.string(key.substr(prefix.size())), w.tensor(tensor));
+    }
+    groups_state.emplace_back(tr.integer(std::stoll(index)), tr.dict(std::move(entries)));
+  }
+  std::vector<const pickle::Value*> groups;
+  for (const auto& group : ours.values.at("param_groups")) {
+    std::vector<std::pair<const pickle::Value*, const pickle::Value*>> entries;
+    for (const auto& [name, value] : group.items()) {
+      const pickle::Value* v = nullptr;
+      if (name == "betas") {
+        v = tr.tuple({tr.number(value[0].get<double>()), tr.number(value[1].get<double>())});
+      } else {
+        v = w.from_json(value);
+      }
+      entries.emplace_back(tr.string(name), v);
+    }
+    entries.emplace_back(tr.string("maximize"), tr.boolean(false));
+    groups.push_back(tr.dict(std::move(entries)));
+  }
+  const auto* root = tr.dict({{tr.string("state"), tr.dict(std::move(groups_state))},
+                              {tr.string("param_groups"), tr.list(std::move(groups))}});
+  w.write(root, path);
+}
+
+// ---- schedulers ----------------------------------------------------------------------------------
+
+namespace {
+
+void require_lambda_lr(const LRScheduler& scheduler, const std::string& what) {
+  TORCH_CHECK_VALUE(dynamic_cast<const LambdaLR*>(&scheduler) != nullptr, what,
+                    ": only LambdaLR schedulers (and transformers' schedules, which are LambdaLRs) cross between "
+                    "Python and C++; PyTorch keeps part of a OneCycleLR's state in the optimizer's param groups");
+}
+
+}  // namespace
+
+nlohmann::json read_scheduler(const std::string& path, const LRScheduler& scheduler) {
+  require_lambda_lr(scheduler, path);
+  auto py = read_torch_save(path);
+  const auto& v = py.values;
+  TORCH_CHECK_VALUE(py.tensors.empty() && v.is_object(), path, ": not a scheduler's state dict");
+  for (const auto* key : {"base_lrs", "last_epoch", "_step_count", "_last_lr", "lr_lambdas"}) {
+    TORCH_CHECK_VALUE(v.contains(key), path, ": the scheduler's state has no \"", key, "\" (not a LambdaLR's?)");
+  }
+  auto lambdas = nlohmann::json::array();
+  const auto& saved = v.at("lr_lambdas");
+  TORCH_CHECK_VALUE(saved.is_array(), path, ": \"lr_lambdas\" is not a list");
+  for (size_t i = 0; i < saved.size(); ++i) {
+    TORCH_CHECK_VALUE(saved[i].is_null() || (saved[i].is_object() && saved[i].empty()), path, ": lr_lambdas[", i,
+                      "] holds a callable object's attributes ", saved[i].dump(),
+                      ", which a C++ lambda cannot take; build the scheduler with a lambda that needs no state");
+    lambdas.push_back(nullptr);
+  }
+  return {{"base_lrs", v.at("base_lrs")}, {"last_epoch", v.at("last_epoch")}, {"step_count", v.at("_step_count")},
+          {"last_lr", v.at("_last_lr")}, {"lr_lambdas", lambdas}};
+}
+
+void write_scheduler(const LRScheduler& scheduler, const std::string& path) {
+  require_lambda_lr(scheduler, "[Accelerator::save_state] " + path);
+  const auto ours = scheduler.state_dict();
+  TorchSaveWriter w;
+  auto& tr = w.tree();
+  std::vector<const pickle::Value*> lambdas;
+  for (size_t i = 0; i < ours.at("lr_lambdas").size(); ++i) lambdas.push_back(tr.none());
+  const auto* root = tr.dict({{tr.string("base_lrs"), w.from_json(ours.at("base_lrs"))},
+                              {tr.string("last_epoch"), w.from_json(ours.at("last_epoch"))},
+                              {tr.string("verbose"), tr.boolean(false)},
+                              {tr.string("_step_count"), w.from_json(ours.at("step_count"))},
+                              {tr.string("_get_lr_called_within_step"), tr.boolean(false)},
+                              {tr.string("_last_lr"), w.from_json(ours.at("last_lr"))},
+                              {tr.string("lr_lambdas"), tr.list(std::move(lambdas))}});
+  w.write(root, path);
+}
+
+// ---- the scaler ----------------------------------------------------------------------------------
+
+nlohmann::json read_scaler(const std::string& path) {
+  auto py = read_torch_save(path);
+  TORCH_CHECK_VALUE(py.tensors.empty() && py.values.is_object(), path, ": not a GradScaler's state dict");
+  return py.values;
+}
+
+void write_scaler(const nlohmann::json& state, const std::string& path) {
+  TorchSaveWriter w;
+  w.write(w.from_json(state), path);
+}
+
+// ---- random states -------------------------------------------------------------------------------
+
+StateDict read_random(const std::string& path, std::vector<std::string>& skipped) {
+  auto py = read_torch_save(path, {.skippable_modules = {"numpy", "_codecs"}, .skipped = nullptr});
+  TORCH_CHECK_VALUE(py.values.is_object(), path, ": not a dict of random states");
+  StateDict out;
+  if (py.values.contains("step")) {
+    TORCH_CHECK_VALUE(py.values.at("step").is_number_integer(), path, ": \"step\" is not an integer");
+    out.values["step"] = py.values.at("step");
+  } else {
+    out.values["step"] = 0;
+  }
+  // What is neither the step nor a torch generator (the CPU's, CUDA's) has no C++ counterpart.
+  for (const auto& [key, value] : py.values.items()) {
+    if (key != "step" && key != "torch_cuda_manual_seed") skipped.push_back(key);
+  }
+  for (auto& [key, tensor] : py.tensors) {
+    if (key == "torch_manual_seed" || key.rfind("torch_cuda_manual_seed.", 0) == 0) out.tensors.emplace(key, tensor);
+  }
+  TORCH_CHECK_VALUE(out.tensors.count("torch_manual_seed"), path, ": no \"torch_manual_seed\"");
+  return out;
+}
+
+void write_random(const StateDict& generators, int64_t step, const std::string& path) {
+  TorchSaveWriter w;
+  auto& tr = w.tree();
+  // The Mersenne Twister that numpy's seed(s) makes (std::mt19937 seeds the same way), as
+  // Python's random.getstate() and numpy's get_state() lay it out.
+  const auto seed = static_cast<uint32_t>(at::detail::getDefaultCPUGenerator().current_seed());
+  std::mt19937 twister(seed);
+  std::stringstream text;
+  text << twister;  // the 624 words of its state, then its position
+  std::vector<const pickle::Value*> words, key;
+  for (int i = 0; i < 624; ++i) {
+    uint64_t word = 0;
+    text >> word;
+    words.push_back(tr.integer(static_cast<int64_t>(word)));
+    key.push_back(tr.integer(static_cast<int64_t>(word)));
+  }
+  words.push_back(tr.integer(624));
+  const auto* python_random = tr.tuple({tr.integer(3), tr.tuple(std::move(words)), tr.none()});
+  const auto* numpy_random =
+      tr.tuple({tr.string("MT19937"), tr.list(std::move(key)), tr.integer(624), tr.integer(0), tr.number(0.0)});
+  std::vector<const pickle::Value*> cuda;
+  for (size_t d = 0;; ++d) {
+    auto it = generators.tensors.find("torch_cuda_manual_seed." + std::to_string(d));
+    if (it == generators.tensors.end()) break;
+    cuda.push_back(w.tensor(it->second));
+  }
+  const auto* root = tr.dict({{tr.string("step"), tr.integer(step)},
+                              {tr.string("random_state"), python_random},
+                              {tr.string("numpy_random_seed"), numpy_random},
+                              {tr.string("torch_manual_seed"), w.tensor(generators.tensors.at("torch_manual_seed"))},
+                              {tr.string("torch_cuda_manual_seed"), tr.list(std::move(cuda))}});
+  w.write(root, path);
+}
+
+// ---- registered objects --------------------------------------------------------------------------
+
+StateDict read_custom(const std::string& path) { return read_torch_save(path); }
+
+void write_custom(const StateDict& state, const std::string& path) {
+  TorchSaveWriter w;
+  auto& tr = w.tree();
+  TORCH_CHECK_VALUE(state.tensors.empty() || state.values.is_object(),
+                    "[Accelerator::save_state] a registered object whose state holds tensors and a non-object JSON "
+                    "value cannot be written as one Python dict");
+  if (!state.values.is_object()) {
+    w.write(w.from_json(state.values), path);
+    return;
+  }
+  std::vector<std::pair<const pickle::Value*, const pickle::Value*>> entries;
+  for (const auto& [key, value] : state.values.items()) entries.emplace_back(tr.string(key), w.from_json(value));
+  for (const auto& [name, tensor] : state.tensors) {
+    TORCH_CHECK_VALUE(!state.values.contains(name), "[Accelerator::save_state] a registered object's state has \"",
+                      name, "\" both as a value and as a tensor");
+    entries.emplace_back(tr.string(name), w.tensor(tensor));
+  }
+  w.write(state.values.empty() ? w.ordered_dict(std::move(entries)) : tr.dict(std::move(entries)), path);
+}
+
+}  // namespace accelerate::detail::python_layout

@@ -1,0 +1,355 @@
+// torch.save's file format (see torch_save.h).
+#include "checkpoint/torch_save.h"
+
+#include "checkpoint/offload_dtypes.h"
+#include "detail/files.h"
+
+#include <c10/util/Exception.h>
+#include <caffe2/serialize/inline_container.h>
+#include <torch/torch.h>
+
+#include <fstream>
+#include <limits>
+#include <stdexcept>
+
+namespace accelerate::detail {
+
+namespace {
+
+// Note [torch.save files]
+// Since PyTorch 1.6 torch.save writes a zip archive of stored (uncompressed) records: `data.pkl`,
+// a protocol 2 pickle of the object whose tensors are calls of
+// `torch._utils._rebuild_tensor_v2(storage, offset, size, stride, requires_grad, hooks)` and
+// whose storages are persistent ids ('storage', torch.<Type>Storage, key, location, numel),
+// each storage's bytes in the record `data/<key>`. LibTorch's archive reader and writer
+// (caffe2::serialize) handle the zip; the pickle is read as data by formats/pickle and
+// interpreted here against a fixed list: tensors, storages, `collections.OrderedDict` and
+// `torch._utils._rebuild_parameter` (a Parameter's tensor). Anything else is refused by name,
+// except the modules a caller lists as skippable (numpy's arrays in random states), whose objects
+// become null. So reading runs no code of the file's, like `torch.load(weights_only=True)`.
+// Every tensor is checked against its storage (offset, sizes and strides within its bytes), and a
+// pickle that shares values into a walk larger than the file is refused before it is walked.
+
+constexpr int kMaxDepth = pickle::kMaxDepth;
+
+struct StorageType {
+  const char* name;
+  c10::ScalarType dtype;
+};
+
+constexpr StorageType kStorageTypes[] = {
+    {"FloatStorage", c10::kFloat},       {"DoubleStorage", c10::kDouble},
+    {"HalfStorage", c10::kHalf},         {"BFloat16Storage", c10::kBFloat16},
+    {"LongStorage", c10::kLong},         {"IntStorage", c10::kInt},
+    {"ShortStorage", c10::kShort},       {"CharStorage", c10::kChar},
+    {"ByteStorage", c10::kByte},         {"BoolStorage", c10::kBool},
+    {"ComplexFloatStorage", c10::kComplexFloat}, {"ComplexDoubleStorage", c10::kComplexDouble},
+    {"UntypedStorage", c10::kByte},
+};
+
+const char* storage_name(c10::ScalarType dtype) {
+  for (const auto& t : kStorageTypes) {
+    if (t.dtype == dtype && std::string(t.name) != "UntypedStorage") return t.name;
+  }
+  TORCH_CHECK_VALUE(false, "torch.save has no storage type for ", dtype_name(dtype));
+}
+
+class Interpreter {
+ public:
+  Interpreter(caffe2::serialize::PyTorchStreamReader& archive, const TorchReadOptions& options)
+      : archive_(archive), options_(options) {}
+
+  StateDict run(const pickle::Value& root) {
+    StateDict out;
+    out.values = value(&root, "", out.tensors, 0);
+    return out;
+  }
+
+ private:
+  using Value = pickle::Value;
+  using K = Value::Kind;
+
+  [[noreturn]] static void refuse(const std::string& where, const std::string& what) {
+    TORCH_CHECK_VALUE(false, where.empty() ? "the top level" : "\"" + where + "\"", " holds ", what);
+  }
+  static std::string join(const std::string& path, const std::string& key) {
+    return path.empty() ? key : path + "." + key;
+  }
+
+  bool skippable(const Value& global) const {
+    for (const auto& module : options_.skippable_modules) {
+      if (global.text == module || global.text.rfind(module + ".", 0) == 0) return true;
+    }
+    return false;
+  }
+
+  static int64_t int_of(const Value* v, const std::string& where, const char* what) {
+    if (v == nullptr || v->kind != K::kInt) refuse(where, std::string("a tensor whose ") + what + " is not an integer");
+    return v->integer;
+  }
+  static std::vector<int64_t> ints_of(const Value* v, const std::string& where, const char* what) {
+    if (v == nullptr || v->kind != K::kTuple) refuse(where, std::string("a tensor whose ") + what + " is not a tuple");
+    std::vector<int64_t> out;
+    for (const auto* item : v->items) out.push_back(int_of(item, where, what));
+    return out;
+  }
+
+  c10::Storage storage(const Value* pid, const std::string& where, c10::ScalarType& dtype) {
+    if (pid == nullptr || pid->kind != K::kPersistent || pid->items[0]->kind != K::kTuple) {
+      refuse(where, "a tensor whose storage is not a persistent id");
+    }
+    const auto& id = pid->items[0]->items;
+    if (id.size() != 5 || id[0]->kind != K::kString || id[0]->text != "storage" || id[1]->kind != K::kGlobal ||
+        id[2]->kind != K::kString || id[4]->kind != K::kInt) {
+      refuse(where, "a storage id other than ('storage', type, key, location, numel)");
+    }
+    const auto& type = *id[1];
+    const StorageType* found = nullptr;
+    for (const auto& t : kStorageTypes) {
+      if ((type.text == "torch" || type.text == "torch.storage") && type.name == t.name) found = &t;
+    }
+    if (found == nullptr) refuse(where, "a storage of type " + type.qualified_name());
+    dtype = found->dtype;
+    const auto& key = id[2]->text;
+    const std::string record = "data/" + key;
+    auto it = storages_.find(key);
+    if (it == storages_.end()) {
+      TORCH_CHECK_VALUE(key.find('/') == std::string::npos && archive_.hasRecord(record), "the archive has no record ",
+                        record, " for \"", where, "\"");
+      auto [data, size] = archive_.getRecord(record);
+      c10::Storage s(c10::Storage::use_byte_size_t(), size, std::move(data), nullptr, /*resizable=*/false);
+      it = storages_.emplace(key, std::move(s)).first;
+    }
+    const auto numel = id[4]->integer;
+    const auto element = static_cast<int64_t>(c10::elementSize(dtype));
+    TORCH_CHECK_VALUE(numel >= 0 && numel <= std::numeric_limits<int64_t>::max() / element &&
+                          static_cast<uint64_t>(numel * element) == it->second.nbytes(),
+                      "storage ", key, " of \"", where, "\" should hold ", numel, " elements of ", dtype_name(dtype),
+                      " but its record holds ", it->second.nbytes(), " bytes");
+    return it->second;
+  }
+
+  at::Tensor tensor(const Value& call, const std::string& where) {
+    const auto& args = call.args->items;
+    if (args.size() < 4) refuse(where, "a tensor with too few arguments");
+    c10::ScalarType dtype;
+    auto s = storage(args[0], where, dtype);
+    const auto offset = int_of(args[1], where, "offset");
+    const auto sizes = ints_of(args[2], where, "size");
+    const auto strides = ints_of(args[3], where, "stride");
+    TORCH_CHECK_VALUE(sizes.size() == strides.size() && offset >= 0, "\"", where,
+                      "\" holds a tensor whose size, stride and offset disagree");
+    // The last element's index, checked against the storage without overflowing.
+    const int64_t elements = static_cast<int64_t>(s.nbytes() / c10::elementSize(dtype));
+    bool empty = false;
+    int64_t last = offset;
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      TORCH_CHECK_VALUE(sizes[i] >= 0 && strides[i] >= 0, "\"", where, "\" holds a tensor with a negative size or stride");
+      if (sizes[i] == 0) empty = true;
+      if (sizes[i] > 0 && strides[i] > 0 &&
+          (sizes[i] - 1 > (std::numeric_limits<int64_t>::max() - last) / strides[i])) {
+        refuse(where, "a tensor larger than its storage");
+      }
+      if (sizes[i] > 0) last += (sizes[i] - 1) * strides[i];
+    }
+    TORCH_CHECK_VALUE(empty || last < elements, "\"", where, "\" holds a tensor that reaches element ", last,
+                      " of a storage of ", elements);
+    if (empty) return at::empty(sizes, at::TensorOptions().dtype(dtype));
+    auto out = at::empty({0}, at::TensorOptions().dtype(dtype));
+    out.set_(s, offset, sizes, strides);
+    return out;
+  }
+
+  // A call: a tensor (added to `tensors`), an OrderedDict, or an object of a skippable module.
+  nlohmann::json call(const Value& v, const std::string& where, TensorMap& tensors, int depth) {
+    const auto& name = v.callable->qualified_name();
+    if (skippable(*v.callable)) {
+      if (options_.skipped != nullptr) options_.skipped->push_back(where.empty() ? name : where + " (" + name + ")");
+      return nullptr;
+    }
+    if (name == "torch._utils._rebuild_tensor_v2" || name == "torch._utils._rebuild_tensor") {
+      tensors.insert_or_assign(where, tensor(v, where));
+      return nullptr;
+    }
+    if (name == "torch._utils._rebuild_parameter" && !v.args->items.empty() && v.args->items[0]->kind == K::kCall) {
+      return call(*v.args->items[0], where, tensors, depth + 1);
+    }
+    if (name == "collections.OrderedDict" && v.args->items.empty() && v.items.empty()) {
+      // A module's state_dict() carries its modules' versions as the attribute `_metadata`,
+      // which only Python's load_state_dict reads.
+      bool plain = v.state == nullptr || v.state->kind == K::kNone || v.state->kind == K::kDict;
+      if (plain && v.state != nullptr && v.state->kind == K::kDict) {
+        for (const auto& [k, x] : v.state->entries) plain = plain && k->kind == K::kString && k->text == "_metadata";
+      }
+      if (!plain) refuse(where, "an OrderedDict with attributes other than _metadata");
+      return entries(v.entries, where, tensors, depth);
+    }
+    refuse(where, "an object of " + name + ", which is not read (only plain values, tensors and OrderedDicts are)");
+  }
+
+  nlohmann::json entries(const std::vector<std::pair<const Value*, const Value*>>& items, const std::string& where,
+                         TensorMap& tensors, int depth) {
+    auto out = nlohmann::json::object();
+    for (const auto& [k, x] : items) {
+      std::string key;
+      if (k->kind == K::kString) {
+        key = k->text;
+      } else if (k->kind == K::kInt) {
+        key = std::to_string(k->integer);
+      } else {
+        refuse(where, "a dict key that is neither a string nor an integer");
+      }
+      TORCH_CHECK_VALUE(!out.contains(key), "\"", where, "\" holds the key ", key, " twice");
+      auto item = value(x, join(where, key), tensors, depth + 1);
+      if (!(item.is_null() && tensors.count(join(where, key)))) out[key] = std::move(item);
+    }
+    return out;
+  }
+
+  nlohmann::json value(const Value* v, const std::string& where, TensorMap& tensors, int depth) {
+    if (depth > kMaxDepth) refuse(where, "values nested deeper than " + std::to_string(kMaxDepth));
+    switch (v->kind) {
+      case K::kNone: return nullptr;
+      case K::kBool: return v->boolean;
+      case K::kInt: return v->integer;
+      case K::kFloat: return v->number;
+      case K::kString: return v->text;
+      case K::kList:
+      case K::kTuple: {
+        auto out = nlohmann::json::array();
+        for (size_t i = 0; i < v->items.size(); ++i) {
+          out.push_back(value(v->items[i], join(where, std::to_string(i)), tensors, depth + 1));
+        }
+        return out;
+      }
+      case K::kDict: return entries(v->entries, where, tensors, depth);
+      case K::kCall: return call(*v, where, tensors, depth);
+      case K::kBytes: refuse(where, "bytes, which are not read");
+      case K::kSet: refuse(where, "a set, which is not read");
+      case K::kGlobal:
+        if (skippable(*v)) return nullptr;
+        refuse(where, "the name " + v->qualified_name() + ", which is not read");
+      case K::kPersistent: refuse(where, "a storage outside a tensor, which is not read");
+    }
+    refuse(where, "an unknown value");
+  }
+
+  caffe2::serialize::PyTorchStreamReader& archive_;
+  const TorchReadOptions& options_;
+  std::map<std::string, c10::Storage> storages_;
+};
+
+}  // namespace
+
+bool is_zip_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  char magic[4] = {};
+  in.read(magic, 4);
+  return in.gcount() == 4 && magic[0] == 'P' && magic[1] == 'K' && magic[2] == 3 && magic[3] == 4;
+}
+
+StateDict read_torch_save(const std::string& path, const TorchReadOptions& options) {
+  TORCH_CHECK_VALUE(std::filesystem::is_regular_file(path), path, " does not exist");
+  TORCH_CHECK_VALUE(is_zip_file(path), path,
+                    " is not a zip archive written by torch.save (files of the legacy format, "
+                    "torch.save(..., _use_new_zipfile_serialization=False), are not read: load and save it again in "
+                    "Python)");
+  try {
+    caffe2::serialize::PyTorchStreamReader archive(path);
+    TORCH_CHECK_VALUE(archive.hasRecord("data.pkl"), "the archive has no data.pkl (a TorchScript archive is not read)");
+    auto [data, size] = archive.getRecord("data.pkl");
+    const auto tree = pickle::read(std::string_view(static_cast<const char*>(data.get()), size));
+    // Walking shared values costs what the walk visits: bounded by a multiple of the file.
+    const size_t limit = std::max<size_t>(size_t{1} << 20, 16 * size);
+    TORCH_CHECK_VALUE(pickle::expanded_size(*tree.root, limit) < limit,
+                      "data.pkl shares its values into more than ", limit, " places");
+    return Interpreter(archive, options).run(*tree.root);
+  } catch (const c10::ValueError& e) {
+    C10_THROW_ERROR(ValueError, c10::str(path, ": ", e.what_without_backtrace()));
+  } catch (const c10::Error& e) {
+    C10_THROW_ERROR(ValueError, c10::str(path, " is not a valid torch.save archive: ", e.what_without_backtrace()));
+  } catch (const std::exception& e) {
+    C10_THROW_ERROR(ValueError, c10::str(path, ": ", e.what()));
+  }
+}
+
+// ---- writing -----------------------------------------------------------------------------------
+
+const pickle::Value* TorchSaveWriter::tensor(const at::Tensor& t) {
+  auto& tr = tree_;
+  auto cpu = t.detach().to(at::kCPU).contiguous();
+  if (cpu.storage_offset() != 0 || cpu.numel() * cpu.element_size() != static_cast<int64_t>(cpu.storage().nbytes())) {
+    cpu = cpu.clone();
+  }
+  const auto key = std::to_string(storages_.size());
+  storages_.push_back(cpu);
+  const auto* id = tr.tuple({tr.string("storage"), tr.global("torch", storage_name(cpu.scalar_type())), tr.string(key),
+                             tr.string("cpu"), tr.integer(cpu.numel())});
+  std::vector<const pickle::Value*> sizes, strides;
+  for (auto s : cpu.sizes()) sizes.push_back(tr.integer(s));
+  for (auto s : cpu.strides()) strides.push_back(tr.integer(s));
+  return tr.call(tr.global("torch._utils", "_rebuild_tensor_v2"),
+                 tr.tuple({tr.persistent(id), tr.integer(0), tr.tuple(sizes), tr.tuple(strides), tr.boolean(false),
+                           ordered_dict({})}));
+}
+
+const pickle::Value* TorchSaveWriter::ordered_dict(
+    std::vector<std::pair<const pickle::Value*, const pickle::Value*>> entries) {
+  auto* v = tree_.add(pickle::Value::Kind::kCall);
+  v->callable = tree_.global("collections", "OrderedDict");
+  v->args = tree_.tuple({});
+  v->entries = std::move(entries);
+  return v;
+}
+
+const pickle::Value* TorchSaveWriter::from_json(const nlohmann::json& value) {
+  auto& tr = tree_;
+  switch (value.type()) {
+    case nlohmann::json::value_t::null: return tr.none();
+    case nlohmann::json::value_t::boolean: return tr.boolean(value.get<bool>());
+    case nlohmann::json::value_t::number_integer: return tr.integer(value.get<int64_t>());
+    case nlohmann::json::value_t::number_unsigned:
+      TORCH_CHECK_VALUE(value.get<uint64_t>() <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max()),
+                        "an integer beyond 64 bits cannot be pickled here");
+      return tr.integer(value.get<int64_t>());
+    case nlohmann::json::value_t::number_float: return tr.number(value.get<double>());
+    case nlohmann::json::value_t::string: return tr.string(value.get<std::string>());
+    case nlohmann::json::value_t::array: {
+      std::vector<const pickle::Value*> items;
+      for (const auto& item : value) items.push_back(from_json(item));
+      return tr.list(std::move(items));
+    }
+    case nlohmann::json::value_t::object: {
+      std::vector<std::pair<const pickle::Value*, const pickle::Value*>> entries;
+      for (const auto& [k, v] : value.items()) entries.emplace_back(tr.string(k), from_json(v));
+      return tr.dict(std::move(entries));
+    }
+    default: TORCH_CHECK_VALUE(false, "a JSON value of type ", value.type_name(), " cannot be pickled");
+  }
+}
+
+void TorchSaveWriter::write(const pickle::Value* root, const std::string& path) {
+  std::string pickled;
+  try {
+    pickled = pickle::write(*root);
+  } catch (const std::invalid_argument& e) {
+    C10_THROW_ERROR(ValueError, c10::str(path, ": ", e.what()));
+  }
+  write_file_atomically(path, [&](SequentialWriter& out) {
+    caffe2::serialize::PyTorchStreamWriter archive([&](const void* data, size_t size) -> size_t {
+      auto piece = std::make_shared<std::string>(static_cast<const char*>(data), size);
+      out.write(piece->data(), piece->size(), piece);
+      return size;
+    });
+    archive.writeRecord("data.pkl", pickled.data(), pickled.size());
+    static const std::string little = "little";
+    archive.writeRecord("byteorder", little.data(), little.size());
+    for (size_t i = 0; i < storages_.size(); ++i) {
+      const auto& s = storages_[i];
+      archive.writeRecord("data/" + std::to_string(i), s.data_ptr(), s.numel() * s.element_size());
+    }
+    archive.writeEndOfFile();
+  });
+}
+
+}  // namespace accelerate::detail
