@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs every build, test and benchmark dependency from Debian packages.
 # Safe to run repeatedly; needs root (or sudo) on Debian 12 (bookworm), 13 (trixie) or sid: the
-# package names below exist under the same names in each. `--bench` adds what the benchmarks'
-# PyTorch twins need. ACCELERATE_TORCH_PACKAGE=libtorch-cuda-dev picks the CUDA build of LibTorch
+# package names below exist under the same names in each (python3-safetensors from 13 on).
+# `--bench` is accepted for the benchmark runner: what its PyTorch twins need is always installed.
+# ACCELERATE_TORCH_PACKAGE=libtorch-cuda-dev picks the CUDA build of LibTorch
 # (Debian 13 and later, in the contrib component; it brings the CUDA toolkit, from non-free).
 set -euo pipefail
 
@@ -32,9 +33,12 @@ if [ "$torch_package" = libtorch-cuda-dev ]; then
   packages+=(nvidia-cuda-toolkit libnccl-dev)
 fi
 
-# The benchmarks compare against PyTorch twins, which need Debian's PyTorch (the same LibTorch).
-if [ "${1:-}" = "--bench" ]; then
-  packages+=(python3-torch)
+# Debian's PyTorch: the other side of the checkpoint interop tests (tests/python/upstream_checkpoint.py)
+# and the benchmarks' twins. Debian 13 and later also package safetensors for Python, whose reader
+# the tests run on the project's files.
+packages+=(python3-torch)
+if [ -r /etc/os-release ] && [ "$(. /etc/os-release && echo "${VERSION_ID:-}")" != "12" ]; then
+  packages+=(python3-safetensors)
 fi
 
 if [ "$(id -u)" -ne 0 ]; then

@@ -257,7 +257,7 @@ TEST(LoadCheckpointInModel, NamesWhatIsWrongWithTheCheckpointPath) {
   detail::write_file((pickled.path() / "pytorch_model.bin").string(), "PK");
   EXPECT_THROWS_WITH(load_checkpoint_in_model(*net, pickled.str()), "which load_checkpoint_in_model does not read");
   EXPECT_THROWS_WITH(load_state_dict((pickled.path() / "pytorch_model.bin").string()),
-                     "is not a valid torch.save archive");
+                     "is not a zip archive written by torch.save");
 }
 
 TEST(GetModuleChildrenBottomUp, ChildrenInOrderBeforeTheirParentAndTheModelLast) {

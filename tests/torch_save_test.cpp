@@ -1,0 +1,351 @@
+// torch.save's format read and written without Python: the pickle reader's refusals and round
+// trips (formats/pickle), files written by Debian's PyTorch read back value for value and tensor
+// for tensor (checkpoint/torch_save), each optimizer kind's state crossing in both directions and
+// continuing the same training, and what is refused by name: the legacy format, a truncated
+// archive, a storage too small for its tensor, a Python class, maximize=True, a lambda's state.
+#include "accelerate/accelerate.h"
+#include "checkpoint/python_layout.h"
+#include "checkpoint/torch_save.h"
+#include "formats/pickle.h"
+#include "support/process.h"
+#include "support/test_support.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <fstream>
+
+namespace accelerate::testing {
+namespace {
+
+namespace fs = std::filesystem;
+namespace pickle = detail::pickle;
+using ::testing::HasSubstr;
+using namespace std::string_literals;
+
+constexpr const char* kPython = "/usr/bin/python3";
+
+// Runs Python `code` with `args` as sys.argv[1:]; its standard output.
+std::string python(const std::string& code, const std::vector<std::string>& args = {}) {
+  std::vector<std::string> argv = {kPython, "-c", "import sys, json, collections, torch\n" + code};
+  argv.insert(argv.end(), args.begin(), args.end());
+  auto r = run(argv, 120);
+  EXPECT_EQ(r->exit_code(), 0) << r->err;
+  return r->out;
+}
+
+std::string pickle_error(std::string_view bytes) {
+  try {
+    pickle::read(bytes);
+  } catch (const std::invalid_argument& e) {
+    return e.what();
+  }
+  return "accepted";
+}
+
+// ---- the pickle reader and writer -----------------------------------------------------------
+
+TEST(Pickle, WrittenValuesReadBackTheSame) {
+  pickle::Tree t;
+  const auto* big = t.integer(int64_t{1} << 40);
+  const auto* root = t.dict({{t.string("ints"), t.list({t.integer(0), t.integer(255), t.integer(256), t.integer(65536),
+                                                        t.integer(-1), t.integer(-129), big,
+                                                        t.integer(INT64_MIN), t.integer(INT64_MAX)})},
+                             {t.string("tuple"), t.tuple({t.none(), t.boolean(true), t.number(-2.5)})},
+                             {t.integer(7), t.tuple({t.string("h\xc3\xa9"), t.tuple({}), t.dict({})})},
+                             {t.string("call"), t.call(t.global("collections", "OrderedDict"), t.tuple({}))}});
+  const auto bytes = pickle::write(*root);
+  const auto back = pickle::read(bytes);
+  EXPECT_TRUE(pickle::same(*root, *back.root));
+  EXPECT_EQ(back.root->entries[0].second->items[7]->integer, INT64_MIN);
+  // Python's own pickle module reads the same values.
+  TempDir dir;
+  detail::write_file(dir.str() + "/p.pkl", bytes);
+  const auto printed = python("import pickle; print(pickle.loads(open(sys.argv[1], 'rb').read()))", {dir.str() + "/p.pkl"});
+  EXPECT_THAT(printed, HasSubstr("'ints': [0, 255, 256, 65536, -1, -129, 1099511627776, -9223372036854775808, "
+                                 "9223372036854775807]"));
+  EXPECT_THAT(printed, HasSubstr("7: ('hé', (), {})"));
+  EXPECT_THAT(printed, HasSubstr("'call': OrderedDict()"));
+}
+
+TEST(Pickle, MalformedPicklesAreRefusedNamingTheRule) {
+  EXPECT_THAT(pickle_error(""s), HasSubstr("ends before its STOP opcode"));
+  EXPECT_THAT(pickle_error("\x80\x02K\x01"s), HasSubstr("ends before its STOP opcode"));
+  EXPECT_THAT(pickle_error("\x80\x02K\x01.K"s), HasSubstr("bytes follow the STOP opcode"));
+  EXPECT_THAT(pickle_error("\x80\x09N."s), HasSubstr("protocol 9 is newer than 5"));
+  EXPECT_THAT(pickle_error("\xff."s), HasSubstr("unknown opcode 0xff"));
+  EXPECT_THAT(pickle_error("h\x05."s), HasSubstr("entry 5, which was never stored"));
+  EXPECT_THAT(pickle_error("\x8a\x09\x01\x02\x03\x04\x05\x06\x07\x08\x09."s),
+              HasSubstr("beyond 64 bits"));
+  EXPECT_THAT(pickle_error("X\xff\xff\xff\x7f."s), HasSubstr("runs past the end of the pickle"));
+  EXPECT_THAT(pickle_error("}(K\x01u."s), HasSubstr("odd number of values"));
+  EXPECT_THAT(pickle_error("K\x01K\x02."s), HasSubstr("STOP leaves 2 values"));
+  EXPECT_THAT(pickle_error("R."s), HasSubstr("needs a value the stack lacks"));
+  EXPECT_THAT(pickle_error("cos\nsystem\nK\x01R."s), HasSubstr("arguments are not a tuple"));
+  EXPECT_THAT(pickle_error("Fl.0\n."s), HasSubstr("FLOAT is not read"));
+  EXPECT_THAT(pickle_error("\x82\x01."s), HasSubstr("extension registry"));
+  // A global is only a name: reading one calls and imports nothing.
+  const auto tree = pickle::read("cos\nsystem\nX\x02\x00\x00\x00ls\x85R."s);
+  EXPECT_EQ(tree.root->kind, pickle::Value::Kind::kCall);
+  EXPECT_EQ(tree.root->callable->qualified_name(), "os.system");
+}
+
+TEST(Pickle, AListThatContainsItselfIsReadButNotWalkedForever) {
+  // EMPTY_LIST, BINPUT 0, BINGET 0, APPEND: a list that holds itself.
+  const auto tree = pickle::read("]q\x00h\x00" "a."s);
+  EXPECT_EQ(tree.root->items.at(0), tree.root);
+  EXPECT_THROWS_WITH(pickle::write(*tree.root), "nested deeper than 100");
+  // Doubling through the memo: 40 levels of (x, x) make 2^40 places out of 40 values.
+  std::string doubling = "N";
+  for (int i = 0; i < 40; ++i) doubling += "q\x00h\x00\x86"s;
+  doubling += '.';
+  const auto shared = pickle::read(doubling);
+  EXPECT_LT(shared.size(), 200u);
+  EXPECT_EQ(pickle::expanded_size(*shared.root, 1000), 1000u);
+}
+
+// ---- files of torch.save ----------------------------------------------------------------------
+
+TEST(TorchSave, FilesOfPyTorchAreReadValueForValueAndTensorForTensor) {
+  TempDir dir;
+  const auto path = dir.str() + "/values.bin";
+  python(R"(
+base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+obj = {
+  "floats": base,
+  "view": base[1:, ::2],            # an offset and strides into a shared storage
+  "same_storage": base[0],
+  "dtypes": [torch.tensor([1.5, -2.0], dtype=d) for d in (torch.float64, torch.float16, torch.bfloat16)],
+  "ints": torch.tensor([-3, 2**40]), "bools": torch.tensor([True, False]), "bytes": torch.tensor([0, 255], dtype=torch.uint8),
+  "scalar": torch.tensor(7.0), "empty": torch.zeros(0, 3),
+  "plain": {"none": None, "t": (1, 2.5, "x"), "big": 2**62, "neg": -5, "flag": False},
+  "by_index": {0: 1, 1: 2},
+  "ordered": collections.OrderedDict([("b", 1), ("a", 2)]),
+}
+torch.save(obj, sys.argv[1])
+)",
+         {path});
+  const auto state = detail::read_torch_save(path);
+  const auto& t = state.tensors;
+  EXPECT_TRUE(at::equal(t.at("floats"), at::arange(24, at::kFloat).reshape({4, 6})));
+  EXPECT_TRUE(at::equal(t.at("view"), at::arange(24, at::kFloat).reshape({4, 6}).slice(0, 1).slice(1, 0, 6, 2)));
+  EXPECT_TRUE(at::equal(t.at("same_storage"), at::arange(6, at::kFloat)));
+  EXPECT_EQ(t.at("dtypes.0").scalar_type(), at::kDouble);
+  EXPECT_EQ(t.at("dtypes.1").scalar_type(), at::kHalf);
+  EXPECT_EQ(t.at("dtypes.2").scalar_type(), at::kBFloat16);
+  EXPECT_EQ(t.at("dtypes.2")[1].item<float>(), -2.0f);
+  EXPECT_EQ(t.at("ints")[1].item<int64_t>(), int64_t{1} << 40);
+  EXPECT_EQ(t.at("bools").scalar_type(), at::kBool);
+  EXPECT_EQ(t.at("bytes")[1].item<int>(), 255);
+  EXPECT_EQ(t.at("scalar").dim(), 0);
+  EXPECT_EQ(t.at("empty").sizes(), at::IntArrayRef({0, 3}));
+  const auto& v = state.values;
+  EXPECT_EQ(v.at("plain"), nlohmann::json::parse(R"({"none": null, "t": [1, 2.5, "x"], "big": 4611686018427387904,
+                                                     "neg": -5, "flag": false})"));
+  EXPECT_EQ(v.at("by_index"), nlohmann::json::parse(R"({"0": 1, "1": 2})"));
+  EXPECT_EQ(v.at("ordered").dump(), R"({"a":2,"b":1})");
+  EXPECT_EQ(v.at("dtypes"), nlohmann::json::parse("[null, null, null]"));
+  EXPECT_FALSE(v.contains("floats"));
+}
+
+TEST(TorchSave, WhatIsNotAPlainStateIsRefusedByName) {
+  TempDir dir;
+  const auto p = [&](const char* name) { return dir.str() + "/" + name; };
+  python(R"(
+torch.save(collections.Counter(a=1), sys.argv[1])
+torch.save({"w": torch.ones(3)}, sys.argv[2], _use_new_zipfile_serialization=False)
+torch.save({"w": torch.ones(1000)}, sys.argv[3])
+import zipfile
+src = zipfile.ZipFile(sys.argv[3])
+with zipfile.ZipFile(sys.argv[4], "w") as out:   # the same archive, its storage cut to 100 floats
+    for name in src.namelist():
+        data = src.read(name)
+        out.writestr(name, data[:400] if name.endswith("data/0") else data)
+torch.save({"s": {1, 2}}, sys.argv[5])
+)",
+         {p("counter.bin"), p("legacy.bin"), p("whole.bin"), p("short.bin"), p("set.bin")});
+  EXPECT_THROWS_WITH(detail::read_torch_save(p("counter.bin")), "an object of collections.Counter, which is not read");
+  EXPECT_THROWS_WITH(detail::read_torch_save(p("legacy.bin")), "the legacy format");
+  EXPECT_THROWS_WITH(detail::read_torch_save(p("short.bin")), "should hold 1000 elements of float32 but its record holds 400 bytes");
+  EXPECT_THROWS_WITH(detail::read_torch_save(p("set.bin")), "\"s\" holds an object of __builtin__.set");
+  // Cut in the middle: the archive's directory is gone.
+  const auto whole = detail::read_file(p("whole.bin"));
+  detail::write_file(p("cut.bin"), whole.substr(0, whole.size() / 2));
+  EXPECT_THROWS_WITH(detail::read_torch_save(p("cut.bin")), "cut.bin is not a valid torch.save archive");
+  detail::write_file(p("text.bin"), "not an archive");
+  EXPECT_THROWS_WITH(detail::read_torch_save(p("text.bin")), "is not a zip archive written by torch.save");
+  // load_state_dict reads a model's .bin, and only tensors.
+  EXPECT_TRUE(at::equal(load_state_dict(p("whole.bin")).at("w"), at::ones(1000)));
+  EXPECT_THROWS_WITH(load_state_dict(p("counter.bin")), "[load_state_dict]");
+}
+
+TEST(TorchSave, WrittenFilesAreReadByPyTorchWithWeightsOnly) {
+  TempDir dir;
+  const auto path = dir.str() + "/written.bin";
+  detail::TorchSaveWriter w;
+  auto& t = w.tree();
+  auto strided = at::arange(12, at::kFloat).reshape({3, 4}).t();  // not contiguous
+  const auto* root = t.dict({{t.string("a"), w.tensor(strided)},
+                             {t.string("h"), w.tensor(at::tensor({1.5, -2.0}).to(at::kHalf))},
+                             {t.string("j"), w.from_json(nlohmann::json::parse(R"({"x": [1, 2.5, null, true, "s"]})"))},
+                             {t.integer(3), w.ordered_dict({{t.string("k"), t.integer(-7)}})}});
+  w.write(root, path);
+  const auto out = python(R"(
+major = int(torch.__version__.split(".")[0])
+o = torch.load(sys.argv[1], weights_only=True) if major >= 2 else torch.load(sys.argv[1])
+print(json.dumps({"a": o["a"].tolist(), "a_shape": list(o["a"].shape), "h": [str(o["h"].dtype), o["h"].tolist()],
+                  "j": o["j"], "k": o[3]["k"], "ordered": type(o[3]).__name__}))
+)",
+                          {path});
+  const auto found = nlohmann::json::parse(out);
+  EXPECT_EQ(found["a_shape"], nlohmann::json::parse("[4, 3]"));
+  EXPECT_EQ(found["a"][1], nlohmann::json::parse("[1.0, 5.0, 9.0]"));
+  EXPECT_EQ(found["h"], nlohmann::json::parse(R"(["torch.float16", [1.5, -2.0]])"));
+  EXPECT_EQ(found["j"], nlohmann::json::parse(R"({"x": [1, 2.5, null, true, "s"]})"));
+  EXPECT_EQ(found["k"], -7);
+  EXPECT_EQ(found["ordered"], "OrderedDict");
+  // And the project reads its own files back.
+  const auto back = detail::read_torch_save(path);
+  EXPECT_TRUE(at::equal(back.tensors.at("a"), strided));
+}
+
+// ---- optimizers crossing in both directions -----------------------------------------------------
+
+// The Python side: one step of `kind` on a Linear(3, 2) with fixed weights and gradients, its state
+// saved; with `load`, the state C++ wrote is loaded instead; then one more step, the parameters
+// after it printed.
+const char* kOptimizerScript = R"(
+kind, save, load = sys.argv[1], sys.argv[2], sys.argv[3]
+net = torch.nn.Linear(3, 2)
+with torch.no_grad():
+    net.weight.copy_(torch.arange(6.0).reshape(2, 3) / 10); net.bias.copy_(torch.tensor([0.5, -0.5]))
+make = {"sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
+        "adam": lambda p: torch.optim.Adam(p, lr=0.01, amsgrad=True),
+        "adamw": lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1),
+        "adagrad": lambda p: torch.optim.Adagrad(p, lr=0.1, lr_decay=0.01),
+        "rmsprop": lambda p: torch.optim.RMSprop(p, lr=0.01, momentum=0.5, centered=True)}[kind]
+opt = make(net.parameters())
+def step(scale):
+    opt.zero_grad()
+    for i, p in enumerate(net.parameters()):
+        p.grad = torch.cos(torch.arange(p.numel(), dtype=torch.float32) * (i + 1) * scale).reshape(p.shape)
+    opt.step()
+if load == "-":
+    step(1.0)
+    torch.save(opt.state_dict(), save)
+    torch.save(net.state_dict(), save + ".model.bin")
+else:
+    major = int(torch.__version__.split(".")[0])
+    opt.load_state_dict(torch.load(load, weights_only=True) if major >= 2 else torch.load(load))
+    net.load_state_dict(torch.load(save + ".model.bin"))
+step(2.0)
+print(json.dumps([p.detach().flatten().tolist() for p in net.parameters()]))
+)";
+
+std::shared_ptr<torch::optim::Optimizer> make_optimizer(const std::string& kind, torch::nn::Linear& net) {
+  using namespace torch::optim;
+  const auto p = net->parameters();
+  if (kind == "sgd") return std::make_shared<SGD>(p, SGDOptions(0.1).momentum(0.9).nesterov(true).weight_decay(0.01));
+  if (kind == "adam") return std::make_shared<Adam>(p, AdamOptions(0.01).amsgrad(true));
+  if (kind == "adamw") return std::make_shared<AdamW>(p, AdamWOptions(0.01).weight_decay(0.1));
+  if (kind == "adagrad") return std::make_shared<Adagrad>(p, AdagradOptions(0.1).lr_decay(0.01));
+  return std::make_shared<RMSprop>(p, RMSpropOptions(0.01).momentum(0.5).centered(true));
+}
+
+void gradient_step(torch::nn::Linear& net, torch::optim::Optimizer& opt, double scale) {
+  opt.zero_grad();
+  int i = 0;
+  for (auto& p : net->parameters()) {
+    ++i;
+    p.mutable_grad() = torch::cos(torch::arange(p.numel(), torch::kFloat) * i * scale).reshape(p.sizes()).clone();
+  }
+  opt.step();
+}
+
+std::vector<std::vector<float>> params_of(torch::nn::Linear& net) {
+  std::vector<std::vector<float>> out;
+  for (auto& p : net->parameters()) {
+    auto c = p.detach().contiguous();
+    out.emplace_back(c.data_ptr<float>(), c.data_ptr<float>() + c.numel());
+  }
+  return out;
+}
+
+void expect_close(const nlohmann::json& python_params, const std::vector<std::vector<float>>& cpp_params) {
+  ASSERT_EQ(python_params.size(), cpp_params.size());
+  for (size_t i = 0; i < cpp_params.size(); ++i) {
+    ASSERT_EQ(python_params[i].size(), cpp_params[i].size());
+    for (size_t j = 0; j < cpp_params[i].size(); ++j) {
+      EXPECT_NEAR(python_params[i][j].get<double>(), cpp_params[i][j], 1e-6) << "parameter " << i << "[" << j << "]";
+    }
+  }
+}
+
+class OptimizerCrossing : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(OptimizerCrossing, PythonsStateContinuesInCppAndCppsInPython) {
+  const auto kind = GetParam();
+  TempDir dir;
+  const auto saved = dir.str() + "/optimizer.bin";
+  // Python's first step, then its second: what C++ must reach from Python's state.
+  const auto python_after = nlohmann::json::parse(python(kOptimizerScript, {kind, saved, "-"}));
+  torch::nn::Linear net(3, 2);
+  for (auto& [name, tensor] : load_state_dict(saved + ".model.bin")) {
+    torch::NoGradGuard no_grad;
+    net->named_parameters()[name].copy_(tensor);
+  }
+  auto opt = make_optimizer(kind, net);
+  load_optimizer_state_dict(*opt, detail::python_layout::read_optimizer(saved, *opt));
+  gradient_step(net, *opt, 2.0);
+  expect_close(python_after, params_of(net));
+
+  // C++'s first step, its state written in Python's layout and continued by Python.
+  torch::nn::Linear fresh(3, 2);
+  {
+    torch::NoGradGuard no_grad;
+    fresh->weight.copy_(torch::arange(6, torch::kFloat).reshape({2, 3}) / 10);
+    fresh->bias.copy_(torch::tensor({0.5f, -0.5f}));
+  }
+  auto cpp_opt = make_optimizer(kind, fresh);
+  gradient_step(fresh, *cpp_opt, 1.0);
+  const auto written = dir.str() + "/from_cpp.bin";
+  detail::python_layout::write_optimizer(optimizer_state_dict(*cpp_opt), written);
+  detail::TorchSaveWriter model;
+  model.write(model.ordered_dict({{model.tree().string("weight"), model.tensor(fresh->weight)},
+                                  {model.tree().string("bias"), model.tensor(fresh->bias)}}),
+              written + ".model.bin");
+  const auto python_resumed = nlohmann::json::parse(python(kOptimizerScript, {kind, written, written}));
+  gradient_step(fresh, *cpp_opt, 2.0);
+  expect_close(python_resumed, params_of(fresh));
+}
+
+INSTANTIATE_TEST_SUITE_P(EachKind, OptimizerCrossing, ::testing::Values("sgd", "adam", "adamw", "adagrad", "rmsprop"));
+
+TEST(OptimizerCrossing, WhatLibTorchCannotDoIsRefusedByName) {
+  TempDir dir;
+  python(R"(
+net = torch.nn.Linear(2, 1)
+opt = torch.optim.Adam(net.parameters(), maximize=True)
+torch.save(opt.state_dict(), sys.argv[1])
+sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 1.0)
+state = sched.state_dict(); state["lr_lambdas"] = [{"factor": 2}]
+torch.save(state, sys.argv[2])
+)",
+         {dir.str() + "/maximize.bin", dir.str() + "/lambda.bin"});
+  torch::nn::Linear net(2, 1);
+  auto adam = std::make_shared<torch::optim::Adam>(net->parameters(), torch::optim::AdamOptions(1e-3));
+  EXPECT_THROWS_WITH(detail::python_layout::read_optimizer(dir.str() + "/maximize.bin", *adam),
+                     "the optimizer maximizes (maximize=True), which LibTorch's Adam cannot");
+  LambdaLR schedule(adam, [](int64_t) { return 1.0; });
+  EXPECT_THROWS_WITH(detail::python_layout::read_scheduler(dir.str() + "/lambda.bin", schedule),
+                     "lr_lambdas[0] holds a callable object's attributes {\"factor\":2}");
+  OneCycleLR cycle(adam, {.max_lr = 0.1, .total_steps = 10});
+  EXPECT_THROWS_WITH(detail::python_layout::write_scheduler(cycle, dir.str() + "/cycle.bin"),
+                     "only LambdaLR schedulers");
+}
+
+}  // namespace
+}  // namespace accelerate::testing
