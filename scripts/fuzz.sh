@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Builds the safetensors header fuzzer with clang (libFuzzer + ASan + UBSan) into build/fuzz and
-# runs it from the seed corpus in fuzz/corpus. Fails on any crash, leak or sanitizer report.
-# Then, when the asan preset has built it, runs the load_state fuzzer (fuzz/load_state_fuzzer.cpp)
-# for half as long. Usage: scripts/fuzz.sh [seconds]   (default 60)
+# Builds the safetensors header fuzzer and the pickle fuzzer with clang (libFuzzer + ASan + UBSan)
+# into build/fuzz and runs them from their seed corpora (fuzz/corpus, fuzz/corpus_pickle), the
+# pickle one for half as long. Fails on any crash, leak or sanitizer report. Then, when the asan
+# preset has built it, runs the load_state fuzzer (fuzz/load_state_fuzzer.cpp) for half as long.
+# Usage: scripts/fuzz.sh [seconds]   (default 60)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seconds=${1:-60}
@@ -17,6 +18,14 @@ mkdir -p "$build/corpus" "$build/artifacts"
   -max_total_time="$seconds" -rss_limit_mb=2048 -timeout=10 -max_len=4096 \
   -dict=fuzz/safetensors.dict -artifact_prefix="$build/artifacts/" -print_final_stats=1 \
   "$build/corpus" fuzz/corpus
+
+# The pickle reader under torch.save's files (protocol 2 as PyTorch writes it, numpy's objects in
+# random states).
+mkdir -p "$build/corpus_pickle"
+"$build/pickle_fuzzer" \
+  -max_total_time="$((seconds / 2))" -rss_limit_mb=2048 -timeout=10 -max_len=8192 \
+  -artifact_prefix="$build/artifacts/" -print_final_stats=1 \
+  "$build/corpus_pickle" fuzz/corpus_pickle
 
 # load_state of mutated checkpoint folders, under ASan + UBSan (built by scripts/test.sh).
 if [ -x build/asan/tests/load_state_fuzzer ]; then
