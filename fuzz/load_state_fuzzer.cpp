@@ -10,6 +10,9 @@
 // (`-fsanitize=fuzzer`, which supplies main), or, by default, with the small driver at the end,
 // which mutates the saved files itself (`load_state_fuzzer <iterations> [seed]`, or
 // `--seconds N`) and is what the test suite and scripts/fuzz.sh run in the sanitizer build.
+// With `--python` (or ACCELERATE_FUZZ_LAYOUT=python) the checkpoint is saved in Python
+// Accelerate's layout (optimizer.bin, scheduler.bin, random_states_0.pkl, … in torch.save's zip
+// archives), whose reader is then the one under test.
 #include <accelerate/accelerate.h>
 
 #include <torch/torch.h>
@@ -30,6 +33,11 @@ namespace acc = accelerate;
 namespace fs = std::filesystem;
 
 namespace {
+
+bool python_layout() {
+  const char* layout = std::getenv("ACCELERATE_FUZZ_LAYOUT");
+  return layout != nullptr && std::string(layout) == "python";
+}
 
 struct Counter {
   int64_t value = 7;
@@ -88,7 +96,8 @@ struct Setup {
       opt.step();
     }
     sched.step();
-    accelerator.save_state((root / "seed").string());
+    accelerator.save_state((root / "seed").string(),
+                           {.layout = python_layout() ? acc::CheckpointLayout::kPython : acc::CheckpointLayout::kCpp});
     for (const auto& entry : fs::directory_iterator(root / "seed")) names.push_back(entry.path().filename());
     std::sort(names.begin(), names.end());
     for (const auto& name : names) seeds.push_back(read_all(root / "seed" / name));
@@ -184,13 +193,16 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--seconds") == 0 && i + 1 < argc) {
       seconds = std::atof(argv[++i]);
+    } else if (std::strcmp(argv[i], "--python") == 0) {
+      setenv("ACCELERATE_FUZZ_LAYOUT", "python", /*overwrite=*/1);
     } else if (i == 1) {
       iterations = std::atoll(argv[i]);
     } else {
       seed = std::strtoull(argv[i], nullptr, 10);
     }
   }
-  std::printf("load_state_fuzzer: seed %llu\n", static_cast<unsigned long long>(seed));
+  std::printf("load_state_fuzzer: seed %llu, %s layout\n", static_cast<unsigned long long>(seed),
+              python_layout() ? "Python's" : "the project's");
   std::fflush(stdout);
   auto& s = setup();
   std::mt19937_64 random(seed);
