@@ -7,6 +7,7 @@
 #include "checkpoint/python_layout.h"
 #include "checkpoint/torch_save.h"
 #include "formats/pickle.h"
+#include "support/accelerators.h"
 #include "support/process.h"
 #include "support/test_support.h"
 
@@ -345,6 +346,100 @@ torch.save(state, sys.argv[2])
   OneCycleLR cycle(adam, {.max_lr = 0.1, .total_steps = 10});
   EXPECT_THROWS_WITH(detail::python_layout::write_scheduler(cycle, dir.str() + "/cycle.bin"),
                      "only LambdaLR schedulers");
+}
+
+}  // namespace
+}  // namespace accelerate::testing
+
+namespace accelerate::testing {
+namespace {
+
+struct Tally {
+  int64_t count = 3;
+  double rate = 0.25;
+  at::Tensor history = torch::arange(4, torch::kFloat);
+  StateDict state_dict() const { return {{{"count", count}, {"rate", rate}}, {{"history", history}}}; }
+  void load_state_dict(const StateDict& s) {
+    count = s.values.at("count").get<int64_t>();
+    rate = s.values.at("rate").get<double>();
+    history = s.tensors.at("history").clone();
+  }
+};
+
+TEST(PythonLayout, RegisteredObjectsTheScalerAndTheStepCrossAndComeBack) {
+  TempDir dir;
+  const auto folder = dir.str() + "/ckpt";
+  Tally tally;
+  run_accelerators(1, [&](const Accelerator& acc, int) {
+    torch::nn::Linear net(3, 2);
+    auto sgd = std::make_shared<torch::optim::SGD>(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    auto [model, opt] = acc.prepare(net, sgd);
+    acc.register_for_checkpointing(tally);
+    for (int i = 0; i < 2; ++i) {
+      auto guard = acc.accumulate(model);
+      opt.zero_grad();
+      acc.backward(model(torch::ones({2, 3})).sum());
+      opt.step();
+    }
+    acc.save_state(folder, {.layout = CheckpointLayout::kPython});
+    EXPECT_FALSE(fs::exists(fs::path(folder) / "optimizer.safetensors"));
+    EXPECT_TRUE(fs::is_regular_file(fs::path(folder) / "custom_checkpoint_0.pkl"));
+    // What Python's load_state hands to each object.
+    const auto seen = nlohmann::json::parse(python(R"(
+major = int(torch.__version__.split(".")[0])
+load = (lambda p: torch.load(p, weights_only=True)) if major >= 2 else torch.load
+custom = load(sys.argv[1] + "/custom_checkpoint_0.pkl")
+states = load(sys.argv[1] + "/random_states_0.pkl")
+import random, numpy
+random.setstate(states["random_state"]); numpy.random.set_state(states["numpy_random_seed"])
+torch.set_rng_state(states["torch_manual_seed"])
+print(json.dumps({"count": custom["count"], "rate": custom["rate"], "history": custom["history"].tolist(),
+                  "step": states["step"], "draw": torch.rand(2).tolist()}))
+)",
+                                                   {folder}));
+    EXPECT_EQ(seen["count"], 3);
+    EXPECT_EQ(seen["rate"], 0.25);
+    EXPECT_EQ(seen["history"], nlohmann::json::parse("[0.0, 1.0, 2.0, 3.0]"));
+    EXPECT_EQ(seen["step"], 2);
+    const auto draw = torch::rand({2});
+    // Python's generator continues where this process's did.
+    EXPECT_EQ(seen["draw"][0].get<double>(), static_cast<double>(draw[0].item<float>()));
+
+    tally.count = 0;
+    tally.history.zero_();
+    acc.load_state(folder);  // the layout detected
+    EXPECT_EQ(tally.count, 3);
+    EXPECT_TRUE(at::equal(tally.history, torch::arange(4, torch::kFloat)));
+    EXPECT_EQ(acc.step(), 2);
+  });
+
+  // The scaler's state as Python's GradScaler.state_dict() holds it, and back.
+  const auto scaler = dir.str() + "/scaler.pt";
+  const nlohmann::json state = {{"scale", 1024.0}, {"growth_factor", 2.0}, {"backoff_factor", 0.5},
+                                {"growth_interval", 100}, {"_growth_tracker", 7}};
+  detail::python_layout::write_scaler(state, scaler);
+  const auto printed = python(R"(
+state = torch.load(sys.argv[1])
+print(json.dumps({k: state[k] for k in sorted(state)}))
+)",
+                              {scaler});
+  EXPECT_EQ(nlohmann::json::parse(printed), state);
+  EXPECT_EQ(detail::python_layout::read_scaler(scaler), state);
+}
+
+TEST(PythonLayout, SavingWhatPythonsLayoutCannotHoldIsRefusedBeforeWriting) {
+  TempDir dir;
+  run_accelerators(1, [&](const Accelerator& acc, int) {
+    torch::nn::Linear net(3, 2);
+    auto adam = std::make_shared<torch::optim::Adam>(net->parameters(), 0.01);
+    auto cycle = std::make_shared<OneCycleLR>(adam, OneCycleLROptions{.max_lr = 0.1, .total_steps = 10});
+    auto [model, opt, sched] = acc.prepare(net, adam, cycle);
+    EXPECT_THROWS_WITH(acc.save_state(dir.str() + "/ckpt", {.layout = CheckpointLayout::kPython}),
+                       "scheduler 0 is not a LambdaLR");
+    EXPECT_FALSE(fs::exists(dir.path() / "ckpt"));
+    EXPECT_THROWS_WITH(acc.save_state(dir.str() + "/ckpt", {.layout = CheckpointLayout::kDetect}),
+                       "kDetect is for loading");
+  });
 }
 
 }  // namespace
