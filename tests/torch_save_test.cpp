@@ -427,6 +427,55 @@ print(json.dumps({k: state[k] for k in sorted(state)}))
   EXPECT_EQ(detail::python_layout::read_scaler(scaler), state);
 }
 
+TEST(PythonLayout, AModelInPickledShardsWithTheirIndexLoads) {
+  TempDir dir;
+  const auto folder = dir.str() + "/ckpt";
+  // A folder as upstream's save_state writes it with safe_serialization=False, the model cut into
+  // two pytorch_model-0000i-of-00002.bin files with their index (save_model's sharded variant).
+  python(R"(
+import os, random, numpy
+folder = sys.argv[1]; os.makedirs(folder)
+net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+with torch.no_grad():
+    for i, p in enumerate(net.parameters()): p.copy_(torch.full(p.shape, float(i + 1)))
+state = net.state_dict(); names = list(state)
+shards = {"pytorch_model-00001-of-00002.bin": names[:2], "pytorch_model-00002-of-00002.bin": names[2:]}
+for file, keys in shards.items(): torch.save({k: state[k] for k in keys}, os.path.join(folder, file))
+json.dump({"metadata": {"total_size": 4 * sum(v.numel() for v in state.values())},
+           "weight_map": {k: f for f, keys in shards.items() for k in keys}},
+          open(os.path.join(folder, "pytorch_model.bin.index.json"), "w"))
+opt = torch.optim.SGD(net.parameters(), lr=0.5)
+torch.save(opt.state_dict(), os.path.join(folder, "optimizer.bin"))
+torch.save({"step": 9, "random_state": random.getstate(), "numpy_random_seed": numpy.random.get_state(),
+            "torch_manual_seed": torch.get_rng_state(), "torch_cuda_manual_seed": []},
+           os.path.join(folder, "random_states_0.pkl"))
+)",
+         {folder});
+  run_accelerators(1, [&](const Accelerator& acc, int) {
+    torch::nn::Sequential net(torch::nn::Linear(3, 4), torch::nn::Linear(4, 2));
+    auto sgd = std::make_shared<torch::optim::SGD>(net->parameters(), torch::optim::SGDOptions(0.1));
+    auto [model, opt] = acc.prepare(net, sgd);
+    acc.load_state(folder);
+    int i = 0;
+    for (const auto& p : net->parameters()) {
+      ++i;
+      EXPECT_TRUE(at::equal(p, at::full(p.sizes(), static_cast<float>(i)))) << "parameter " << i;
+    }
+    EXPECT_EQ(i, 4);
+    EXPECT_EQ(static_cast<torch::optim::SGDOptions&>(sgd->param_groups()[0].options()).lr(), 0.5);
+    EXPECT_EQ(acc.step(), 9);
+    // One shard missing: refused naming it, and nothing changes.
+    fs::remove(fs::path(folder) / "pytorch_model-00002-of-00002.bin");
+    {
+      torch::NoGradGuard no_grad;
+      for (auto& p : net->parameters()) p.zero_();
+    }
+    EXPECT_THROWS_WITH(acc.load_state(folder), "pytorch_model-00002-of-00002.bin does not exist");
+    for (const auto& p : net->parameters()) EXPECT_EQ(p.abs().sum().item<float>(), 0.0f);
+    EXPECT_EQ(static_cast<torch::optim::SGDOptions&>(sgd->param_groups()[0].options()).lr(), 0.5);
+  });
+}
+
 TEST(PythonLayout, SavingWhatPythonsLayoutCannotHoldIsRefusedBeforeWriting) {
   TempDir dir;
   run_accelerators(1, [&](const Accelerator& acc, int) {
