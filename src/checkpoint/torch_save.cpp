@@ -8,6 +8,7 @@
 #include <caffe2/serialize/inline_container.h>
 #include <torch/torch.h>
 
+#include <filesystem>
 #include <fstream>
 #include <limits>
 #include <stdexcept>

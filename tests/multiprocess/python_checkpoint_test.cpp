@@ -25,10 +25,13 @@ using ::testing::HasSubstr;
 constexpr const char* kPython = "/usr/bin/python3";
 constexpr int kSwitch = 4, kEnd = 8;
 
-std::vector<std::string> cpp(int processes, const std::vector<std::string>& args) {
+// The C++ job; `launch` adds flags of `accelerate launch` (FSDP's).
+std::vector<std::string> cpp(int processes, const std::vector<std::string>& args,
+                             const std::vector<std::string>& launch = {}) {
   std::vector<std::string> argv;
   if (processes > 1) {
     argv = {accelerate_bin(), "launch", "-n", std::to_string(processes), "--main_process_port", "0"};
+    argv.insert(argv.end(), launch.begin(), launch.end());
   }
   argv.push_back(built("tests/mp_python_interop"));
   argv.insert(argv.end(), args.begin(), args.end());
@@ -67,7 +70,12 @@ void expect_same_training(const nlohmann::json& a, const nlohmann::json& b) {
   EXPECT_EQ(a["draws"], b["draws"]) << "the global generator did not continue from the saved state";
 }
 
-void python_to_cpp(int processes) {
+// Fully sharded (the model one unit: Sequential calls its children without their hooks), with
+// whole states in the checkpoint (FULL_STATE_DICT).
+const std::vector<std::string> kFsdp = {"--use_fsdp", "--fsdp_state_dict_type", "FULL_STATE_DICT",
+                                        "--fsdp_auto_wrap_policy", "NO_WRAP"};
+
+void python_to_cpp(int processes, const std::vector<std::string>& launch = {}) {
   TempDir dir;
   const auto folder = dir.str() + "/from_python";
   const auto never_switched = run_for_result(
@@ -78,18 +86,20 @@ void python_to_cpp(int processes) {
   ASSERT_TRUE(fs::is_regular_file(fs::path(folder) / ("random_states_" + std::to_string(processes - 1) + ".pkl")));
   const auto resumed = run_for_result(cpp(processes, {"--steps-from", std::to_string(kSwitch), "--steps-to",
                                                       std::to_string(kEnd), "--load", folder, "--out",
-                                                      dir.str() + "/cpp.json"}),
+                                                      dir.str() + "/cpp.json"},
+                                                  launch),
                                       dir.str() + "/cpp.json");
   expect_same_training(never_switched, resumed);
   EXPECT_EQ(resumed.value("step", -1), kEnd) << "the step of random_states_<p>.pkl was not restored";
 }
 
-void cpp_to_python(int processes) {
+void cpp_to_python(int processes, const std::vector<std::string>& launch = {}) {
   TempDir dir;
   const auto folder = dir.str() + "/from_cpp";
   const auto never_switched =
       run_for_result(cpp(processes, {"--steps-to", std::to_string(kEnd), "--save-at", std::to_string(kSwitch),
-                                     "--save", folder, "--out", dir.str() + "/cpp.json"}),
+                                     "--save", folder, "--out", dir.str() + "/cpp.json"},
+                         launch),
                      dir.str() + "/cpp.json");
   for (const auto* name : {"model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl"}) {
     EXPECT_TRUE(fs::is_regular_file(fs::path(folder) / name)) << name;
@@ -107,6 +117,22 @@ TEST(PythonCheckpoint, FolderWrittenByPythonResumesInOneCppProcess) { python_to_
 TEST(PythonCheckpoint, FolderWrittenByPythonResumesInTwoCppProcesses) { python_to_cpp(2); }
 TEST(PythonCheckpoint, FolderWrittenInPythonsLayoutResumesInPythonFromOneProcess) { cpp_to_python(1); }
 TEST(PythonCheckpoint, FolderWrittenInPythonsLayoutResumesInPythonFromTwoProcesses) { cpp_to_python(2); }
+
+TEST(PythonCheckpoint, FolderWrittenByPythonResumesFullyShardedInTwoCppProcesses) { python_to_cpp(2, kFsdp); }
+TEST(PythonCheckpoint, FullyShardedJobsFolderInPythonsLayoutResumesInPython) { cpp_to_python(2, kFsdp); }
+
+TEST(PythonCheckpoint, ShardedStatesAreRefusedForPythonsLayoutBeforeAnythingIsWritten) {
+  TempDir dir;
+  auto flags = kFsdp;
+  flags[2] = "SHARDED_STATE_DICT";
+  auto r = run(cpp(2, {"--steps-to", "2", "--save-at", "1", "--save", dir.str() + "/ckpt", "--out",
+                       dir.str() + "/cpp.json"},
+                   flags),
+               240);
+  EXPECT_NE(r->exit_code(), 0);
+  EXPECT_THAT(r->err, HasSubstr("saves sharded states (SHARDED_STATE_DICT or LOCAL_STATE_DICT)"));
+  EXPECT_FALSE(fs::exists(dir.path() / "ckpt"));
+}
 
 TEST(PythonCheckpoint, AFolderHoldingAPythonObjectIsRefusedByNameOnEveryProcess) {
   TempDir dir;

@@ -99,9 +99,10 @@ int main(int argc, char** argv) {
     scheduler.step();
     last_loss = loss.item<double>();
   }
+  const auto weights = accelerator.get_state_dict(model);  // a collective when fully sharded
   if (accelerator.is_main_process()) {
     nlohmann::json result;
-    for (const auto& item : accelerator.get_state_dict(model)) {
+    for (const auto& item : weights) {
       auto t = item.value().contiguous();
       result["params"][item.key()] = std::vector<float>(t.data_ptr<float>(), t.data_ptr<float>() + t.numel());
     }
