@@ -30,5 +30,7 @@ mkdir -p "$build/corpus_pickle"
 # load_state of mutated checkpoint folders, under ASan + UBSan (built by scripts/test.sh).
 if [ -x build/asan/tests/load_state_fuzzer ]; then
   ASAN_OPTIONS=allocator_may_return_null=1 build/asan/tests/load_state_fuzzer --seconds "$((seconds / 2))" "$RANDOM"
-  ASAN_OPTIONS=allocator_may_return_null=1 build/asan/tests/load_state_fuzzer --seconds "$((seconds / 4))" "$RANDOM" --python
+  # Without LeakSanitizer: Note [LibTorch's archive reader leaks on a refused archive] in tests/CMakeLists.txt.
+  ASAN_OPTIONS=allocator_may_return_null=1:detect_leaks=0 \
+    build/asan/tests/load_state_fuzzer --seconds "$((seconds / 4))" "$RANDOM" --python
 fi
