@@ -2,6 +2,7 @@
 #include "checkpoint/python_layout.h"
 
 #include "checkpoint/index.h"
+#include "checkpoint/state_objects.h"
 #include "checkpoint/torch_save.h"
 
 #include <c10/util/Exception.h>
@@ -32,14 +33,6 @@ namespace accelerate::detail::python_layout {
 //   written, hold the Mersenne Twister seeded as numpy's seed(s) does from the CPU generator's seed;
 // - the scaler's state has the same keys; registered objects are dicts of values and tensors.
 // Reading goes through read_torch_save, which builds nothing but values and tensors.
-
-namespace {
-
-std::string numbered(const std::string& stem, size_t i, const std::string& ext) {
-  return i == 0 ? stem + ext : stem + "_" + std::to_string(i) + ext;
-}
-
-}  // namespace
 
 std::string model_file(size_t i, bool safetensors) {
   return safetensors ? numbered("model", i, ".safetensors") : numbered("pytorch_model", i, ".bin");
