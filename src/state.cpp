@@ -4,6 +4,7 @@
 #include "accelerate/utils/environment.h"
 #include "detail/accelerator_device.h"
 #include "detail/blas.h"
+#include "detail/buffer_pool.h"
 #include "detail/collectives.h"
 #include "detail/check.h"
 #include "detail/process_group.h"
@@ -81,6 +82,7 @@ std::chrono::milliseconds seconds_from_env(const char* key, std::chrono::millise
 }
 
 std::shared_ptr<detail::PartialStateImpl> build_partial_state(const PartialStateOptions& options) {
+  detail::install_host_pool();  // before the process group allocates anything
   install_error_file_handler();
   detail::warn_once_if_reference_blas();  // Note [Reference BLAS warning]
   auto impl = std::make_shared<detail::PartialStateImpl>();

@@ -1,13 +1,23 @@
 // The buffer pool; see buffer_pool.h.
 #include "detail/buffer_pool.h"
 
+#include "detail/torch_compat.h"
+
 #include <ATen/ATen.h>
 #include <c10/core/StorageImpl.h>
 
+#include <malloc.h>
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <cctype>
+#include <cstdlib>
+#include <cstring>
+#include <list>
+#include <string>
+#include <unordered_map>
 #include <utility>
+#include <vector>
 
 namespace accelerate::detail {
 
@@ -116,6 +126,191 @@ at::DataPtr mapped_host_buffer(size_t bytes) {
   void* memory = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (memory == MAP_FAILED) return at::DataPtr(nullptr, at::Device(at::kCPU));
   return at::DataPtr(memory, new Mapping{memory, bytes}, &unmap, at::Device(at::kCPU));
+}
+
+// Note [One pool for the process's large CPU buffers]
+// On a virtual machine whose kernel hands free pages back to the host, memory that a process
+// frees and takes again is paid for twice: glibc returns a buffer above its mmap threshold (at
+// most 32 MiB) to the kernel at once, and the next one of that size faults in fresh pages, at
+// a tenth of the speed of writing pages the process already has. Every step of a loop frees and
+// takes the same large buffers: the copy a reduction returns, a gather's output, the gradients
+// that zero_grad drops and the backward pass makes again, the optimizer's temporaries, a
+// loader's batches, a loaded tensor.
+//
+// So LibTorch's CPU allocator becomes one pool for the process (installed when the first
+// PartialState is made): buffers of kPooledBytes or more are rounded up to a size class (a
+// sixteenth of their power of two) and, when freed, kept by size, the least recently freed let go
+// first beyond kPoolKeepsBytes; smaller ones go to the system allocator untouched. The FSDP
+// engine's BufferPool and the offload prefetcher's sit in front of it: what they let go of
+// returns here. A buffer taken when nothing kept matches is fresh memory on top of what the pool
+// keeps, so before taking it the pool lets go of all but kPoolKeepsOnMissBytes: the process's
+// peak memory grows by at most that over what malloc alone would give it.
+//
+// Gloo and Open MPI allocate their temporaries with malloc, out of our reach: for them glibc's
+// mmap threshold is fixed at its maximum and the heap kept (M_TRIM_THRESHOLD), unless the
+// environment sets malloc's thresholds itself (GLIBC_TUNABLES' glibc.malloc.*, MALLOC_*_), which
+// then wins. ACCELERATE_CPU_BUFFER_POOL=0 turns both off.
+namespace {
+
+size_t size_class(size_t bytes) {
+  size_t power = kPooledBytes;
+  while (power < bytes) power <<= 1;
+  const size_t step = power / 16;
+  return (bytes + step - 1) / step * step;
+}
+
+class HostPool final : public compat::AllocatorBase {
+ public:
+  explicit HostPool(c10::Allocator* system) : system_(system) {}
+
+  at::DataPtr allocate_bytes(size_t n) override {
+    if (n < kPooledBytes) return system_->allocate(n);
+    const size_t bytes = size_class(n);
+    std::vector<at::DataPtr> dropped;  // freed after the lock
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = by_size_.find(bytes);
+      if (it != by_size_.end()) {
+        Block block = std::move(*it->second);
+        kept_.erase(it->second);
+        by_size_.erase(it);
+        kept_bytes_ -= bytes;
+        ++reused_;
+        return lend(std::move(block));
+      }
+      ++fresh_;
+      while (kept_bytes_ > kPoolKeepsOnMissBytes) dropped.push_back(drop_oldest());
+    }
+    dropped.clear();
+    at::DataPtr data = system_->allocate(bytes);
+    std::lock_guard<std::mutex> lock(mutex_);
+    return lend(Block{std::move(data), bytes});
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override { return &HostPool::give_back; }
+
+  HostPoolStats stats() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return {true, fresh_, reused_, kept_bytes_, lent_bytes_};
+  }
+
+  void empty() {
+    std::vector<at::DataPtr> dropped;
+    std::lock_guard<std::mutex> lock(mutex_);
+    while (!kept_.empty()) dropped.push_back(drop_oldest());
+  }
+
+  static HostPool* instance;
+
+ private:
+  struct Block {
+    at::DataPtr data;
+    size_t bytes;
+  };
+
+  // With mutex_ held.
+  at::DataPtr lend(Block block) {
+    void* ptr = block.data.get();
+    lent_bytes_ += block.bytes;
+    lent_.emplace(ptr, std::move(block));
+    return at::DataPtr(ptr, ptr, &HostPool::give_back, at::Device(at::kCPU));
+  }
+
+  // With mutex_ held: the least recently freed buffer, no longer kept.
+  at::DataPtr drop_oldest() {
+    Block& oldest = kept_.back();
+    auto range = by_size_.equal_range(oldest.bytes);
+    for (auto it = range.first; it != range.second; ++it) {
+      if (&*it->second == &oldest) {
+        by_size_.erase(it);
+        break;
+      }
+    }
+    kept_bytes_ -= oldest.bytes;
+    at::DataPtr data = std::move(oldest.data);
+    kept_.pop_back();
+    return data;
+  }
+
+  // The deleter of every buffer the pool lends; also c10's raw deleter, which may be handed a
+  // small buffer of the system allocator's.
+  static void give_back(void* ptr) { instance->take_back(ptr); }
+
+  void take_back(void* ptr) {
+    std::vector<at::DataPtr> dropped;
+    std::unique_lock<std::mutex> lock(mutex_);
+    auto it = lent_.find(ptr);
+    if (it == lent_.end()) {
+      lock.unlock();
+      if (auto deleter = system_->raw_deleter()) deleter(ptr);
+      return;
+    }
+    Block block = std::move(it->second);
+    lent_.erase(it);
+    lent_bytes_ -= block.bytes;
+    if (block.bytes > kPoolKeepsBytes) {
+      lock.unlock();
+      return;  // freed here
+    }
+    while (kept_bytes_ + block.bytes > kPoolKeepsBytes) dropped.push_back(drop_oldest());
+    kept_bytes_ += block.bytes;
+    kept_.push_front(std::move(block));
+    by_size_.emplace(kept_.front().bytes, kept_.begin());
+  }
+
+  c10::Allocator* system_;
+  std::mutex mutex_;
+  std::list<Block> kept_;  // most recently freed first
+  std::multimap<size_t, std::list<Block>::iterator> by_size_;
+  std::unordered_map<void*, Block> lent_;
+  size_t kept_bytes_ = 0;
+  size_t lent_bytes_ = 0;
+  uint64_t fresh_ = 0;
+  uint64_t reused_ = 0;
+};
+
+HostPool* HostPool::instance = nullptr;
+
+bool pool_turned_off() {
+  const char* value = std::getenv("ACCELERATE_CPU_BUFFER_POOL");
+  if (value == nullptr) return false;
+  std::string v(value);
+  std::transform(v.begin(), v.end(), v.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return v == "0" || v == "false" || v == "no" || v == "off";
+}
+
+bool user_sets_malloc() {
+  for (const char* name : {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_"}) {
+    if (std::getenv(name) != nullptr) return true;
+  }
+  const char* tunables = std::getenv("GLIBC_TUNABLES");
+  return tunables != nullptr && std::strstr(tunables, "glibc.malloc.") != nullptr;
+}
+
+void set_malloc_thresholds() {
+#ifdef __GLIBC__
+  if (user_sets_malloc()) return;
+  mallopt(M_MMAP_THRESHOLD, 32 << 20);  // glibc's largest
+  mallopt(M_TRIM_THRESHOLD, 256 << 20);
+#endif
+}
+
+}  // namespace
+
+void install_host_pool() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    if (pool_turned_off()) return;
+    set_malloc_thresholds();
+    HostPool::instance = new HostPool(c10::GetAllocator(at::kCPU));  // lives as long as the process
+    c10::SetAllocator(at::kCPU, HostPool::instance, /*priority=*/1);
+  });
+}
+
+HostPoolStats host_pool_stats() { return HostPool::instance ? HostPool::instance->stats() : HostPoolStats{}; }
+
+void empty_host_pool() {
+  if (HostPool::instance) HostPool::instance->empty();
 }
 
 }  // namespace accelerate::detail

@@ -8,6 +8,7 @@
 #include <c10/core/Allocator.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <limits>
 #include <map>
@@ -53,6 +54,32 @@ class BufferPool {
   size_t max_bytes_;
   size_t max_buffers_;
 };
+
+/// From this size on, CPU buffers come from the process's pool (Note [One pool for the
+/// process's large CPU buffers] in buffer_pool.cpp).
+inline constexpr size_t kPooledBytes = size_t{1} << 20;
+/// The most bytes of freed buffers the process's pool keeps, and what it keeps at most when a
+/// buffer it has no match for is allocated.
+inline constexpr size_t kPoolKeepsBytes = size_t{1} << 30;
+inline constexpr size_t kPoolKeepsOnMissBytes = size_t{32} << 20;
+
+/// What the process's pool has done so far.
+struct HostPoolStats {
+  bool installed = false;    ///< whether LibTorch's CPU allocator is the pool
+  uint64_t fresh = 0;        ///< buffers of kPooledBytes or more taken from the system allocator
+  uint64_t reused = 0;       ///< buffers served again from the pool
+  size_t kept_bytes = 0;     ///< freed buffers the pool keeps for reuse
+  size_t lent_bytes = 0;     ///< pooled buffers in use
+};
+
+/// Makes LibTorch's CPU allocator the process's pool of large buffers and sets glibc's malloc
+/// thresholds for the libraries that allocate with malloc themselves, once per process; nothing
+/// when ACCELERATE_CPU_BUFFER_POOL is 0, and the thresholds not where the user's environment sets
+/// malloc's own. PartialState calls it.
+void install_host_pool();
+HostPoolStats host_pool_stats();
+/// Frees every buffer the pool keeps.
+void empty_host_pool();
 
 /// `bytes` of private anonymous memory mapped for the caller alone (unmapped when the pointer is
 /// dropped), or an empty pointer when the system has none.

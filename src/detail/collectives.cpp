@@ -179,13 +179,11 @@ at::Tensor all_reduce(const PartialState& state, const at::Tensor& tensor, Reduc
   return out.to(tensor.device(), tensor.scalar_type());
 }
 
-PendingCollective all_gather_into_async(const PartialState& state, at::Tensor& output, at::Tensor& input,
+namespace {
+
+// Starts gathering every process's flat `input` into the flat `output`.
+PendingCollective start_all_gather_into(const PartialState& state, at::Tensor& output, at::Tensor& input,
                                         const char* api) {
-  if (!state.use_distributed()) {
-    output.copy_(input);
-    return {};
-  }
-  verify_collective(state, api, input, ShapeCheck::kExact);
   auto pg = process_group(state, api);
   // Gathering moves bits: 16-bit floats travel as their bytes, which every back-end moves (Gloo
   // of LibTorch 1.13 refuses bf16 and 16-bit integers, that of 2.14 fp16 and bf16 alike).
@@ -199,6 +197,35 @@ PendingCollective all_gather_into_async(const PartialState& state, at::Tensor& o
   for (int r = 0; r < state.num_processes(); ++r) outputs[0].push_back(out.narrow(0, r * n, n));
   std::vector<at::Tensor> inputs{in};
   return {pg->allgather(outputs, inputs), nullptr};
+}
+
+}  // namespace
+
+PendingCollective all_gather_into_async(const PartialState& state, at::Tensor& output, at::Tensor& input,
+                                        const char* api) {
+  if (!state.use_distributed()) {
+    output.copy_(input);
+    return {};
+  }
+  verify_collective(state, api, input, ShapeCheck::kExact);
+  return start_all_gather_into(state, output, input, api);
+}
+
+// One output for every process's piece, not a list to concatenate: a gather makes one buffer of
+// the result's size, which the process's pool serves again on the next call (Note [One pool for
+// the process's large CPU buffers]).
+at::Tensor all_gather_cat(const PartialState& state, const at::Tensor& tensor, const char* api) {
+  if (!state.use_distributed()) return tensor;
+  verify_collective(state, api, tensor, ShapeCheck::kExact);
+  at::Tensor send = on_collective_device(state, tensor.contiguous());
+  std::vector<int64_t> sizes = send.sizes().vec();
+  sizes[0] *= state.num_processes();
+  at::Tensor out = at::empty(sizes, send.options());
+  at::Tensor flat_in = send.view({-1});
+  at::Tensor flat_out = out.view({-1});
+  auto pending = start_all_gather_into(state, flat_out, flat_in, api);
+  wait_collective(state, pending, api);
+  return out.to(tensor.device());
 }
 
 void all_gather_into(const PartialState& state, at::Tensor& output, at::Tensor& input, const char* api) {

@@ -47,6 +47,8 @@ at::Tensor on_collective_device(const PartialState& state, const at::Tensor& t);
 
 /// Every process's `tensor` (same shape everywhere), in process order.
 std::vector<at::Tensor> all_gather(const PartialState& state, const at::Tensor& tensor, const char* api);
+/// Every process's `tensor` (of the same shape), concatenated along the first dimension.
+at::Tensor all_gather_cat(const PartialState& state, const at::Tensor& tensor, const char* api);
 /// `tensor` of process `from_process` on every process (same shape and dtype everywhere).
 at::Tensor broadcast(const PartialState& state, const at::Tensor& tensor, int from_process, const char* api);
 /// The elementwise reduction of every process's `tensor`.

@@ -15,11 +15,13 @@
 // - `c10::Error`'s constructor (the backtrace became a lazily computed value);
 // - autocast (per-device functions in 2.x; the 1.x ones are deprecated there);
 // - profiler event times (microseconds in 1.x, nanoseconds in 2.x);
-// - generators of out-of-tree (PrivateUse1) backends (2.x only).
+// - generators of out-of-tree (PrivateUse1) backends (2.x only);
+// - `c10::Allocator` (`allocate` const before 2.3; from 2.3 an allocator also copies data).
 #pragma once
 
 #include <ATen/Tensor.h>
 #include <ATen/core/Generator.h>
+#include <c10/core/Allocator.h>
 #include <c10/core/DeviceType.h>
 #include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
@@ -55,6 +57,21 @@ using BackendBase = c10d::Backend;
 #else
 using BackendBase = c10d::ProcessGroup;
 #endif
+
+/// The base of an allocator of this library's (the process's pool of large CPU buffers):
+/// `allocate_bytes` is what c10's `allocate` does, whichever form this release declares.
+class AllocatorBase : public c10::Allocator {
+ public:
+  virtual at::DataPtr allocate_bytes(size_t bytes) = 0;
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3)
+  at::DataPtr allocate(size_t bytes) override { return allocate_bytes(bytes); }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+#else
+  at::DataPtr allocate(size_t bytes) const override { return const_cast<AllocatorBase*>(this)->allocate_bytes(bytes); }
+#endif
+};
 
 /// The process group that c10d's users (the Reducer, collectives) hold, over `backend`, which
 /// serves tensors on each of `devices` (LibTorch 2.x refuses a collective on tensors of a device

@@ -71,7 +71,7 @@ void verify_operation(const PartialState& state, const char* api, const std::vec
 at::Tensor gather_one(const PartialState& state, const at::Tensor& tensor) {
   const at::Tensor t = tensor.dim() == 0 ? tensor.unsqueeze(0) : tensor;
   if (!state.use_distributed()) return t;
-  return at::cat(all_gather(state, t, "gather"), 0);
+  return all_gather_cat(state, t, "gather");
 }
 
 at::Tensor reduce_one(const PartialState& state, const at::Tensor& tensor, const std::string& reduction, double scale) {

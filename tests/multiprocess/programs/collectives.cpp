@@ -231,6 +231,43 @@ void run_all(const accelerate::PartialState& state) {
     std::vector<at::Tensor> v{t};
     pg->allreduce(v)->wait();
     check(same(t, at::full({big}, n * (n + 1) / 2.0f)), "allreduce large");
+    // The ring allreduce (Note [A ring allreduce]): every element its own value, a length no
+    // process count divides, blocks of several 1 MiB segments; sums of floats, integers and bf16
+    // (reduced in fp32), the average, and a maximum (Open MPI's own algorithm).
+    {
+      const int64_t wide = 3 * 300001 + 1;
+      const auto position = at::arange(wide, at::kDouble);
+      const double ranks = n * (n + 1) / 2.0, rank_sum = n * (n - 1) / 2.0;
+      bool ok = true;
+      std::string detail;
+      for (auto type : {at::kFloat, at::kLong}) {
+        auto x = (position * (rank + 1) + rank).to(type);
+        std::vector<at::Tensor> xv{x};
+        pg->allreduce(xv)->wait();
+        const auto expected = (position * ranks + rank_sum).to(type);
+        if (!same(x, expected)) {
+          ok = false;
+          detail += std::string(c10::toString(type)) + " " + str((x - expected).abs().argmax());
+        }
+      }
+      check(ok, "allreduce large varied", detail);
+      auto avg = (position * (rank + 1) + rank).to(at::kFloat);
+      std::vector<at::Tensor> av{avg};
+      c10d::AllreduceOptions ao;
+      ao.reduceOp = c10d::ReduceOp::AVG;
+      pg->allreduce(av, ao)->wait();
+      check(at::allclose(avg, ((position * ranks + rank_sum) / n).to(at::kFloat)), "allreduce large avg");
+      auto top = (position * (rank + 1)).to(at::kFloat);
+      std::vector<at::Tensor> tv{top};
+      c10d::AllreduceOptions mo;
+      mo.reduceOp = c10d::ReduceOp::MAX;
+      pg->allreduce(tv, mo)->wait();
+      check(same(top, (position * n).to(at::kFloat)), "allreduce large max");
+      auto small_ints = (position.remainder(7) + rank).to(at::kBFloat16);
+      std::vector<at::Tensor> bv{small_ints};
+      pg->allreduce(bv)->wait();
+      check(same(small_ints, (position.remainder(7) * n + rank_sum).to(at::kBFloat16)), "allreduce large BFloat16");
+    }
     auto b = at::full({big}, static_cast<float>(rank));
     std::vector<at::Tensor> bv{b};
     c10d::BroadcastOptions o;

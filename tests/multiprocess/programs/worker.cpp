@@ -3,6 +3,11 @@
 //
 //   worker env VAR...              print VAR=value for each variable
 //   worker state                   rendezvous, then print what PartialState reports
+//   worker malloc                  build the state, then print whether the process's buffer pool is
+//                                  on and whether an 8 MiB malloc was given a mapping of its own
+//   worker pool_steps              train a DDP model with AdamW for 8 steps, reducing and gathering
+//                                  a 4 MiB metric each step; print how many large buffers steps
+//                                  4 to 8 took fresh, and how many the pool served again
 //   worker states                  build the process-wide state, a standalone one, then the
 //                                  process-wide one again after a reset; print "built 3 states"
 //   worker exit CODE RANK          RANK prints an error and exits with CODE; others sleep
@@ -27,14 +32,20 @@
 //   worker fail_once RANK          on the first attempt RANK exits 3; later attempts succeed
 //   worker mismatch                every rank gathers a tensor of a different length; prints
 //                                  the error it gets, meets the others, exits 3
+#include "accelerate/accelerator.h"
 #include "accelerate/state.h"
 #include "accelerate/utils/operations.h"
+#include "detail/buffer_pool.h"
 
 #include <ATen/ATen.h>
+#include <torch/torch.h>
+
+#include <malloc.h>
 
 #include <chrono>
 #include <csignal>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <iostream>
 #include <stdexcept>
@@ -64,6 +75,39 @@ int main(int argc, char** argv) {
       const char* value = std::getenv(argv[i]);
       std::cout << argv[i] << "=" << (value != nullptr ? value : "<unset>") << "\n";
     }
+    return 0;
+  }
+  if (mode == "malloc") {
+    // Whether the state chose glibc's thresholds: an 8 MiB malloc from the heap, not a mapping.
+    accelerate::PartialState state;
+    const size_t mapped_before = mallinfo2().hblkhd;
+    void* volatile block = std::malloc(size_t{8} << 20);  // volatile: the compiler may not elide it
+    std::memset(block, 1, size_t{8} << 20);
+    const bool mapped = mallinfo2().hblkhd > mapped_before;
+    std::free(block);
+    std::cout << "pool " << (accelerate::detail::host_pool_stats().installed ? "on" : "off")
+              << ", 8 MiB malloc mapped: " << (mapped ? "yes" : "no") << std::endl;
+    return 0;
+  }
+  if (mode == "pool_steps") {
+    accelerate::Accelerator acc;
+    torch::manual_seed(0);
+    auto net = torch::nn::Sequential(torch::nn::Linear(1024, 1024), torch::nn::ReLU(), torch::nn::Linear(1024, 512));
+    auto [model, opt] = acc.prepare(net, std::make_shared<torch::optim::AdamW>(net->parameters(), 1e-3));
+    auto step = [&, &model = model, &opt = opt](int i) {
+      opt.zero_grad();
+      acc.backward(model(torch::randn({8, 1024})).pow(2).mean());
+      opt.step();
+      auto metric = torch::full({int64_t{1} << 20}, static_cast<float>(i));
+      (void)acc.reduce(metric);
+      (void)acc.gather(metric);
+    };
+    for (int i = 0; i < 3; ++i) step(i);
+    const auto warm = accelerate::detail::host_pool_stats();
+    for (int i = 3; i < 8; ++i) step(i);
+    const auto steady = accelerate::detail::host_pool_stats();
+    std::cout << "process " << acc.process_index() << ": fresh large buffers in steady steps: "
+              << steady.fresh - warm.fresh << ", served again: " << steady.reused - warm.reused << std::endl;
     return 0;
   }
   if (mode == "state") {
