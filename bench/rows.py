@@ -58,6 +58,8 @@ def training(raw):
             targets = [{"side": "cpp-mpi", "vs": "limit", "op": ">=", "ratio": 0.85 if w == "mlp" else 0.9}]
         out.append(row(workload, case, "samples/s", "higher", side, r["samples_per_s"], loss=r["last_loss"],
                        targets=targets, detail=detail))
+        if "peak_mib" in r:  # process 0's VmHWM over this workload (the C++ sides)
+            out.append(row(workload, case, "peak MiB", "lower", side, r["peak_mib"]))
         # The scaling limit of 2 processes: twice one process of the same side, no communication.
         if n == 2 and side == "cpp" and mp == "no":
             k = seen.get((w, mp), 0)

@@ -31,6 +31,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <memory>
 #include <numeric>
 #include <string>
@@ -83,6 +84,17 @@ std::pair<double, double> median_mean(std::vector<double>& v) {
 
 double us(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double, std::micro>(b - a).count(); }
 
+// The process's peak resident memory (VmHWM), in MiB, and its reset (Linux: "5" written to
+// clear_refs), so that each workload of the run reports its own peak.
+double peak_mib() {
+  std::ifstream in("/proc/self/status");
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("VmHWM:", 0) == 0) return std::stod(line.substr(6)) / 1024.0;
+  }
+  return 0;
+}
+void reset_peak() { std::ofstream("/proc/self/clear_refs") << "5"; }
+
 // GPU work runs asynchronously: waits for this process's GPU before the clock is read.
 void synchronize_device(const acc::Accelerator& accelerator) {
   if (accelerator.device().is_cuda()) torch::cuda::synchronize(accelerator.device().index());
@@ -95,6 +107,7 @@ void synchronize_device(const acc::Accelerator& accelerator) {
 template <typename Net, typename LossFn>
 void run(const acc::Accelerator& accelerator, const char* workload, Net net, const at::Tensor& x, const at::Tensor& y,
          LossFn loss_fn, int warmup_steps, int steps, int accumulation = 1) {
+  reset_peak();
   auto sgd = std::make_shared<torch::optim::SGD>(net->parameters(), torch::optim::SGDOptions(0.01));
   auto [model, opt] = accelerator.prepare(net, sgd);
   accelerator.set_gradient_accumulation_steps(accumulation);
@@ -180,13 +193,13 @@ void run(const acc::Accelerator& accelerator, const char* workload, Net net, con
   std::printf("{\"side\": \"%s\", \"workload\": \"%s\", \"device\": \"%s\", \"processes\": %d, \"threads\": %d, "
               "\"mixed_precision\": \"%s\", \"batch_size\": %lld, \"warmup_steps\": %d, \"steps\": %d, "
               "\"steps_per_s\": %.3f, \"samples_per_s\": %.1f, \"step_median_us\": %.1f, \"step_mean_us\": %.1f, "
-              "\"phase_median_mean_us\": {%s}%s, \"last_loss\": %.6f}\n",
+              "\"phase_median_mean_us\": {%s}%s, \"peak_mib\": %.1f, \"last_loss\": %.6f}\n",
               side(accelerator), workload, accelerator.device().str().c_str(), accelerator.num_processes(),
               at::get_num_threads(),
               accelerator.mixed_precision().c_str(),
               static_cast<long long>(batch), warmup_steps, steps, steps_per_s,
               steps_per_s * static_cast<double>(batch * accelerator.num_processes()), step_median, step_mean,
-              phases.c_str(), breakdown.c_str(), last_loss);
+              phases.c_str(), breakdown.c_str(), peak_mib(), last_loss);
   std::fflush(stdout);
 }
 

@@ -72,10 +72,8 @@ struct HostPoolStats {
   size_t lent_bytes = 0;     ///< pooled buffers in use
 };
 
-/// Makes LibTorch's CPU allocator the process's pool of large buffers and sets glibc's malloc
-/// thresholds for the libraries that allocate with malloc themselves, once per process; nothing
-/// when ACCELERATE_CPU_BUFFER_POOL is 0, and the thresholds not where the user's environment sets
-/// malloc's own. PartialState calls it.
+/// Makes LibTorch's CPU allocator the process's pool of large buffers, once per process; nothing
+/// when ACCELERATE_CPU_BUFFER_POOL is 0. PartialState calls it.
 void install_host_pool();
 HostPoolStats host_pool_stats();
 /// Frees every buffer the pool keeps.

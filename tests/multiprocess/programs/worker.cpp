@@ -3,8 +3,7 @@
 //
 //   worker env VAR...              print VAR=value for each variable
 //   worker state                   rendezvous, then print what PartialState reports
-//   worker malloc                  build the state, then print whether the process's buffer pool is
-//                                  on and whether an 8 MiB malloc was given a mapping of its own
+//   worker pool                    build the state, then print whether the process's buffer pool is on
 //   worker pool_steps              train a DDP model with AdamW for 8 steps, reducing and gathering
 //                                  a 4 MiB metric each step; print how many large buffers steps
 //                                  4 to 8 took fresh, and how many the pool served again
@@ -40,12 +39,9 @@
 #include <ATen/ATen.h>
 #include <torch/torch.h>
 
-#include <malloc.h>
-
 #include <chrono>
 #include <csignal>
 #include <cstdlib>
-#include <cstring>
 #include <fstream>
 #include <iostream>
 #include <stdexcept>
@@ -77,16 +73,9 @@ int main(int argc, char** argv) {
     }
     return 0;
   }
-  if (mode == "malloc") {
-    // Whether the state chose glibc's thresholds: an 8 MiB malloc from the heap, not a mapping.
+  if (mode == "pool") {
     accelerate::PartialState state;
-    const size_t mapped_before = mallinfo2().hblkhd;
-    void* volatile block = std::malloc(size_t{8} << 20);  // volatile: the compiler may not elide it
-    std::memset(block, 1, size_t{8} << 20);
-    const bool mapped = mallinfo2().hblkhd > mapped_before;
-    std::free(block);
-    std::cout << "pool " << (accelerate::detail::host_pool_stats().installed ? "on" : "off")
-              << ", 8 MiB malloc mapped: " << (mapped ? "yes" : "no") << std::endl;
+    std::cout << "pool " << (accelerate::detail::host_pool_stats().installed ? "on" : "off") << std::endl;
     return 0;
   }
   if (mode == "pool_steps") {
