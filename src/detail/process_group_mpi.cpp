@@ -446,8 +446,8 @@ void ring_reduce_scatter_sum(MPI_Comm group, MPI_Comm& ring, const at::Tensor& i
 }
 
 // Note [A ring allreduce]
-// Open MPI's allreduce of a large payload allocates a temporary of the whole payload (recursive
-// doubling, on two processes) or of two blocks of it (its ring) on every call; above glibc's
+// Open MPI's allreduce of a large payload allocates temporaries as large as the payload on every
+// call (strace of W4 on two processes: a 64 MiB mapping per 64 MiB allreduce); above glibc's
 // largest mmap threshold (32 MiB) that is fresh memory from the kernel each time, which on a
 // virtual machine costs more than the reduction (Note [One pool for the process's large CPU
 // buffers] in buffer_pool.cpp). A large sum goes around the ring of Note [A ring reduce-scatter]
