@@ -118,6 +118,12 @@ TEST(HostPool, AStateInstallsThePoolUnlessTheEnvironmentTurnsItOff) {
   }
   auto explicit_on = run({worker_bin(), "pool"}, 60, {{"ACCELERATE_CPU_BUFFER_POOL", "1"}});
   EXPECT_EQ(explicit_on->out, "pool on\n");
+  // A value that is not a boolean stops the state, naming the variable and what it got.
+  auto bad = run({worker_bin(), "pool"}, 60, {{"ACCELERATE_CPU_BUFFER_POOL", "maybe"}});
+  EXPECT_NE(bad->exit_code(), 0);
+  EXPECT_NE(bad->err.find("ACCELERATE_CPU_BUFFER_POOL must be a boolean (1/0, true/false, yes/no), got 'maybe'"),
+            std::string::npos)
+      << bad->err;
 }
 
 }  // namespace

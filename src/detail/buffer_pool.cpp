@@ -1,6 +1,7 @@
 // The buffer pool; see buffer_pool.h.
 #include "detail/buffer_pool.h"
 
+#include "accelerate/utils/environment.h"
 #include "detail/torch_compat.h"
 
 #include <ATen/ATen.h>
@@ -9,10 +10,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
-#include <cctype>
-#include <cstdlib>
 #include <list>
-#include <string>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -276,20 +274,12 @@ class HostPool final : public compat::AllocatorBase {
 
 HostPool* HostPool::instance = nullptr;
 
-bool pool_turned_off() {
-  const char* value = std::getenv("ACCELERATE_CPU_BUFFER_POOL");
-  if (value == nullptr) return false;
-  std::string v(value);
-  std::transform(v.begin(), v.end(), v.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
-  return v == "0" || v == "false" || v == "no" || v == "off";
-}
-
 }  // namespace
 
 void install_host_pool() {
   static std::once_flag once;
   std::call_once(once, [] {
-    if (pool_turned_off()) return;
+    if (!parse_flag_from_env("ACCELERATE_CPU_BUFFER_POOL", true)) return;  // a non-boolean value throws, naming it
     HostPool::instance = new HostPool(c10::GetAllocator(at::kCPU));  // lives as long as the process
     c10::SetAllocator(at::kCPU, HostPool::instance, /*priority=*/1);
   });

@@ -73,8 +73,10 @@ struct HostPoolStats {
 };
 
 /// Makes LibTorch's CPU allocator the process's pool of large buffers, once per process; nothing
-/// when ACCELERATE_CPU_BUFFER_POOL is 0. PartialState calls it.
+/// when ACCELERATE_CPU_BUFFER_POOL is false (a value that is not a boolean throws, naming it).
+/// PartialState calls it.
 void install_host_pool();
+/// The pool's counts so far (all zero, `installed` false, when it is not installed).
 HostPoolStats host_pool_stats();
 /// Frees every buffer the pool keeps.
 void empty_host_pool();

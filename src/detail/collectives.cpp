@@ -215,6 +215,7 @@ PendingCollective all_gather_into_async(const PartialState& state, at::Tensor& o
 // the result's size, which the process's pool serves again on the next call (Note [One pool for
 // the process's large CPU buffers]).
 at::Tensor all_gather_cat(const PartialState& state, const at::Tensor& tensor, const char* api) {
+  TORCH_CHECK_VALUE(tensor.dim() >= 1, "[", api, "] expected a tensor of at least one dimension, got a 0-dim one");
   if (!state.use_distributed()) return tensor;
   verify_collective(state, api, tensor, ShapeCheck::kExact);
   at::Tensor send = on_collective_device(state, tensor.contiguous());

@@ -457,8 +457,6 @@ void ring_reduce_scatter_sum(MPI_Comm group, MPI_Comm& ring, const at::Tensor& i
 // The only temporary is one segment. Blocks differ by at most one element when N does not
 // divide the payload; every process runs the same number of segments (the largest block's), an
 // empty message where its block is shorter, so the messages of neighbours always pair up.
-bool ring_can_sum(const at::Tensor& t) { return t.scalar_type() != at::kBool && !t.is_complex(); }
-
 void ring_allreduce_sum(MPI_Comm group, MPI_Comm& ring, const at::Tensor& buffer, MPI_Datatype datatype,
                         const char* name) {
   const MPI_Comm comm = ring_comm(group, ring, name);
@@ -887,7 +885,8 @@ class ProcessGroupMPI final : public compat::BackendBase {
     const bool receives = root < 0 || root == rank_;
     auto blocking = [s, datatype, op, root, name, ring = ring_comm_](MPI_Comm comm) {
       if (root >= 0) return;  // reductions to one root stay non-blocking
-      if (op == MPI_SUM && ring_can_sum(s->buffer)) return ring_allreduce_sum(comm, *ring, s->buffer, datatype, name);
+      // MPI_SUM: never bool (MPI_LOR) nor complex (refused by reduce_type).
+      if (op == MPI_SUM) return ring_allreduce_sum(comm, *ring, s->buffer, datatype, name);
       check_mpi(MPI_Allreduce(MPI_IN_PLACE, s->buffer.data_ptr(), count_of(s->buffer.numel(), name), datatype, op,
                               comm),
                 name, "MPI_Allreduce");
