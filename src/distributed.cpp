@@ -468,6 +468,39 @@ void DistributedDataParallel::prepare_for_backward_now() const {
   if (impl_->reducer) impl_->reducer->prepare_for_backward({});
 }
 
+// Note [Units called without their hook]
+// LibTorch cannot intercept `child(x)`: a unit's hook runs only through `accelerate::forward`, a
+// Sequential, or a member declared with a holder of accelerate/nn.h. A unit called any other way
+// computes with what its parameters hold at rest, this process's shard, which nearly always
+// ends in a shape error deep inside LibTorch ("mat1 and mat2 shapes cannot be multiplied"). The
+// engine counts the prepared model's forward passes and each unit records the pass its hook last
+// ran in; when the module's forward throws, the error is raised again with the units whose hook
+// has not run in this pass and the fix. (A unit that got its gradient without its hook is
+// refused in the backward pass, Note [Fully sharded engine].)
+void DistributedDataParallel::rethrow_forward_error() const {
+  std::vector<std::string> units;
+  if (impl_->fsdp) units = impl_->fsdp->units_without_hook();
+  if (units.empty()) throw;
+  std::string error;
+  try {
+    throw;
+  } catch (const c10::Error& e) {
+    error = e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  std::string names;
+  for (size_t i = 0; i < units.size() && i < 8; ++i) names += (i ? ", " : "") + units[i];
+  if (units.size() > 8) names += ", … (" + std::to_string(units.size()) + " in all)";
+  C10_THROW_ERROR(Error, c10::str("[FullyShardedDataParallel] the model's forward pass failed while ", units.size(),
+              " wrapped unit(s) had not run their hook in it: ", names, ". A unit's parameters hold only this "
+              "process's shard until its hook gathers them, and the hook runs only when the unit is called through "
+              "accelerate::forward(child, x), from a torch::nn::Sequential, or through a member declared with a "
+              "holder of accelerate/nn.h (accelerate::nn::Linear, accelerate::nn::Hooked<M>); a direct call "
+              "(child(x), child->forward(x)) or a functional use of its weights skips it. Declare the unit's "
+              "member with those holders, or choose units whose callers use them. The error was: ", error));
+}
+
 DistributedDataParallel::ForwardScope::ForwardScope(const DistributedDataParallel& ddp) {
   auto& impl = *ddp.impl();
   if (impl.fsdp) impl.fsdp->root_pre_forward();

@@ -6,6 +6,7 @@
 #include "accelerate/commands/merge.h"
 #include "accelerate/big_modeling.h"
 #include "accelerate/hooks.h"
+#include "accelerate/nn.h"
 #include "accelerate/utils/environment.h"
 #include "distributed_impl.h"
 #include "fsdp/engine.h"
@@ -1244,6 +1245,82 @@ AcceleratorOptions hybrid_2x2(FsdpStateDictType type = FsdpStateDictType::kFullS
   AcceleratorOptions options = sharded_with(type);
   options.parallelism_config = ParallelismConfig{.dp_replicate_size = 2, .dp_shard_size = 2};
   return options;
+}
+
+// A module as every LibTorch example writes it: children called directly (`fc(x)`). `Holder` is
+// torch::nn::Linear, or accelerate::nn::Linear whose call runs the unit's hook.
+template <typename Holder>
+struct DirectMlpImpl : torch::nn::Module {
+  DirectMlpImpl()
+      : fc1(register_module("fc1", Holder(5, 16))), fc2(register_module("fc2", Holder(16, 16))),
+        fc3(register_module("fc3", Holder(16, 3))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return fc3(torch::tanh(fc2(torch::tanh(fc1(x))))); }
+  Holder fc1, fc2, fc3;
+};
+
+template <typename Holder>
+std::shared_ptr<DirectMlpImpl<Holder>> make_direct_mlp() {
+  auto net = std::make_shared<DirectMlpImpl<Holder>>();
+  torch::NoGradGuard no_grad;
+  int i = 0;
+  for (auto& p : net->parameters()) p.copy_(torch::linspace(-0.3, 0.5, p.numel()).reshape(p.sizes()) * (1 + 0.1 * i++));
+  return net;
+}
+
+FullyShardedDataParallelPlugin every_linear_a_unit() {
+  return {.auto_wrap_policy = FsdpAutoWrapPolicy::kSizeBasedWrap, .min_num_params = 16};
+}
+
+TEST(FullyShardedNaturalModules, ADirectCallOfAUnitNamesTheUnitsThatRanNoHookAndTheFix) {
+  run_accelerators(
+      2,
+      [&](const Accelerator& acc, int rank) {
+        auto net = make_direct_mlp<torch::nn::Linear>();
+        auto model = acc.prepare_model(net);
+        EXPECT_EQ(detail::fsdp_engine(model.ddp())->unit_names().size(), 4u);
+        const std::string error = error_of([&] { model(batch().narrow(0, rank * 4, 4)); });
+        EXPECT_THAT(error, ::testing::HasSubstr("3 wrapped unit(s) had not run their hook in it: fc1, fc2, fc3"));
+        EXPECT_THAT(error, ::testing::HasSubstr("accelerate::nn::Linear"));
+        EXPECT_THAT(error, ::testing::HasSubstr("The error was: "));  // LibTorch's own words follow
+        // The same under no_grad (evaluation).
+        torch::NoGradGuard no_grad;
+        EXPECT_THAT(error_of([&] { model(batch().narrow(0, rank * 4, 4)); }),
+                    ::testing::HasSubstr("had not run their hook in it: fc1, fc2, fc3"));
+      },
+      {.fsdp_plugin = every_linear_a_unit()});
+}
+
+TEST(FullyShardedNaturalModules, MembersDeclaredWithHookedHoldersTrainAsOneProcessWithDirectCalls) {
+  auto want = [] {
+    auto net = make_direct_mlp<torch::nn::Linear>();
+    torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(0.05));
+    for (int s = 0; s < 3; ++s) {
+      opt.zero_grad();
+      torch::nn::functional::cross_entropy(net->forward(batch() * (1 + 0.5 * s)), labels()).backward();
+      opt.step();
+    }
+    return as_map(net->named_parameters());
+  }();
+  for (int ranks : {2, 4}) {
+    run_accelerators(
+        ranks,
+        [&](const Accelerator& acc, int rank) {
+          auto net = make_direct_mlp<accelerate::nn::Linear>();
+          auto [model, opt] =
+              acc.prepare(net, std::make_shared<torch::optim::AdamW>(net->parameters(), torch::optim::AdamWOptions(0.05)));
+          EXPECT_EQ(detail::fsdp_engine(model.ddp())->unit_names().size(), 4u);
+          EXPECT_EQ(net->fc2->weight.size(0), 16 / ranks);  // at rest: this process's rows
+          const int64_t per_rank = kRows / ranks;
+          for (int s = 0; s < 3; ++s) {
+            opt.zero_grad();
+            auto x = (batch() * (1 + 0.5 * s)).narrow(0, rank * per_rank, per_rank);
+            acc.backward(torch::nn::functional::cross_entropy(model(x), labels().narrow(0, rank * per_rank, per_rank)));
+            opt.step();
+          }
+          expect_close(as_map(acc.get_state_dict(model)), want);
+        },
+        {.fsdp_plugin = every_linear_a_unit()});
+  }
 }
 
 TEST(FullyShardedHybrid, TwoReplicasOfTwoShardsTrainAsOneProcessAndTheReplicasHoldTheSameRows) {

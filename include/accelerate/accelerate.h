@@ -15,6 +15,7 @@
 #include "accelerate/optimizer.h"
 #include "accelerate/scheduler.h"
 #include "accelerate/memory_utils.h"
+#include "accelerate/nn.h"
 #include "accelerate/state.h"
 #include "accelerate/tracking.h"
 #include "accelerate/utils/autocast.h"

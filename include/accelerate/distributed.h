@@ -105,6 +105,10 @@ class DistributedDataParallel {
   /// Makes the coming backward pass synchronise although the forward pass ran without it
   /// (upstream's `trigger_sync_in_backward`); a no-op with one process.
   void prepare_for_backward_now() const;
+  /// Called from a catch block around the module's forward (`PreparedModel`'s call): rethrows
+  /// the error, naming the sharded units that ran without their hooks in this pass when there are
+  /// any (Note [Units called without their hook] in src/distributed.cpp).
+  [[noreturn]] void rethrow_forward_error() const;
   /// Forward passes that prepared a synchronising backward pass so far.
   int64_t num_iterations() const;
 
@@ -254,11 +258,19 @@ class PreparedModel {
     using Out = std::decay_t<decltype(std::declval<M&>()->forward(std::forward<Args>(args)...))>;
     if constexpr (std::is_void_v<Out>) {
       DistributedDataParallel::ForwardScope scope(ddp_);
-      module_->forward(input(std::forward<Args>(args))...);
+      try {
+        module_->forward(input(std::forward<Args>(args))...);
+      } catch (const std::exception&) {
+        ddp_.rethrow_forward_error();
+      }
     } else {
       Out output = [&] {
         DistributedDataParallel::ForwardScope scope(ddp_);
-        return module_->forward(input(std::forward<Args>(args))...);
+        try {
+          return module_->forward(input(std::forward<Args>(args))...);
+        } catch (const std::exception&) {
+          ddp_.rethrow_forward_error();
+        }
       }();
       return ddp_.finish_forward(std::move(output));
     }

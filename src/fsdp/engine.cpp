@@ -424,6 +424,7 @@ void FsdpEngine::set_require_backward_grad_sync(bool sync) { impl_->require_sync
 
 void FsdpEngine::root_pre_forward() {
   auto& e = *impl_;
+  ++e.pass;
   if (at::GradMode::is_enabled() && !e.forward_order.empty()) {
     e.last_forward_order = std::move(e.forward_order);
     e.forward_order.clear();
@@ -445,6 +446,14 @@ const FsdpSettings& FsdpEngine::settings() const { return impl_->settings; }
 const PartialState& FsdpEngine::shard_group() const { return impl_->state; }
 int FsdpEngine::num_replicas() const { return impl_->num_replicas; }
 int FsdpEngine::replica_index() const { return impl_->replica; }
+
+std::vector<std::string> FsdpEngine::units_without_hook() const {
+  std::vector<std::string> names;
+  for (size_t i = 1; i < impl_->units.size(); ++i) {
+    if (impl_->units[i].hooked_pass != impl_->pass) names.push_back(impl_->units[i].name);
+  }
+  return names;
+}
 
 std::vector<std::string> FsdpEngine::unit_names() const {
   std::vector<std::string> names;

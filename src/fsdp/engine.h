@@ -54,6 +54,9 @@ class FsdpEngine {
   /// process's group is: the first one writes the shards of sharded checkpoints.
   int num_replicas() const;
   int replica_index() const;
+  /// The units (not the root) whose hook has not run in the model's current forward pass
+  /// (Note [Units called without their hook]).
+  std::vector<std::string> units_without_hook() const;
   /// The number of wrapped units, the root included, and each unit's module name ("" for the root).
   std::vector<std::string> unit_names() const;
   /// The whole value of every parameter and buffer, by name (gathered from every process; every

@@ -112,6 +112,7 @@ struct Unit {
   std::vector<GatherInFlight> gathering;  // a gather started ahead (prefetch), not finished
   bool backward_armed = false;  // gradients set aside, waiting for the reduction
   int pending_input_nodes = 0;  // forward calls whose input node has not run backward yet
+  int64_t hooked_pass = -1;     // the last forward pass of the model in which its hook ran
 };
 
 struct FsdpEngineImpl : std::enable_shared_from_this<FsdpEngineImpl> {
@@ -129,6 +130,7 @@ struct FsdpEngineImpl : std::enable_shared_from_this<FsdpEngineImpl> {
   int world = 1;
   int rank = 0;
   bool callback_queued = false;
+  int64_t pass = 0;  // forward passes of the prepared model (Note [Units called without their hook])
   bool require_sync = true;  // false inside no_sync
   bool overlap_reductions = true;  // Note [When a reduction overlaps the backward pass]
   struct InFlight {

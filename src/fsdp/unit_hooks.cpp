@@ -38,6 +38,7 @@ class UnitHook final : public ModelHook {
     auto e = engine_.lock();
     if (!e) return;
     auto& u = e->units[unit_];
+    u.hooked_pass = e->pass;
     e->gather(u);
     // A recomputation in the backward pass (Note [Activation checkpointing]) is not a forward:
     // it neither extends the order that prefetching follows nor prefetches.
