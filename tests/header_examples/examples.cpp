@@ -40,6 +40,11 @@ void use(const at::Tensor&) {}
 // utils/tensor_tree.h declares a specialisation, which belongs at namespace scope.
 #include "accelerate/utils/tensor_tree.h.inc"
 
+// nn.h's example declares a module class.
+namespace nn_example {
+#include "accelerate/nn.h.inc"
+}  // namespace nn_example
+
 namespace examples {
 
 void accelerator(Net net, std::shared_ptr<torch::optim::SGD> sgd, accelerate::DataLoader data) {
