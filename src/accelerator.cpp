@@ -5,7 +5,9 @@
 
 #include "accelerate/memory_utils.h"
 #include "accelerate/utils/environment.h"
+#include "accelerate/nn.h"
 #include "accelerator_impl.h"
+#include "tensor_parallel/engine.h"
 #include "distributed_impl.h"
 #include "fsdp/engine.h"
 #include "grad_scaler_impl.h"
@@ -61,42 +63,60 @@ void check_options(const AcceleratorOptions& options) {
   }
 }
 
+// The sizes of a parallelism_config (given, or from PARALLELISM_CONFIG_* variables), checked on
+// every process; nothing without one.
+struct MeshSizes {
+  int replicate = 1, shard = 1, tp = 1;
+};
+std::optional<MeshSizes> mesh_sizes_of(const AcceleratorOptions& options, int num_processes) {
+  std::optional<ParallelismConfig> config = options.parallelism_config;
+  if (!config && (get_env("PARALLELISM_CONFIG_DP_REPLICATE_SIZE") || get_env("PARALLELISM_CONFIG_DP_SHARD_SIZE") ||
+                  get_env("PARALLELISM_CONFIG_TP_SIZE") || get_env("PARALLELISM_CONFIG_CP_SIZE"))) {
+    config = ParallelismConfig{};
+  }
+  if (!config) return std::nullopt;
+  const auto size = [](const std::optional<int>& given, const char* name) -> std::optional<int> {
+    if (given) return given;
+    if (auto v = get_env(name)) return detail::parse_env_int(name, *v);
+    return std::nullopt;
+  };
+  MeshSizes sizes;
+  sizes.tp = size(config->tp_size, "PARALLELISM_CONFIG_TP_SIZE").value_or(1);
+  const int cp = size(config->cp_size, "PARALLELISM_CONFIG_CP_SIZE").value_or(1);
+  TORCH_CHECK_VALUE(sizes.tp >= 1, "[Accelerator] parallelism_config: tp_size must be at least 1, got ", sizes.tp);
+  TORCH_CHECK_VALUE(cp == 1, "[Accelerator] parallelism_config: context parallelism (cp_size ", cp,
+                    ") is not supported yet; only the data-parallel and tensor-parallel dimensions are");
+  sizes.replicate = size(config->dp_replicate_size, "PARALLELISM_CONFIG_DP_REPLICATE_SIZE").value_or(1);
+  TORCH_CHECK_VALUE(sizes.replicate >= 1, "[Accelerator] parallelism_config: dp_replicate_size must be at least 1, "
+                    "got ", sizes.replicate);
+  sizes.shard = size(config->dp_shard_size, "PARALLELISM_CONFIG_DP_SHARD_SIZE")
+                    .value_or(std::max(1, num_processes / (sizes.replicate * sizes.tp)));
+  TORCH_CHECK_VALUE(sizes.shard >= 1, "[Accelerator] parallelism_config: dp_shard_size must be at least 1, got ",
+                    sizes.shard);
+  TORCH_CHECK_VALUE(sizes.replicate * sizes.shard * sizes.tp == num_processes, "[Accelerator] parallelism_config: "
+                    "dp_replicate_size (", sizes.replicate, ") x dp_shard_size (", sizes.shard, ") x tp_size (",
+                    sizes.tp, ") x cp_size (1) must equal the number of processes, ", num_processes);
+  if (sizes.tp > 1) {
+    TORCH_CHECK_VALUE(!options.tp_handler.enable_async_tp, "[Accelerator] parallelism_config: enable_async_tp "
+                      "overlaps collectives with matrix products through CUDA's symmetric memory, which LibTorch does "
+                      "not offer; leave it false");
+  }
+  return sizes;
+}
+
 // Whether prepared models are sharded, and with which plugin: the given one, or the defaults
 // under ACCELERATE_USE_FSDP, or under a parallelism_config whose dp_shard_size is above 1.
 // `dp_shard_size` receives the size of a parallelism_config's shard groups (0 without one).
-std::optional<FullyShardedDataParallelPlugin> fsdp_plugin_of(const AcceleratorOptions& options, int num_processes,
+std::optional<FullyShardedDataParallelPlugin> fsdp_plugin_of(const AcceleratorOptions& options,
+                                                             const std::optional<MeshSizes>& sizes, int num_processes,
                                                              int& dp_shard_size) {
   dp_shard_size = 0;
   std::optional<FullyShardedDataParallelPlugin> plugin = options.fsdp_plugin;
   if (!plugin) {
     if (auto use = get_env("ACCELERATE_USE_FSDP"); use && str_to_bool(*use)) plugin = FullyShardedDataParallelPlugin{};
   }
-  std::optional<ParallelismConfig> config = options.parallelism_config;
-  if (!config && (get_env("PARALLELISM_CONFIG_DP_REPLICATE_SIZE") || get_env("PARALLELISM_CONFIG_DP_SHARD_SIZE") ||
-                  get_env("PARALLELISM_CONFIG_TP_SIZE") || get_env("PARALLELISM_CONFIG_CP_SIZE"))) {
-    config = ParallelismConfig{};
-  }
-  if (!config) return plugin;
-  const auto size = [](const std::optional<int>& given, const char* name) -> std::optional<int> {
-    if (given) return given;
-    if (auto v = get_env(name)) return detail::parse_env_int(name, *v);
-    return std::nullopt;
-  };
-  const int tp = size(config->tp_size, "PARALLELISM_CONFIG_TP_SIZE").value_or(1);
-  const int cp = size(config->cp_size, "PARALLELISM_CONFIG_CP_SIZE").value_or(1);
-  TORCH_CHECK_VALUE(tp == 1, "[Accelerator] parallelism_config: tensor parallelism (tp_size ", tp,
-                    ") is not supported yet; only the data-parallel dimensions are");
-  TORCH_CHECK_VALUE(cp == 1, "[Accelerator] parallelism_config: context parallelism (cp_size ", cp,
-                    ") is not supported yet; only the data-parallel dimensions are");
-  const int replicate = size(config->dp_replicate_size, "PARALLELISM_CONFIG_DP_REPLICATE_SIZE").value_or(1);
-  TORCH_CHECK_VALUE(replicate >= 1, "[Accelerator] parallelism_config: dp_replicate_size must be at least 1, got ",
-                    replicate);
-  const int shard = size(config->dp_shard_size, "PARALLELISM_CONFIG_DP_SHARD_SIZE")
-                        .value_or(std::max(1, num_processes / replicate));
-  TORCH_CHECK_VALUE(shard >= 1, "[Accelerator] parallelism_config: dp_shard_size must be at least 1, got ", shard);
-  TORCH_CHECK_VALUE(replicate * shard == num_processes, "[Accelerator] parallelism_config: dp_replicate_size (",
-                    replicate, ") x dp_shard_size (", shard, ") x tp_size (1) x cp_size (1) must equal the number of "
-                    "processes, ", num_processes);
+  if (!sizes) return plugin;
+  const int shard = sizes->shard;
   if (shard > 1 && !plugin) plugin = FullyShardedDataParallelPlugin{};
   TORCH_CHECK_VALUE(shard > 1 || !options.fsdp_plugin || num_processes == 1,
                     "[Accelerator] parallelism_config: dp_shard_size is 1, so nothing is sharded, but an fsdp_plugin "
@@ -107,6 +127,19 @@ std::optional<FullyShardedDataParallelPlugin> fsdp_plugin_of(const AcceleratorOp
 }
 
 }  // namespace
+
+namespace detail {
+
+// Under tensor parallelism every process holds pieces of the split layers and of their optimizer
+// state; the checkpoint formats do not record them yet, and writing process 0's pieces as if
+// they were the model would lose the rest. Refused before anything is written or read.
+void refuse_tensor_parallel_checkpoint(const AcceleratorImpl& impl, const char* api) {
+  TORCH_CHECK_VALUE(impl.tp_size == 1, "[Accelerator::", api, "] checkpoints of a tensor-parallel job (tp_size ",
+                    impl.tp_size, ") are not supported yet: the split layers' pieces and their optimizer state would "
+                    "not be recorded. Save the whole weights with save_model / get_state_dict, which gather them");
+}
+
+}  // namespace detail
 
 // ---- SyncGuard ------------------------------------------------------------------------------
 
@@ -144,7 +177,14 @@ Accelerator::Accelerator(const AcceleratorOptions& options)
   if (impl_->project.project_dir.empty()) impl_->project.project_dir = options.project_dir;
   if (impl_->project.logging_dir.empty()) impl_->project.logging_dir = impl_->project.project_dir;
   impl_->log_with = detail::filter_trackers(options.log_with, impl_->project.logging_dir, "Accelerator");
-  impl_->fsdp = fsdp_plugin_of(options, state_.num_processes(), impl_->dp_shard_size);
+  const auto sizes = mesh_sizes_of(options, state_.num_processes());
+  impl_->fsdp = fsdp_plugin_of(options, sizes, state_.num_processes(), impl_->dp_shard_size);
+  if (sizes) {
+    // Every group of the mesh is made now, at the same point on every process.
+    impl_->mesh.emplace(partial(), sizes->replicate, sizes->shard, sizes->tp);
+    impl_->tp_size = sizes->tp;
+    if (sizes->tp > 1) impl_->tp_plan = options.tp_handler.tp_plan;
+  }
   // As upstream's set_mixed_precision: a plugin without a policy computes, reduces and keeps its
   // buffers in the Accelerator's mixed precision (its autocast stays on as well).
   if (impl_->fsdp && state_.mixed_precision() != PrecisionType::kNo) {
@@ -175,6 +215,10 @@ bool Accelerator::optimizer_step_was_skipped() const {
 }
 
 std::optional<FullyShardedDataParallelPlugin> Accelerator::fsdp_plugin() const { return impl_->fsdp; }
+std::optional<DeviceMesh> Accelerator::torch_device_mesh() const { return impl_->mesh; }
+const PartialState& Accelerator::data_parallel_state() const {
+  return impl_->tp_size > 1 ? impl_->mesh->get_group("dp") : partial();
+}
 DistributedType Accelerator::distributed_type() const {
   return impl_->fsdp && state_.distributed_type() != DistributedType::kNo ? DistributedType::kFsdp
                                                                           : state_.distributed_type();
@@ -229,6 +273,19 @@ bool Accelerator::verify_device_map(const torch::nn::Module& model) const {
   return false;
 }
 
+std::shared_ptr<detail::TensorParallelEngine> Accelerator::apply_tensor_parallelism(
+    const std::shared_ptr<torch::nn::Module>& module) const {
+  auto plan = impl_->tp_plan;
+  if (plan.empty()) {
+    if (const auto* planned = dynamic_cast<const nn::TensorParallelPlanned*>(module.get())) plan = planned->tp_plan();
+  }
+  TORCH_CHECK_VALUE(!plan.empty(), "[Accelerator.prepare_model] tp_size is ", impl_->tp_size, ", but the model has no "
+                    "tensor-parallel plan: give one in AcceleratorOptions::tp_handler (TorchTensorParallelConfig::tp_plan) "
+                    "or derive the model's class from accelerate::nn::TensorParallelPlanned");
+  return std::make_shared<detail::TensorParallelEngine>(module, impl_->mesh->get_group("tp"),
+                                                        detail::resolve_tp_plan(*module, plan));
+}
+
 DistributedDataParallel Accelerator::prepare_module(const std::shared_ptr<torch::nn::Module>& module,
                                                     std::optional<bool> device_placement,
                                                     bool evaluation_mode) const {
@@ -260,12 +317,18 @@ DistributedDataParallel Accelerator::prepare_module(const std::shared_ptr<torch:
     module->to(state_.device());
   }
   ForwardOptions forward{state_.mixed_precision(), impl_->options.autocast_kwargs};
+  // Tensor parallelism first (the layers of the plan keep their pieces), then data parallelism
+  // over the processes that share a tensor-parallel rank.
+  std::shared_ptr<detail::TensorParallelEngine> tensor_parallel;
+  if (impl_->tp_size > 1) tensor_parallel = apply_tensor_parallelism(module);
+  const PartialState& data = data_parallel_state();
   // Evaluation-only models are not synchronised: a one-process engine does no communication.
   DistributedDataParallel ddp = evaluation_mode
                                     ? DistributedDataParallel::local(module, state_.device(), forward)
-                                    : impl_->fsdp ? detail::fully_sharded(module, partial(), *impl_->fsdp_settings, forward,
+                                    : impl_->fsdp ? detail::fully_sharded(module, data, *impl_->fsdp_settings, forward,
                                                                           impl_->dp_shard_size)
-                                                  : DistributedDataParallel(module, partial(), impl_->options.ddp_kwargs, forward);
+                                                  : DistributedDataParallel(module, data, impl_->options.ddp_kwargs, forward);
+  if (tensor_parallel) detail::attach_tensor_parallel(ddp, tensor_parallel);
   std::lock_guard<std::mutex> lock(impl_->mutex);
   impl_->models.push_back(ddp);
   return ddp;
@@ -322,7 +385,7 @@ DataLoader Accelerator::prepare_data_loader(const DataLoader& loader, std::optio
   options.put_on_device = device_placement.value_or(impl_->options.device_placement);
   options.rng_types = impl_->options.rng_types;
   options.device = state_.device();
-  DataLoader prepared = accelerate::prepare_data_loader(loader, partial(), gradient_state_, options);
+  DataLoader prepared = accelerate::prepare_data_loader(loader, data_parallel_state(), gradient_state_, options);
   std::lock_guard<std::mutex> lock(impl_->mutex);
   impl_->data_loaders.push_back(prepared);
   return prepared;
@@ -381,15 +444,26 @@ double Accelerator::clip_grad_norm_(const std::vector<at::Tensor>& parameters, d
   TORCH_CHECK_VALUE(max_norm >= 0, "[Accelerator.clip_grad_norm_] max_norm must not be negative, got ", max_norm);
   unscale_gradients();
   detail::FsdpEngine* sharded = nullptr;
+  detail::TensorParallelEngine* split = nullptr;
   {
     std::lock_guard<std::mutex> lock(impl_->mutex);
     for (const auto& model : impl_->models) {
       if (!sharded) sharded = detail::fsdp_engine(model);
+      if (!split) split = detail::tensor_parallel_engine(model);
     }
   }
-  if (!sharded) return torch::nn::utils::clip_grad_norm_(parameters, max_norm, norm_type);
-  // The norm over every process's shards (upstream: FSDP's own clip_grad_norm_).
-  const double total = sharded->total_grad_norm(parameters, norm_type);
+  if (!sharded && !split) return torch::nn::utils::clip_grad_norm_(parameters, max_norm, norm_type);
+  // The norm over every process's shards and pieces (upstream: FSDP's own clip_grad_norm_, and
+  // DTensor's norm over the mesh under tensor parallelism).
+  const auto norm_of = [&](const std::vector<at::Tensor>& subset) -> double {
+    if (sharded) return sharded->total_grad_norm(subset, norm_type);
+    std::vector<at::Tensor> norms;
+    for (const auto& p : subset) {
+      if (p.grad().defined()) norms.push_back(p.grad().detach().to(at::kDouble).norm(norm_type));
+    }
+    return norms.empty() ? 0.0 : at::stack(norms).norm(norm_type).item<double>();
+  };
+  const double total = split ? split->total_grad_norm(parameters, norm_type, norm_of) : norm_of(parameters);
   const double coefficient = max_norm / (total + 1e-6);
   if (coefficient < 1) {
     torch::NoGradGuard no_grad;

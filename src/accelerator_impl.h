@@ -2,6 +2,7 @@
 #pragma once
 
 #include "accelerate/accelerator.h"
+#include "accelerate/device_mesh.h"
 #include "fsdp/settings.h"
 
 #include <map>
@@ -19,6 +20,9 @@ struct AcceleratorImpl {
   std::optional<FullyShardedDataParallelPlugin> fsdp;  // when prepared models are sharded
   std::optional<FsdpSettings> fsdp_settings;           // `fsdp`, resolved when the Accelerator was built
   int dp_shard_size = 0;  // a parallelism_config's shard groups (0: the plugin decides)
+  std::optional<DeviceMesh> mesh;  // with a parallelism_config
+  int tp_size = 1;
+  std::vector<std::pair<std::string, std::string>> tp_plan;  // the tp_handler's (empty: the model's own)
 
   std::mutex mutex;  // guards everything below
   ProjectConfiguration project;
@@ -41,5 +45,8 @@ struct AcceleratorImpl {
   std::vector<std::shared_ptr<GeneralTracker>> trackers;
   bool trackers_running = false;
 };
+
+/// Refuses a checkpoint (save_state, load_state) of a tensor-parallel job, naming `api`.
+void refuse_tensor_parallel_checkpoint(const AcceleratorImpl& impl, const char* api);
 
 }  // namespace accelerate::detail

@@ -4,6 +4,7 @@
 #include "detail/collectives.h"
 #include "distributed_impl.h"
 #include "fsdp/engine.h"
+#include "tensor_parallel/engine.h"
 #include "detail/check.h"
 #include "detail/state_impl.h"
 #include "detail/torch_compat.h"
@@ -34,6 +35,7 @@ struct DistributedDataParallelImpl {
   std::vector<at::Tensor> buffers;
   std::unique_ptr<c10d::Reducer> reducer;
   std::shared_ptr<FsdpEngine> fsdp;  // instead of the reducer, for fully sharded models
+  std::shared_ptr<TensorParallelEngine> tp;  // the layers split by tensor parallelism, if any
   bool require_backward_grad_sync = true;
   bool require_forward_param_sync = true;
   int64_t num_iterations = 0;
@@ -376,14 +378,20 @@ DistributedDataParallel fully_sharded(std::shared_ptr<torch::nn::Module> module,
 }
 
 FsdpEngine* fsdp_engine(const DistributedDataParallel& model) { return model.impl()->fsdp.get(); }
+TensorParallelEngine* tensor_parallel_engine(const DistributedDataParallel& model) { return model.impl()->tp.get(); }
+void attach_tensor_parallel(DistributedDataParallel& model, std::shared_ptr<TensorParallelEngine> engine) {
+  model.impl()->tp = std::move(engine);
+}
 
 }  // namespace detail
 
 DistributedDataParallel DistributedDataParallel::without_synchronisation(bool keep_mixed_precision) const {
   // A sharded model cannot run without its engine: its parameters hold shards between calls.
   if (impl_->fsdp) return *this;
-  return local(impl_->module, c10::Device(impl_->device_type),
-               keep_mixed_precision ? impl_->forward : ForwardOptions{});
+  auto out = local(impl_->module, c10::Device(impl_->device_type),
+                   keep_mixed_precision ? impl_->forward : ForwardOptions{});
+  out.impl_->tp = impl_->tp;  // split layers keep communicating: their pieces alone are not the model
+  return out;
 }
 
 DistributedDataParallel DistributedDataParallel::local(std::shared_ptr<torch::nn::Module> module, c10::Device device,
@@ -399,6 +407,10 @@ DistributedDataParallel DistributedDataParallel::local(std::shared_ptr<torch::nn
 const std::shared_ptr<torch::nn::Module>& DistributedDataParallel::module() const { return impl_->module; }
 bool DistributedDataParallel::is_distributed() const { return impl_->reducer != nullptr || impl_->fsdp != nullptr; }
 bool DistributedDataParallel::is_fully_sharded() const { return impl_->fsdp != nullptr; }
+bool DistributedDataParallel::is_tensor_parallel() const { return impl_->tp != nullptr; }
+void DistributedDataParallel::check_tensor_parallel_pass(const std::vector<at::Tensor>& outputs) const {
+  if (impl_->tp) impl_->tp->check_pass(outputs);
+}
 at::Tensor DistributedDataParallel::cast_forward_input(const at::Tensor& input) const {
   return impl_->fsdp ? impl_->fsdp->cast_forward_input(input) : input;
 }
@@ -480,6 +492,9 @@ void DistributedDataParallel::prepare_for_backward_now() const {
 void DistributedDataParallel::rethrow_forward_error() const {
   std::vector<std::string> units;
   if (impl_->fsdp) units = impl_->fsdp->units_without_hook();
+  if (impl_->tp) {
+    for (auto& name : impl_->tp->modules_without_hook()) units.push_back(std::move(name));
+  }
   if (units.empty()) throw;
   std::string error;
   try {
@@ -492,9 +507,10 @@ void DistributedDataParallel::rethrow_forward_error() const {
   std::string names;
   for (size_t i = 0; i < units.size() && i < 8; ++i) names += (i ? ", " : "") + units[i];
   if (units.size() > 8) names += ", … (" + std::to_string(units.size()) + " in all)";
-  C10_THROW_ERROR(Error, c10::str("[FullyShardedDataParallel] the model's forward pass failed while ", units.size(),
-              " wrapped unit(s) had not run their hook in it: ", names, ". A unit's parameters hold only this "
-              "process's shard until its hook gathers them, and the hook runs only when the unit is called through "
+  C10_THROW_ERROR(Error, c10::str("[", impl_->fsdp ? "FullyShardedDataParallel" : "TensorParallel",
+              "] the model's forward pass failed while ", units.size(), " wrapped unit(s) had not run their hook in it: ",
+              names, ". A unit's parameters hold only this process's shard until its hook gathers them (or, split by "
+              "tensor parallelism, communicates around it), and the hook runs only when the unit is called through "
               "accelerate::forward(child, x), from a torch::nn::Sequential, or through a member declared with a "
               "holder of accelerate/nn.h (accelerate::nn::Linear, accelerate::nn::Hooked<M>); a direct call "
               "(child(x), child->forward(x)) or a functional use of its weights skips it. Declare the unit's "
@@ -503,6 +519,7 @@ void DistributedDataParallel::rethrow_forward_error() const {
 
 DistributedDataParallel::ForwardScope::ForwardScope(const DistributedDataParallel& ddp) {
   auto& impl = *ddp.impl();
+  if (impl.tp) impl.tp->begin_pass();
   if (impl.fsdp) impl.fsdp->root_pre_forward();
   if (impl.reducer) {
     const bool grad = at::GradMode::is_enabled();

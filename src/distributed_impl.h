@@ -11,9 +11,16 @@
 namespace accelerate::detail {
 
 class FsdpEngine;
+class TensorParallelEngine;
 
 /// The fully sharded engine of a prepared model, or null.
 FsdpEngine* fsdp_engine(const DistributedDataParallel& model);
+
+/// The tensor-parallel engine of a prepared model, or null.
+TensorParallelEngine* tensor_parallel_engine(const DistributedDataParallel& model);
+/// Gives a prepared model the engine of its split layers (the prepared model's call then checks
+/// each pass, Note [Split layers called without their hook]).
+void attach_tensor_parallel(DistributedDataParallel& model, std::shared_ptr<TensorParallelEngine> engine);
 
 /// `DistributedDataParallel::fully_sharded` with the plugin already resolved into `settings`.
 DistributedDataParallel fully_sharded(std::shared_ptr<torch::nn::Module> module, const PartialState& state,

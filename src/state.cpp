@@ -335,6 +335,15 @@ PartialState split_state(const PartialState& state, const std::vector<std::vecto
                          const std::string& tag) {
   auto& parent = *state.impl();
   const Topology& topo = parent.topology;
+  // Note [Groups within groups]
+  // A state made by split_state may be split again (the data-parallel processes of one tensor-
+  // parallel rank into their shard groups). The groups are named by the job's own ranks, so that
+  // the groups made at once by the processes of different parents are told apart: the layout
+  // (which names the store's prefix of a Gloo or NCCL group) lists job ranks, and an MPI split,
+  // a collective of every process of the job, takes the group's first job rank as its color.
+  const bool nested = !parent.world_ranks.empty();
+  const Topology& world = nested ? parent.world_topology : topo;
+  const auto job_rank = [&](int r) { return nested ? parent.world_ranks[r] : r; };
   std::string layout = tag;
   std::vector<int> seen(topo.world_size, 0);
   int color = -1;
@@ -344,7 +353,7 @@ PartialState split_state(const PartialState& state, const std::vector<std::vecto
       const int r = groups[g][i];
       TORCH_CHECK(r >= 0 && r < topo.world_size && !seen[r]++, "[split_state] ", tag, ": process ", r,
                   " is outside the job or in two groups");
-      layout += (i == 0 ? "" : ",") + std::to_string(r);
+      layout += (i == 0 ? "" : ",") + std::to_string(job_rank(r));
       if (r == topo.rank) color = static_cast<int>(g);
     }
   }
@@ -352,7 +361,10 @@ PartialState split_state(const PartialState& state, const std::vector<std::vecto
   std::lock_guard<std::mutex> lock(parent.groups_mutex);
   if (auto it = parent.groups.find(layout); it != parent.groups.end()) return PartialState::from_impl(it->second);
 
-  const auto& members = groups[color];
+  const auto own = static_cast<size_t>(color);
+  std::vector<int> members;  // job ranks
+  for (int r : groups[own]) members.push_back(job_rank(r));
+  if (nested) color = *std::min_element(members.begin(), members.end());
   auto impl = std::make_shared<PartialStateImpl>();
   impl->device = parent.device;
   impl->backend = parent.backend;
@@ -360,30 +372,32 @@ PartialState split_state(const PartialState& state, const std::vector<std::vecto
   impl->debug = parent.debug;
   impl->timeout = parent.timeout;
   impl->store = parent.store;
+  impl->world_ranks = members;
+  impl->world_topology = world;
   Topology& sub = impl->topology;
-  sub = topo;
+  sub = world;
   sub.world_size = static_cast<int>(members.size());
-  sub.rank = static_cast<int>(std::find(members.begin(), members.end(), topo.rank) - members.begin());
+  sub.rank = static_cast<int>(std::find(members.begin(), members.end(), world.rank) - members.begin());
   // The members on this machine (machines hold consecutive ranks, as every launcher numbers them).
-  const int machine = topo.rank / topo.local_world_size;
+  const int machine = world.rank / world.local_world_size;
   sub.local_rank = 0;
   sub.local_world_size = 0;
   for (int r : members) {
-    if (r / topo.local_world_size != machine) continue;
-    if (r < topo.rank) ++sub.local_rank;
+    if (r / world.local_world_size != machine) continue;
+    if (r < world.rank) ++sub.local_rank;
     ++sub.local_world_size;
   }
-  for (int r : members) {
+  for (int r : groups[own]) {
     if (static_cast<size_t>(r) < parent.addresses.size()) impl->addresses.push_back(parent.addresses[r]);
   }
   if (members.size() > 1) {
     TORCH_CHECK(parent.process_group, "[split_state] the process group was destroyed (destroy_process_group)");
     impl->distributed_type = parent.distributed_type;
-    impl->process_group = make_subgroup(parent.backend, parent.store, topo, members, color,
+    impl->process_group = make_subgroup(parent.backend, parent.store, world, members, color,
                                         "group/" + layout + "/" + std::to_string(color), parent.timeout);
-  } else if (parent.backend == "mpi" && topo.world_size > 1) {
+  } else if (parent.backend == "mpi" && world.world_size > 1) {
     // MPI's split is a collective of every process, one-process groups included.
-    (void)make_subgroup(parent.backend, parent.store, topo, members, color, "", parent.timeout);
+    (void)make_subgroup(parent.backend, parent.store, world, members, color, "", parent.timeout);
   }
   parent.groups.emplace(layout, impl);
   return PartialState::from_impl(impl);

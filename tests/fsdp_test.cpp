@@ -910,7 +910,7 @@ TEST(FullyShardedDataParallel, ParallelismConfigSizesAreCheckedAgainstTheProcess
       EXPECT_THROWS_WITH((void)Accelerator(options), message);
     });
   };
-  refused({.tp_size = 2}, "tensor parallelism (tp_size 2) is not supported yet");
+  refused({.tp_size = 3}, "x tp_size (3) x cp_size (1) must equal the number of processes, 2");
   refused({.cp_size = 2}, "context parallelism (cp_size 2) is not supported yet");
   refused({.dp_replicate_size = 2, .dp_shard_size = 2}, "must equal the number of processes, 2");
   run_accelerators(

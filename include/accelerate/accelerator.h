@@ -21,6 +21,7 @@
 
 #include "accelerate/checkpointing.h"
 #include "accelerate/data_loader.h"
+#include "accelerate/device_mesh.h"
 #include "accelerate/distributed.h"
 #include "accelerate/grad_scaler.h"
 #include "accelerate/optimizer.h"
@@ -45,6 +46,7 @@ namespace accelerate {
 
 namespace detail {
 struct AcceleratorImpl;
+class TensorParallelEngine;
 }  // namespace detail
 
 /// Options of an `Accelerator`, upstream's constructor arguments as one aggregate. Upstream's
@@ -96,12 +98,16 @@ struct AcceleratorOptions {
   /// sets), whose `FSDP_*` variables fill the fields left empty. Takes effect with several
   /// processes.
   std::optional<FullyShardedDataParallelPlugin> fsdp_plugin{};
-  /// Sizes of the parallel dimensions (upstream: `parallelism_config`): `dp_shard_size` above 1
-  /// shards models (with `fsdp_plugin`'s settings, or the defaults); `dp_replicate_size` equal to
-  /// the number of processes is plain data parallelism. Their product must be the number of
-  /// processes. Hybrid sharding (both above 1), tensor and context parallelism are refused as
-  /// not supported yet.
+  /// Sizes of the parallel dimensions (upstream: `parallelism_config`), laid out as a
+  /// `DeviceMesh` (`torch_device_mesh()`): `dp_shard_size` above 1 shards models (with
+  /// `fsdp_plugin`'s settings, or the defaults), over groups that `dp_replicate_size` replicates
+  /// (hybrid sharding when both are above 1); `tp_size` above 1 splits the layers of
+  /// `tp_handler`'s plan over groups of neighbouring processes. Their product must be the number
+  /// of processes. Context parallelism is refused as not supported yet.
   std::optional<ParallelismConfig> parallelism_config{};
+  /// How tensor parallelism is applied (upstream: `parallelism_config`'s `tp_handler`; a field of
+  /// its own here, beside it).
+  TorchTensorParallelConfig tp_handler{};
   /// Run on a state of its own built from these settings instead of the process-wide one (for
   /// several ranks as threads of one process, or several jobs in one program).
   std::optional<PartialStateOptions> standalone_state{};
@@ -241,6 +247,13 @@ class Accelerator {
   /// The fully sharded settings prepared models get, when models are sharded (upstream:
   /// `state.fsdp_plugin`).
   std::optional<FullyShardedDataParallelPlugin> fsdp_plugin() const;
+  /// The processes laid out by the `parallelism_config` (upstream: `torch_device_mesh`); nothing
+  /// without one.
+  std::optional<DeviceMesh> torch_device_mesh() const;
+  /// The processes data parallelism runs over: the mesh's "dp" under tensor parallelism (the
+  /// processes of one tensor-parallel group share every batch), else every process. Data loaders
+  /// shard over them, and `gather_for_metrics` gathers over them.
+  const PartialState& data_parallel_state() const;
   /// Whether models are fully sharded with version 2 of the plugin (upstream: `is_fsdp2`).
   bool is_fsdp2() const;
 
@@ -448,14 +461,14 @@ class Accelerator {
   template <typename T>
   T gather_for_metrics(const T& data, bool use_gather_object = false) const {
     if constexpr (accelerator_detail::is_value_list<T>::value) {
-      return gather_object_for_metrics(partial(), gradient_state_, data);
+      return gather_object_for_metrics(data_parallel_state(), gradient_state_, data);
     } else if constexpr (accelerator_detail::is_object_list<T>::value) {
-      if (use_gather_object) return gather_object_for_metrics(partial(), gradient_state_, data);
-      return accelerate::gather_for_metrics(partial(), gradient_state_, data);
+      if (use_gather_object) return gather_object_for_metrics(data_parallel_state(), gradient_state_, data);
+      return accelerate::gather_for_metrics(data_parallel_state(), gradient_state_, data);
     } else {
       TORCH_CHECK_VALUE(!use_gather_object, "[gather_for_metrics] use_gather_object needs a std::vector of numbers, "
                                             "strings, tensors or IValues");
-      return accelerate::gather_for_metrics(partial(), gradient_state_, data);
+      return accelerate::gather_for_metrics(data_parallel_state(), gradient_state_, data);
     }
   }
 
@@ -688,6 +701,9 @@ class Accelerator {
   }
   DistributedDataParallel prepare_module(const std::shared_ptr<torch::nn::Module>& module,
                                          std::optional<bool> device_placement, bool evaluation_mode) const;
+  // Splits the layers of the tensor-parallel plan (the tp_handler's, else the model class's).
+  std::shared_ptr<detail::TensorParallelEngine> apply_tensor_parallelism(
+      const std::shared_ptr<torch::nn::Module>& module) const;
   // Upstream's `_do_sync`: advances the step count and decides whether this batch synchronises.
   // Returns the backward-sync flag the models get for the batch (empty: leave them alone).
   std::optional<bool> begin_accumulation_step() const;

@@ -86,6 +86,11 @@ class DistributedDataParallel {
   bool is_distributed() const;
   /// Whether the model is fully sharded (`fully_sharded` with more than one process).
   bool is_fully_sharded() const;
+  /// Whether layers of the module are split by tensor parallelism.
+  bool is_tensor_parallel() const;
+  /// After a forward pass of a tensor-parallel model: refuses a pass in which a split layer ran
+  /// without its hook (Note [Split layers called without their hook] in src/tensor_parallel/engine.cpp).
+  void check_tensor_parallel_pass(const std::vector<at::Tensor>& outputs) const;
   /// `input` as the model's call passes it on: a floating tensor in the param_dtype of a fully
   /// sharded model's mixed-precision policy (upstream casts the root's inputs too); else `input`.
   at::Tensor cast_forward_input(const at::Tensor& input) const;
@@ -169,6 +174,7 @@ class DistributedDataParallel {
   template <typename T>
   T finish_forward(T output) const {
     if (forward_options().mixed_precision != PrecisionType::kNo) output = convert_to_fp32(output);
+    if (is_tensor_parallel()) check_tensor_parallel_pass(flatten_tensors(output));
     if (!is_distributed()) return output;
     if (!wants_outputs()) {
       after_forward({});

@@ -27,6 +27,8 @@
 #include <torch/nn/pimpl.h>
 
 #include <memory>
+#include <string>
+#include <vector>
 #include <utility>
 
 namespace accelerate::nn {
@@ -48,6 +50,16 @@ class Hooked : public H {
   auto operator()(Args&&... args) const {
     return accelerate::forward(*this->ptr(), std::forward<Args>(args)...);
   }
+};
+
+/// A module class's own tensor-parallel plan (transformers: a model class's `_tp_plan`): `prepare`
+/// uses it when the `TorchTensorParallelConfig` gives none. Derive the module's class from it
+/// besides `torch::nn::Module`.
+class TensorParallelPlanned {
+ public:
+  virtual ~TensorParallelPlanned() = default;
+  /// Styles by module name, as `TorchTensorParallelConfig::tp_plan`.
+  virtual std::vector<std::pair<std::string, std::string>> tp_plan() const = 0;
 };
 
 using Linear = Hooked<torch::nn::Linear>;

@@ -548,6 +548,7 @@ void warn_python_skips(const detail::CheckpointObjects& objects, const Source& f
 }  // namespace
 
 void Accelerator::load_state(const std::string& input_dir, const LoadStateOptions& options) const {
+  detail::refuse_tensor_parallel_checkpoint(*impl_, "load_state");
   const auto project = project_configuration();
   fs::path folder;
   if (!input_dir.empty()) {

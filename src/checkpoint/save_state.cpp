@@ -12,6 +12,7 @@
 #include "detail/files.h"
 #include "detail/warn.h"
 #include "distributed_impl.h"
+#include "tensor_parallel/engine.h"
 
 #include <c10/util/Exception.h>
 
@@ -43,16 +44,24 @@ void Accelerator::save(const nlohmann::json& values, const std::string& path) co
 }
 
 StateDictMap Accelerator::model_state_dict(const std::shared_ptr<torch::nn::Module>& module) const {
-  std::optional<DistributedDataParallel> sharded;
+  std::optional<DistributedDataParallel> prepared;
   {
     std::lock_guard<std::mutex> lock(impl_->mutex);
-    for (const auto& prepared : impl_->models) {
-      if (prepared.module() == module && prepared.is_fully_sharded()) sharded = prepared;
+    for (const auto& model : impl_->models) {
+      if (model.module() == module && (model.is_fully_sharded() || model.is_tensor_parallel())) prepared = model;
     }
   }
-  if (!sharded) return accelerate::get_state_dict(*module);
+  if (!prepared) return accelerate::get_state_dict(*module);
+  std::vector<std::pair<std::string, at::Tensor>> values;
+  if (prepared->is_fully_sharded()) {
+    values = detail::fsdp_engine(*prepared)->full_state_dict();
+  } else {
+    for (const auto& item : accelerate::get_state_dict(*module)) values.emplace_back(item.key(), item.value());
+  }
+  // Under tensor parallelism, the split layers' pieces joined (a collective of the tp group).
+  if (auto* split = detail::tensor_parallel_engine(*prepared)) split->gather_whole(values);
   StateDictMap out;
-  for (auto& [name, tensor] : detail::fsdp_engine(*sharded)->full_state_dict()) out.insert(name, tensor);
+  for (auto& [name, tensor] : values) out.insert(name, tensor);
   return out;
 }
 
@@ -342,6 +351,7 @@ void check_python_layout(const detail::CheckpointObjects& objects) {
 }  // namespace
 
 std::string Accelerator::save_state(const std::string& output_dir, const SaveStateOptions& options) const {
+  detail::refuse_tensor_parallel_checkpoint(*impl_, "save_state");
   auto project = project_configuration();
   const auto layout = options.layout.value_or(project.checkpoint_layout);
   TORCH_CHECK_VALUE(layout != CheckpointLayout::kDetect, "[Accelerator::save_state] CheckpointLayout::kDetect is for "

@@ -72,10 +72,9 @@ void check_parallelism_value(const std::string& key, const std::string& value, c
   const long long number = positive_integer(value);
   ACCELERATE_CHECK_VALUE(number > 0 && number <= 1000000, "[", where, "] ", key,
                          ": expected a positive integer, got '", value, "'");
-  const bool tp = key == "parallelism_config_tp_size", cp = key == "parallelism_config_cp_size";
-  ACCELERATE_CHECK_VALUE(!(tp || cp) || number == 1, "[", where, "] ", key, " ", number, ": ",
-                         tp ? "tensor" : "context", " parallelism is not supported yet; only the data-parallel "
-                         "dimensions (dp_replicate_size, dp_shard_size) are");
+  ACCELERATE_CHECK_VALUE(key != "parallelism_config_cp_size" || number == 1, "[", where, "] ", key, " ", number,
+                         ": context parallelism is not supported yet; only the data-parallel dimensions "
+                         "(dp_replicate_size, dp_shard_size) and tensor parallelism (tp_size) are");
 }
 
 void check_fsdp_value(const std::string& key, const std::string& value, const std::string& where) {

@@ -35,6 +35,10 @@ struct PartialStateImpl {
   bool trigger = false;
   std::mutex groups_mutex;
   std::map<std::string, std::shared_ptr<PartialStateImpl>> groups;  // split_state's, by layout
+  // A group made by split_state: its members' ranks in the job, and the job's topology (empty
+  // and unused for the job's own state; Note [Groups within groups]).
+  std::vector<int> world_ranks;
+  Topology world_topology;
 };
 
 struct GradientStateImpl {
@@ -53,7 +57,9 @@ c10::intrusive_ptr<c10d::ProcessGroup> process_group(const PartialState& state, 
 /// processes): the group that holds this process, its ranks numbered in the group's order. Made
 /// once per `tag` and layout and kept with `state` (until its process group is destroyed). Every
 /// process of the job must ask for it at the same point of the program: making it is a
-/// collective. A group of one process has no process group, as a job of one process.
+/// collective. A group of one process has no process group, as a job of one process. `state`
+/// may itself be such a group (ranks are then its own): every process of the job splits its own
+/// group at the same point (Note [Groups within groups]).
 PartialState split_state(const PartialState& state, const std::vector<std::vector<int>>& groups,
                          const std::string& tag);
 

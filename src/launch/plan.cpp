@@ -79,8 +79,11 @@ void plan_parallelism(const LaunchArgs& args, const std::optional<ClusterConfig>
     parallelism[key] = value;
   }
   if (args.use_parallelism_config || !parallelism.empty()) {
-    ACCELERATE_CHECK_VALUE(plan.use_fsdp, "[launch] --use_parallelism_config (and the parallelism_config settings) "
-                           "needs --use_fsdp: its data-parallel sizes shard models");
+    auto tp = parallelism.find("parallelism_config_tp_size");
+    const bool tensor_parallel = tp != parallelism.end() && tp->second != "1";
+    ACCELERATE_CHECK_VALUE(plan.use_fsdp || tensor_parallel, "[launch] --use_parallelism_config (and the "
+                           "parallelism_config settings) needs --use_fsdp or --parallelism_config_tp_size above 1: "
+                           "without tensor parallelism, its data-parallel sizes shard models");
     plan.parallelism_environment["ACCELERATE_USE_PARALLELISM_CONFIG"] = "true";
     for (const auto& [key, variable] : parallelism_config_keys()) {
       auto it = parallelism.find(key);
@@ -107,10 +110,11 @@ void check_job_size(LaunchPlan& plan, bool ip_given) {
       return it == plan.parallelism_environment.end() ? fallback : std::stoi(it->second);
     };
     const int replicate = size("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", 1);
-    const int shard = size("PARALLELISM_CONFIG_DP_SHARD_SIZE", std::max(1, plan.num_processes / replicate));
-    ACCELERATE_CHECK_VALUE(replicate * shard == plan.num_processes, "[launch] parallelism_config: dp_replicate_size (",
-                           replicate, ") x dp_shard_size (", shard, ") must equal --num_processes (",
-                           plan.num_processes, ")");
+    const int tp = size("PARALLELISM_CONFIG_TP_SIZE", 1);
+    const int shard = size("PARALLELISM_CONFIG_DP_SHARD_SIZE", std::max(1, plan.num_processes / (replicate * tp)));
+    ACCELERATE_CHECK_VALUE(replicate * shard * tp == plan.num_processes, "[launch] parallelism_config: "
+                           "dp_replicate_size (", replicate, ") x dp_shard_size (", shard, ") x tp_size (", tp,
+                           ") must equal --num_processes (", plan.num_processes, ")");
   }
   ACCELERATE_CHECK_VALUE(plan.main_process_port >= 0 && plan.main_process_port <= 65535,
                          "[launch] --main_process_port must be a TCP port (0-65535), got ", plan.main_process_port);

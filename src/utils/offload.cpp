@@ -23,12 +23,12 @@ namespace accelerate {
 
 namespace {
 
-struct DtypeName {
+struct OffloadDtypeName {
   c10::ScalarType type;
   const char* name;
 };
 
-constexpr DtypeName kDtypes[] = {
+constexpr OffloadDtypeName kDtypes[] = {
     {c10::kFloat, "float32"},
     {c10::kDouble, "float64"},
     {c10::kHalf, "float16"},

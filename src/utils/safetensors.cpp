@@ -63,12 +63,12 @@ namespace {
 
 using Mapping = detail::SafetensorsMapping;
 
-struct DtypeName {
+struct SafetensorsDtypeName {
   c10::ScalarType dtype;
   const char* name;
 };
 
-constexpr DtypeName kDtypeNames[] = {
+constexpr SafetensorsDtypeName kDtypeNames[] = {
     {c10::kBool, "BOOL"}, {c10::kByte, "U8"},    {c10::kChar, "I8"},          {c10::kShort, "I16"},
     {c10::kInt, "I32"},   {c10::kLong, "I64"},   {c10::kHalf, "F16"},         {c10::kBFloat16, "BF16"},
     {c10::kFloat, "F32"}, {c10::kDouble, "F64"}, {c10::kComplexFloat, "C64"},

@@ -163,11 +163,18 @@ TEST_F(ParseLaunchArgs, ParallelismConfigFlagsBecomeTheWorkersVariablesOverTheCo
 TEST_F(ParseLaunchArgs, ParallelismConfigSettingsThatCannotApplyAreRefusedNamingThem) {
   EXPECT_THROWS_WITH(resolve({"-n", "4", "--use_parallelism_config", "--parallelism_config_dp_shard_size", "2",
                               "/bin/true"}),
-                     "--use_parallelism_config (and the parallelism_config settings) needs --use_fsdp");
+                     "--use_parallelism_config (and the parallelism_config settings) needs --use_fsdp or "
+                     "--parallelism_config_tp_size above 1");
   EXPECT_THROWS_WITH(resolve({"-n", "4", "--use_fsdp", "--parallelism_config_dp_replicate_size", "3", "/bin/true"}),
-                     "dp_replicate_size (3) x dp_shard_size (1) must equal --num_processes (4)");
-  EXPECT_THROWS_WITH(resolve({"-n", "4", "--use_fsdp", "--parallelism_config_tp_size", "2", "/bin/true"}),
-                     "parallelism_config_tp_size 2: tensor parallelism is not supported yet");
+                     "dp_replicate_size (3) x dp_shard_size (1) x tp_size (1) must equal --num_processes (4)");
+  EXPECT_THROWS_WITH(resolve({"-n", "4", "--parallelism_config_tp_size", "3", "/bin/true"}),
+                     "dp_replicate_size (1) x dp_shard_size (1) x tp_size (3) must equal --num_processes (4)");
+  EXPECT_THROWS_WITH(resolve({"-n", "4", "--parallelism_config_cp_size", "2", "/bin/true"}),
+                     "parallelism_config_cp_size 2: context parallelism is not supported yet");
+  {
+    const LaunchPlan plan = resolve({"-n", "4", "--parallelism_config_tp_size", "2", "/bin/true"});
+    EXPECT_EQ(plan.parallelism_environment.at("PARALLELISM_CONFIG_TP_SIZE"), "2");
+  }
   EXPECT_THROWS_WITH(resolve({"--use_fsdp", "--parallelism_config_dp_shard_size", "two", "/bin/true"}),
                      "parallelism_config_dp_shard_size: expected a positive integer, got 'two'");
   EXPECT_THROWS_WITH(parse_launch_args({"--parallelism_config_cp_backend", "torch", "/bin/true"}),

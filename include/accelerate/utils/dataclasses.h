@@ -15,6 +15,7 @@
 #include <functional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace torch::nn {
@@ -369,18 +370,39 @@ struct FullyShardedDataParallelPlugin {
   std::optional<bool> use_orig_params{};
 };
 
+/// How `prepare` applies tensor parallelism (upstream: `TorchTensorParallelConfig`, a
+/// `ParallelismConfig`'s `tp_handler`). Upstream takes the plan from the model's transformers
+/// class; here it is given (`AcceleratorOptions::tp_handler`), or the model's class carries it
+/// (`accelerate::nn::TensorParallelPlanned`).
+struct TorchTensorParallelConfig {
+  /// Styles by module name, the first matching entry winning. A `*` stands for one component of
+  /// the name ("blocks.*.fc1"). Styles (transformers' names): "colwise" (a Linear's or Embedding's
+  /// output features split: the output is sharded on its last dimension), "colwise_rep" (the same,
+  /// the output gathered whole), "rowwise" (a Linear's input features split, the partial outputs
+  /// summed; on an Embedding, the vocabulary split), "replicate" (kept whole). Empty: the plan of
+  /// the model's class; a model with neither is refused.
+  std::vector<std::pair<std::string, std::string>> tp_plan{};
+  /// Overlapping the collectives with the matrix products (upstream's `enable_async_tp`): needs
+  /// CUDA's symmetric memory, which LibTorch does not offer; true is refused.
+  bool enable_async_tp = false;
+};
+
 /// Sizes of the parallel dimensions of a job (upstream: `ParallelismConfig`). Their product
-/// must be the number of processes. Empty sizes take `PARALLELISM_CONFIG_DP_REPLICATE_SIZE`,
-/// `..._DP_SHARD_SIZE`, `..._TP_SIZE`, `..._CP_SIZE`, else 1 (the shard size: what is left).
+/// must be the number of processes; the processes are laid out as a `DeviceMesh`
+/// (dp_replicate × dp_shard × tp, tp innermost). Empty sizes take
+/// `PARALLELISM_CONFIG_DP_REPLICATE_SIZE`, `..._DP_SHARD_SIZE`, `..._TP_SIZE`, `..._CP_SIZE`, else 1
+/// (the shard size: what is left).
 struct ParallelismConfig {
   /// Groups that hold a replica each (with `dp_shard_size` > 1: hybrid sharding).
   std::optional<int> dp_replicate_size{};
   /// Processes one replica is sharded over.
   std::optional<int> dp_shard_size{};
-  /// Tensor parallelism: not supported yet (only 1).
+  /// Processes each layer of the plan is split over (tensor parallelism).
   std::optional<int> tp_size{};
   /// Context parallelism: not supported yet (only 1).
   std::optional<int> cp_size{};
+  // Upstream's `tp_handler` is `AcceleratorOptions::tp_handler`: a plan inside an optional
+  // ParallelismConfig trips GCC 12's -Wmaybe-uninitialized on every copy of the options.
 };
 
 }  // namespace accelerate

@@ -1,0 +1,341 @@
+// Tensor parallelism and the device mesh, with ranks as threads: the mesh's layout and groups,
+// training over tp × dp (DDP and FSDP) that equals the single-process run, parameters that hold
+// only their pieces, the global gradient norm, whole state dicts, the data each rank gets, split
+// layers called without their hook, and every setting that is refused.
+#include "accelerate/accelerator.h"
+#include "accelerate/nn.h"
+#include "distributed_impl.h"
+#include "support/accelerators.h"
+#include "support/test_support.h"
+
+#include <atomic>
+#include <numeric>
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+namespace accelerate::testing {
+namespace {
+
+constexpr int64_t kVocab = 16, kDim = 8, kHidden = 16, kBatch = 8, kSeq = 3;
+
+// A block of a transformer's shape: a norm, then an MLP whose first layer is split by columns
+// and second by rows. `Holder` is accelerate::nn::Linear (hooks run on `fc(x)`) or torch::nn::Linear.
+template <typename Holder>
+struct BlockImpl : torch::nn::Module {
+  BlockImpl()
+      : ln(register_module("ln", accelerate::nn::LayerNorm(torch::nn::LayerNormOptions({kDim})))),
+        fc1(register_module("fc1", Holder(kDim, kHidden))), fc2(register_module("fc2", Holder(kHidden, kDim))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return x + fc2(torch::gelu(fc1(ln(x)))); }
+  accelerate::nn::LayerNorm ln;
+  Holder fc1, fc2;
+};
+
+template <typename Holder>
+struct NetImpl : torch::nn::Module, accelerate::nn::TensorParallelPlanned {
+  NetImpl()
+      : embed(register_module("embed", accelerate::nn::Embedding(kVocab, kDim))),
+        block0(register_module("block0", std::make_shared<BlockImpl<Holder>>())),
+        block1(register_module("block1", std::make_shared<BlockImpl<Holder>>())),
+        head(register_module("head", Holder(kDim, kVocab))) {}
+  torch::Tensor forward(const torch::Tensor& ids) {
+    auto x = embed(ids);
+    x = block0->forward(x);
+    x = block1->forward(x);
+    return head(x);
+  }
+  std::vector<std::pair<std::string, std::string>> tp_plan() const override {
+    return {{"embed", "rowwise"}, {"*.ln", "replicate"}, {"*.fc1", "colwise"}, {"*.fc2", "rowwise"},
+            {"head", "colwise_rep"}};
+  }
+  accelerate::nn::Embedding embed;
+  std::shared_ptr<BlockImpl<Holder>> block0, block1;
+  Holder head;
+};
+
+using Net = NetImpl<accelerate::nn::Linear>;
+using DirectNet = NetImpl<torch::nn::Linear>;
+
+template <typename N = Net>
+std::shared_ptr<N> make_net() {
+  auto net = std::make_shared<N>();
+  torch::NoGradGuard no_grad;
+  int i = 0;
+  for (auto& p : net->parameters()) {
+    p.copy_(torch::sin(torch::arange(p.numel(), torch::kFloat) * (0.37 + 0.05 * i++)).reshape(p.sizes()) * 0.5);
+  }
+  return net;
+}
+
+torch::Tensor ids(int step) {
+  return (torch::arange(kBatch * kSeq, torch::kLong).reshape({kBatch, kSeq}) * (3 + step) + step) % kVocab;
+}
+torch::Tensor targets(int step) { return (ids(step) * 5 + 1) % kVocab; }
+
+torch::Tensor loss_of(const torch::Tensor& logits, const torch::Tensor& target) {
+  return torch::nn::functional::cross_entropy(logits.reshape({-1, kVocab}), target.reshape({-1}));
+}
+
+std::map<std::string, torch::Tensor> as_map(const StateDictMap& state) {
+  std::map<std::string, torch::Tensor> out;
+  for (const auto& item : state) out[item.key()] = item.value().detach().clone();
+  return out;
+}
+
+constexpr double kMaxNorm = 0.5;  // below the gradients' norm: clipping acts on every step
+
+struct Reference {
+  std::map<std::string, torch::Tensor> params;
+  std::vector<double> norms;
+};
+
+// `steps` AdamW steps on the whole batch on one process, the gradient clipped to kMaxNorm.
+Reference reference(int steps) {
+  auto net = make_net();
+  torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(0.02));
+  Reference out;
+  for (int s = 0; s < steps; ++s) {
+    opt.zero_grad();
+    loss_of(net->forward(ids(s)), targets(s)).backward();
+    out.norms.push_back(torch::nn::utils::clip_grad_norm_(net->parameters(), kMaxNorm));
+    opt.step();
+  }
+  out.params = as_map(net->named_parameters());
+  return out;
+}
+
+void expect_close(const std::map<std::string, torch::Tensor>& got, const std::map<std::string, torch::Tensor>& want) {
+  ASSERT_EQ(got.size(), want.size());
+  for (const auto& [name, value] : want) {
+    ASSERT_TRUE(got.count(name)) << name;
+    ASSERT_EQ(got.at(name).sizes(), value.sizes()) << name;
+    EXPECT_TRUE(torch::allclose(got.at(name), value, 1e-4, 1e-5)) << name << "\n" << got.at(name) << "\n" << value;
+  }
+}
+
+struct Mesh {
+  const char* name;
+  int replicate, shard, tp;
+  int ranks() const { return replicate * shard * tp; }
+};
+
+AcceleratorOptions mesh_options(const Mesh& m) {
+  AcceleratorOptions options;
+  options.parallelism_config = ParallelismConfig{.dp_replicate_size = m.replicate, .dp_shard_size = m.shard,
+                                                 .tp_size = m.tp};
+  return options;
+}
+
+class TensorParallelTraining : public ::testing::TestWithParam<Mesh> {};
+
+TEST_P(TensorParallelTraining, ThreeClippedAdamWStepsEqualTheSingleProcessRun) {
+  const Mesh m = GetParam();
+  const auto want = reference(3);
+  run_accelerators(
+      m.ranks(),
+      [&](const Accelerator& acc, int rank) {
+        auto mesh = acc.torch_device_mesh();
+        ASSERT_TRUE(mesh.has_value());
+        const int dp = mesh->size("dp"), dp_rank = mesh->get_local_rank("dp");
+        EXPECT_EQ(dp_rank, rank / m.tp);
+        auto net = make_net();
+        auto [model, opt] =
+            acc.prepare(net, std::make_shared<torch::optim::AdamW>(net->parameters(), torch::optim::AdamWOptions(0.02)));
+        EXPECT_TRUE(model.ddp().is_tensor_parallel());
+        EXPECT_EQ(model.ddp().is_fully_sharded(), m.shard > 1);
+        const int64_t rows = kBatch / dp;
+        for (int s = 0; s < 3; ++s) {
+          opt.zero_grad();
+          auto x = ids(s).narrow(0, dp_rank * rows, rows), y = targets(s).narrow(0, dp_rank * rows, rows);
+          acc.backward(loss_of(model(x), y));
+          const double norm = acc.clip_grad_norm_(net->parameters(), kMaxNorm);
+          EXPECT_NEAR(norm, want.norms[s], 1e-4 * want.norms[s]) << "step " << s;
+          opt.step();
+        }
+        expect_close(as_map(acc.get_state_dict(model)), want.params);
+      },
+      mesh_options(m));
+}
+
+INSTANTIATE_TEST_SUITE_P(Meshes, TensorParallelTraining,
+                         ::testing::Values(Mesh{"Tp2", 1, 1, 2}, Mesh{"Tp4", 1, 1, 4}, Mesh{"Tp2Ddp2", 2, 1, 2},
+                                           Mesh{"Tp2Fsdp2", 1, 2, 2}, Mesh{"Tp2Fsdp2Ddp2", 2, 2, 2}),
+                         [](const ::testing::TestParamInfo<Mesh>& info) { return std::string(info.param.name); });
+
+TEST(DeviceMesh, RanksAreLaidOutWithTensorParallelismInnermostAndEachGroupSumsItsOwn) {
+  run_accelerators(
+      8,
+      [&](const Accelerator& acc, int rank) {
+        auto mesh = *acc.torch_device_mesh();
+        EXPECT_EQ(mesh.mesh_dim_names(), (std::vector<std::string>{"dp_replicate", "dp_shard", "tp"}));
+        EXPECT_EQ(mesh.shape(), (std::vector<int>{2, 2, 2}));
+        const int t = rank % 2, s = (rank / 2) % 2, p = rank / 4;
+        EXPECT_EQ(mesh.group_ranks("tp"), (std::vector<int>{rank - t, rank - t + 1}));
+        EXPECT_EQ(mesh.group_ranks("dp_shard"), (std::vector<int>{p * 4 + t, p * 4 + 2 + t}));
+        EXPECT_EQ(mesh.group_ranks("dp_replicate"), (std::vector<int>{s * 2 + t, 4 + s * 2 + t}));
+        EXPECT_EQ(mesh.group_ranks("dp"), (std::vector<int>{t, 2 + t, 4 + t, 6 + t}));
+        EXPECT_EQ(mesh.group_ranks("dp_shard_cp"), mesh.group_ranks("dp_shard"));
+        EXPECT_EQ(mesh.get_local_rank("tp"), t);
+        EXPECT_EQ(mesh.get_local_rank("dp"), rank / 2);
+        for (const char* dim : {"tp", "dp_shard", "dp_replicate", "dp"}) {
+          auto sum = reduce(mesh.get_group(dim), torch::tensor({int64_t{1} << rank}), "sum");
+          int64_t want = 0;
+          for (int r : mesh.group_ranks(dim)) want += int64_t{1} << r;
+          EXPECT_EQ(sum.item<int64_t>(), want) << dim;
+        }
+        EXPECT_THAT(error_of([&] { mesh.size("cp_tp"); }), ::testing::HasSubstr("no dimension named \"cp_tp\""));
+      },
+      mesh_options({"", 2, 2, 2}));
+}
+
+TEST(TensorParallel, SplitLayersAndTheirOptimizerStateHoldOnlyThisProcesssPiece) {
+  run_accelerators(
+      2,
+      [&](const Accelerator& acc, int rank) {
+        auto whole = make_net();
+        auto net = make_net();
+        auto [model, opt] =
+            acc.prepare(net, std::make_shared<torch::optim::AdamW>(net->parameters(), torch::optim::AdamWOptions(0.02)));
+        EXPECT_TRUE(torch::equal(net->embed->weight, whole->embed->weight.narrow(0, rank * 8, 8)));
+        EXPECT_TRUE(torch::equal(net->block0->fc1->weight, whole->block0->fc1->weight.narrow(0, rank * 8, 8)));
+        EXPECT_TRUE(torch::equal(net->block0->fc1->bias, whole->block0->fc1->bias.narrow(0, rank * 8, 8)));
+        EXPECT_TRUE(torch::equal(net->block0->fc2->weight, whole->block0->fc2->weight.narrow(1, rank * 8, 8)));
+        EXPECT_TRUE(torch::equal(net->block0->fc2->bias, whole->block0->fc2->bias));  // added once, whole
+        EXPECT_TRUE(torch::equal(net->head->weight, whole->head->weight.narrow(0, rank * 8, 8)));
+        EXPECT_TRUE(torch::equal(net->block0->ln->weight, whole->block0->ln->weight));
+        int64_t mine = 0;
+        for (const auto& p : net->parameters()) mine += p.numel();
+        int64_t all = 0;
+        for (const auto& p : whole->parameters()) all += p.numel();
+        // Split: embed 128, fc1 144 and fc2's weight 128 per block, head 144: 816 of 864 (the norms
+        // and fc2's bias stay whole).
+        EXPECT_EQ(all, 864);
+        EXPECT_EQ(mine, all - 816 / 2);
+        acc.backward(loss_of(model(ids(0)), targets(0)));
+        opt.step();
+        EXPECT_EQ(net->block1->fc2->weight.grad().sizes(), net->block1->fc2->weight.sizes());
+        // The whole state dict is gathered; the model's own stays in pieces.
+        auto state = as_map(acc.get_state_dict(model));
+        EXPECT_EQ(state.at("block1.fc2.weight").sizes(), (std::vector<int64_t>{kDim, kHidden}));
+        EXPECT_EQ(state.at("embed.weight").sizes(), (std::vector<int64_t>{kVocab, kDim}));
+      },
+      mesh_options({"", 1, 1, 2}));
+}
+
+TEST(TensorParallel, EveryRankOfATpGroupGetsTheSameBatchAndMetricsCountEachSampleOnce) {
+  std::vector<std::vector<int64_t>> seen(4);
+  run_accelerators(
+      4,
+      [&](const Accelerator& acc, int rank) {
+        auto dataset = std::make_shared<TensorDataset>(torch::arange(10, torch::kLong).reshape({10, 1}),
+                                                       torch::arange(10, torch::kLong));
+        DataLoader loader = acc.prepare_data_loader(DataLoader(dataset, {.batch_size = 2}));
+        std::vector<int64_t> gathered;
+        for (const auto& batch : loader) {
+          for (int64_t i = 0; i < batch.target.size(0); ++i) seen[rank].push_back(batch.target[i].item<int64_t>());
+          auto all = acc.gather_for_metrics(batch.target);
+          for (int64_t i = 0; i < all.size(0); ++i) gathered.push_back(all[i].item<int64_t>());
+        }
+        std::sort(gathered.begin(), gathered.end());
+        std::vector<int64_t> every(10);
+        std::iota(every.begin(), every.end(), 0);
+        EXPECT_EQ(gathered, every);
+      },
+      mesh_options({"", 2, 1, 2}));
+  EXPECT_EQ(seen[0], seen[1]);  // one tp group
+  EXPECT_EQ(seen[2], seen[3]);
+  EXPECT_NE(seen[0], seen[2]);  // two data-parallel ranks
+  // 5 samples each, in batches of 2: the last batch is evened out with a sample repeated, which
+  // gather_for_metrics drops.
+  EXPECT_EQ(seen[0].size(), 6u);
+  EXPECT_EQ(seen[2].size(), 6u);
+}
+
+TEST(TensorParallel, ASplitLayerCalledWithoutItsHookStopsThePassNamingIt) {
+  run_accelerators(
+      2,
+      [&](const Accelerator& acc, int rank) {
+        (void)rank;
+        auto net = make_net<DirectNet>();
+        auto model = acc.prepare_model(net);
+        // Called directly, fc1 (colwise) and fc2 (rowwise) agree in shape: only the check sees it.
+        const std::string error = error_of([&] { model(ids(0)); });
+        EXPECT_THAT(error, ::testing::HasSubstr("block0.fc1, block0.fc2, block1.fc1, block1.fc2, head"));
+        EXPECT_THAT(error, ::testing::HasSubstr("accelerate::nn::Linear"));
+        torch::NoGradGuard no_grad;
+        EXPECT_THAT(error_of([&] { model(ids(0)); }), ::testing::HasSubstr("ran without their hook"));
+      },
+      mesh_options({"", 1, 1, 2}));
+}
+
+TEST(TensorParallel, WrongSettingsAreRefusedByNameOnEveryProcess) {
+  // Sizes whose product is not the number of processes, checked when the Accelerator is built.
+  std::atomic<int> refused{0};
+  Store store = Store::in_memory();
+  run_threads(4, [&](int rank) {
+    AcceleratorOptions options = mesh_options({"", 1, 1, 3});
+    options.standalone_state = rank_options(PartialStateOptions{}, rank, 4, store);
+    EXPECT_THAT(error_of([&] { Accelerator acc(options); }),
+                ::testing::HasSubstr("dp_replicate_size (1) x dp_shard_size (1) x tp_size (3) x cp_size (1) must "
+                                     "equal the number of processes, 4"));
+    ++refused;
+  });
+  EXPECT_EQ(refused.load(), 4);
+  const auto prepare_refused = [](AcceleratorOptions options, std::function<std::shared_ptr<torch::nn::Module>()> make,
+                                  const std::string& message) {
+    run_accelerators(
+        2,
+        [&](const Accelerator& acc, int) {
+          auto module = make();
+          EXPECT_THAT(error_of([&] { acc.prepare_model(module); }), ::testing::HasSubstr(message));
+        },
+        options);
+  };
+  auto plain = [] { return std::shared_ptr<torch::nn::Module>(std::make_shared<BlockImpl<accelerate::nn::Linear>>()); };
+  prepare_refused(mesh_options({"", 1, 1, 2}), plain, "the model has no tensor-parallel plan");
+  const auto with_plan = [](std::vector<std::pair<std::string, std::string>> plan) {
+    auto options = mesh_options({"", 1, 1, 2});
+    options.tp_handler.tp_plan = std::move(plan);
+    return options;
+  };
+  prepare_refused(with_plan({{"fc1", "sequence_parallel"}}), plain, "style \"sequence_parallel\" is not supported yet");
+  prepare_refused(with_plan({{"fc1", "diagonal"}}), plain, "style \"diagonal\" is unknown");
+  prepare_refused(with_plan({{"fc3", "colwise"}}), plain, "tp_plan entry \"fc3\" matches no module");
+  prepare_refused(with_plan({{"ln", "colwise"}}), plain, "module \"ln\" (torch::nn::LayerNormImpl) cannot be split");
+  run_accelerators(
+      2,
+      [&](const Accelerator& acc, int) {
+        auto seq = std::make_shared<torch::nn::SequentialImpl>();
+        seq->push_back("fc", torch::nn::Linear(4, 5));
+        EXPECT_THAT(error_of([&] { acc.prepare_model(seq); }),
+                    ::testing::HasSubstr("its weight has 5 along dimension 0, which tp_size 2 does not divide"));
+      },
+      with_plan({{"fc", "colwise"}}));
+  auto async = mesh_options({"", 1, 1, 2});
+  async.tp_handler.enable_async_tp = true;
+  Store async_store = Store::in_memory();
+  run_threads(2, [&](int rank) {
+    AcceleratorOptions options = async;
+    options.standalone_state = rank_options(PartialStateOptions{}, rank, 2, async_store);
+    EXPECT_THAT(error_of([&] { Accelerator acc(options); }), ::testing::HasSubstr("enable_async_tp"));
+  });
+}
+
+TEST(TensorParallel, CheckpointsAreRefusedBeforeAnythingIsWritten) {
+  TempDir dir;
+  run_accelerators(
+      2,
+      [&](const Accelerator& acc, int) {
+        auto net = make_net();
+        auto model = acc.prepare_model(net);
+        EXPECT_THAT(error_of([&] { acc.save_state((dir.path() / "ckpt").string()); }),
+                    ::testing::HasSubstr("checkpoints of a tensor-parallel job (tp_size 2) are not supported yet"));
+        EXPECT_THAT(error_of([&] { acc.load_state(dir.str()); }), ::testing::HasSubstr("tensor-parallel"));
+      },
+      mesh_options({"", 1, 1, 2}));
+  EXPECT_FALSE(std::filesystem::exists(dir.path() / "ckpt"));
+}
+
+}  // namespace
+}  // namespace accelerate::testing
