@@ -5,6 +5,7 @@
 #include "accelerate/accelerator.h"
 #include "accelerate/nn.h"
 #include "distributed_impl.h"
+#include "fsdp/engine.h"
 #include "support/accelerators.h"
 #include "support/test_support.h"
 
@@ -41,8 +42,8 @@ struct NetImpl : torch::nn::Module, accelerate::nn::TensorParallelPlanned {
         head(register_module("head", Holder(kDim, kVocab))) {}
   torch::Tensor forward(const torch::Tensor& ids) {
     auto x = embed(ids);
-    x = block0->forward(x);
-    x = block1->forward(x);
+    x = accelerate::forward(block0, x);
+    x = accelerate::forward(block1, x);
     return head(x);
   }
   std::vector<std::pair<std::string, std::string>> tp_plan() const override {
@@ -162,6 +163,55 @@ INSTANTIATE_TEST_SUITE_P(Meshes, TensorParallelTraining,
                          ::testing::Values(Mesh{"Tp2", 1, 1, 2}, Mesh{"Tp4", 1, 1, 4}, Mesh{"Tp2Ddp2", 2, 1, 2},
                                            Mesh{"Tp2Fsdp2", 1, 2, 2}, Mesh{"Tp2Fsdp2Ddp2", 2, 2, 2}),
                          [](const ::testing::TestParamInfo<Mesh>& info) { return std::string(info.param.name); });
+
+// FSDP over the pieces with each block a unit whose activations are recomputed in the backward
+// pass (the split layers' collectives run again there), and gradients accumulated over 2 batches.
+TEST(TensorParallelTraining, FsdpTimesTpWithActivationCheckpointingAndAccumulationEqualsTheSingleProcessRun) {
+  Reference want;
+  {
+    auto net = make_net();
+    torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(0.02));
+    for (int s = 0; s < 2; ++s) {
+      opt.zero_grad();
+      for (int m = 0; m < 2; ++m) (loss_of(net->forward(ids(2 * s + m)), targets(2 * s + m)) / 2).backward();
+      want.norms.push_back(torch::nn::utils::clip_grad_norm_(net->parameters(), kMaxNorm));
+      opt.step();
+    }
+    want.params = as_map(net->named_parameters());
+  }
+  auto options = mesh_options({"", 1, 2, 2});
+  options.gradient_accumulation_steps = 2;
+  // The policy counts the pieces: a block holds 160 of its 296 parameters here, each of its layers
+  // 72 or fewer, the embedding 64, the head 72: the blocks are the units.
+  options.fsdp_plugin = FullyShardedDataParallelPlugin{.auto_wrap_policy = FsdpAutoWrapPolicy::kSizeBasedWrap,
+                                                       .min_num_params = 100,
+                                                       .activation_checkpointing = true};
+  run_accelerators(
+      4,
+      [&](const Accelerator& acc, int rank) {
+        const int dp_rank = rank / 2;
+        auto net = make_net();
+        auto [model, opt] =
+            acc.prepare(net, std::make_shared<torch::optim::AdamW>(net->parameters(), torch::optim::AdamWOptions(0.02)));
+        EXPECT_EQ(detail::fsdp_engine(model.ddp())->unit_names().size(), 3u);  // the root and the 2 blocks
+        int synced = 0;
+        for (int b = 0; b < 4; ++b) {
+          auto guard = acc.accumulate(model);
+          auto x = ids(b).narrow(0, dp_rank * 4, 4), y = targets(b).narrow(0, dp_rank * 4, 4);
+          acc.backward(loss_of(model(x), y));
+          if (acc.sync_gradients()) {
+            const double norm = acc.clip_grad_norm_(net->parameters(), kMaxNorm);
+            EXPECT_NEAR(norm, want.norms[synced], 1e-4 * want.norms[synced]) << "step " << synced;
+            ++synced;
+          }
+          opt.step();
+          opt.zero_grad();
+        }
+        EXPECT_EQ(synced, 2);
+        expect_close(as_map(acc.get_state_dict(model)), want.params);
+      },
+      options);
+}
 
 TEST(DeviceMesh, RanksAreLaidOutWithTensorParallelismInnermostAndEachGroupSumsItsOwn) {
   run_accelerators(

@@ -51,6 +51,10 @@ void accelerator(Net net, std::shared_ptr<torch::optim::SGD> sgd, accelerate::Da
 #include "accelerate/accelerator.h.inc"
 }
 
+void device_mesh(const accelerate::Accelerator& accelerator, torch::Tensor loss) {
+#include "accelerate/device_mesh.h.inc"
+}
+
 void big_modeling(int64_t config, torch::Tensor tokens) {
 #include "accelerate/big_modeling.h.inc"
 }

@@ -169,6 +169,25 @@ TEST(ByFeatureExamples, FsdpLearnsTheSpiralsWithEachProcessHoldingHalfTheParamet
   EXPECT_TRUE(std::filesystem::is_regular_file(dir.path() / "model" / "model.safetensors"));
 }
 
+TEST(ByFeatureExamples, TensorParallelLearnsTheSpiralsWithTheHiddenLayersSplitOverTwoProcesses) {
+  TempDir dir;
+  auto r = run({accelerate_bin(), "launch", "--num_processes", "2", "--main_process_port", "0",
+                "--parallelism_config_tp_size", "2", built("examples/by_feature/tensor_parallel"), "--output_dir",
+                dir.str()},
+               180);
+  ASSERT_EQ(r->exit_code(), 0) << r->out << r->err;
+  // 8642 parameters; fc2 (4160) split whole, fc3's weight (4096) split, its bias (64) whole.
+  EXPECT_THAT(r->out, HasSubstr("[rank0]: process 0 (tp rank 0, dp rank 0) holds 4514 of 8642 parameters")) << r->out;
+  EXPECT_THAT(r->out, HasSubstr("[rank1]: process 1 (tp rank 1, dp rank 0) holds 4514 of 8642 parameters")) << r->out;
+  const auto accuracy = numbers_after(r->out, "accuracy");
+  ASSERT_EQ(accuracy.size(), 8u) << r->out;
+  EXPECT_GT(accuracy.back(), 0.9) << r->out;
+  // The saved model is whole: fc3's weight is 64 x 64 in the file.
+  auto saved = accelerate::load_file((dir.path() / "model" / "model.safetensors").string());
+  EXPECT_EQ(saved.at("fc3.weight").sizes(), (std::vector<int64_t>{64, 64}));
+  EXPECT_EQ(saved.at("fc2.bias").sizes(), (std::vector<int64_t>{64}));
+}
+
 TEST(ByFeatureExamples, CheckpointingResumesMidEpochExactlyWhereTheRunStopped) {
   TempDir dir;
   const std::string whole = (dir.path() / "whole").string(), parts = (dir.path() / "parts").string();
