@@ -213,6 +213,46 @@ TEST(TensorParallelTraining, FsdpTimesTpWithActivationCheckpointingAndAccumulati
       options);
 }
 
+// bf16 autocast: the split layers' outputs, and so their collectives, are bf16. Training with SGD
+// ends within bf16's rounding of the same training on one process.
+TEST(TensorParallelTraining, Bf16MixedPrecisionEndsWithinRoundingOfTheSingleProcessRun) {
+  const auto train = [](const Accelerator& acc, int dp_rank, int dp) {
+    auto net = make_net();
+    auto [model, opt] = acc.prepare(net, std::make_shared<torch::optim::SGD>(net->parameters(), 0.1));
+    std::vector<double> losses;
+    const int64_t rows = kBatch / dp;
+    for (int s = 0; s < 3; ++s) {
+      opt.zero_grad();
+      auto x = ids(s).narrow(0, dp_rank * rows, rows), y = targets(s).narrow(0, dp_rank * rows, rows);
+      auto logits = model(x);
+      EXPECT_EQ(logits.scalar_type(), torch::kFloat);  // outputs come back in fp32, as upstream
+      auto loss = loss_of(logits, y);
+      losses.push_back(acc.reduce(loss.detach(), "mean").item<double>());
+      acc.backward(loss);
+      opt.step();
+    }
+    return std::make_pair(as_map(acc.get_state_dict(model)), losses);
+  };
+  std::map<std::string, torch::Tensor> want;
+  std::vector<double> want_losses;
+  run_accelerators(
+      1, [&](const Accelerator& acc, int) { std::tie(want, want_losses) = train(acc, 0, 1); },
+      {.mixed_precision = "bf16"});
+  auto options = mesh_options({"", 2, 1, 2});
+  options.mixed_precision = "bf16";
+  run_accelerators(
+      4,
+      [&](const Accelerator& acc, int rank) {
+        auto [got, losses] = train(acc, rank / 2, 2);
+        for (int s = 0; s < 3; ++s) EXPECT_NEAR(losses[s], want_losses[s], 2e-2 * want_losses[s]) << "step " << s;
+        ASSERT_EQ(got.size(), want.size());
+        for (const auto& [name, value] : want) {
+          EXPECT_TRUE(torch::allclose(got.at(name), value, 2e-2, 2e-2)) << name << "\n" << got.at(name) << "\n" << value;
+        }
+      },
+      options);
+}
+
 TEST(DeviceMesh, RanksAreLaidOutWithTensorParallelismInnermostAndEachGroupSumsItsOwn) {
   run_accelerators(
       8,
