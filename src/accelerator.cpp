@@ -183,7 +183,6 @@ Accelerator::Accelerator(const AcceleratorOptions& options)
     // Every group of the mesh is made now, at the same point on every process.
     impl_->mesh.emplace(partial(), sizes->replicate, sizes->shard, sizes->tp);
     impl_->tp_size = sizes->tp;
-    if (sizes->tp > 1) impl_->tp_plan = options.tp_handler.tp_plan;
   }
   // As upstream's set_mixed_precision: a plugin without a policy computes, reduces and keeps its
   // buffers in the Accelerator's mixed precision (its autocast stays on as well).
@@ -275,7 +274,7 @@ bool Accelerator::verify_device_map(const torch::nn::Module& model) const {
 
 std::shared_ptr<detail::TensorParallelEngine> Accelerator::apply_tensor_parallelism(
     const std::shared_ptr<torch::nn::Module>& module) const {
-  auto plan = impl_->tp_plan;
+  auto plan = impl_->options.tp_handler.tp_plan;
   if (plan.empty()) {
     if (const auto* planned = dynamic_cast<const nn::TensorParallelPlanned*>(module.get())) plan = planned->tp_plan();
   }

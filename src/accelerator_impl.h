@@ -21,8 +21,7 @@ struct AcceleratorImpl {
   std::optional<FsdpSettings> fsdp_settings;           // `fsdp`, resolved when the Accelerator was built
   int dp_shard_size = 0;  // a parallelism_config's shard groups (0: the plugin decides)
   std::optional<DeviceMesh> mesh;  // with a parallelism_config
-  int tp_size = 1;
-  std::vector<std::pair<std::string, std::string>> tp_plan;  // the tp_handler's (empty: the model's own)
+  int tp_size = 1;  // the mesh's tp size (1 without a mesh)
 
   std::mutex mutex;  // guards everything below
   ProjectConfiguration project;

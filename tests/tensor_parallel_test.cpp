@@ -402,6 +402,32 @@ TEST(TensorParallel, WrongSettingsAreRefusedByNameOnEveryProcess) {
                     ::testing::HasSubstr("its weight has 5 along dimension 0, which tp_size 2 does not divide"));
       },
       with_plan({{"fc", "colwise"}}));
+  // Embeddings whose lookups a split would change, and a rowwise input of neither width.
+  run_accelerators(
+      2,
+      [&](const Accelerator& acc, int) {
+        auto renormed = std::make_shared<torch::nn::SequentialImpl>();
+        renormed->push_back("embed", torch::nn::Embedding(torch::nn::EmbeddingOptions(8, 4).max_norm(1.0)));
+        EXPECT_THAT(error_of([&] { acc.prepare_model(renormed); }),
+                    ::testing::HasSubstr("module \"embed\": an Embedding with max_norm cannot be split"));
+        auto padded = std::make_shared<torch::nn::SequentialImpl>();
+        padded->push_back("embed", torch::nn::Embedding(torch::nn::EmbeddingOptions(8, 4).padding_idx(0)));
+        EXPECT_THAT(error_of([&] { acc.prepare_model(padded); }),
+                    ::testing::HasSubstr("a vocabulary-parallel Embedding with padding_idx is not supported yet"));
+      },
+      with_plan({{"embed", "rowwise"}}));
+  run_accelerators(
+      2,
+      [&](const Accelerator& acc, int) {
+        auto seq = std::make_shared<torch::nn::SequentialImpl>();
+        seq->push_back("fc", torch::nn::Linear(8, 4));
+        auto model = acc.prepare_model(seq);
+        // Through accelerate::forward, which walks a Sequential's children (and so runs fc's hook).
+        EXPECT_THAT(error_of([&] { accelerate::forward(model.module(), torch::ones({2, 6})); }),
+                    ::testing::HasSubstr("module \"fc\" (rowwise) takes inputs of 4 features (this process's) or 8 "
+                                         "(whole), got a last dimension of 6"));
+      },
+      with_plan({{"fc", "rowwise"}}));
   auto async = mesh_options({"", 1, 1, 2});
   async.tp_handler.enable_async_tp = true;
   Store async_store = Store::in_memory();
