@@ -58,6 +58,9 @@ if [ ${#missing[@]} -gt 0 ]; then
   echo "setup.sh: installing ${missing[*]}"
   $sudo apt-get update
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y --no-install-recommends "${missing[@]}"
+  # The downloaded packages (over a gigabyte, LibTorch's and PyTorch's mostly) are not needed once
+  # installed; the build trees need the room.
+  $sudo apt-get clean
 else
   echo "setup.sh: all Debian packages already installed"
 fi
