@@ -128,19 +128,6 @@ std::optional<FullyShardedDataParallelPlugin> fsdp_plugin_of(const AcceleratorOp
 
 }  // namespace
 
-namespace detail {
-
-// Under tensor parallelism every process holds pieces of the split layers and of their optimizer
-// state; the checkpoint formats do not record them yet, and writing process 0's pieces as if
-// they were the model would lose the rest. Refused before anything is written or read.
-void refuse_tensor_parallel_checkpoint(const AcceleratorImpl& impl, const char* api) {
-  TORCH_CHECK_VALUE(impl.tp_size == 1, "[Accelerator::", api, "] checkpoints of a tensor-parallel job (tp_size ",
-                    impl.tp_size, ") are not supported yet: the split layers' pieces and their optimizer state would "
-                    "not be recorded. Save the whole weights with save_model / get_state_dict, which gather them");
-}
-
-}  // namespace detail
-
 // ---- SyncGuard ------------------------------------------------------------------------------
 
 SyncGuard::SyncGuard(std::vector<DistributedDataParallel> models, std::optional<bool> sync, bool trigger_now) {

@@ -45,7 +45,4 @@ struct AcceleratorImpl {
   bool trackers_running = false;
 };
 
-/// Refuses a checkpoint (save_state, load_state) of a tensor-parallel job, naming `api`.
-void refuse_tensor_parallel_checkpoint(const AcceleratorImpl& impl, const char* api);
-
 }  // namespace accelerate::detail

@@ -438,18 +438,133 @@ TEST(TensorParallel, WrongSettingsAreRefusedByNameOnEveryProcess) {
   });
 }
 
-TEST(TensorParallel, CheckpointsAreRefusedBeforeAnythingIsWritten) {
+// ---- Checkpoints (Note [Checkpoints of split layers])
+
+// The data-parallel rank and size of a process (the whole job without a mesh).
+std::pair<int, int> dp_of(const Accelerator& acc) {
+  const auto mesh = acc.torch_device_mesh();
+  if (!mesh) return {acc.process_index(), acc.num_processes()};
+  return {mesh->get_local_rank("dp"), mesh->size("dp")};
+}
+
+// Steps `first`..`last - 1` of the reference's training, each process on its dp rank's rows.
+template <typename Model, typename Optimizer>
+void train(const Accelerator& acc, Model& model, Optimizer& opt, torch::nn::Module& net, int first, int last) {
+  const auto [dp_rank, dp] = dp_of(acc);
+  const int64_t rows = kBatch / dp;
+  for (int s = first; s < last; ++s) {
+    opt.zero_grad();
+    auto x = ids(s).narrow(0, dp_rank * rows, rows), y = targets(s).narrow(0, dp_rank * rows, rows);
+    acc.backward(loss_of(model(x), y));
+    acc.clip_grad_norm_(net.parameters(), kMaxNorm);
+    opt.step();
+  }
+}
+
+struct Resume {
+  const char* name;
+  Mesh saved, loaded;
+  CheckpointLayout layout = CheckpointLayout::kCpp;
+};
+void PrintTo(const Resume& r, std::ostream* os) { *os << r.name; }
+
+class TensorParallelCheckpoints : public ::testing::TestWithParam<Resume> {};
+
+// Two steps on one mesh, save_state; a new model and optimizer on another mesh load it and take
+// the third step: the parameters equal three steps on one process, so the weights and the AdamW
+// moments and step count all crossed. The files hold whole tensors, those of two steps.
+TEST_P(TensorParallelCheckpoints, SaveStateOnOneMeshResumesOnAnotherEqualToOneProcess) {
+  const auto [name, saved, loaded, layout] = GetParam();
+  const auto want = reference(3);
   TempDir dir;
+  const auto folder = (dir.path() / "ckpt").string();
+  run_accelerators(
+      saved.ranks(),
+      [&](const Accelerator& acc, int) {
+        auto net = make_net();
+        auto [model, opt] =
+            acc.prepare(net, std::make_shared<torch::optim::AdamW>(net->parameters(), torch::optim::AdamWOptions(0.02)));
+        train(acc, model, opt, *net, 0, 2);
+        acc.save_state(folder, {.layout = layout});
+      },
+      mesh_options(saved));
+  const auto two_steps = reference(2).params;
+  expect_close(SafetensorsFile(folder + "/model.safetensors").read_tensors(), two_steps);
+  ASSERT_EQ(std::filesystem::exists(folder + "/optimizer.bin"), layout == CheckpointLayout::kPython);
+  run_accelerators(
+      loaded.ranks(),
+      [&](const Accelerator& acc, int) {
+        auto net = make_net();
+        {
+          torch::NoGradGuard no_grad;
+          for (auto& p : net->parameters()) p.fill_(0.25);  // nothing of the start survives a load
+        }
+        auto [model, opt] =
+            acc.prepare(net, std::make_shared<torch::optim::AdamW>(net->parameters(), torch::optim::AdamWOptions(0.02)));
+        acc.load_state(folder, {.layout = layout});
+        expect_close(as_map(acc.get_state_dict(model)), two_steps);
+        train(acc, model, opt, *net, 2, 3);
+        expect_close(as_map(acc.get_state_dict(model)), want.params);
+      },
+      mesh_options(loaded));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Meshes, TensorParallelCheckpoints,
+    ::testing::Values(Resume{"Tp2ToOneProcess", {"", 1, 1, 2}, {"", 1, 1, 1}},
+                      Resume{"OneProcessToTp2", {"", 1, 1, 1}, {"", 1, 1, 2}},
+                      Resume{"Tp2Fsdp2ToFsdp4", {"", 1, 2, 2}, {"", 1, 4, 1}},
+                      Resume{"Tp2Ddp2ToTp2Fsdp2", {"", 2, 1, 2}, {"", 1, 2, 2}},
+                      Resume{"ThreeDimensionsToTp4", {"", 2, 2, 2}, {"", 1, 1, 4}},
+                      Resume{"Tp2ToTp4InPythonsLayout", {"", 1, 1, 2}, {"", 1, 1, 4}, CheckpointLayout::kPython}),
+    [](const ::testing::TestParamInfo<Resume>& info) { return std::string(info.param.name); });
+
+TEST(TensorParallel, AWholeTensorTheTpSizeDoesNotDivideIsRefusedAndNothingChanges) {
+  TempDir dir;
+  const auto folder = (dir.path() / "ckpt").string();
+  run_accelerators(
+      1,
+      [&](const Accelerator& acc, int) {
+        auto net = make_net();
+        auto [model, opt] =
+            acc.prepare(net, std::make_shared<torch::optim::AdamW>(net->parameters(), torch::optim::AdamWOptions(0.02)));
+        train(acc, model, opt, *net, 0, 1);
+        acc.save_state(folder);
+      },
+      mesh_options({"", 1, 1, 1}));
+  auto tensors = SafetensorsFile(folder + "/model.safetensors").read_tensors();
+  tensors["block0.fc1.weight"] = tensors["block0.fc1.weight"].narrow(0, 0, kHidden - 1).clone();
+  save_file(tensors, folder + "/model.safetensors", {{"format", "pt"}});
   run_accelerators(
       2,
       [&](const Accelerator& acc, int) {
         auto net = make_net();
-        auto model = acc.prepare_model(net);
-        EXPECT_THAT(error_of([&] { acc.save_state((dir.path() / "ckpt").string()); }),
-                    ::testing::HasSubstr("checkpoints of a tensor-parallel job (tp_size 2) are not supported yet"));
-        EXPECT_THAT(error_of([&] { acc.load_state(dir.str()); }), ::testing::HasSubstr("tensor-parallel"));
+        auto [model, opt] =
+            acc.prepare(net, std::make_shared<torch::optim::AdamW>(net->parameters(), torch::optim::AdamWOptions(0.02)));
+        const auto before = as_map(acc.get_state_dict(model));
+        EXPECT_THAT(error_of([&] { acc.load_state(folder); }),
+                    ::testing::AllOf(::testing::HasSubstr("model.safetensors"), ::testing::HasSubstr("block0.fc1.weight"),
+                                     ::testing::HasSubstr("tp_size 2 does not divide")));
+        expect_close(as_map(acc.get_state_dict(model)), before);
+        EXPECT_TRUE(opt.optimizer()->state().empty());
       },
       mesh_options({"", 1, 1, 2}));
+}
+
+TEST(TensorParallel, ShardedFsdpStatesOfSplitLayersAreRefusedBeforeAnythingIsWritten) {
+  TempDir dir;
+  auto options = mesh_options({"", 1, 2, 2});
+  options.fsdp_plugin = FullyShardedDataParallelPlugin{.state_dict_type = FsdpStateDictType::kShardedStateDict};
+  run_accelerators(
+      4,
+      [&](const Accelerator& acc, int) {
+        auto net = make_net();
+        auto model = acc.prepare_model(net);
+        EXPECT_THAT(error_of([&] { acc.save_state((dir.path() / "ckpt").string()); }),
+                    ::testing::HasSubstr("model 0 is split by tensor parallelism and its FSDP plugin keeps sharded "
+                                         "states"));
+      },
+      options);
   EXPECT_FALSE(std::filesystem::exists(dir.path() / "ckpt"));
 }
 

@@ -149,37 +149,17 @@ struct Source {
 struct ModelStates {
   std::vector<std::string> files;                 // the whole states' files ("" for sharded ones)
   std::vector<std::optional<StateDict>> sharded;  // sharded states, read already
-  std::vector<std::optional<TensorMap>> whole;    // whole states read already (Python's pickled or sharded files)
+  std::vector<std::optional<TensorMap>> whole;    // read already: Python's pickled or sharded files, split models
 };
 
-// The whole state of model `i` in upstream's layout: its one safetensors file (read as the
-// project's is), or the tensors of its pickled file or of its shards, read now.
-void read_python_model(const detail::CheckpointObjects& objects, const Source& from, size_t i, ModelStates& read,
+// A model's whole tensors read already (after tensor parallelism kept this process's pieces):
+// their dtypes, names and, where the module holds them whole, shapes, as load_checkpoint_in_model
+// checks a file's.
+void check_whole_model(torch::nn::Module& module, const TensorMap& tensors, const std::string& file, bool shapes,
                        bool convert) {
-  const auto files = python::model_files(from.folder, i);
-  TORCH_CHECK_VALUE(!files.empty(), "the checkpoint has no ", python::model_file(i, true), " nor ",
-                    python::model_file(i, false));
-  auto& module = *objects.models[i].module();
-  if (files.size() == 1 && files[0].extension() == ".safetensors") {
-    read.files.push_back(files[0].string());
-    SafetensorsFile file(read.files.back());
-    std::map<std::string, c10::ScalarType> stored;
-    for (const auto& name : file.keys()) stored.emplace(name, safetensors_dtype(file.entry(name).dtype));
-    check_model_dtypes(module, stored, file.path(), convert);
-    return;
-  }
-  TensorMap tensors;
-  if (files.size() == 1 && files[0].extension() == ".json") {  // a safetensors index
-    for (const auto& shard : detail::read_checkpoint_index(files[0], "Accelerator::load_state").files) {
-      for (auto& [name, tensor] : SafetensorsFile(shard.string()).read_tensors()) tensors.emplace(name, tensor);
-    }
-  } else {
-    tensors = python::read_pickled_model(files);
-  }
   std::map<std::string, c10::ScalarType> stored;
   for (const auto& [name, tensor] : tensors) stored.emplace(name, tensor.scalar_type());
-  check_model_dtypes(module, stored, files[0].string(), convert);
-  // Names and shapes, as load_checkpoint_in_model checks a file's.
+  check_model_dtypes(module, stored, file, convert);
   std::map<std::string, at::Tensor> targets;
   for (const auto& item : module.named_parameters()) targets.emplace(item.key(), item.value());
   for (const auto& item : module.named_buffers()) targets.emplace(item.key(), item.value());
@@ -190,16 +170,47 @@ void read_python_model(const detail::CheckpointObjects& objects, const Source& f
       unexpected.push_back(name);
       continue;
     }
-    TORCH_CHECK_VALUE(it->second.is_meta() || objects.model_engines[i] || it->second.sizes() == tensor.sizes(),
-                      "[load_checkpoint_in_model] size mismatch for ", name, " in ", files[0].string(),
+    TORCH_CHECK_VALUE(it->second.is_meta() || !shapes || it->second.sizes() == tensor.sizes(),
+                      "[load_checkpoint_in_model] size mismatch for ", name, " in ", file,
                       ": the checkpoint has shape ", tensor.sizes(), ", the module has ", it->second.sizes());
   }
   for (const auto& [name, tensor] : targets) {
     if (!tensors.count(name)) missing.push_back(name);
   }
-  TORCH_CHECK_VALUE(missing.empty() && unexpected.empty(), "[load_checkpoint_in_model] error(s) in loading ",
-                    files[0].string(), ": missing keys [", c10::Join(", ", missing), "], unexpected keys [",
-                    c10::Join(", ", unexpected), "]");
+  TORCH_CHECK_VALUE(missing.empty() && unexpected.empty(), "[load_checkpoint_in_model] error(s) in loading ", file,
+                    ": missing keys [", c10::Join(", ", missing), "], unexpected keys [", c10::Join(", ", unexpected),
+                    "]");
+}
+
+// The whole state of model `i` in upstream's layout: its one safetensors file (read as the
+// project's is), or the tensors of its pickled file or of its shards, read now.
+void read_python_model(const detail::CheckpointObjects& objects, const Source& from, size_t i, ModelStates& read,
+                       bool convert) {
+  const auto files = python::model_files(from.folder, i);
+  TORCH_CHECK_VALUE(!files.empty(), "the checkpoint has no ", python::model_file(i, true), " nor ",
+                    python::model_file(i, false));
+  auto& module = *objects.models[i].module();
+  auto* split = objects.model_splits[i];
+  if (files.size() == 1 && files[0].extension() == ".safetensors" && !split) {
+    read.files.push_back(files[0].string());
+    SafetensorsFile file(read.files.back());
+    std::map<std::string, c10::ScalarType> stored;
+    for (const auto& name : file.keys()) stored.emplace(name, safetensors_dtype(file.entry(name).dtype));
+    check_model_dtypes(module, stored, file.path(), convert);
+    return;
+  }
+  TensorMap tensors;
+  if (files.size() == 1 && files[0].extension() == ".safetensors") {  // whole, to be split
+    tensors = SafetensorsFile(files[0].string()).read_tensors();
+  } else if (files.size() == 1 && files[0].extension() == ".json") {  // a safetensors index
+    for (const auto& shard : detail::read_checkpoint_index(files[0], "Accelerator::load_state").files) {
+      for (auto& [name, tensor] : SafetensorsFile(shard.string()).read_tensors()) tensors.emplace(name, tensor);
+    }
+  } else {
+    tensors = python::read_pickled_model(files);
+  }
+  if (split) naming_file(files[0], [&] { split->split_whole(tensors); });
+  check_whole_model(module, tensors, files[0].string(), /*shapes=*/objects.model_engines[i] == nullptr, convert);
   read.files.emplace_back();
   read.whole[i] = std::move(tensors);
 }
@@ -215,6 +226,21 @@ ModelStates read_models(const detail::CheckpointObjects& objects, const Source& 
       continue;
     }
     const auto sharded_folder = from.folder / ("pytorch_model_fsdp_" + std::to_string(i));
+    if (auto* split = objects.model_splits[i]) {  // Note [Checkpoints of split layers]
+      TORCH_CHECK_VALUE(!fs::is_directory(sharded_folder), "model ", i, " is split by tensor parallelism and the "
+                        "checkpoint holds its sharded states (", sharded_folder.filename().string(), "), which it "
+                        "cannot load yet; save them with FULL_STATE_DICT");
+      const auto path = from.require(detail::numbered("model", i, ".safetensors"));
+      auto tensors = naming_file(path, [&] {
+        auto whole = SafetensorsFile(path.string()).read_tensors();
+        split->split_whole(whole);
+        return whole;
+      });
+      check_whole_model(*objects.models[i].module(), tensors, path.string(), /*shapes=*/engine == nullptr, convert);
+      read.files.emplace_back();
+      read.whole[i] = std::move(tensors);
+      continue;
+    }
     std::map<std::string, c10::ScalarType> stored;
     if (engine && fs::is_directory(sharded_folder)) {
       read.sharded[i] = naming_file(sharded_folder, [&] {
@@ -280,7 +306,11 @@ OptimizerStates read_optimizers(const detail::CheckpointObjects& objects, const 
   OptimizerStates read;
   for (size_t i = 0; i < objects.optimizers.size(); ++i) {
     auto* engine = objects.optimizer_engines[i];
+    auto* split = objects.optimizer_splits[i];
     const auto sharded_folder = from.folder / ("optimizer_" + std::to_string(i));
+    TORCH_CHECK_VALUE(!split || !fs::is_directory(sharded_folder), "optimizer ", i, " is over parameters split by "
+                      "tensor parallelism and the checkpoint holds its sharded states (",
+                      sharded_folder.filename().string(), "), which it cannot load yet; save them with FULL_STATE_DICT");
     if (engine && fs::is_directory(sharded_folder)) {
       read.paths.push_back(sharded_folder);
       read.states.push_back(naming_file(sharded_folder, [&] {
@@ -298,8 +328,9 @@ OptimizerStates read_optimizers(const detail::CheckpointObjects& objects, const 
       file = std::make_unique<SafetensorsFile>(read.paths.back().string());
       read.states.push_back(detail::state_dict_views(*file));
     }
-    if (engine) {
-      // A whole state: this process's rows of each sharded parameter's tensors.
+    if (engine || split) {
+      // A whole state: this process's piece of each split parameter's tensors (Note [Checkpoints
+      // of split layers]), then its rows of each sharded parameter's.
       naming_file(read.paths.back(), [&] {
         const auto params = detail::optimizer_params(*objects.optimizers[i].optimizer());
         for (auto& [key, tensor] : read.states.back().tensors) {
@@ -307,7 +338,13 @@ OptimizerStates read_optimizers(const detail::CheckpointObjects& objects, const 
           TORCH_CHECK_VALUE(index < params.size(), "the optimizer state names parameter ", index, " of ",
                             params.size());
           const auto& param = params[index];
-          if (engine->is_sharded(param) && tensor.sizes().vec() == engine->whole_shape(param)) {
+          const bool rows = engine && engine->is_sharded(param);
+          if (split && split->is_sharded(param)) {
+            auto whole = rows ? engine->whole_shape(param) : param.sizes().vec();
+            whole[split->split_dim(param)] *= split->group().num_processes();
+            if (tensor.sizes().vec() == whole) tensor = split->piece_of(param, tensor, "\"" + key + "\"").clone();
+          }
+          if (rows && tensor.sizes().vec() == engine->whole_shape(param)) {
             tensor = engine->local_rows(param, tensor).clone();
           }
         }
@@ -548,7 +585,6 @@ void warn_python_skips(const detail::CheckpointObjects& objects, const Source& f
 }  // namespace
 
 void Accelerator::load_state(const std::string& input_dir, const LoadStateOptions& options) const {
-  detail::refuse_tensor_parallel_checkpoint(*impl_, "load_state");
   const auto project = project_configuration();
   fs::path folder;
   if (!input_dir.empty()) {

@@ -168,20 +168,38 @@ struct Destination {
   void written() const { detail::checkpoint_file_written(state); }
 };
 
+// Note [Checkpoints of split layers]
+// Under tensor parallelism each process holds a piece of every split parameter, and of its
+// optimizer state. save_state gathers the pieces over the tp group (after the FSDP engine has
+// gathered its rows, under FULL_STATE_DICT) and writes whole tensors, in the files and layout of
+// a job without tensor parallelism: the checkpoint does not depend on the mesh that saved it.
+// load_state reads the whole tensors on every process and keeps each process's piece (then the
+// FSDP engine its rows), so it resumes on any mesh whose tp_size divides the split dimensions,
+// and on one process without a plan. Sharded FSDP states (SHARDED_STATE_DICT, LOCAL_STATE_DICT)
+// record rows of each process's piece, which the sharded format cannot place in the whole tensor
+// yet: under tensor parallelism they are refused, on every process, before anything is written.
 // Each model's state dict, as its checkpoint holds it: a sharded model's own shards (sharded
 // states), or its whole tensors gathered from every process (a collective).
 std::vector<StateDictMap> model_states(const detail::CheckpointObjects& objects) {
   std::vector<StateDictMap> weights;
   for (size_t i = 0; i < objects.models.size(); ++i) {
     auto* engine = objects.model_engines[i];
-    if (!engine) {
+    auto* split = objects.model_splits[i];
+    if (!engine && !split) {
       weights.push_back(accelerate::get_state_dict(*objects.models[i].module()));
       continue;
     }
-    StateDictMap state;
-    for (auto& [name, tensor] : detail::sharded_state(engine) ? engine->local_state_dict() : engine->full_state_dict()) {
-      state.insert(name, tensor);
+    std::vector<std::pair<std::string, at::Tensor>> values;
+    if (engine) {
+      values = detail::sharded_state(engine) ? engine->local_state_dict() : engine->full_state_dict();
+    } else {
+      for (const auto& item : accelerate::get_state_dict(*objects.models[i].module())) {
+        values.emplace_back(item.key(), item.value());
+      }
     }
+    if (split) split->gather_whole(values);  // Note [Checkpoints of split layers]
+    StateDictMap state;
+    for (auto& [name, tensor] : values) state.insert(name, tensor);
     weights.push_back(std::move(state));
   }
   return weights;
@@ -210,26 +228,37 @@ void write_sharded_models(const detail::CheckpointObjects& objects, const std::v
   }
 }
 
-// The optimizers over sharded parameters: sharded states are written here by every process
-// (`optimizer_<i>`); whole ones are gathered (a collective, in the same order everywhere) and
-// returned for the shared files. Nothing for the other optimizers.
+// The optimizers over sharded or split parameters: sharded states are written here by every
+// process (`optimizer_<i>`); whole ones are gathered (a collective, in the same order everywhere)
+// and returned for the shared files. Nothing for the other optimizers.
 std::vector<std::optional<StateDict>> sharded_optimizer_states(const detail::CheckpointObjects& objects,
                                                                const Destination& to) {
   std::vector<std::optional<StateDict>> states(objects.optimizers.size());
   for (size_t i = 0; i < objects.optimizers.size(); ++i) {
     auto* engine = objects.optimizer_engines[i];
-    if (!engine) continue;
+    auto* split = objects.optimizer_splits[i];
+    if (!engine && !split) continue;
     StateDict state = optimizer_state_dict(*objects.optimizers[i].optimizer());
     const auto params = detail::optimizer_params(*objects.optimizers[i].optimizer());
     std::map<std::string, std::vector<int64_t>> whole;
     for (auto& [key, tensor] : state.tensors) {
       const auto& param = params.at(detail::state_param_index(key));
-      if (!engine->is_sharded(param) || tensor.sizes() != param.sizes()) continue;
-      if (detail::sharded_state(engine)) {
-        whole[key] = engine->whole_shape(param);
-      } else {
-        tensor = engine->whole_rows(param, tensor);
+      const bool rows = engine && engine->is_sharded(param);
+      if (rows && tensor.sizes() == param.sizes()) {
+        if (detail::sharded_state(engine)) {
+          whole[key] = engine->whole_shape(param);
+        } else {
+          tensor = engine->whole_rows(param, tensor);
+        }
       }
+      // This process's piece of a split parameter's state, joined (Note [Checkpoints of split layers]).
+      if (split && split->is_sharded(param) && tensor.sizes() == (rows ? engine->whole_shape(param) : param.sizes().vec())) {
+        tensor = split->whole_of(param, tensor);
+      }
+    }
+    if (!engine) {
+      states[i] = std::move(state);
+      continue;
     }
     if (detail::sharded_state(engine)) {
       if (engine->replica_index() != 0) continue;
@@ -261,7 +290,7 @@ void write_models(const detail::CheckpointObjects& objects, const std::vector<St
 void write_optimizers(const detail::CheckpointObjects& objects, const std::vector<std::optional<StateDict>>& states,
                       const Destination& to, bool python) {
   for (size_t i = 0; i < objects.optimizers.size(); ++i) {
-    if (objects.optimizer_engines[i] && !states[i]) continue;  // sharded, written already
+    if ((objects.optimizer_engines[i] || objects.optimizer_splits[i]) && !states[i]) continue;  // sharded, written already
     const auto state = states[i] ? *states[i] : optimizer_state_dict(*objects.optimizers[i].optimizer());
     if (python) {
       detail::python_layout::write_optimizer(state, to / detail::python_layout::optimizer_file(i));
@@ -351,7 +380,6 @@ void check_python_layout(const detail::CheckpointObjects& objects) {
 }  // namespace
 
 std::string Accelerator::save_state(const std::string& output_dir, const SaveStateOptions& options) const {
-  detail::refuse_tensor_parallel_checkpoint(*impl_, "save_state");
   auto project = project_configuration();
   const auto layout = options.layout.value_or(project.checkpoint_layout);
   TORCH_CHECK_VALUE(layout != CheckpointLayout::kDetect, "[Accelerator::save_state] CheckpointLayout::kDetect is for "
@@ -378,6 +406,7 @@ std::string Accelerator::save_state(const std::string& output_dir, const SaveSta
   });
 
   auto objects = detail::checkpoint_objects(*impl_);  // not const: the hooks may change the models
+  detail::refuse_sharded_split_states(objects, "save_state");
   if (python) check_python_layout(objects);
   detail::CheckpointCommit commit(partial(), target, project.save_on_each_node, project.automatic_checkpoint_naming);
   const Destination to{commit.staging(), partial()};

@@ -2,6 +2,7 @@
 #include "checkpoint/state_objects.h"
 
 #include "distributed_impl.h"
+#include "tensor_parallel/engine.h"
 
 #include <c10/util/Exception.h>
 
@@ -30,6 +31,21 @@ FsdpEngine* sharding_engine(const std::vector<DistributedDataParallel>& models,
   return nullptr;
 }
 
+// The tensor-parallel engine that split parameters of `optimizer`, if any.
+TensorParallelEngine* splitting_engine(const std::vector<DistributedDataParallel>& models,
+                                       const torch::optim::Optimizer& optimizer) {
+  for (const auto& model : models) {
+    auto* engine = tensor_parallel_engine(model);
+    if (!engine) continue;
+    for (const auto& group : optimizer.param_groups()) {
+      for (const auto& p : group.params()) {
+        if (engine->is_sharded(p)) return engine;
+      }
+    }
+  }
+  return nullptr;
+}
+
 }  // namespace
 
 CheckpointObjects checkpoint_objects(AcceleratorImpl& impl) {
@@ -48,7 +64,9 @@ CheckpointObjects checkpoint_objects(AcceleratorImpl& impl) {
   for (const auto& model : out.models) out.model_engines.push_back(fsdp_engine(model));
   for (const auto& optimizer : out.optimizers) {
     out.optimizer_engines.push_back(sharding_engine(out.models, *optimizer.optimizer()));
+    out.optimizer_splits.push_back(splitting_engine(out.models, *optimizer.optimizer()));
   }
+  for (const auto& model : out.models) out.model_splits.push_back(tensor_parallel_engine(model));
   return out;
 }
 
@@ -99,6 +117,18 @@ std::map<size_t, fs::path> custom_checkpoint_files(const fs::path& folder) {
     if (std::regex_match(file, match, name)) files[std::stoul(match[1])] = entry.path();
   }
   return files;
+}
+
+// Note [Checkpoints of split layers] in save_state.cpp.
+void refuse_sharded_split_states(const CheckpointObjects& objects, const char* api) {
+  for (size_t i = 0; i < objects.models.size(); ++i) {
+    TORCH_CHECK_VALUE(!objects.model_splits[i] || !objects.model_engines[i] ||
+                          !sharded_state(objects.model_engines[i]),
+                      "[Accelerator::", api, "] model ", i, " is split by tensor parallelism and its FSDP plugin keeps "
+                      "sharded states (SHARDED_STATE_DICT or LOCAL_STATE_DICT), whose files cannot hold the split "
+                      "pieces yet; set FullyShardedDataParallelPlugin::state_dict_type to FULL_STATE_DICT (the "
+                      "pieces are then gathered into whole tensors)");
+  }
 }
 
 }  // namespace accelerate::detail

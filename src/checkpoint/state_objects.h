@@ -15,6 +15,8 @@
 
 namespace accelerate::detail {
 
+class TensorParallelEngine;
+
 /// The objects of a checkpoint, copied under the accelerator's lock.
 struct CheckpointObjects {
   std::vector<DistributedDataParallel> models;
@@ -29,6 +31,10 @@ struct CheckpointObjects {
   /// Note [Sharded checkpoint layout]).
   std::vector<FsdpEngine*> model_engines;
   std::vector<FsdpEngine*> optimizer_engines;
+  /// The tensor-parallel engine of each model, and of each optimizer's parameters (null: none;
+  /// Note [Checkpoints of split layers]).
+  std::vector<TensorParallelEngine*> model_splits;
+  std::vector<TensorParallelEngine*> optimizer_splits;
 };
 
 /// The accelerator's objects now.
@@ -48,6 +54,9 @@ std::map<size_t, std::filesystem::path> custom_checkpoint_files(const std::files
 /// they only load at the same number of processes (LOCAL_STATE_DICT).
 bool sharded_state(FsdpEngine* engine);
 bool local_state(FsdpEngine* engine);
+/// Refuses, naming the model, a model split by tensor parallelism whose FSDP engine keeps
+/// sharded states (Note [Checkpoints of split layers]).
+void refuse_sharded_split_states(const CheckpointObjects& objects, const char* api);
 /// The parameters of an optimizer in the numbering of `optimizer_state_dict`.
 std::vector<at::Tensor> optimizer_params(const torch::optim::Optimizer& optimizer);
 /// The parameter number in an optimizer state tensor's name, "state.<index>.<name>".

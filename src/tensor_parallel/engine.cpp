@@ -324,6 +324,34 @@ void TensorParallelEngine::gather_whole(std::vector<std::pair<std::string, at::T
   }
 }
 
+int64_t TensorParallelEngine::split_dim(const at::Tensor& param) const {
+  auto it = impl_->by_impl.find(param.unsafeGetTensorImpl());
+  TORCH_INTERNAL_ASSERT(it != impl_->by_impl.end(), "not a split parameter");
+  return impl_->params[it->second].dim;
+}
+
+at::Tensor TensorParallelEngine::whole_of(const at::Tensor& param, const at::Tensor& piece) const {
+  return at::cat(all_gather(impl_->group, piece.detach().contiguous(), kTpApi), split_dim(param));
+}
+
+at::Tensor TensorParallelEngine::piece_of(const at::Tensor& param, const at::Tensor& whole,
+                                          const std::string& what) const {
+  const int64_t dim = split_dim(param);
+  const int n = impl_->group.num_processes();
+  TORCH_CHECK_VALUE(whole.dim() > dim && whole.size(dim) % n == 0, what, " has shape ", whole.sizes(),
+                    ": it is split over the tensor-parallel group along dimension ", dim, ", which tp_size ", n,
+                    " does not divide");
+  const int64_t piece = whole.size(dim) / n;
+  return whole.narrow(dim, piece * impl_->group.process_index(), piece);
+}
+
+void TensorParallelEngine::split_whole(std::map<std::string, at::Tensor>& values) const {
+  for (const auto& p : impl_->params) {
+    auto it = values.find(p.name);
+    if (it != values.end()) it->second = piece_of(p.param, it->second, "\"" + p.name + "\"").clone();
+  }
+}
+
 double TensorParallelEngine::total_grad_norm(
     const std::vector<at::Tensor>& params, double norm_type,
     const std::function<double(const std::vector<at::Tensor>&)>& norm_of) const {

@@ -10,6 +10,7 @@
 #include <torch/nn/module.h>
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -36,6 +37,17 @@ class TensorParallelEngine {
   /// Replaces the sharded entries of `values` (by name in the model, this process's pieces) with
   /// the whole tensors. A collective of the group: every process calls it with the same names.
   void gather_whole(std::vector<std::pair<std::string, at::Tensor>>& values) const;
+  /// The dimension `param` (split) is split on.
+  int64_t split_dim(const at::Tensor& param) const;
+  /// The whole tensor of which `piece` (shaped like this process's piece of split `param`, an
+  /// optimizer state say) is this process's part. A collective of the group.
+  at::Tensor whole_of(const at::Tensor& param, const at::Tensor& piece) const;
+  /// This process's piece of `whole`, a tensor shaped like all of split `param` (a view);
+  /// `what` names it in the error raised when tp_size does not divide it.
+  at::Tensor piece_of(const at::Tensor& param, const at::Tensor& whole, const std::string& what) const;
+  /// Replaces the split entries of `values` (whole tensors, by name in the model) with this
+  /// process's pieces (copies). Raises, naming the tensor, when one cannot be split.
+  void split_whole(std::map<std::string, at::Tensor>& values) const;
   /// The `norm_type` norm of the gradients of `params` over the whole model: the split ones'
   /// over the group, the others' once. `norm_of` gives the norm of a subset of `params` over the
   /// processes of one tensor-parallel rank (the data-parallel shards', or this process's own);
