@@ -1,6 +1,6 @@
 """Turns the JSON lines the benchmark programs and their twins print into rows of the schema
 documented in bench/summarize.py (one sample per repetition and side), with each workload's
-targets and physical limit. Usage: rows.py training|collectives|checkpoint|data_loader|offload|fsdp raw.jsonl
+targets and physical limit. Usage: rows.py training|collectives|checkpoint|data_loader|offload|fsdp|parallel raw.jsonl
 (prints rows on stdout; the bench/run_* scripts append them to their rows file)."""
 import json
 import sys
@@ -202,11 +202,37 @@ def fsdp(raw):
     return out
 
 
+def parallel(raw):
+    """bench/parallel.cpp and bench/parallel_twin.py: per repetition, DDP, FULL_SHARD, TP 2 x DDP
+    and TP 2 x FULL_SHARD, each side after the other. The memory rows of tensor parallelism take C++
+    DDP's parameter, gradient and AdamW bytes per process of the same repetition as the limit."""
+    out = []
+    names = {"ddp": "DDP", "fsdp": "FULL_SHARD", "tp": "TP 2 x DDP", "fsdp_tp": "TP 2 x FULL_SHARD"}
+    ddp = {}  # side -> its last DDP record
+    for r in raw:
+        n, side, mode = r["processes"], r["side"], r["mode"]
+        case = f"GPT {r['params'] / 1e6:.2f}M, {names[mode]}, {n} processes"
+        if mode == "ddp":
+            ddp[side] = r
+        tp = mode in ("tp", "fsdp_tp")
+        speed = [{"side": "cpp", "vs": "python", "op": ">=", "ratio": 1.0}] if tp and side == "cpp" else None
+        out.append(row("W10", case, "tokens/s", "higher", side, r["tokens_per_s"], loss=r["last_loss"],
+                       targets=speed))
+        memory = [{"side": "cpp", "vs": "limit", "op": "<=", "ratio": 0.55}] if mode == "tp" and side == "cpp" else None
+        out.append(row("W10", case, "state MiB", "lower", side, r["state_mib"], targets=memory,
+                       detail={"torch": r.get("torch")} if side != "cpp" else None))
+        out.append(row("W10", case, "peak MiB", "lower", side, r["peak_mib"], detail={"base_mib": r["base_mib"]}))
+        base = ddp.get("cpp")
+        if tp and side == "cpp" and base is not None and base["processes"] == n:
+            out.append(row("W10", case, "state MiB", "lower", "limit", base["state_mib"], limit="C++ DDP"))
+    return out
+
+
 def main():
     kind, path = sys.argv[1], sys.argv[2]
     raw = [json.loads(line) for line in open(path) if line.startswith("{")]
     for r in {"training": training, "collectives": collectives, "checkpoint": checkpoint,
-              "data_loader": data_loader, "offload": offload, "fsdp": fsdp}[kind](raw):
+              "data_loader": data_loader, "offload": offload, "fsdp": fsdp, "parallel": parallel}[kind](raw):
         print(json.dumps(r))
 
 

@@ -5,6 +5,7 @@
 #include "accelerate/accelerator.h"
 #include "accelerate/nn.h"
 #include "distributed_impl.h"
+#include "checkpoint/sharded_format.h"
 #include "fsdp/engine.h"
 #include "support/accelerators.h"
 #include "support/test_support.h"
@@ -465,6 +466,7 @@ struct Resume {
   const char* name;
   Mesh saved, loaded;
   CheckpointLayout layout = CheckpointLayout::kCpp;
+  FsdpStateDictType fsdp_state = FsdpStateDictType::kFullStateDict;
 };
 void PrintTo(const Resume& r, std::ostream* os) { *os << r.name; }
 
@@ -474,7 +476,13 @@ class TensorParallelCheckpoints : public ::testing::TestWithParam<Resume> {};
 // the third step: the parameters equal three steps on one process, so the weights and the AdamW
 // moments and step count all crossed. The files hold whole tensors, those of two steps.
 TEST_P(TensorParallelCheckpoints, SaveStateOnOneMeshResumesOnAnotherEqualToOneProcess) {
-  const auto [name, saved, loaded, layout] = GetParam();
+  const auto [name, saved, loaded, layout, fsdp_state] = GetParam();
+  const auto options_of = [state = fsdp_state](const Mesh& m) {
+    auto options = mesh_options(m);
+    if (m.shard > 1) options.fsdp_plugin = FullyShardedDataParallelPlugin{.state_dict_type = state};
+    return options;
+  };
+  const bool sharded = fsdp_state != FsdpStateDictType::kFullStateDict && saved.shard > 1;
   const auto want = reference(3);
   TempDir dir;
   const auto folder = (dir.path() / "ckpt").string();
@@ -487,9 +495,19 @@ TEST_P(TensorParallelCheckpoints, SaveStateOnOneMeshResumesOnAnotherEqualToOnePr
         train(acc, model, opt, *net, 0, 2);
         acc.save_state(folder, {.layout = layout});
       },
-      mesh_options(saved));
+      options_of(saved));
   const auto two_steps = reference(2).params;
-  expect_close(SafetensorsFile(folder + "/model.safetensors").read_tensors(), two_steps);
+  // Whole tensors in the files, or pieces that the index places in them (merge-weights joins them).
+  expect_close(sharded ? detail::merge_sharded_state(folder + "/pytorch_model_fsdp_0")
+                       : SafetensorsFile(folder + "/model.safetensors").read_tensors(),
+               two_steps);
+  ASSERT_EQ(std::filesystem::exists(folder + "/model.safetensors"), !sharded);
+  if (sharded) {  // one file per process of a replica: its rows of its piece
+    const auto last = "shard-" + std::to_string(saved.shard - 1) + "-of-" + std::to_string(saved.shard) +
+                      (saved.tp > 1 ? "-tp-" + std::to_string(saved.tp - 1) + "-of-" + std::to_string(saved.tp) : "");
+    EXPECT_TRUE(std::filesystem::exists(folder + "/pytorch_model_fsdp_0/" + last + ".safetensors")) << last;
+    EXPECT_TRUE(std::filesystem::exists(folder + "/optimizer_0/" + last + ".safetensors")) << last;
+  }
   ASSERT_EQ(std::filesystem::exists(folder + "/optimizer.bin"), layout == CheckpointLayout::kPython);
   run_accelerators(
       loaded.ranks(),
@@ -506,7 +524,7 @@ TEST_P(TensorParallelCheckpoints, SaveStateOnOneMeshResumesOnAnotherEqualToOnePr
         train(acc, model, opt, *net, 2, 3);
         expect_close(as_map(acc.get_state_dict(model)), want.params);
       },
-      mesh_options(loaded));
+      options_of(loaded));
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -516,7 +534,19 @@ INSTANTIATE_TEST_SUITE_P(
                       Resume{"Tp2Fsdp2ToFsdp4", {"", 1, 2, 2}, {"", 1, 4, 1}},
                       Resume{"Tp2Ddp2ToTp2Fsdp2", {"", 2, 1, 2}, {"", 1, 2, 2}},
                       Resume{"ThreeDimensionsToTp4", {"", 2, 2, 2}, {"", 1, 1, 4}},
-                      Resume{"Tp2ToTp4InPythonsLayout", {"", 1, 1, 2}, {"", 1, 1, 4}, CheckpointLayout::kPython}),
+                      Resume{"Tp2ToTp4InPythonsLayout", {"", 1, 1, 2}, {"", 1, 1, 4}, CheckpointLayout::kPython},
+                      Resume{"ShardedTp2Fsdp2ToFsdp4", {"", 1, 2, 2}, {"", 1, 4, 1}, CheckpointLayout::kCpp,
+                             FsdpStateDictType::kShardedStateDict},
+                      Resume{"ShardedFsdp4ToTp2Fsdp2", {"", 1, 4, 1}, {"", 1, 2, 2}, CheckpointLayout::kCpp,
+                             FsdpStateDictType::kShardedStateDict},
+                      Resume{"ShardedTp2Fsdp2ToTp4", {"", 1, 2, 2}, {"", 1, 1, 4}, CheckpointLayout::kCpp,
+                             FsdpStateDictType::kShardedStateDict},
+                      Resume{"ShardedThreeDimensionsToOneProcess", {"", 2, 2, 2}, {"", 1, 1, 1},
+                             CheckpointLayout::kCpp, FsdpStateDictType::kShardedStateDict},
+                      Resume{"ShardedTp2Fsdp2ToTp2Fsdp4", {"", 1, 2, 2}, {"", 1, 4, 2}, CheckpointLayout::kCpp,
+                             FsdpStateDictType::kShardedStateDict},
+                      Resume{"LocalTp2Fsdp2ToTheSameMesh", {"", 1, 2, 2}, {"", 1, 2, 2}, CheckpointLayout::kCpp,
+                             FsdpStateDictType::kLocalStateDict}),
     [](const ::testing::TestParamInfo<Resume>& info) { return std::string(info.param.name); });
 
 TEST(TensorParallel, AWholeTensorTheTpSizeDoesNotDivideIsRefusedAndNothingChanges) {
@@ -551,21 +581,31 @@ TEST(TensorParallel, AWholeTensorTheTpSizeDoesNotDivideIsRefusedAndNothingChange
       mesh_options({"", 1, 1, 2}));
 }
 
-TEST(TensorParallel, ShardedFsdpStatesOfSplitLayersAreRefusedBeforeAnythingIsWritten) {
+TEST(TensorParallel, ALocalStateOfSplitLayersLoadsOnlyOnTheMeshThatSavedIt) {
   TempDir dir;
+  const auto folder = (dir.path() / "ckpt").string();
   auto options = mesh_options({"", 1, 2, 2});
-  options.fsdp_plugin = FullyShardedDataParallelPlugin{.state_dict_type = FsdpStateDictType::kShardedStateDict};
+  options.fsdp_plugin = FullyShardedDataParallelPlugin{.state_dict_type = FsdpStateDictType::kLocalStateDict};
   run_accelerators(
       4,
       [&](const Accelerator& acc, int) {
         auto net = make_net();
         auto model = acc.prepare_model(net);
-        EXPECT_THAT(error_of([&] { acc.save_state((dir.path() / "ckpt").string()); }),
-                    ::testing::HasSubstr("model 0 is split by tensor parallelism and its FSDP plugin keeps sharded "
-                                         "states"));
+        acc.save_state(folder);
       },
       options);
-  EXPECT_FALSE(std::filesystem::exists(dir.path() / "ckpt"));
+  options = mesh_options({"", 1, 4, 1});
+  options.fsdp_plugin = FullyShardedDataParallelPlugin{.state_dict_type = FsdpStateDictType::kLocalStateDict};
+  run_accelerators(
+      4,
+      [&](const Accelerator& acc, int) {
+        auto net = make_net();
+        auto model = acc.prepare_model(net);
+        EXPECT_THAT(error_of([&] { acc.load_state(folder); }),
+                    ::testing::HasSubstr("was saved by 4 (2 sharded x tp_size 2) processes as a LOCAL_STATE_DICT, "
+                                         "which only loads on as many; this job has 4"));
+      },
+      options);
 }
 
 }  // namespace

@@ -226,10 +226,28 @@ ModelStates read_models(const detail::CheckpointObjects& objects, const Source& 
       continue;
     }
     const auto sharded_folder = from.folder / ("pytorch_model_fsdp_" + std::to_string(i));
-    if (auto* split = objects.model_splits[i]) {  // Note [Checkpoints of split layers]
-      TORCH_CHECK_VALUE(!fs::is_directory(sharded_folder), "model ", i, " is split by tensor parallelism and the "
-                        "checkpoint holds its sharded states (", sharded_folder.filename().string(), "), which it "
-                        "cannot load yet; save them with FULL_STATE_DICT");
+    auto* split = objects.model_splits[i];
+    if (fs::is_directory(sharded_folder)) {
+      // This process's part, whatever the mesh that saved it (Note [Sharded checkpoint layout]).
+      auto state = naming_file(sharded_folder, [&] {
+        return detail::load_sharded_state(
+            detail::shard_place(engine, split), sharded_folder.string(), engine && detail::local_state(engine),
+            [split](const std::string& name, const std::vector<int64_t>&) { return split ? split->split_dim_of(name) : -1; });
+      });
+      read.files.emplace_back();
+      if (engine) {
+        std::map<std::string, c10::ScalarType> stored;
+        for (const auto& [name, tensor] : state.tensors) stored.emplace(name, tensor.scalar_type());
+        check_model_dtypes(*objects.models[i].module(), stored, sharded_folder.string(), convert);
+        read.sharded[i] = std::move(state);
+      } else {  // whole tensors, or this process's pieces
+        check_whole_model(*objects.models[i].module(), state.tensors, sharded_folder.string(), /*shapes=*/true,
+                          convert);
+        read.whole[i] = std::move(state.tensors);
+      }
+      continue;
+    }
+    if (split) {  // Note [Checkpoints of split layers]
       const auto path = from.require(detail::numbered("model", i, ".safetensors"));
       auto tensors = naming_file(path, [&] {
         auto whole = SafetensorsFile(path.string()).read_tensors();
@@ -242,15 +260,6 @@ ModelStates read_models(const detail::CheckpointObjects& objects, const Source& 
       continue;
     }
     std::map<std::string, c10::ScalarType> stored;
-    if (engine && fs::is_directory(sharded_folder)) {
-      read.sharded[i] = naming_file(sharded_folder, [&] {
-        return detail::load_sharded_state(engine->shard_group(), sharded_folder.string(), detail::local_state(engine));
-      });
-      for (const auto& [name, tensor] : read.sharded[i]->tensors) stored.emplace(name, tensor.scalar_type());
-      check_model_dtypes(*objects.models[i].module(), stored, sharded_folder.string(), convert);
-      read.files.emplace_back();
-      continue;
-    }
     read.files.push_back(from.require(detail::numbered("model", i, ".safetensors")).string());
     SafetensorsFile file(read.files.back());
     for (const auto& name : file.keys()) stored.emplace(name, safetensors_dtype(file.entry(name).dtype));
@@ -308,13 +317,22 @@ OptimizerStates read_optimizers(const detail::CheckpointObjects& objects, const 
     auto* engine = objects.optimizer_engines[i];
     auto* split = objects.optimizer_splits[i];
     const auto sharded_folder = from.folder / ("optimizer_" + std::to_string(i));
-    TORCH_CHECK_VALUE(!split || !fs::is_directory(sharded_folder), "optimizer ", i, " is over parameters split by "
-                      "tensor parallelism and the checkpoint holds its sharded states (",
-                      sharded_folder.filename().string(), "), which it cannot load yet; save them with FULL_STATE_DICT");
-    if (engine && fs::is_directory(sharded_folder)) {
+    if (fs::is_directory(sharded_folder) && (engine || !from.python)) {
+      // This process's part, whatever the mesh that saved it (Note [Sharded checkpoint layout]):
+      // rows of its piece of each state tensor shaped like its split parameter.
+      const auto params = detail::optimizer_params(*objects.optimizers[i].optimizer());
+      const auto split_dim = [&](const std::string& key, const std::vector<int64_t>& whole) -> int64_t {
+        const size_t index = detail::state_param_index(key);
+        if (!split || index >= params.size() || !split->is_sharded(params[index])) return -1;
+        const auto& param = params[index];
+        auto shape = engine && engine->is_sharded(param) ? engine->whole_shape(param) : param.sizes().vec();
+        shape[split->split_dim(param)] *= split->group().num_processes();
+        return shape == whole ? split->split_dim(param) : -1;
+      };
       read.paths.push_back(sharded_folder);
       read.states.push_back(naming_file(sharded_folder, [&] {
-        return detail::load_sharded_state(engine->shard_group(), sharded_folder.string(), detail::local_state(engine));
+        return detail::load_sharded_state(detail::shard_place(engine, split), sharded_folder.string(),
+                                          engine && detail::local_state(engine), split_dim);
       }));
       read.files.emplace_back();
       continue;

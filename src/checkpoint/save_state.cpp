@@ -176,8 +176,10 @@ struct Destination {
 // load_state reads the whole tensors on every process and keeps each process's piece (then the
 // FSDP engine its rows), so it resumes on any mesh whose tp_size divides the split dimensions,
 // and on one process without a plan. Sharded FSDP states (SHARDED_STATE_DICT, LOCAL_STATE_DICT)
-// record rows of each process's piece, which the sharded format cannot place in the whole tensor
-// yet: under tensor parallelism they are refused, on every process, before anything is written.
+// are not gathered: each process writes the rows of its pieces, and the sharded format's index
+// places them in the whole tensors (Note [Sharded checkpoint layout]), from which any mesh takes
+// its own parts at load.
+
 // Each model's state dict, as its checkpoint holds it: a sharded model's own shards (sharded
 // states), or its whole tensors gathered from every process (a collective).
 std::vector<StateDictMap> model_states(const detail::CheckpointObjects& objects) {
@@ -197,7 +199,7 @@ std::vector<StateDictMap> model_states(const detail::CheckpointObjects& objects)
         values.emplace_back(item.key(), item.value());
       }
     }
-    if (split) split->gather_whole(values);  // Note [Checkpoints of split layers]
+    if (split && !(engine && detail::sharded_state(engine))) split->gather_whole(values);  // Note [Checkpoints of split layers]
     StateDictMap state;
     for (auto& [name, tensor] : values) state.insert(name, tensor);
     weights.push_back(std::move(state));
@@ -212,18 +214,27 @@ void write_sharded_models(const detail::CheckpointObjects& objects, const std::v
   for (size_t i = 0; i < weights.size() && i < objects.models.size(); ++i) {
     auto* engine = objects.model_engines[i];
     if (!engine || !detail::sharded_state(engine)) continue;
+    auto* split = objects.model_splits[i];
     std::map<std::string, at::Tensor> tensors;
     std::map<std::string, std::vector<int64_t>> whole;
+    std::map<std::string, std::pair<int64_t, std::vector<int64_t>>> pieces;
     std::map<std::string, at::Tensor> params;
     for (const auto& item : objects.models[i].module()->named_parameters()) params.emplace(item.key(), item.value());
     for (const auto& item : weights[i]) {
       tensors.emplace(item.key(), item.value());
       auto it = params.find(item.key());
-      if (it != params.end() && engine->is_sharded(it->second)) whole[item.key()] = engine->whole_shape(it->second);
+      if (it == params.end()) continue;
+      auto shape = engine->is_sharded(it->second) ? engine->whole_shape(it->second) : it->second.sizes().vec();
+      if (split && split->is_sharded(it->second)) {
+        const int64_t dim = split->split_dim(it->second);
+        shape[dim] *= split->group().num_processes();
+        pieces[item.key()] = {dim, shape};
+      }
+      if (engine->is_sharded(it->second)) whole[item.key()] = shape;
     }
     if (engine->replica_index() != 0) continue;  // hybrid sharding: the first replica writes the shards
-    detail::save_sharded_state(engine->shard_group(), to / ("pytorch_model_fsdp_" + std::to_string(i)), {{"model", i}},
-                               tensors, whole);
+    detail::save_sharded_state(detail::shard_place(engine, split), to / ("pytorch_model_fsdp_" + std::to_string(i)),
+                               {{"model", i}}, tensors, whole, pieces);
     to.written();
   }
 }
@@ -240,21 +251,27 @@ std::vector<std::optional<StateDict>> sharded_optimizer_states(const detail::Che
     if (!engine && !split) continue;
     StateDict state = optimizer_state_dict(*objects.optimizers[i].optimizer());
     const auto params = detail::optimizer_params(*objects.optimizers[i].optimizer());
+    const bool sharded = engine && detail::sharded_state(engine);
     std::map<std::string, std::vector<int64_t>> whole;
+    std::map<std::string, std::pair<int64_t, std::vector<int64_t>>> pieces;
     for (auto& [key, tensor] : state.tensors) {
       const auto& param = params.at(detail::state_param_index(key));
       const bool rows = engine && engine->is_sharded(param);
-      if (rows && tensor.sizes() == param.sizes()) {
-        if (detail::sharded_state(engine)) {
-          whole[key] = engine->whole_shape(param);
-        } else {
-          tensor = engine->whole_rows(param, tensor);
+      const bool like_param = tensor.sizes() == param.sizes();
+      const bool piece = split && split->is_sharded(param) && like_param;
+      if (sharded) {  // this process's part, placed in the whole tensor by the index
+        if (!like_param) continue;
+        auto shape = rows ? engine->whole_shape(param) : param.sizes().vec();
+        if (piece) {
+          shape[split->split_dim(param)] *= split->group().num_processes();
+          pieces[key] = {split->split_dim(param), shape};
         }
+        if (rows) whole[key] = shape;
+        continue;
       }
+      if (rows && like_param) tensor = engine->whole_rows(param, tensor);
       // This process's piece of a split parameter's state, joined (Note [Checkpoints of split layers]).
-      if (split && split->is_sharded(param) && tensor.sizes() == (rows ? engine->whole_shape(param) : param.sizes().vec())) {
-        tensor = split->whole_of(param, tensor);
-      }
+      if (piece) tensor = split->whole_of(param, tensor);
     }
     if (!engine) {
       states[i] = std::move(state);
@@ -262,8 +279,8 @@ std::vector<std::optional<StateDict>> sharded_optimizer_states(const detail::Che
     }
     if (detail::sharded_state(engine)) {
       if (engine->replica_index() != 0) continue;
-      detail::save_sharded_state(engine->shard_group(), to / ("optimizer_" + std::to_string(i)), state.values,
-                                 state.tensors, whole);
+      detail::save_sharded_state(detail::shard_place(engine, split), to / ("optimizer_" + std::to_string(i)),
+                                 state.values, state.tensors, whole, pieces);
       to.written();
     } else {
       states[i] = std::move(state);
@@ -406,7 +423,6 @@ std::string Accelerator::save_state(const std::string& output_dir, const SaveSta
   });
 
   auto objects = detail::checkpoint_objects(*impl_);  // not const: the hooks may change the models
-  detail::refuse_sharded_split_states(objects, "save_state");
   if (python) check_python_layout(objects);
   detail::CheckpointCommit commit(partial(), target, project.save_on_each_node, project.automatic_checkpoint_naming);
   const Destination to{commit.staging(), partial()};

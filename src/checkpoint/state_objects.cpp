@@ -119,16 +119,11 @@ std::map<size_t, fs::path> custom_checkpoint_files(const fs::path& folder) {
   return files;
 }
 
-// Note [Checkpoints of split layers] in save_state.cpp.
-void refuse_sharded_split_states(const CheckpointObjects& objects, const char* api) {
-  for (size_t i = 0; i < objects.models.size(); ++i) {
-    TORCH_CHECK_VALUE(!objects.model_splits[i] || !objects.model_engines[i] ||
-                          !sharded_state(objects.model_engines[i]),
-                      "[Accelerator::", api, "] model ", i, " is split by tensor parallelism and its FSDP plugin keeps "
-                      "sharded states (SHARDED_STATE_DICT or LOCAL_STATE_DICT), whose files cannot hold the split "
-                      "pieces yet; set FullyShardedDataParallelPlugin::state_dict_type to FULL_STATE_DICT (the "
-                      "pieces are then gathered into whole tensors)");
-  }
+ShardPlace shard_place(FsdpEngine* engine, TensorParallelEngine* split) {
+  ShardPlace place;
+  if (engine) place.world = engine->shard_group().num_processes(), place.rank = engine->shard_group().process_index();
+  if (split) place.tp_size = split->group().num_processes(), place.tp_rank = split->group().process_index();
+  return place;
 }
 
 }  // namespace accelerate::detail

@@ -6,6 +6,7 @@
 
 #include "accelerate/accelerator.h"
 #include "accelerator_impl.h"
+#include "checkpoint/sharded_format.h"
 #include "fsdp/engine.h"
 
 #include <filesystem>
@@ -54,9 +55,9 @@ std::map<size_t, std::filesystem::path> custom_checkpoint_files(const std::files
 /// they only load at the same number of processes (LOCAL_STATE_DICT).
 bool sharded_state(FsdpEngine* engine);
 bool local_state(FsdpEngine* engine);
-/// Refuses, naming the model, a model split by tensor parallelism whose FSDP engine keeps
-/// sharded states (Note [Checkpoints of split layers]).
-void refuse_sharded_split_states(const CheckpointObjects& objects, const char* api);
+/// Where this process's part of a sharded state lies (Note [Sharded checkpoint layout]): rows of
+/// `engine`'s shard group, of its piece of `split`'s group (either may be null).
+ShardPlace shard_place(FsdpEngine* engine, TensorParallelEngine* split);
 /// The parameters of an optimizer in the numbering of `optimizer_state_dict`.
 std::vector<at::Tensor> optimizer_params(const torch::optim::Optimizer& optimizer);
 /// The parameter number in an optimizer state tensor's name, "state.<index>.<name>".

@@ -330,6 +330,13 @@ int64_t TensorParallelEngine::split_dim(const at::Tensor& param) const {
   return impl_->params[it->second].dim;
 }
 
+int64_t TensorParallelEngine::split_dim_of(const std::string& name) const {
+  for (const auto& p : impl_->params) {
+    if (p.name == name) return p.dim;
+  }
+  return -1;
+}
+
 at::Tensor TensorParallelEngine::whole_of(const at::Tensor& param, const at::Tensor& piece) const {
   return at::cat(all_gather(impl_->group, piece.detach().contiguous(), kTpApi), split_dim(param));
 }

@@ -39,6 +39,8 @@ class TensorParallelEngine {
   void gather_whole(std::vector<std::pair<std::string, at::Tensor>>& values) const;
   /// The dimension `param` (split) is split on.
   int64_t split_dim(const at::Tensor& param) const;
+  /// The dimension the parameter or buffer `name` (in the model) is split on; -1 when whole.
+  int64_t split_dim_of(const std::string& name) const;
   /// The whole tensor of which `piece` (shaped like this process's piece of split `param`, an
   /// optimizer state say) is this process's part. A collective of the group.
   at::Tensor whole_of(const at::Tensor& param, const at::Tensor& piece) const;

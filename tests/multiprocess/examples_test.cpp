@@ -133,6 +133,33 @@ TEST(CharGptExample, ANewRunInAnEarlierRunsFolderKeepsItsCheckpointsAndABadCheck
   EXPECT_TRUE(std::filesystem::is_directory(checkpoints / "checkpoint_3"));
 }
 
+// --tp_size 2: both processes train on the same batches, each computing half of every block's
+// heads and MLP. The loss falls as on two data-parallel processes (the same global batch), the
+// sample prints once, and the checkpoints hold whole tensors, so the run resumes without tensor
+// parallelism.
+TEST(CharGptExample, TensorParallelTrainingLearnsAndItsCheckpointResumesWithoutIt) {
+  TempDir dir;
+  auto r = launch_example("char_gpt", small_gpt(dir.str(), {"--max_steps", "40", "--tp_size", "2", "--batch_size", "16"}));
+  ASSERT_EQ(r->exit_code(), 0) << r->out << r->err;
+  EXPECT_THAT(r->err, HasSubstr("tensor-parallel size: 2"));
+  const auto losses = numbers_after(r->err, "val_loss");
+  ASSERT_EQ(losses.size(), 3u) << r->err;
+  EXPECT_LT(losses[2], losses[0] - 0.8) << r->err;
+  const auto sample = r->out.find("---- sample ----");
+  ASSERT_NE(sample, std::string::npos) << r->out;
+  EXPECT_EQ(r->out.find("---- sample ----", sample + 1), std::string::npos) << r->out;
+  SafetensorsFile weights((dir.path() / "checkpoints/checkpoint_1/model.safetensors").string());
+  EXPECT_EQ(weights.get_tensor("blocks.0.qkv.weight").sizes(), (std::vector<int64_t>{192, 64}));
+  EXPECT_EQ(weights.get_tensor("blocks.0.fc_out.weight").sizes(), (std::vector<int64_t>{64, 256}));
+  auto resumed = launch_example("char_gpt", small_gpt(dir.str(), {"--max_steps", "60", "--resume"}));
+  ASSERT_EQ(resumed->exit_code(), 0) << resumed->out << resumed->err;
+  EXPECT_THAT(resumed->err, HasSubstr("resumed from checkpoint at step 40"));
+  EXPECT_THAT(resumed->err, HasSubstr("tensor-parallel size: 1"));
+  const auto later = numbers_after(resumed->err, "val_loss");
+  ASSERT_EQ(later.size(), 1u) << resumed->err;  // step 60
+  EXPECT_LT(later[0], losses[0] - 0.8) << resumed->err;
+}
+
 TEST(CharGptExample, ResumeWithoutACheckpointIsAnError) {
   TempDir dir;
   auto r = launch_example("char_gpt", small_gpt(dir.str(), {"--max_steps", "5", "--resume"}));

@@ -3,8 +3,10 @@
 // vocabulary-parallel embedding, blocks of a norm and a colwise/rowwise MLP, a colwise head) for 3
 // AdamW steps with the gradient clipped, on its data-parallel slice of each batch, then compares
 // the whole weights (get_state_dict) and each step's gradient norm with the same training on one
-// process, which it runs itself first. The main process prints
-// "tp=<t> dp_shard=<s> dp_replicate=<r>: OK" on success; a difference throws.
+// process, which it runs itself first. With `--save DIR` it also saves its state to DIR after the
+// second step; with `--resume DIR` it loads DIR first and takes only the third step. The main
+// process prints "tp=<t> dp_shard=<s> dp_replicate=<r> (<backend>): OK" on success; a difference
+// throws.
 #include "accelerate/accelerate.h"
 
 #include <torch/torch.h>
@@ -13,6 +15,7 @@
 #include <iostream>
 #include <sstream>
 #include <stdexcept>
+#include <string>
 
 namespace acc = accelerate;
 
@@ -65,7 +68,18 @@ constexpr double kMaxNorm = 0.5;
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
+  std::string save, resume;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string flag = argv[i];
+    if (flag == "--save") {
+      save = argv[i + 1];
+    } else if (flag == "--resume") {
+      resume = argv[i + 1];
+    } else {
+      throw std::invalid_argument("unknown argument " + flag);
+    }
+  }
   // The reference: one process, the whole batch.
   std::vector<double> want_norms;
   std::map<std::string, torch::Tensor> want;
@@ -89,7 +103,9 @@ int main() {
       accelerator.prepare(net, std::make_shared<torch::optim::AdamW>(net->parameters(), torch::optim::AdamWOptions(0.02)));
   const int dp = mesh->size("dp"), dp_rank = mesh->get_local_rank("dp");
   const int64_t rows = kBatch / dp;
-  for (int s = 0; s < 3; ++s) {
+  if (!resume.empty()) accelerator.load_state(resume);
+  for (int s = resume.empty() ? 0 : 2; s < 3; ++s) {
+    if (s == 2 && !save.empty()) accelerator.save_state(save);
     opt.zero_grad();
     auto x = ids(s).narrow(0, dp_rank * rows, rows);
     accelerator.backward(loss_of(model(x), x));
