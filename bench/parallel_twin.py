@@ -152,8 +152,10 @@ def worker(args):
     def local(t):
         return t.to_local() if hasattr(t, "to_local") else t
 
+    # The tensors the optimizer steps: under the 2-D recipe the module's parameters are swapped
+    # between DTensors and local tensors around each pass, and model.parameters() then misses some.
     state_bytes = 0
-    for p in model.parameters():
+    for p in (p for group in optimizer.param_groups for p in group["params"]):
         state_bytes += local(p).numel() * local(p).element_size()
         if p.grad is not None:
             state_bytes += local(p.grad).numel() * local(p.grad).element_size()
@@ -180,6 +182,15 @@ def main():
     args = parser.parse_args()
     if args.probe:
         sys.exit(probe())
+    if args.mode == "fsdp_tp":
+        # FSDP2 (fully_shard) needs an accelerator's streams: PyTorch 2.6 fails on CPU processes
+        # ("'Stream' object has no attribute 'record_event'").
+        import torch
+
+        if int(torch.__version__.split(".")[0]) == 2 and int(torch.__version__.split(".")[1]) <= 6:
+            print(f"parallel_twin.py: no fsdp_tp twin on PyTorch {torch.__version__}: FSDP2 does not run on CPU "
+                  "processes there", file=sys.stderr)
+            sys.exit(0)
     if args.mode is None:
         parser.error("a mode is required")
     run_as_workers(lambda: worker(args), nproc=args.nproc, threads=args.threads)

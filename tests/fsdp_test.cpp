@@ -1290,6 +1290,41 @@ TEST(FullyShardedNaturalModules, ADirectCallOfAUnitNamesTheUnitsThatRanNoHookAnd
       {.fsdp_plugin = every_linear_a_unit()});
 }
 
+// A torch::nn::Sequential prepared as the model: its call walks the children through their hooks
+// (as accelerate::forward does), where SequentialImpl::forward would call them past the hooks.
+TEST(FullyShardedNaturalModules, APreparedSequentialRunsEachUnitsHookAndTrainsAsOneProcess) {
+  const auto make = [] {
+    torch::nn::Sequential seq(torch::nn::Linear(5, 16), torch::nn::Functional(torch::tanh), torch::nn::Linear(16, 16),
+                              torch::nn::Functional(torch::tanh), torch::nn::Linear(16, 3));
+    torch::NoGradGuard no_grad;
+    int i = 0;
+    for (auto& p : seq->parameters()) p.copy_(torch::linspace(-0.3, 0.5, p.numel()).reshape(p.sizes()) * (1 + 0.1 * i++));
+    return seq;
+  };
+  std::map<std::string, torch::Tensor> want;
+  {
+    auto seq = make();
+    torch::optim::SGD sgd(seq->parameters(), 0.1);
+    torch::nn::functional::cross_entropy(seq->forward(batch()), labels()).backward();
+    sgd.step();
+    want = as_map(seq->named_parameters());
+  }
+  run_accelerators(
+      2,
+      [&](const Accelerator& acc, int rank) {
+        auto seq = make();
+        auto [model, opt] = acc.prepare(seq, std::make_shared<torch::optim::SGD>(seq->parameters(), 0.1));
+        EXPECT_EQ(detail::fsdp_engine(model.ddp())->unit_names().size(), 4u);  // the root and 3 Linears
+        acc.backward(torch::nn::functional::cross_entropy(model(batch().narrow(0, rank * 4, 4)),
+                                                          labels().narrow(0, rank * 4, 4)));
+        opt.step();
+        const auto got = as_map(acc.get_state_dict(model));
+        ASSERT_EQ(got.size(), want.size());
+        for (const auto& [name, value] : want) EXPECT_TRUE(torch::allclose(got.at(name), value, 1e-5, 1e-6)) << name;
+      },
+      {.fsdp_plugin = every_linear_a_unit()});
+}
+
 TEST(FullyShardedNaturalModules, MembersDeclaredWithHookedHoldersTrainAsOneProcessWithDirectCalls) {
   auto want = [] {
     auto net = make_direct_mlp<torch::nn::Linear>();

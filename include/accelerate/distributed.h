@@ -15,6 +15,7 @@
 //   Net original = accelerator.unwrap_model(prepared);
 #pragma once
 
+#include "accelerate/hooks.h"
 #include "accelerate/state.h"
 #include "accelerate/utils/autocast.h"
 #include "accelerate/utils/dataclasses.h"
@@ -273,7 +274,7 @@ class PreparedModel {
       Out output = [&] {
         DistributedDataParallel::ForwardScope scope(ddp_);
         try {
-          return module_->forward(input(std::forward<Args>(args))...);
+          return call(input(std::forward<Args>(args))...);
         } catch (const std::exception&) {
           ddp_.rethrow_forward_error();
         }
@@ -296,6 +297,20 @@ class PreparedModel {
   const DistributedDataParallel& ddp() const { return ddp_; }
 
  private:
+  // The module's forward; a Sequential's children each through their hooks (FSDP units, split
+  // layers, offloaded modules), as accelerate::forward walks it: SequentialImpl::forward would call
+  // them past their hooks.
+  template <typename... Args>
+  auto call(Args&&... args) const {
+    auto& impl = *operator->();
+    if constexpr (std::is_same_v<std::decay_t<decltype(impl)>, torch::nn::SequentialImpl>) {
+      static_assert(sizeof...(Args) == 1, "a prepared Sequential takes one tensor");
+      return detail::forward_sequential(impl, at::Tensor(std::forward<Args>(args)...));
+    } else {
+      return module_->forward(std::forward<Args>(args)...);
+    }
+  }
+
   // A tensor argument as the engine passes it on (DistributedDataParallel::cast_forward_input);
   // every other argument as it is.
   template <typename A>
