@@ -224,8 +224,11 @@ void ask_fsdp(Prompter& ask, std::map<std::string, std::string>& fsdp, std::map<
     const int shard = ask.integer("What is the FSDP shard size (0: the processes / the replicate size)? [0]: ", 0,
                                   1 << 20, 0);
     if (shard > 0) parallelism["parallelism_config_dp_shard_size"] = std::to_string(shard);
-    ask.say("Not asked: the tensor-parallel size (accelerate launch --parallelism_config_tp_size, or "
-            "parallelism_config_tp_size in this file) and context parallelism (not supported yet).");
+    const int tp = ask.integer("What is the tensor parallelism size (processes that split each layer of the "
+                               "model's plan)? [1]: ",
+                               1, 1 << 20, 1);
+    if (tp > 1) parallelism["parallelism_config_tp_size"] = std::to_string(tp);
+    ask.say("Not asked: context parallelism (not supported yet).");
   }
   ask.say("Not asked: use_orig_params=false, not supported by accelerate-cpp.");
 }

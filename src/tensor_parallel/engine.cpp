@@ -2,6 +2,7 @@
 #include "tensor_parallel/engine.h"
 
 #include "accelerate/hooks.h"
+#include "accelerate/utils/random.h"
 #include "detail/collectives.h"
 
 #include <c10/util/Exception.h>
@@ -41,7 +42,11 @@ namespace accelerate::detail {
 //   rowwise on an Embedding (vocabulary-parallel): indices outside this process's rows look up
 //               row 0 and their vectors are zeroed, then the vectors are summed over the group.
 // Parameters outside split modules stay whole; every process of the group computes the same
-// values and gradients for them from the same batch. Data parallelism (DDP, FSDP) then runs over
+// values and gradients for them from the same batch. That holds for random operations too: the
+// group's processes also take process 0's default generators at `prepare` (CPU, and the CUDA
+// device's when the model is there), so a dropout outside the split layers draws the same mask on
+// each of them and their activations stay equal (the draws keep in step: every process runs the
+// same operations on tensors of the same shapes). Data parallelism (DDP, FSDP) then runs over
 // the processes that share a tensor-parallel rank (the mesh's "dp"), on pieces.
 inline constexpr const char* kTpApi = "TensorParallel";
 
@@ -263,6 +268,11 @@ TensorParallelEngine::TensorParallelEngine(std::shared_ptr<torch::nn::Module> mo
     torch::NoGradGuard no_grad;
     for (auto& t : e.module->parameters()) t.set_data(broadcast(group, t.detach().contiguous(), 0, kTpApi));
     for (auto& t : e.module->buffers()) t.set_data(broadcast(group, t.detach().contiguous(), 0, kTpApi));
+    synchronize_rng_state(group, RNGType::kTorch);
+    const auto params = e.module->parameters();
+    if (std::any_of(params.begin(), params.end(), [](const at::Tensor& t) { return t.is_cuda(); })) {
+      synchronize_rng_state(group, RNGType::kCuda);
+    }
   }
   for (const auto& assignment : plan) {
     SplitModule m;

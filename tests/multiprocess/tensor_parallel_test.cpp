@@ -46,6 +46,17 @@ TEST(TensorParallelLaunch, EightProcessesOfReplicasTimesFsdpTimesTpEndWithTheSin
   expect_equal_to_one_process(2, 2, 2);
 }
 
+// Each process seeded differently before `prepare`: a dropout on the split MLP's replicated output
+// still draws one mask for the group (its processes took process 0's generator at prepare).
+TEST(TensorParallelLaunch, ADropoutOnReplicatedActivationsDrawsOneMaskPerGroup) {
+  auto r = run({accelerate_bin(), "launch", "-n", "4", "--main_process_port", "0", "--num_cpu_threads_per_process", "1",
+                "--parallelism_config_dp_replicate_size", "2", "--parallelism_config_tp_size", "2",
+                built("tests/mp_tensor_parallel"), "--dropout"},
+               120);
+  ASSERT_EQ(r->exit_code(), 0) << r->out << r->err;
+  EXPECT_THAT(r->out, HasSubstr("tp=2: the dropout masks agree"));
+}
+
 // A sharded checkpoint of tp 2 x FSDP 2 (each process writes the rows of its pieces) resumes on 2
 // processes of tp 2 alone and ends equal to one process; `accelerate merge-weights` joins it into
 // whole tensors.

@@ -4,7 +4,9 @@
 // AdamW steps with the gradient clipped, on its data-parallel slice of each batch, then compares
 // the whole weights (get_state_dict) and each step's gradient norm with the same training on one
 // process, which it runs itself first. With `--save DIR` it also saves its state to DIR after the
-// second step; with `--resume DIR` it loads DIR first and takes only the third step. The main
+// second step; with `--resume DIR` it loads DIR first and takes only the third step. With
+// `--dropout` it checks instead that a dropout on replicated activations draws the same mask on
+// every process of a tp group, each process seeded differently before `prepare`. The main
 // process prints "tp=<t> dp_shard=<s> dp_replicate=<r> (<backend>): OK" on success; a difference
 // throws.
 #include "accelerate/accelerate.h"
@@ -66,10 +68,46 @@ torch::Tensor loss_of(const torch::Tensor& logits, const torch::Tensor& ids) {
 
 constexpr double kMaxNorm = 0.5;
 
+// A split MLP whose summed (replicated) output goes through a dropout.
+struct DropoutNetImpl : torch::nn::Module {
+  DropoutNetImpl()
+      : fc1(register_module("fc1", acc::nn::Linear(kDim, kHidden))),
+        fc2(register_module("fc2", acc::nn::Linear(kHidden, kDim))),
+        drop(register_module("drop", acc::nn::Dropout(0.5))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return drop(fc2(torch::gelu(fc1(x)))); }
+  acc::nn::Linear fc1, fc2;
+  acc::nn::Dropout drop;
+};
+
+int check_dropout() {
+  acc::AcceleratorOptions options;
+  options.tp_handler.tp_plan = {{"fc1", "colwise"}, {"fc2", "rowwise"}};
+  acc::Accelerator accelerator(options);
+  torch::manual_seed(100 + accelerator.process_index());
+  auto net = std::make_shared<DropoutNetImpl>();
+  auto model = accelerator.prepare_model(net);
+  const auto tp = accelerator.torch_device_mesh()->get_group("tp");
+  const auto x = torch::linspace(-1, 1, 4 * kDim).reshape({4, kDim});
+  for (int pass = 0; pass < 3; ++pass) {
+    const auto y = model(x).detach();
+    const auto all = acc::gather(tp, y.unsqueeze(0));
+    for (int64_t i = 1; i < all.size(0); ++i) {
+      if (!torch::equal(all[0], all[i])) {
+        throw std::runtime_error("pass " + std::to_string(pass) + ": the dropout's output differs between the "
+                                 "processes of a tp group");
+      }
+    }
+    if ((y == 0).sum().item<int64_t>() == 0) throw std::runtime_error("the dropout dropped nothing");
+  }
+  accelerator.print("tp=" + std::to_string(tp.num_processes()) + ": the dropout masks agree");
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::string save, resume;
+  if (argc == 2 && std::string(argv[1]) == "--dropout") return check_dropout();
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
     if (flag == "--save") {
