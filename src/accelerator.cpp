@@ -309,11 +309,18 @@ DistributedDataParallel Accelerator::prepare_module(const std::shared_ptr<torch:
   if (impl_->tp_size > 1) tensor_parallel = apply_tensor_parallelism(module);
   const PartialState& data = data_parallel_state();
   // Evaluation-only models are not synchronised: a one-process engine does no communication.
-  DistributedDataParallel ddp = evaluation_mode
-                                    ? DistributedDataParallel::local(module, state_.device(), forward)
-                                    : impl_->fsdp ? detail::fully_sharded(module, data, *impl_->fsdp_settings, forward,
-                                                                          impl_->dp_shard_size)
-                                                  : DistributedDataParallel(module, data, impl_->options.ddp_kwargs, forward);
+  std::optional<detail::FsdpSettings> fsdp;
+  if (impl_->fsdp) {
+    fsdp = *impl_->fsdp_settings;
+    if (tensor_parallel) {  // the size-based policy counts a split parameter whole, as upstream a DTensor
+      fsdp->param_numel = [split = tensor_parallel.get()](const at::Tensor& p) {
+        return split->is_sharded(p) ? p.numel() * split->group().num_processes() : p.numel();
+      };
+    }
+  }
+  DistributedDataParallel ddp = evaluation_mode ? DistributedDataParallel::local(module, state_.device(), forward)
+                                : fsdp ? detail::fully_sharded(module, data, *fsdp, forward, impl_->dp_shard_size)
+                                       : DistributedDataParallel(module, data, impl_->options.ddp_kwargs, forward);
   if (tensor_parallel) detail::attach_tensor_parallel(ddp, tensor_parallel);
   std::lock_guard<std::mutex> lock(impl_->mutex);
   impl_->models.push_back(ddp);

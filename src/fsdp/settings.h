@@ -30,6 +30,9 @@ struct FsdpSettings {
   FsdpWrapCallable auto_wrap_callable;
   std::vector<std::string> transformer_cls_names_to_wrap;
   int64_t min_num_params = 100000000;
+  /// How many parameters a tensor counts for in the size-based policy: unset, its numel; under
+  /// tensor parallelism the whole size of a split parameter (as upstream counts a DTensor's).
+  std::function<int64_t(const at::Tensor&)> param_numel;
   bool cpu_offload = false;
   std::vector<std::string> ignored_modules;
   FsdpStateDictType state_dict_type = FsdpStateDictType::kFullStateDict;

@@ -4,9 +4,9 @@
 namespace accelerate::detail {
 namespace {
 
-int64_t count_params(const torch::nn::Module& m) {
+int64_t count_params(const FsdpSettings& s, const torch::nn::Module& m) {
   int64_t n = 0;
-  for (const auto& p : m.parameters(/*recurse=*/false)) n += p.numel();
+  for (const auto& p : m.parameters(/*recurse=*/false)) n += s.param_numel ? s.param_numel(p) : p.numel();
   return n;
 }
 
@@ -28,7 +28,7 @@ bool name_matches(const std::string& pattern, const torch::nn::Module& m) {
 // recursive wrapping, so that size-based wrapping sees only what the children left.
 int64_t visit(const FsdpSettings& s, const std::string& name, torch::nn::Module& m, bool is_root,
                      const std::set<std::string>& ignored, std::vector<std::pair<std::string, torch::nn::Module*>>& out) {
-  int64_t unwrapped = count_params(m);
+  int64_t unwrapped = count_params(s, m);
   for (const auto& child : m.named_children()) {
     const std::string child_name = name.empty() ? child.key() : name + "." + child.key();
     if (ignored.count(child_name)) continue;
