@@ -12,6 +12,7 @@
 #include "checkpoint/sharded_format.h"
 #include "checkpoint/state_objects.h"
 #include "detail/warn.h"
+#include "tensor_parallel/engine.h"
 
 #include <c10/util/Exception.h>
 
