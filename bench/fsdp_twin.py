@@ -16,17 +16,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from twin_launch import run_as_workers  # noqa: E402
+from twin_launch import run_as_workers, status_mib  # noqa: E402
 
 WIDTH, BLOCKS, ROWS = 768, 8, 64
-
-
-def status_mib(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024.0
-    return 0.0
 
 
 def probe():

@@ -18,17 +18,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from twin_launch import run_as_workers  # noqa: E402
+from twin_launch import run_as_workers, status_mib  # noqa: E402
 
 VOCAB, BLOCK, EMBD, HEADS, LAYERS, BATCH = 65, 64, 128, 4, 4, 16
-
-
-def status_mib(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024.0
-    return 0.0
 
 
 def probe():

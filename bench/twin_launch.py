@@ -1,6 +1,6 @@
 """Starts the processes of a PyTorch twin with the environment contract of `accelerate launch`
 (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, thread counts), since
-Debian's torchrun does not run on its Python."""
+Debian's torchrun does not run on its Python; and reads a worker's memory figures."""
 import os
 import socket
 import subprocess
@@ -26,3 +26,12 @@ def run_as_workers(worker, nproc=2, threads=None):
         env.setdefault("USE_LIBUV", "0")
         procs.append(subprocess.Popen([sys.executable] + sys.argv, env=env))
     sys.exit(max(p.wait() for p in procs))
+
+
+def status_mib(field):
+    """A field of /proc/self/status (VmRSS, VmHWM), in MiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024.0
+    return 0.0
