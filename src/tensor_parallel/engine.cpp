@@ -329,8 +329,7 @@ void TensorParallelEngine::gather_whole(std::vector<std::pair<std::string, at::T
   for (auto& [name, value] : values) {
     auto it = by_name.find(name);
     if (it == by_name.end()) continue;
-    auto pieces = all_gather(impl_->group, value.detach().contiguous(), kTpApi);
-    value = at::cat(pieces, it->second->dim);
+    value = whole_of(it->second->param, value);
   }
 }
 
