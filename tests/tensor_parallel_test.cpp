@@ -582,6 +582,53 @@ TEST(TensorParallel, AWholeTensorTheTpSizeDoesNotDivideIsRefusedAndNothingChange
       mesh_options({"", 1, 1, 2}));
 }
 
+// A sharded folder of split layers with a file missing, or an index whose split cannot be, is
+// refused naming the file or the tensor: by merge-weights and by load_state.
+TEST(TensorParallel, AShardedFolderMissingAPieceOrWithABadSplitIsRefusedNamingIt) {
+  TempDir dir;
+  const auto folder = (dir.path() / "ckpt").string();
+  auto options = mesh_options({"", 1, 2, 2});
+  options.fsdp_plugin = FullyShardedDataParallelPlugin{.state_dict_type = FsdpStateDictType::kShardedStateDict};
+  run_accelerators(
+      4,
+      [&](const Accelerator& acc, int) {
+        auto net = make_net();
+        auto model = acc.prepare_model(net);
+        acc.save_state(folder);
+      },
+      options);
+  const auto model_folder = folder + "/pytorch_model_fsdp_0";
+  ASSERT_EQ(detail::merge_sharded_state(model_folder).at("block0.fc1.weight").sizes(),
+            (std::vector<int64_t>{kHidden, kDim}));
+
+  // The index says fc1's weight is split along a dimension it does not have.
+  const auto index_path = model_folder + "/index.json";
+  const auto index = load_state_dict_file(index_path);
+  auto bad = index.values;
+  bad["split"]["block0.fc1.weight"]["dim"] = 5;
+  save_state_dict_file({bad, {}}, index_path);
+  EXPECT_THAT(error_of([&] { detail::merge_sharded_state(model_folder); }),
+              ::testing::AllOf(::testing::HasSubstr("block0.fc1.weight cannot be split along dimension 5 of [16, 8]"),
+                               ::testing::HasSubstr("index.json")));
+  save_state_dict_file(index, index_path);
+
+  // A process's file is gone.
+  std::filesystem::remove(model_folder + "/shard-1-of-2-tp-1-of-2.safetensors");
+  EXPECT_THAT(error_of([&] { detail::merge_sharded_state(model_folder); }),
+              ::testing::HasSubstr("has no shard-1-of-2-tp-1-of-2.safetensors (saved by 4 processes)"));
+  run_accelerators(
+      2,
+      [&](const Accelerator& acc, int) {
+        auto net = make_net();
+        auto model = acc.prepare_model(net);
+        const auto before = as_map(acc.get_state_dict(model));
+        EXPECT_THAT(error_of([&] { acc.load_state(folder); }),
+                    ::testing::HasSubstr("has no shard-1-of-2-tp-1-of-2.safetensors (saved by 4 processes)"));
+        expect_close(as_map(acc.get_state_dict(model)), before);
+      },
+      mesh_options({"", 1, 1, 2}));
+}
+
 TEST(TensorParallel, ALocalStateOfSplitLayersLoadsOnlyOnTheMeshThatSavedIt) {
   TempDir dir;
   const auto folder = (dir.path() / "ckpt").string();
