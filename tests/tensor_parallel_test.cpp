@@ -48,9 +48,10 @@ struct NetImpl : torch::nn::Module, accelerate::nn::TensorParallelPlanned {
     return head(x);
   }
   std::vector<std::pair<std::string, std::string>> tp_plan() const override {
-    return {{"embed", "rowwise"}, {"*.ln", "replicate"}, {"*.fc1", "colwise"}, {"*.fc2", "rowwise"},
-            {"head", "colwise_rep"}};
+    return {{"embed", "rowwise"}, {"*.ln", sequence_parallel ? "sequence_parallel" : "replicate"},
+            {"*.fc1", "colwise"}, {"*.fc2", "rowwise"}, {"head", "colwise_rep"}};
   }
+  bool sequence_parallel = false;  // the norms run on pieces of the sequence (kSeq = 3: uneven pieces)
   accelerate::nn::Embedding embed;
   std::shared_ptr<BlockImpl<Holder>> block0, block1;
   Holder head;
@@ -119,8 +120,10 @@ void expect_close(const std::map<std::string, torch::Tensor>& got, const std::ma
 struct Mesh {
   const char* name;
   int replicate, shard, tp;
+  bool sequence_parallel = false;
   int ranks() const { return replicate * shard * tp; }
 };
+void PrintTo(const Mesh& m, std::ostream* os) { *os << m.name; }
 
 AcceleratorOptions mesh_options(const Mesh& m) {
   AcceleratorOptions options;
@@ -142,6 +145,7 @@ TEST_P(TensorParallelTraining, ThreeClippedAdamWStepsEqualTheSingleProcessRun) {
         const int dp = mesh->size("dp"), dp_rank = mesh->get_local_rank("dp");
         EXPECT_EQ(dp_rank, rank / m.tp);
         auto net = make_net();
+        net->sequence_parallel = m.sequence_parallel;
         auto [model, opt] =
             acc.prepare(net, std::make_shared<torch::optim::AdamW>(net->parameters(), torch::optim::AdamWOptions(0.02)));
         EXPECT_TRUE(model.ddp().is_tensor_parallel());
@@ -162,11 +166,17 @@ TEST_P(TensorParallelTraining, ThreeClippedAdamWStepsEqualTheSingleProcessRun) {
 
 INSTANTIATE_TEST_SUITE_P(Meshes, TensorParallelTraining,
                          ::testing::Values(Mesh{"Tp2", 1, 1, 2}, Mesh{"Tp4", 1, 1, 4}, Mesh{"Tp2Ddp2", 2, 1, 2},
-                                           Mesh{"Tp2Fsdp2", 1, 2, 2}, Mesh{"Tp2Fsdp2Ddp2", 2, 2, 2}),
+                                           Mesh{"Tp2Fsdp2", 1, 2, 2}, Mesh{"Tp2Fsdp2Ddp2", 2, 2, 2},
+                                           // The 3 positions in pieces of 2 and 1, and of 1, 1, 1 and none.
+                                           Mesh{"Tp2SequenceParallel", 1, 1, 2, true},
+                                           Mesh{"Tp4SequenceParallel", 1, 1, 4, true},
+                                           Mesh{"Tp2Fsdp2Ddp2SequenceParallel", 2, 2, 2, true}),
                          [](const ::testing::TestParamInfo<Mesh>& info) { return std::string(info.param.name); });
 
 // FSDP over the pieces with each block a unit whose activations are recomputed in the backward
 // pass (the split layers' collectives run again there), and gradients accumulated over 2 batches.
+// The norms are sequence-parallel: their gradients, summed over the tp group by a hook, accumulate
+// and are then reduced by FSDP.
 TEST(TensorParallelTraining, FsdpTimesTpWithActivationCheckpointingAndAccumulationEqualsTheSingleProcessRun) {
   Reference want;
   {
@@ -193,6 +203,7 @@ TEST(TensorParallelTraining, FsdpTimesTpWithActivationCheckpointingAndAccumulati
       [&](const Accelerator& acc, int rank) {
         const int dp_rank = rank / 2;
         auto net = make_net();
+        net->sequence_parallel = true;
         auto [model, opt] =
             acc.prepare(net, std::make_shared<torch::optim::AdamW>(net->parameters(), torch::optim::AdamWOptions(0.02)));
         EXPECT_EQ(detail::fsdp_engine(model.ddp())->unit_names().size(), 3u);  // the root and the 2 blocks
@@ -361,6 +372,84 @@ TEST(TensorParallel, ASplitLayerCalledWithoutItsHookStopsThePassNamingIt) {
       mesh_options({"", 1, 1, 2}));
 }
 
+// A norm whose member is a plain torch::nn::LayerNorm, called directly.
+struct DirectNormNetImpl : torch::nn::Module {
+  DirectNormNetImpl()
+      : ln(register_module("ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({kDim})))),
+        fc(register_module("fc", accelerate::nn::Linear(kDim, kDim))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return fc(ln(x)); }
+  torch::nn::LayerNorm ln;
+  accelerate::nn::Linear fc;
+};
+
+// A norm whose weight the model also uses outside it.
+struct SharedNormNetImpl : torch::nn::Module {
+  SharedNormNetImpl() : ln(register_module("ln", accelerate::nn::LayerNorm(torch::nn::LayerNormOptions({kDim})))) {
+    scale = register_parameter("scale", ln->weight);
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return ln(x) * scale; }
+  accelerate::nn::LayerNorm ln;
+  torch::Tensor scale;
+};
+
+TEST(TensorParallel, SequenceParallelModulesAreRefusedWhereTheirPiecesWouldBeWrong) {
+  const auto with_plan = [](std::vector<std::pair<std::string, std::string>> plan) {
+    auto options = mesh_options({"", 1, 1, 2});
+    options.tp_handler.tp_plan = std::move(plan);
+    return options;
+  };
+  // Around a split module, inside one, or sharing a parameter with a module outside it.
+  run_accelerators(
+      2,
+      [&](const Accelerator& acc, int) {
+        auto net = make_net();
+        EXPECT_THAT(error_of([&] { acc.prepare_model(net); }),
+                    ::testing::HasSubstr("module \"block0\" (sequence_parallel) holds module \"block0.fc1\" "
+                                         "(colwise)"));
+      },
+      with_plan({{"block0", "sequence_parallel"}, {"block0.fc1", "colwise"}}));
+  run_accelerators(
+      2,
+      [&](const Accelerator& acc, int) {
+        auto shared = std::make_shared<SharedNormNetImpl>();
+        EXPECT_THAT(error_of([&] { acc.prepare_model(shared); }),
+                    ::testing::HasSubstr("module \"ln\" (sequence_parallel) shares a parameter with \"the model\" "
+                                         "(its \"scale\")"));
+      },
+      with_plan({{"ln", "sequence_parallel"}}));
+  // An input without a sequence dimension, and a module that changes the sequence's length.
+  run_accelerators(
+      2,
+      [&](const Accelerator& acc, int) {
+        auto seq = std::make_shared<torch::nn::SequentialImpl>();
+        seq->push_back("ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({kDim})));
+        seq->push_back("flat", torch::nn::Flatten());
+        auto model = acc.prepare_model(seq);
+        EXPECT_THAT(error_of([&] { model(torch::ones({kDim})); }),
+                    ::testing::HasSubstr("module \"ln\" (sequence_parallel) splits its input along dimension 1, "
+                                         "the sequence; got a tensor of 1 dimension(s)"));
+        EXPECT_THAT(error_of([&] { model(torch::ones({2, 5, kDim})); }),
+                    ::testing::HasSubstr("module \"flat\" (sequence_parallel) must return a tensor whose dimension 1 "
+                                         "is its input's (the sequence): given"));
+        // prepare's last collective is a broadcast, which process 0 can leave before the others
+        // have received it: no process tears its group down before every one is past it.
+        acc.wait_for_everyone();
+      },
+      with_plan({{"ln", "sequence_parallel"}, {"flat", "sequence_parallel"}}));
+  // Called past its hook, it would compute on the whole sequence and have its gradient summed
+  // tp_size times: the pass is refused, naming it.
+  run_accelerators(
+      2,
+      [&](const Accelerator& acc, int) {
+        auto net = std::make_shared<DirectNormNetImpl>();
+        auto model = acc.prepare_model(net);
+        const std::string error = error_of([&] { model(torch::ones({2, 3, kDim}, torch::requires_grad())); });
+        EXPECT_THAT(error, ::testing::HasSubstr("module(s) ln of the tensor-parallel plan ran without their hook"));
+        acc.wait_for_everyone();
+      },
+      with_plan({{"ln", "sequence_parallel"}}));
+}
+
 TEST(TensorParallel, WrongSettingsAreRefusedByNameOnEveryProcess) {
   // Sizes whose product is not the number of processes, checked when the Accelerator is built.
   std::atomic<int> refused{0};
@@ -391,7 +480,7 @@ TEST(TensorParallel, WrongSettingsAreRefusedByNameOnEveryProcess) {
     options.tp_handler.tp_plan = std::move(plan);
     return options;
   };
-  prepare_refused(with_plan({{"fc1", "sequence_parallel"}}), plain, "style \"sequence_parallel\" is not supported yet");
+  prepare_refused(with_plan({{"fc1", "local_colwise"}}), plain, "style \"local_colwise\" is not supported yet");
   prepare_refused(with_plan({{"fc1", "diagonal"}}), plain, "style \"diagonal\" is unknown");
   prepare_refused(with_plan({{"fc3", "colwise"}}), plain, "tp_plan entry \"fc3\" matches no module");
   prepare_refused(with_plan({{"ln", "colwise"}}), plain, "module \"ln\" (torch::nn::LayerNormImpl) cannot be split");
@@ -402,6 +491,7 @@ TEST(TensorParallel, WrongSettingsAreRefusedByNameOnEveryProcess) {
         seq->push_back("fc", torch::nn::Linear(4, 5));
         EXPECT_THAT(error_of([&] { acc.prepare_model(seq); }),
                     ::testing::HasSubstr("its weight has 5 along dimension 0, which tp_size 2 does not divide"));
+        acc.wait_for_everyone();  // the refusal comes after prepare's broadcasts (see above)
       },
       with_plan({{"fc", "colwise"}}));
   // Embeddings whose lookups a split would change, and a rowwise input of neither width.
@@ -416,6 +506,7 @@ TEST(TensorParallel, WrongSettingsAreRefusedByNameOnEveryProcess) {
         padded->push_back("embed", torch::nn::Embedding(torch::nn::EmbeddingOptions(8, 4).padding_idx(0)));
         EXPECT_THAT(error_of([&] { acc.prepare_model(padded); }),
                     ::testing::HasSubstr("a vocabulary-parallel Embedding with padding_idx is not supported yet"));
+        acc.wait_for_everyone();
       },
       with_plan({{"embed", "rowwise"}}));
   run_accelerators(
@@ -428,6 +519,7 @@ TEST(TensorParallel, WrongSettingsAreRefusedByNameOnEveryProcess) {
         EXPECT_THAT(error_of([&] { accelerate::forward(model.module(), torch::ones({2, 6})); }),
                     ::testing::HasSubstr("module \"fc\" (rowwise) takes inputs of 4 features (this process's) or 8 "
                                          "(whole), got a last dimension of 6"));
+        acc.wait_for_everyone();
       },
       with_plan({{"fc", "rowwise"}}));
   auto async = mesh_options({"", 1, 1, 2});

@@ -5,6 +5,8 @@
 #include "accelerate/utils/random.h"
 #include "detail/collectives.h"
 
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
@@ -14,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <unordered_map>
 #include <unordered_set>
@@ -41,6 +44,16 @@ namespace accelerate::detail {
 //               bias, and the bias added after it, so that its gradient is the output's.
 //   rowwise on an Embedding (vocabulary-parallel): indices outside this process's rows look up
 //               row 0 and their vectors are zeroed, then the vectors are summed over the group.
+//   sequence_parallel  (transformers' style of the name; any module, a norm or a dropout say) the
+//               parameters stay whole; the input is split on dimension 1, the sequence, into
+//               torch.chunk's pieces (the last ones shorter, or empty, when tp_size does not
+//               divide it; backward: the pieces' gradients gathered), the module computes on
+//               this process's piece, and its output is gathered whole again (backward: this
+//               process's piece of the gradient). Each process's parameter gradients then cover
+//               its piece of the sequence only, so a hook on each parameter sums them over the
+//               group before they are accumulated (and before DDP or FSDP reduce them). In
+//               training, the module draws its random numbers from a stream of this process's
+//               own (Note [Random numbers of a sequence-parallel module]).
 // Parameters outside split modules stay whole; every process of the group computes the same
 // values and gradients for them from the same batch. That holds for random operations too: the
 // group's processes also take process 0's default generators at `prepare` (CPU, and the CUDA
@@ -132,6 +145,61 @@ struct SliceLastDim : torch::autograd::Function<SliceLastDim> {
   }
 };
 
+// torch.chunk's pieces of a length along the sequence dimension: ceil(len / n) long each, the last
+// ones shorter or empty.
+struct SequencePiece {
+  int64_t start = 0, length = 0;
+};
+SequencePiece sequence_piece(int64_t len, int n, int rank) {
+  const int64_t size = (len + n - 1) / n;
+  const int64_t start = std::min(len, size * rank);
+  return {start, std::min(len, start + size) - start};
+}
+at::Tensor slice_sequence(const PartialState& group, const at::Tensor& x) {
+  const auto piece = sequence_piece(x.size(1), group.num_processes(), group.process_index());
+  return x.narrow(1, piece.start, piece.length).contiguous();
+}
+// Every process's piece of dimension 1 joined into `len`: the pieces travel padded to the longest,
+// and since only the last pieces are short, the padding lies past `len`.
+at::Tensor gather_sequence(const PartialState& group, const at::Tensor& piece, int64_t len) {
+  const int n = group.num_processes();
+  const int64_t size = (len + n - 1) / n;
+  if (size == 0) return piece.contiguous();
+  at::Tensor padded = piece;
+  if (piece.size(1) < size) {
+    auto shape = piece.sizes().vec();
+    shape[1] = size - piece.size(1);
+    padded = at::cat({piece, at::zeros(shape, piece.options())}, 1);
+  }
+  return at::cat(all_gather(group, padded.contiguous(), kTpApi), 1).narrow(1, 0, len).contiguous();
+}
+
+// Forward: this process's piece of the sequence; backward: the pieces' gradients joined.
+struct SliceSequence : torch::autograd::Function<SliceSequence> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, int64_t group) {
+    ctx->saved_data["group"] = group;
+    ctx->saved_data["len"] = x.size(1);
+    return slice_sequence(group_of(ctx), x);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    return {gather_sequence(group_of(ctx), grads[0], ctx->saved_data.at("len").toInt()), at::Tensor()};
+  }
+};
+
+// Forward: every process's piece joined into the whole sequence of `len`; backward: this
+// process's piece of the gradient.
+struct GatherSequence : torch::autograd::Function<GatherSequence> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, int64_t group, int64_t len) {
+    ctx->saved_data["group"] = group;
+    return gather_sequence(group_of(ctx), x, len);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    return {slice_sequence(group_of(ctx), grads[0]), at::Tensor(), at::Tensor()};
+  }
+};
+
 // See Note [GCC 14 and autograd::Function::apply] in src/activation_checkpointing.cpp.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Warray-bounds"
@@ -139,6 +207,9 @@ struct SliceLastDim : torch::autograd::Function<SliceLastDim> {
 template <typename F>
 at::Tensor apply(const at::Tensor& x, int64_t group) {
   return F::apply(x, group);
+}
+at::Tensor apply_gather_sequence(const at::Tensor& x, int64_t group, int64_t len) {
+  return GatherSequence::apply(x, group, len);
 }
 #pragma GCC diagnostic pop
 
@@ -150,6 +221,13 @@ struct TpParam {
   int64_t dim = 0;   // the dimension it is split on
 };
 
+// A default generator set, for one call of a sequence-parallel module, to a stream of this
+// process's own; `state` is what it held before.
+struct ForkedGenerator {
+  at::Generator generator;
+  at::Tensor state;
+};
+
 struct SplitModule {
   std::string name;
   torch::nn::Module* module = nullptr;
@@ -158,6 +236,8 @@ struct SplitModule {
   int64_t hooked_pass = -1;
   bool ever_hooked = false;
   std::vector<at::Tensor> masks;  // vocabulary-parallel lookups in flight: the indices not held here
+  std::vector<int64_t> lengths;   // sequence-parallel calls in flight: their inputs' sequence lengths
+  std::vector<std::optional<ForkedGenerator>> forks;  // and the generators set aside for them
 };
 
 struct TensorParallelEngineImpl {
@@ -173,6 +253,37 @@ struct TensorParallelEngineImpl {
 
 namespace {
 
+// Note [Random numbers of a sequence-parallel module]
+// The group's processes share their default generators (they took process 0's at `prepare`), so
+// that replicated computations draw alike. A sequence-parallel module computes on a different
+// piece on each process, and a dropout there drawing from the shared stream would give every
+// piece the same mask: position i of each piece dropped together, which one process never does.
+// So, in training, each call first draws a seed from the shared CPU generator (every process
+// draws alike, and the shared stream moves on in step), sets the default generator of the input's
+// device to that seed plus this process's place in the group for the module's forward, and puts
+// the generator's state back after it. A call recomputed by activation checkpointing starts from
+// the restored generators, draws the same seed, and so the same masks. A forward that throws
+// leaves the generator on its own stream.
+std::optional<ForkedGenerator> fork_generator(const at::Tensor& x, int rank) {
+  if (!x.is_cpu() && !x.is_cuda()) return std::nullopt;
+  at::Generator cpu = at::detail::getDefaultCPUGenerator();
+  uint64_t seed = 0;
+  {
+    std::lock_guard<std::mutex> lock(cpu.mutex());
+    seed = cpu.get<at::CPUGeneratorImpl>()->random64();
+  }
+  at::Generator generator = x.is_cpu() ? cpu : at::globalContext().defaultGenerator(x.device());
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  ForkedGenerator fork{generator, generator.get_state()};
+  generator.set_current_seed(seed + static_cast<uint64_t>(rank));
+  return fork;
+}
+void restore_generator(std::optional<ForkedGenerator>& fork) {
+  if (!fork) return;
+  std::lock_guard<std::mutex> lock(fork->generator.mutex());
+  fork->generator.set_state(fork->state);
+}
+
 class SplitHook final : public ModelHook {
  public:
   SplitHook(std::weak_ptr<TensorParallelEngineImpl> engine, size_t index) : engine_(std::move(engine)), index_(index) {}
@@ -187,6 +298,13 @@ class SplitHook final : public ModelHook {
     const int n = e->group.num_processes();
     switch (m.style) {
       case TpStyle::kReplicate:
+        return;
+      case TpStyle::kSequenceParallel:
+        TORCH_CHECK_VALUE(x.dim() >= 2, "[", kTpApi, "] module \"", m.name, "\" (sequence_parallel) splits its input "
+                          "along dimension 1, the sequence; got a tensor of ", x.dim(), " dimension(s)");
+        m.lengths.push_back(x.size(1));
+        x = apply<SliceSequence>(x, e->group_id);
+        m.forks.push_back(module.is_training() ? fork_generator(x, e->group.process_index()) : std::nullopt);
         return;
       case TpStyle::kColwise:
       case TpStyle::kColwiseRep:
@@ -222,6 +340,19 @@ class SplitHook final : public ModelHook {
       case TpStyle::kReplicate:
       case TpStyle::kColwise:
         return;
+      case TpStyle::kSequenceParallel: {
+        TORCH_INTERNAL_ASSERT(!m.lengths.empty() && !m.forks.empty());
+        const int64_t len = m.lengths.back();
+        m.lengths.pop_back();
+        restore_generator(m.forks.back());
+        m.forks.pop_back();
+        const auto piece = sequence_piece(len, e->group.num_processes(), e->group.process_index());
+        TORCH_CHECK_VALUE(y.dim() >= 2 && y.size(1) == piece.length, "[", kTpApi, "] module \"", m.name,
+                          "\" (sequence_parallel) must return a tensor whose dimension 1 is its input's (the "
+                          "sequence): given ", piece.length, " of ", len, " positions, it returned shape ", y.sizes());
+        y = apply_gather_sequence(y, e->group_id, len);
+        return;
+      }
       case TpStyle::kColwiseRep:
         y = apply<GatherLastDim>(y, e->group_id);
         return;
@@ -255,6 +386,46 @@ void keep_piece(const SplitModule& m, const char* what, at::Tensor& param, int64
   param.set_data(param.narrow(dim, piece * group.process_index(), piece).clone());
 }
 
+// Each process's gradients of a sequence-parallel module's parameters cover its piece of the
+// sequence: a hook sums them over the group as they arrive, before they are accumulated. A
+// parameter the module shares with a module outside it would have that module's whole gradient
+// summed too, so it is refused.
+void check_not_shared(torch::nn::Module& root, const std::vector<TpAssignment>& plan) {
+  std::unordered_map<const void*, std::string> owner;  // parameter → its sequence-parallel module
+  std::vector<std::string> names;
+  for (const auto& a : plan) {
+    if (a.style != TpStyle::kSequenceParallel) continue;
+    names.push_back(a.name);
+    for (const auto& p : a.module->parameters()) owner[p.unsafeGetTensorImpl()] = a.name;
+  }
+  if (owner.empty()) return;
+  for (const auto& item : root.named_modules("", /*include_self=*/true)) {
+    const std::string& name = item.key();
+    const bool within = std::any_of(names.begin(), names.end(), [&](const std::string& sp) {
+      return name == sp || (name.size() > sp.size() && name.compare(0, sp.size(), sp) == 0 && name[sp.size()] == '.');
+    });
+    if (within) continue;
+    for (const auto& p : item.value()->named_parameters(/*recurse=*/false)) {
+      auto it = owner.find(p.value().unsafeGetTensorImpl());
+      TORCH_CHECK_VALUE(it == owner.end(), "[", kTpApi, "] module \"", it->second, "\" (sequence_parallel) shares a "
+                        "parameter with \"", name.empty() ? std::string("the model") : name, "\" (its \"", p.key(),
+                        "\"), which is outside it: the gradient of a sequence-parallel module's parameters is summed "
+                        "over the tensor-parallel group, and the other module's would be summed with it");
+    }
+  }
+}
+
+void sum_gradients_over_group(const std::shared_ptr<TensorParallelEngineImpl>& engine, torch::nn::Module& module) {
+  std::weak_ptr<TensorParallelEngineImpl> weak = engine;
+  for (auto& p : module.parameters()) {
+    if (!p.requires_grad()) continue;
+    p.register_hook([weak](const at::Tensor& grad) {
+      auto e = weak.lock();
+      return e ? all_reduce(e->group, grad, Reduction::kSum, kTpApi) : grad;
+    });
+  }
+}
+
 }  // namespace
 
 TensorParallelEngine::TensorParallelEngine(std::shared_ptr<torch::nn::Module> module, const PartialState& group,
@@ -262,6 +433,7 @@ TensorParallelEngine::TensorParallelEngine(std::shared_ptr<torch::nn::Module> mo
     : impl_(std::make_shared<TensorParallelEngineImpl>(group)) {
   auto& e = *impl_;
   e.module = std::move(module);
+  check_not_shared(*e.module, plan);
   e.group_id = register_group(group);
   // Every process of the group starts from process 0's values.
   if (group.num_processes() > 1) {
@@ -307,6 +479,9 @@ TensorParallelEngine::TensorParallelEngine(std::shared_ptr<torch::nn::Module> mo
         break;
       case TpStyle::kRowwise:
         split("weight", m.embedding ? 0 : 1);
+        break;
+      case TpStyle::kSequenceParallel:
+        sum_gradients_over_group(impl_, *m.module);
         break;
     }
     const size_t index = e.modules.size();

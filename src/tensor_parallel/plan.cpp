@@ -30,11 +30,12 @@ TpStyle parse_tp_style(const std::string& name, const std::string& pattern) {
   if (name == "colwise_rep") return TpStyle::kColwiseRep;
   if (name == "rowwise") return TpStyle::kRowwise;
   if (name == "replicate") return TpStyle::kReplicate;
-  const bool later = name == "sequence_parallel" || name == "local_colwise" || name == "local_rowwise" ||
+  if (name == "sequence_parallel") return TpStyle::kSequenceParallel;
+  const bool later = name == "local_colwise" || name == "local_rowwise" ||
                      name == "gather" || name == "local" || name == "rowwise_rep" || name == "local_packed_rowwise";
   C10_THROW_ERROR(ValueError, c10::str("[TorchTensorParallelConfig] tp_plan entry \"", pattern, "\": style \"", name,
                                        "\" is ", later ? "not supported yet" : "unknown",
-                                       "; the styles are colwise, colwise_rep, rowwise and replicate"));
+                                       "; the styles are colwise, colwise_rep, rowwise, sequence_parallel and replicate"));
 }
 
 const char* to_string(TpStyle style) {
@@ -43,6 +44,7 @@ const char* to_string(TpStyle style) {
     case TpStyle::kColwiseRep: return "colwise_rep";
     case TpStyle::kRowwise: return "rowwise";
     case TpStyle::kReplicate: return "replicate";
+    case TpStyle::kSequenceParallel: return "sequence_parallel";
   }
   return "?";
 }
@@ -74,7 +76,8 @@ std::vector<TpAssignment> resolve_tp_plan(torch::nn::Module& model,
       const auto& module = item.value();
       const bool linear = dynamic_cast<torch::nn::LinearImpl*>(module.get()) != nullptr;
       const bool embedding = dynamic_cast<torch::nn::EmbeddingImpl*>(module.get()) != nullptr;
-      TORCH_CHECK_VALUE(styles[i] == TpStyle::kReplicate || linear || embedding, "[TorchTensorParallelConfig] module \"",
+      const bool any_class = styles[i] == TpStyle::kReplicate || styles[i] == TpStyle::kSequenceParallel;
+      TORCH_CHECK_VALUE(any_class || linear || embedding, "[TorchTensorParallelConfig] module \"",
                         item.key(), "\" (", module->name(), ") cannot be split \"", to_string(styles[i]),
                         "\": the split styles apply to torch::nn::Linear and torch::nn::Embedding");
       out.push_back({item.key(), module, styles[i]});
@@ -84,6 +87,22 @@ std::vector<TpAssignment> resolve_tp_plan(torch::nn::Module& model,
   for (size_t i = 0; i < plan.size(); ++i) {
     TORCH_CHECK_VALUE(used.count(i), "[TorchTensorParallelConfig] tp_plan entry \"", plan[i].first,
                       "\" matches no module of the model that an earlier entry did not take");
+  }
+  // A sequence_parallel module computes on a slice of its input with all of its parameters: a
+  // split module inside it would see a slice it does not expect, and one around it would slice
+  // twice.
+  const auto inside = [](const std::string& outer, const std::string& inner) {
+    return inner.size() > outer.size() && inner.compare(0, outer.size(), outer) == 0 && inner[outer.size()] == '.';
+  };
+  for (const auto& sp : out) {
+    if (sp.style != TpStyle::kSequenceParallel) continue;
+    for (const auto& other : out) {
+      if (other.style == TpStyle::kReplicate || (!inside(sp.name, other.name) && !inside(other.name, sp.name))) continue;
+      TORCH_CHECK_VALUE(false, "[TorchTensorParallelConfig] module \"", sp.name, "\" (sequence_parallel) ",
+                        inside(sp.name, other.name) ? "holds" : "sits inside", " module \"", other.name, "\" (",
+                        to_string(other.style), "): a sequence_parallel module runs whole on a slice of the sequence, "
+                        "so no other module of the plan may sit inside it or around it");
+    }
   }
   return out;
 }

@@ -16,6 +16,8 @@ enum class TpStyle {
   kColwiseRep,  ///< "colwise_rep": the same, the output gathered whole
   kRowwise,     ///< "rowwise": input features (a Linear) or the vocabulary (an Embedding) split; outputs summed
   kReplicate,   ///< "replicate": kept whole
+  kSequenceParallel,  ///< "sequence_parallel": parameters whole, the input split on dimension 1 (the
+                      ///< sequence), the output gathered whole
 };
 
 /// The style named `name`; throws `c10::ValueError` naming the known ones.
@@ -34,7 +36,8 @@ struct TpAssignment {
 
 /// Every module of `model` that the first matching entry of `plan` names, with its style, in
 /// the model's order. Throws `c10::ValueError` for an unknown style, a pattern that matches no
-/// module, or a style the module's class cannot take.
+/// module, a style the module's class cannot take, or a "sequence_parallel" module that holds, or
+/// sits inside, another module of the plan that is not "replicate".
 std::vector<TpAssignment> resolve_tp_plan(torch::nn::Module& model,
                                           const std::vector<std::pair<std::string, std::string>>& plan);
 

@@ -136,12 +136,14 @@ TEST(CharGptExample, ANewRunInAnEarlierRunsFolderKeepsItsCheckpointsAndABadCheck
 // --tp_size 2: both processes train on the same batches, each computing half of every block's
 // heads and MLP. The loss falls as on two data-parallel processes (the same global batch), the
 // sample prints once, and the checkpoints hold whole tensors, so the run resumes without tensor
-// parallelism.
+// parallelism. The blocks' norms are sequence-parallel (each process normalises half of each
+// window, the gradients of their weights summed over the pair).
 TEST(CharGptExample, TensorParallelTrainingLearnsAndItsCheckpointResumesWithoutIt) {
   TempDir dir;
-  auto r = launch_example("char_gpt", small_gpt(dir.str(), {"--max_steps", "40", "--tp_size", "2", "--batch_size", "16"}));
+  auto r = launch_example("char_gpt", small_gpt(dir.str(), {"--max_steps", "40", "--tp_size", "2", "--batch_size", "16",
+                                                            "--sequence_parallel"}));
   ASSERT_EQ(r->exit_code(), 0) << r->out << r->err;
-  EXPECT_THAT(r->err, HasSubstr("tensor-parallel size: 2"));
+  EXPECT_THAT(r->err, HasSubstr("tensor-parallel size: 2 (sequence-parallel norms)"));
   const auto losses = numbers_after(r->err, "val_loss");
   ASSERT_EQ(losses.size(), 3u) << r->err;
   EXPECT_LT(losses[2], losses[0] - 0.8) << r->err;

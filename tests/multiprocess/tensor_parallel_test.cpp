@@ -47,7 +47,8 @@ TEST(TensorParallelLaunch, EightProcessesOfReplicasTimesFsdpTimesTpEndWithTheSin
 }
 
 // Each process seeded differently before `prepare`: a dropout on the split MLP's replicated output
-// still draws one mask for the group (its processes took process 0's generator at prepare).
+// still draws one mask for the group (its processes took process 0's generator at prepare). A
+// sequence-parallel dropout draws a mask of its own for each piece of the sequence.
 TEST(TensorParallelLaunch, ADropoutOnReplicatedActivationsDrawsOneMaskPerGroup) {
   auto r = run({accelerate_bin(), "launch", "-n", "4", "--main_process_port", "0", "--num_cpu_threads_per_process", "1",
                 "--parallelism_config_dp_replicate_size", "2", "--parallelism_config_tp_size", "2",
@@ -55,6 +56,7 @@ TEST(TensorParallelLaunch, ADropoutOnReplicatedActivationsDrawsOneMaskPerGroup) 
                120);
   ASSERT_EQ(r->exit_code(), 0) << r->out << r->err;
   EXPECT_THAT(r->out, HasSubstr("tp=2: the dropout masks agree"));
+  EXPECT_THAT(r->out, HasSubstr("tp=2: each piece of the sequence draws its own dropout mask"));
 }
 
 // A sharded checkpoint of tp 2 x FSDP 2 (each process writes the rows of its pieces) resumes on 2

@@ -379,8 +379,11 @@ struct TorchTensorParallelConfig {
   /// the name ("blocks.*.fc1"). Styles (transformers' names): "colwise" (a Linear's or Embedding's
   /// output features split: the output is sharded on its last dimension), "colwise_rep" (the same,
   /// the output gathered whole), "rowwise" (a Linear's input features split, the partial outputs
-  /// summed; on an Embedding, the vocabulary split), "replicate" (kept whole). Empty: the plan of
-  /// the model's class; a model with neither is refused.
+  /// summed; on an Embedding, the vocabulary split), "sequence_parallel" (any module, a norm or a
+  /// dropout say: parameters whole, the module run on this process's piece of dimension 1 of its
+  /// input, the sequence, its output gathered whole, its parameters' gradients summed over the
+  /// group), "replicate" (kept whole). Empty: the plan of the model's class; a model with neither
+  /// is refused.
   std::vector<std::pair<std::string, std::string>> tp_plan{};
   /// Overlapping the collectives with the matrix products (upstream's `enable_async_tp`): needs
   /// CUDA's symmetric memory, which LibTorch does not offer; true is refused.

@@ -6,7 +6,8 @@
 // process, which it runs itself first. With `--save DIR` it also saves its state to DIR after the
 // second step; with `--resume DIR` it loads DIR first and takes only the third step. With
 // `--dropout` it checks instead that a dropout on replicated activations draws the same mask on
-// every process of a tp group, each process seeded differently before `prepare`. The main
+// every process of a tp group, each process seeded differently before `prepare`, and that a
+// sequence-parallel dropout draws a different mask for each piece of the sequence. The main
 // process prints "tp=<t> dp_shard=<s> dp_replicate=<r> (<backend>): OK" on success; a difference
 // throws.
 #include "accelerate/accelerate.h"
@@ -100,6 +101,47 @@ int check_dropout() {
     if ((y == 0).sum().item<int64_t>() == 0) throw std::runtime_error("the dropout dropped nothing");
   }
   accelerator.print("tp=" + std::to_string(tp.num_processes()) + ": the dropout masks agree");
+
+  // A sequence-parallel dropout: each process drops on its piece of the sequence, from a stream
+  // of its own, and the output is gathered whole.
+  acc::AcceleratorOptions sp_options;
+  sp_options.tp_handler.tp_plan = {{"drop", "sequence_parallel"}};
+  acc::Accelerator sp_accelerator(sp_options);
+  auto seq = std::make_shared<torch::nn::SequentialImpl>();
+  torch::nn::Linear identity(kDim, kDim);  // a parameter for DDP to synchronise; ones stay ones
+  {
+    torch::NoGradGuard no_grad;
+    identity->weight.copy_(torch::eye(kDim));
+    identity->bias.zero_();
+  }
+  seq->push_back("identity", identity);
+  seq->push_back("drop", torch::nn::Dropout(0.5));
+  auto sp_model = sp_accelerator.prepare_model(seq);
+  const int64_t n = tp.num_processes(), len = 3 * n;
+  torch::Tensor previous;
+  for (int pass = 0; pass < 3; ++pass) {
+    const auto kept = (sp_model(torch::ones({4, len, kDim})).detach() != 0).to(torch::kFloat);
+    const auto all = acc::gather(tp, kept.unsqueeze(0));
+    for (int64_t i = 1; i < all.size(0); ++i) {
+      if (!torch::equal(all[0], all[i])) throw std::runtime_error("the sequence-parallel dropout's output differs");
+    }
+    for (int64_t piece = 1; piece < n; ++piece) {
+      if (torch::equal(kept.narrow(1, 0, 3), kept.narrow(1, 3 * piece, 3))) {
+        throw std::runtime_error("pass " + std::to_string(pass) + ": pieces 0 and " + std::to_string(piece) +
+                                 " of the sequence were dropped alike");
+      }
+    }
+    const double share = kept.mean().item<double>();
+    if (share < 0.3 || share > 0.7) throw std::runtime_error("kept " + std::to_string(share) + " of the values at p = 0.5");
+    if (previous.defined() && torch::equal(previous, kept)) throw std::runtime_error("two passes dropped alike");
+    previous = kept;
+  }
+  // The shared stream moved on in step: what the processes of a group draw next still agrees.
+  const auto next = acc::gather(tp, torch::rand({1, 8}));
+  for (int64_t i = 1; i < next.size(0); ++i) {
+    if (!torch::equal(next[0], next[i])) throw std::runtime_error("the tp group's generators no longer agree");
+  }
+  accelerator.print("tp=" + std::to_string(n) + ": each piece of the sequence draws its own dropout mask");
   return 0;
 }
 
