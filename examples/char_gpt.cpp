@@ -11,6 +11,7 @@
 //   - TensorBoard and JSONL logging (`<output_dir>/logs/char_gpt`) through `log_with`;
 //   - a progress bar and log lines on the main process only;
 //   - crash-safe checkpoints every `--checkpoint_every` steps, and `--resume` from the newest;
+//   - asked to stop (SIGTERM, SIGUSR1), it saves at the next step and ends with status 75;
 //   - tensor parallelism (`--tp_size 2`): each block's attention heads and MLP split over 2
 //     processes, Megatron-LM's way, data parallelism over the rest; with `--sequence_parallel`
 //     the blocks' norms also run on pieces of the sequence;
@@ -301,6 +302,9 @@ void train(const Settings& s) {
       // is split over the groups.
       .parallelism_config = s.tp_size > 1 ? std::optional<acc::ParallelismConfig>({.tp_size = s.tp_size})
                                           : std::nullopt,
+      // SIGTERM or SIGUSR1 (a cluster's preemption, Slurm's --signal=USR1@N): save at the next
+      // step and end with status 75; --resume continues from there.
+      .preemption = acc::PreemptionKwargs{},
   });
   auto logger = acc::get_logger("char_gpt", "INFO");
   // From --tp_size or from the launcher (--parallelism_config_tp_size).

@@ -186,6 +186,7 @@ Accelerator::Accelerator(const AcceleratorOptions& options)
     impl_->scaler = get_grad_scaler(distributed_type(), options.scaler_kwargs);
     if (impl_->fsdp) detail::share_inf_checks(*impl_->scaler, partial());
   }
+  if (options.preemption) install_preemption();
 }
 
 void Accelerator::set_gradient_accumulation_steps(int steps) const {

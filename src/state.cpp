@@ -562,4 +562,18 @@ void GradientState::set_plugin(const GradientAccumulationPlugin& plugin) const {
   impl_->plugin = plugin;
 }
 
+void GradientState::set_step_boundary_callback(std::function<void(const GradientState&)> callback) const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  impl_->step_boundary = std::move(callback);
+}
+
+void GradientState::at_step_boundary() const {
+  std::function<void(const GradientState&)> callback;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mutex);
+    callback = impl_->step_boundary;
+  }
+  if (callback) callback(*this);
+}
+
 }  // namespace accelerate

@@ -6,6 +6,8 @@
 #include "support/test_support.h"
 
 #include <ATen/ATen.h>
+#include <atomic>
+#include <csignal>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -45,6 +47,49 @@ TEST(Accelerator, NullObjectsToPrepareAndAnUndefinedLossAreRefusedByName) {
     EXPECT_THROWS_WITH(acc.backward(at::Tensor()),
                        "[Accelerator.backward] expected a loss tensor, got an undefined tensor");
   });
+}
+
+// Settings that could not work are refused when the Accelerator is built, before any signal's
+// handling changes.
+TEST(Accelerator, PreemptionSettingsThatCannotWorkAreRefusedByName) {
+  const auto refused = [](PreemptionKwargs preemption, ProjectConfiguration project) {
+    Store store = Store::in_memory();
+    std::string error;
+    run_threads(1, [&](int rank) {
+      AcceleratorOptions options;
+      options.project_config = project;
+      options.preemption = preemption;
+      options.standalone_state = rank_options(PartialStateOptions{}, rank, 1, store);
+      error = error_of([&] { Accelerator acc(options); });
+    });
+    return error;
+  };
+  const ProjectConfiguration automatic{.project_dir = "/nonexistent", .automatic_checkpoint_naming = true};
+  EXPECT_THAT(refused({.signals = {"SIGTERM", "SIGFOO"}}, automatic),
+              HasSubstr("preemption.signals: unknown signal \"SIGFOO\"; the signals that can ask a job to stop are "
+                        "SIGTERM, SIGUSR1, SIGUSR2, SIGINT and SIGHUP"));
+  EXPECT_THAT(refused({.signals = {}}, automatic), HasSubstr("preemption.signals is empty"));
+  EXPECT_THAT(refused({}, {}), HasSubstr("preemption.save_on_preemption saves into the project's next automatic "
+                                         "checkpoint: set project_config.automatic_checkpoint_naming and a "
+                                         "project_dir"));
+}
+
+// The question is a collective whose answer changes once a signal came (here to the whole test
+// process, whose ranks are threads; tests/multiprocess/preemption_test.cpp sends one to one
+// process of a real job).
+TEST(Accelerator, PreemptionRequestedTurnsTrueOnEveryProcessOnceOneOfItsSignalsCame) {
+  run_accelerators(2, [](const Accelerator& acc) { EXPECT_FALSE(acc.preemption_requested()); });
+  AcceleratorOptions options;
+  options.preemption = PreemptionKwargs{.signals = {"USR2"}, .save_on_preemption = false};
+  std::atomic<int> asked{0};
+  run_accelerators(2, [&](const Accelerator& acc) {
+    EXPECT_FALSE(acc.preemption_requested());
+    acc.wait_for_everyone();
+    if (acc.is_main_process()) std::raise(SIGUSR2);  // handled: the test process goes on
+    acc.wait_for_everyone();
+    if (acc.preemption_requested()) ++asked;
+  }, options);
+  EXPECT_EQ(asked.load(), 2);
 }
 
 TEST(Accelerator, ReduceDefaultsToSumUnlikeTheFreeFunction) {

@@ -108,6 +108,9 @@ struct AcceleratorOptions {
   /// How tensor parallelism is applied (upstream: `parallelism_config`'s `tp_handler`; a field of
   /// its own here, beside it).
   TorchTensorParallelConfig tp_handler{};
+  /// Stop cleanly, saving the state, when the job is asked to stop by a signal (beyond upstream;
+  /// see `PreemptionKwargs`). Empty: the signals keep their default action.
+  std::optional<PreemptionKwargs> preemption{};
   /// Run on a state of its own built from these settings instead of the process-wide one (for
   /// several ranks as threads of one process, or several jobs in one program).
   std::optional<PartialStateOptions> standalone_state{};
@@ -398,6 +401,10 @@ class Accelerator {
 
   /// Blocks until every process reaches this point.
   void wait_for_everyone() const { partial().wait_for_everyone(); }
+  /// Whether the job was asked to stop: one of `preemption`'s signals reached any of its
+  /// processes. A collective: every process calls it at the same point, and all get the same
+  /// answer, so they stop at the same step. Always false without `preemption`.
+  bool preemption_requested() const;
   /// Prints once per machine.
   template <typename... Args>
   void print(const Args&... args) const {
@@ -704,6 +711,12 @@ class Accelerator {
   // Splits the layers of the tensor-parallel plan (the tp_handler's, else the model class's).
   std::shared_ptr<detail::TensorParallelEngine> apply_tensor_parallelism(
       const std::shared_ptr<torch::nn::Module>& module) const;
+  // Stops the job when it was asked to, at a step boundary of a prepared data loader (Note
+  // [Preemption] in src/preemption.cpp); registered with the gradient state when built.
+  void install_preemption() const;
+  Accelerator(AcceleratorState state, GradientState gradient_state, std::shared_ptr<detail::AcceleratorImpl> impl)
+      : state_(std::move(state)), gradient_state_(std::move(gradient_state)), impl_(std::move(impl)) {}
+  void stop_if_preempted() const;
   // Upstream's `_do_sync`: advances the step count and decides whether this batch synchronises.
   // Returns the backward-sync flag the models get for the batch (empty: leave them alone).
   std::optional<bool> begin_accumulation_step() const;

@@ -19,6 +19,7 @@
 #include <c10/core/Device.h>
 
 #include <chrono>
+#include <functional>
 #include <iostream>
 #include <map>
 #include <memory>
@@ -351,6 +352,12 @@ class GradientState {
   void remove_dataloader(const void* loader) const;
   /// Replaces the accumulation settings.
   void set_plugin(const GradientAccumulationPlugin& plugin) const;
+  /// Sets what prepared data loaders run at each step boundary: before a pass starts and before
+  /// each batch after the first (used by `Accelerator` to stop a preempted job; see
+  /// `PreemptionKwargs`). Empty: nothing.
+  void set_step_boundary_callback(std::function<void(const GradientState&)> callback) const;
+  /// Runs the step-boundary callback, if there is one (called by prepared data loaders).
+  void at_step_boundary() const;
 
  private:
   explicit GradientState(std::shared_ptr<detail::GradientStateImpl> impl) : impl_(std::move(impl)) {}

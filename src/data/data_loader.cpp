@@ -110,6 +110,8 @@ struct DataLoaderIteration {
   void start() {
     auto& L = *impl;
     const bool prepared = L.kind != LoaderKind::kPlain;
+    // A step boundary, before the pass changes anything (the previous one, if any, has ended).
+    if (prepared && L.gradient_state) L.gradient_state->at_step_boundary();
     L.end_of_dataloader = false;
     L.remainder = -1;
     L.last_pass_finished = false;
@@ -174,6 +176,8 @@ struct DataLoaderIteration {
   void advance() {
     TORCH_CHECK(!done, "[DataLoader] cannot advance an iterator that reached the end of its pass");
     if (!current.last) {
+      // A step boundary with a batch to come (after the last one, the next pass's start is).
+      if (is_prepared() && impl->gradient_state) impl->gradient_state->at_step_boundary();
       if (auto step = source->next()) {
         deliver(std::move(*step));
         return;
@@ -189,6 +193,8 @@ struct DataLoaderIteration {
     L.last_pass_finished = true;
     release();
   }
+
+  bool is_prepared() const { return impl->kind != LoaderKind::kPlain; }
 
   void release() noexcept {
     if (!registered) return;

@@ -48,6 +48,7 @@ struct GradientStateImpl {
   bool end_of_dataloader = false;
   int64_t remainder = -1;
   std::vector<const void*> dataloaders;
+  std::function<void(const GradientState&)> step_boundary;
 };
 
 /// The process group of a state; throws when it has none (one process) or was destroyed.

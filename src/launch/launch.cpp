@@ -158,7 +158,7 @@ int launch_command(const LaunchPlan& given) {
     }
     auto result = supervisor.run(specs, detail::supervise_options(plan, attempt));
     exit_code = result.exit_code;
-    if (exit_code == 0 || result.interrupted || attempt >= plan.max_restarts) break;
+    if (exit_code == 0 || result.interrupted || result.preempted || attempt >= plan.max_restarts) break;
     if (!plan.quiet) std::cerr << "accelerate launch: restarting all " << plan.local_num_processes << " worker(s) (restart "
               << attempt + 1 << " of " << plan.max_restarts << ")" << std::endl;
   }

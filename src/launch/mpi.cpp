@@ -214,7 +214,9 @@ int run_mpi_attempt(const LaunchPlan& plan, detail::Supervisor& supervisor,
   carrier.argv.insert(carrier.argv.end(), plan.command.begin(), plan.command.end());
 
   auto result = supervisor.run(specs, detail::supervise_options(plan, attempt), &carrier);
-  if (result.exit_code == 0 || result.interrupted || attempt >= plan.max_restarts) return result.exit_code;
+  if (result.exit_code == 0 || result.interrupted || result.preempted || attempt >= plan.max_restarts) {
+    return result.exit_code;
+  }
   return -result.exit_code;
 }
 

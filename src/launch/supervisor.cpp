@@ -3,6 +3,7 @@
 
 #include "detail/check.h"
 #include "detail/durations.h"
+#include "detail/exit_status.h"
 #include "detail/subprocess.h"
 
 #include <algorithm>
@@ -17,6 +18,7 @@
 #include <filesystem>
 #include <fcntl.h>
 #include <fstream>
+#include <iterator>
 #include <poll.h>
 #include <set>
 #include <sstream>
@@ -243,6 +245,11 @@ std::atomic<pthread_t> g_supervisor_thread{};
 void pass_to_supervisor(int sig) { ::pthread_kill(g_supervisor_thread.load(), sig); }
 
 constexpr int kForwardedSignals[] = {SIGINT, SIGTERM, SIGHUP};
+// Passed on to the workers without stopping them: the signals a cluster sends ahead of a time
+// limit (Slurm's --signal=USR1@N), which a program that handles preemption saves on.
+constexpr int kPassedSignals[] = {SIGUSR1, SIGUSR2};
+
+bool is_preempted(int status) { return WIFEXITED(status) && WEXITSTATUS(status) == detail::kPreemptedExitStatus; }
 
 }  // namespace
 
@@ -250,6 +257,7 @@ Supervisor::Supervisor() {
   sigset_t set;
   sigemptyset(&set);
   for (int sig : kForwardedSignals) sigaddset(&set, sig);
+  for (int sig : kPassedSignals) sigaddset(&set, sig);
   sigaddset(&set, SIGCHLD);
   ACCELERATE_CHECK(::pthread_sigmask(SIG_BLOCK, &set, nullptr) == 0, "[launch] cannot block signals");
   signal_fd_ = ::signalfd(-1, &set, SFD_CLOEXEC | SFD_NONBLOCK);
@@ -260,6 +268,7 @@ Supervisor::Supervisor() {
   sigemptyset(&redirect.sa_mask);
   redirect.sa_flags = SA_RESTART;
   for (int sig : kForwardedSignals) ::sigaction(sig, &redirect, nullptr);
+  for (int sig : kPassedSignals) ::sigaction(sig, &redirect, nullptr);
   ::signal(SIGPIPE, SIG_IGN);  // a closed console must not kill the supervisor
   // Note [The launcher returns last]
   int subreaper = 0;
@@ -271,6 +280,7 @@ Supervisor::Supervisor() {
 Supervisor::~Supervisor() {
   if (!was_subreaper_) ::prctl(PR_SET_CHILD_SUBREAPER, 0);
   for (int sig : kForwardedSignals) ::signal(sig, SIG_DFL);
+  for (int sig : kPassedSignals) ::signal(sig, SIG_DFL);
   if (signal_fd_ >= 0) ::close(signal_fd_);
 }
 
@@ -333,10 +343,14 @@ class Attempt {
     for (int fd : {status_fd_, status_keep_}) {
       if (fd >= 0) ::close(fd);
     }
-    if (root_ != nullptr) describe_root_cause();
+    if (root_ != nullptr) {
+      describe_root_cause();
+    } else {
+      describe_preemption();
+    }
     if (interrupt_signal_ != 0) {
       result_.interrupted = true;
-      result_.exit_code = 128 + interrupt_signal_;
+      if (!result_.preempted) result_.exit_code = 128 + interrupt_signal_;
       if (result_.root_cause.empty()) result_.root_cause = "the launcher received " + signal_name(interrupt_signal_);
     }
     return result_;
@@ -442,6 +456,10 @@ class Attempt {
     w.alive = false;
     w.status = status;
     w.release_pipes();
+    if (is_preempted(status)) return;  // it saved and stopped as asked: not a failure
+    // mpirun stops the other ranks once one ends with a status other than 0, the preempted
+    // status included: a rank it stopped then is not the cause of anything.
+    if (carrier_ != nullptr && WIFSIGNALED(status) && any_preempted()) return;
     if (status != 0 && !tearing_down_) {
       root_ = &w;
       begin_teardown(SIGTERM);
@@ -490,7 +508,8 @@ class Attempt {
       w.status = status == 0 ? 0 : SIGKILL;
       w.release_pipes();
     }
-    if (status != 0 && root_ == nullptr && !tearing_down_) root_ = &carrier_proc_;
+    // mpirun ends with its workers' status: one that stopped as asked is no failure of mpirun's.
+    if (status != 0 && root_ == nullptr && !tearing_down_ && !any_preempted()) root_ = &carrier_proc_;
     if (status != 0 || orphans) begin_teardown(SIGTERM);
   }
 
@@ -575,6 +594,14 @@ class Attempt {
     while (::read(signal_fd_, &info, sizeof(info)) == static_cast<ssize_t>(sizeof(info))) {
       const int sig = static_cast<int>(info.ssi_signo);
       if (sig == SIGCHLD) continue;
+      if (std::find(std::begin(kPassedSignals), std::end(kPassedSignals), sig) != std::end(kPassedSignals)) {
+        const auto alive = std::count_if(workers_.begin(), workers_.end(), [](const Worker& w) { return w.alive; });
+        if (!options_.quiet) {
+          say("received " + signal_name(sig) + ", passing it on to " + std::to_string(alive) + " worker(s)");
+        }
+        signal_all(sig);
+        continue;
+      }
       if (interrupt_signal_ != 0 || tearing_down_) {
         // A second request to stop: no more grace.
         interrupt_signal_ = interrupt_signal_ != 0 ? interrupt_signal_ : sig;
@@ -656,6 +683,24 @@ class Attempt {
         }
       }
     }
+  }
+
+  bool any_preempted() const {
+    return std::any_of(workers_.begin(), workers_.end(), [](const Worker& w) { return !w.alive && is_preempted(w.status); });
+  }
+
+  // Workers that ended with the preempted status, and none that failed: the job stopped as asked.
+  void describe_preemption() {
+    const auto saved = std::count_if(workers_.begin(), workers_.end(), [](const Worker& w) {
+      return w.pid > 0 && !w.alive && is_preempted(w.status);
+    });
+    if (saved == 0) return;
+    result_.preempted = true;
+    result_.exit_code = detail::kPreemptedExitStatus;
+    result_.root_cause = "the job was preempted: " + std::to_string(saved) + " of " +
+                         std::to_string(workers_.size()) + " worker(s) saved the state and ended with exit status " +
+                         std::to_string(detail::kPreemptedExitStatus) + "; launch it again to resume";
+    say(result_.root_cause);
   }
 
   void describe_root_cause() {

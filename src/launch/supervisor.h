@@ -49,6 +49,7 @@ SuperviseOptions supervise_options(const commands::LaunchPlan& plan, int attempt
 struct AttemptResult {
   int exit_code = 0;           ///< 0, the root-cause worker's code, or 128 + signal
   bool interrupted = false;    ///< the launcher itself received a signal
+  bool preempted = false;      ///< the workers saved their state and stopped, as asked (Note [Preemption])
   std::string root_cause;      ///< one-paragraph description of the failure, empty on success
 };
 

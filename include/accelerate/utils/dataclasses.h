@@ -370,6 +370,32 @@ struct FullyShardedDataParallelPlugin {
   std::optional<bool> use_orig_params{};
 };
 
+/// The exit status of a process that stopped because the job was asked to stop, after saving its
+/// state (sysexits.h's EX_TEMPFAIL: try again later). `accelerate launch` reports a job whose
+/// workers end with it as preempted, and does not restart it.
+inline constexpr int kPreemptedExitCode = 75;
+
+/// Stopping cleanly when the job is asked to (`AcceleratorOptions::preemption`; beyond upstream).
+/// A cluster that preempts a job, or whose time limit comes, signals it first: Slurm sends SIGTERM,
+/// or with `--signal=USR1@N` SIGUSR1 N seconds before the limit; `accelerate launch` passes both
+/// on. With this set, those signals no longer end the process: they mark the job as asked to stop
+/// (`Accelerator::preemption_requested`).
+struct PreemptionKwargs {
+  /// The signals that ask the job to stop: any of "SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT",
+  /// "SIGHUP" (the "SIG" may be left out).
+  std::vector<std::string> signals{"SIGTERM", "SIGUSR1"};
+  /// At the first step boundary after the request, every process saves the state (`save_state()`,
+  /// into the project's next automatic checkpoint: needs `ProjectConfiguration`'s
+  /// `automatic_checkpoint_naming`) and ends with `kPreemptedExitCode`. A step boundary is a
+  /// prepared data loader, iterated with gradients enabled, about to deliver a batch after one
+  /// whose gradients were synchronised (an optimizer step), or about to start a pass. The run
+  /// resumed from that checkpoint continues exactly where it stopped when the loaders keep their
+  /// position in checkpoints (`DataLoaderConfiguration::use_stateful_dataloader`); otherwise they
+  /// start the interrupted pass again, as upstream's do. False: the loop asks
+  /// `preemption_requested()` itself and decides.
+  bool save_on_preemption = true;
+};
+
 /// How `prepare` applies tensor parallelism (upstream: `TorchTensorParallelConfig`, a
 /// `ParallelismConfig`'s `tp_handler`). Upstream takes the plan from the model's transformers
 /// class; here it is given (`AcceleratorOptions::tp_handler`), or the model's class carries it
