@@ -5,6 +5,7 @@
 #include "build_config.h"
 #include "detail/check.h"
 #include "detail/network.h"
+#include "detail/store_server.h"  // is_loopback_address
 #include "detail/subprocess.h"
 #include "launch/devices.h"
 
