@@ -561,6 +561,13 @@ void Accelerator::join_uneven_inputs_erased(std::vector<DistributedDataParallel>
     fn();
     return;
   }
+  // Processes with fewer batches leave their loops early: the step-boundary check, a collective,
+  // would meet nothing there (Note [Preemption]).
+  struct Joining {
+    std::atomic<int>& count;
+    explicit Joining(std::atomic<int>& c) : count(c) { ++count; }
+    ~Joining() { --count; }
+  } joining(impl_->joining);
   models.front().join(fn);
 }
 

@@ -6,6 +6,7 @@
 #include "fsdp/settings.h"
 
 #include <map>
+#include <atomic>
 #include <mutex>
 #include <optional>
 #include <set>
@@ -22,6 +23,7 @@ struct AcceleratorImpl {
   int dp_shard_size = 0;  // a parallelism_config's shard groups (0: the plugin decides)
   std::optional<DeviceMesh> mesh;  // with a parallelism_config
   int tp_size = 1;  // the mesh's tp size (1 without a mesh)
+  std::atomic<int> joining{0};  // join_uneven_inputs in progress: no preemption check (Note [Preemption])
 
   std::mutex mutex;  // guards everything below
   ProjectConfiguration project;

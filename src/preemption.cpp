@@ -33,7 +33,9 @@ namespace accelerate {
 // Those points, for `save_on_preemption`, are the step boundaries of the prepared data loaders
 // (GradientState::at_step_boundary): before a pass starts, and before each next batch, when the
 // batch before it completed an optimizer step (its gradients were synchronised) and gradients are
-// enabled (an evaluation under a NoGradGuard is not interrupted). There, everything of the
+// enabled (an evaluation under a NoGradGuard is not interrupted), and not inside
+// join_uneven_inputs (whose processes see different numbers of batches; save_on_preemption with
+// even_batches off is refused for the same reason). There, everything of the
 // finished step is done — the optimizer and scheduler stepped, the loop's own bookkeeping after
 // them — and the loader has not yet delivered the next batch, so the state that `save_state()`
 // writes, the loaders' positions included, resumes into exactly the run that was interrupted.
@@ -97,6 +99,11 @@ void Accelerator::install_preemption() const {
   std::vector<int> numbers;
   for (const auto& name : kwargs.signals) numbers.push_back(detail::signal_of(name));
   if (kwargs.save_on_preemption) {
+    TORCH_CHECK_VALUE(impl_->options.dataloader_config.even_batches,
+                      "[Accelerator] preemption.save_on_preemption asks at every step boundary of the data loaders, "
+                      "a collective, so every process must see as many batches: it cannot be used with "
+                      "dataloader_config.even_batches false (set save_on_preemption to false and call "
+                      "preemption_requested() where every process is)");
     TORCH_CHECK_VALUE(impl_->project.automatic_checkpoint_naming && !impl_->project.project_dir.empty(),
                       "[Accelerator] preemption.save_on_preemption saves into the project's next automatic "
                       "checkpoint: set project_config.automatic_checkpoint_naming and a project_dir (or set "
@@ -133,7 +140,7 @@ bool Accelerator::preemption_requested() const {
 }
 
 void Accelerator::stop_if_preempted() const {
-  if (!at::GradMode::is_enabled() || !gradient_state_.sync_gradients()) return;
+  if (!at::GradMode::is_enabled() || !gradient_state_.sync_gradients() || impl_->joining.load() > 0) return;
   const int sig = detail::agreed_signal(partial());
   if (sig == 0) return;
   detail::warn("accelerate.accelerator",
@@ -142,7 +149,12 @@ void Accelerator::stop_if_preempted() const {
                {.state = partial()});
   const std::string folder = save_state();
   detail::warn("accelerate.accelerator", "saved " + folder + "; resume with load_state()", {.state = partial()});
-  end_training();
+  try {
+    end_training();
+  } catch (const std::exception& e) {  // a tracker that fails must not keep the others waiting below
+    detail::warn("accelerate.accelerator", std::string("ending the trackers failed: ") + e.what(),
+                 {.every_process = true, .state = partial()});
+  }
   wait_for_everyone();
   std::cout.flush();
   std::cerr.flush();

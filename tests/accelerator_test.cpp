@@ -69,6 +69,19 @@ TEST(Accelerator, PreemptionSettingsThatCannotWorkAreRefusedByName) {
               HasSubstr("preemption.signals: unknown signal \"SIGFOO\"; the signals that can ask a job to stop are "
                         "SIGTERM, SIGUSR1, SIGUSR2, SIGINT and SIGHUP"));
   EXPECT_THAT(refused({.signals = {}}, automatic), HasSubstr("preemption.signals is empty"));
+  {
+    Store store = Store::in_memory();
+    std::string error;
+    run_threads(1, [&](int rank) {
+      AcceleratorOptions options;
+      options.project_config = automatic;
+      options.dataloader_config.even_batches = false;
+      options.preemption = PreemptionKwargs{};
+      options.standalone_state = rank_options(PartialStateOptions{}, rank, 1, store);
+      error = error_of([&] { Accelerator acc(options); });
+    });
+    EXPECT_THAT(error, HasSubstr("it cannot be used with dataloader_config.even_batches false"));
+  }
   EXPECT_THAT(refused({}, {}), HasSubstr("preemption.save_on_preemption saves into the project's next automatic "
                                          "checkpoint: set project_config.automatic_checkpoint_naming and a "
                                          "project_dir"));

@@ -392,6 +392,42 @@ struct SharedNormNetImpl : torch::nn::Module {
   torch::Tensor scale;
 };
 
+// A scale whose parameter another module shares.
+struct ScaleImpl : torch::nn::Module {
+  explicit ScaleImpl(torch::Tensor shared) { w = register_parameter("w", shared); }
+  torch::Tensor forward(const torch::Tensor& x) { return x * w; }
+  torch::Tensor w;
+};
+TORCH_MODULE(Scale);
+
+// Two sequence-parallel modules sharing a parameter: its gradient is summed over the group once,
+// and equals the single-process one.
+TEST(TensorParallel, ASharedParameterOfTwoSequenceParallelModulesGetsTheSingleProcessGradient) {
+  const auto make = [] {
+    auto w = torch::linspace(0.5, 1.5, kDim);
+    auto seq = std::make_shared<torch::nn::SequentialImpl>();
+    seq->push_back("a", Scale(w));
+    seq->push_back("b", Scale(w));
+    return seq;
+  };
+  const auto x = torch::sin(torch::arange(2 * 5 * kDim, torch::kFloat)).reshape({2, 5, kDim});
+  auto one = make();
+  (one->forward(x) * x).sum().backward();
+  const auto want = one->named_parameters()["a.w"].grad().clone();
+  auto options = mesh_options({"", 1, 1, 2});
+  options.tp_handler.tp_plan = {{"a", "sequence_parallel"}, {"b", "sequence_parallel"}};
+  run_accelerators(
+      2,
+      [&](const Accelerator& acc, int) {
+        auto seq = make();
+        auto model = acc.prepare_model(seq);
+        acc.backward((model(x) * x).sum());
+        const auto got = seq->named_parameters()["a.w"].grad();
+        EXPECT_TRUE(torch::allclose(got, want, 1e-5, 1e-6)) << got << "\n" << want;
+      },
+      options);
+}
+
 TEST(TensorParallel, SequenceParallelModulesAreRefusedWhereTheirPiecesWouldBeWrong) {
   const auto with_plan = [](std::vector<std::pair<std::string, std::string>> plan) {
     auto options = mesh_options({"", 1, 1, 2});

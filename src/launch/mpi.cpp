@@ -102,7 +102,7 @@ setpriv --pdeathsig KILL -- "$@" </dev/null >"$dir/out.$rank" 2>"$dir/err.$rank"
 child=$!
 exec 2>/dev/null
 echo "start $rank $child" 1<>"$dir/status"
-for sig in TERM INT HUP; do trap "kill -s $sig $child 2>/dev/null" $sig; done
+for sig in TERM INT HUP USR1 USR2; do trap "kill -s $sig $child 2>/dev/null" $sig; done
 ( while kill -0 "$launcher" 2>/dev/null; do sleep 1; done; kill -s KILL "$child" ) </dev/null >/dev/null 2>&1 &
 watcher=$!
 disown "$watcher"

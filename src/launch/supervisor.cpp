@@ -456,10 +456,22 @@ class Attempt {
     w.alive = false;
     w.status = status;
     w.release_pipes();
-    if (is_preempted(status)) return;  // it saved and stopped as asked: not a failure
+    if (is_preempted(status)) {  // it saved and stopped as asked: not a failure
+      // The others are expected to follow at once; those still running a grace period later
+      // would wait for it in a collective: they are stopped.
+      if (preempt_deadline_ == Clock::time_point::max()) {
+        preempt_deadline_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                               std::chrono::duration<double>(options_.grace_period));
+      }
+      return;
+    }
     // mpirun stops the other ranks once one ends with a status other than 0, the preempted
-    // status included: a rank it stopped then is not the cause of anything.
-    if (carrier_ != nullptr && WIFSIGNALED(status) && any_preempted()) return;
+    // status included: a rank it stopped then is not the cause of anything. The preempted rank's
+    // report may still be in the pipe when the launcher reaps the stopped one: it is read first.
+    if (carrier_ != nullptr && WIFSIGNALED(status)) {
+      read_status();
+      if (any_preempted()) return;
+    }
     if (status != 0 && !tearing_down_) {
       root_ = &w;
       begin_teardown(SIGTERM);
@@ -618,8 +630,17 @@ class Attempt {
     }
   }
 
-  // The grace period after a teardown's SIGTERM is over: SIGKILL.
+  // The grace period after a teardown's SIGTERM is over: SIGKILL. Or the one after a worker
+  // ended preempted while others still run: they are stopped.
   void enforce_kill_deadline() {
+    if (!tearing_down_ && Clock::now() >= preempt_deadline_) {
+      const auto alive = std::count_if(workers_.begin(), workers_.end(), [](const Worker& w) { return w.alive; });
+      if (alive > 0) {
+        say(std::to_string(alive) + " worker(s) still running " + seconds_text(options_.grace_period) +
+            " after another saved its state and stopped; stopping them");
+        begin_teardown(SIGTERM);
+      }
+    }
     if (!tearing_down_ || killed_hard_ || Clock::now() < kill_deadline_) return;
     const auto alive = std::count_if(workers_.begin(), workers_.end(), [](const Worker& w) { return w.alive; });
     if (alive > 0) {
@@ -736,6 +757,7 @@ class Attempt {
   bool tearing_down_ = false;
   int teardown_signal_ = SIGTERM;  // what the workers were asked to stop with
   Clock::time_point kill_deadline_ = Clock::time_point::max();
+  Clock::time_point preempt_deadline_ = Clock::time_point::max();  // see worker_ended
   bool killed_hard_ = false;
   const Worker* root_ = nullptr;  // the root cause of a failure
 

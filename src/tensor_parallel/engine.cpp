@@ -51,7 +51,9 @@ namespace accelerate::detail {
 //               this process's piece, and its output is gathered whole again (backward: this
 //               process's piece of the gradient). Each process's parameter gradients then cover
 //               its piece of the sequence only, so a hook on each parameter sums them over the
-//               group before they are accumulated (and before DDP or FSDP reduce them). In
+//               group before they are accumulated (and before DDP or FSDP reduce them): a
+//               collective, so the module must give every parameter a gradient on every process,
+//               an empty piece included (norms and dropouts do). In
 //               training, the module draws its random numbers from a stream of this process's
 //               own (Note [Random numbers of a sequence-parallel module]).
 // Parameters outside split modules stay whole; every process of the group computes the same
@@ -248,6 +250,7 @@ struct TensorParallelEngineImpl {
   std::vector<TpParam> params;
   std::unordered_map<const void*, size_t> by_impl;  // parameter → its index in `params`
   std::vector<SplitModule> modules;
+  std::unordered_set<const void*> summed;  // parameters whose gradient a hook sums over the group
   int64_t pass = 0;
 };
 
@@ -263,7 +266,9 @@ namespace {
 // device to that seed plus this process's place in the group for the module's forward, and puts
 // the generator's state back after it. A call recomputed by activation checkpointing starts from
 // the restored generators, draws the same seed, and so the same masks. A forward that throws
-// leaves the generator on its own stream.
+// leaves the generator on its own stream until the prepared model's next call, which restores
+// it. Only CPU and CUDA inputs fork: on another device the pieces draw from the shared stream
+// (the same mask for each), and a CUDA module's CPU draws are not forked either.
 std::optional<ForkedGenerator> fork_generator(const at::Tensor& x, int rank) {
   if (!x.is_cpu() && !x.is_cuda()) return std::nullopt;
   at::Generator cpu = at::detail::getDefaultCPUGenerator();
@@ -418,7 +423,9 @@ void check_not_shared(torch::nn::Module& root, const std::vector<TpAssignment>& 
 void sum_gradients_over_group(const std::shared_ptr<TensorParallelEngineImpl>& engine, torch::nn::Module& module) {
   std::weak_ptr<TensorParallelEngineImpl> weak = engine;
   for (auto& p : module.parameters()) {
-    if (!p.requires_grad()) continue;
+    // Once per parameter, however many sequence-parallel modules share it: its gradient is the sum
+    // of their uses' pieces, summed over the group once.
+    if (!p.requires_grad() || !engine->summed.insert(p.unsafeGetTensorImpl()).second) continue;
     p.register_hook([weak](const at::Tensor& grad) {
       auto e = weak.lock();
       return e ? all_reduce(e->group, grad, Reduction::kSum, kTpApi) : grad;
@@ -558,7 +565,20 @@ double TensorParallelEngine::total_grad_norm(
   return std::pow(all + std::pow(rest, norm_type), 1.0 / norm_type);
 }
 
-void TensorParallelEngine::begin_pass() { ++impl_->pass; }
+void TensorParallelEngine::begin_pass() {
+  ++impl_->pass;
+  // A forward that threw left its calls in flight: the generators they set aside go back (the
+  // oldest last: it holds the group's shared stream), so a pass retried after the error draws
+  // alike on every process again.
+  for (auto& m : impl_->modules) {
+    while (!m.forks.empty()) {
+      restore_generator(m.forks.back());
+      m.forks.pop_back();
+    }
+    m.lengths.clear();
+    m.masks.clear();
+  }
+}
 
 std::vector<std::string> TensorParallelEngine::modules_without_hook() const {
   std::vector<std::string> names;

@@ -391,8 +391,10 @@ struct PreemptionKwargs {
   /// whose gradients were synchronised (an optimizer step), or about to start a pass. The run
   /// resumed from that checkpoint continues exactly where it stopped when the loaders keep their
   /// position in checkpoints (`DataLoaderConfiguration::use_stateful_dataloader`); otherwise they
-  /// start the interrupted pass again, as upstream's do. False: the loop asks
-  /// `preemption_requested()` itself and decides.
+  /// start the interrupted pass again, as upstream's do. Asking is a collective, so every process
+  /// must see as many batches: refused with `DataLoaderConfiguration::even_batches` off, and not
+  /// asked inside `join_uneven_inputs`. False: the loop asks `preemption_requested()` itself and
+  /// decides.
   bool save_on_preemption = true;
 };
 

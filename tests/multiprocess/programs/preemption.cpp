@@ -7,7 +7,7 @@
 //   --steps N        optimizer steps in all (default 12)
 //   --resume         load the newest checkpoint first
 //   --mark N         after step N, each process writes its pid to DIR/mark_<rank> and the steps
-//                    slow down (0.2 s each), so that a signal sent then finds the job running
+//                    slow down (0.5 s each), so that a signal sent then finds the job running
 //   --manual         save_on_preemption off: the loop asks preemption_requested() after each
 //                    step, and on a request prints "rank <r>: asked to stop after step <k>",
 //                    saves and ends with kPreemptedExitCode itself
@@ -101,7 +101,7 @@ int main(int argc, char** argv) {
         if (step == mark) {
           std::ofstream(dir + "/mark_" + std::to_string(accelerator.process_index())) << ::getpid() << "\n";
         }
-        std::this_thread::sleep_for(std::chrono::milliseconds(200));
+        std::this_thread::sleep_for(std::chrono::milliseconds(500));
       }
       if (manual && accelerator.preemption_requested()) {
         std::cout << "rank " << accelerator.process_index() << ": asked to stop after step " << step << std::endl;
