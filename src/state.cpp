@@ -563,17 +563,19 @@ void GradientState::set_plugin(const GradientAccumulationPlugin& plugin) const {
 }
 
 void GradientState::set_step_boundary_callback(std::function<void(const GradientState&)> callback) const {
+  auto shared = callback ? std::make_shared<const std::function<void(const GradientState&)>>(std::move(callback))
+                         : nullptr;
   std::lock_guard<std::mutex> lock(impl_->mutex);
-  impl_->step_boundary = std::move(callback);
+  impl_->step_boundary = std::move(shared);
 }
 
 void GradientState::at_step_boundary() const {
-  std::function<void(const GradientState&)> callback;
+  std::shared_ptr<const std::function<void(const GradientState&)>> callback;
   {
     std::lock_guard<std::mutex> lock(impl_->mutex);
     callback = impl_->step_boundary;
   }
-  if (callback) callback(*this);
+  if (callback) (*callback)(*this);
 }
 
 }  // namespace accelerate

@@ -710,13 +710,10 @@ TEST(TensorParallel, AWholeTensorTheTpSizeDoesNotDivideIsRefusedAndNothingChange
       mesh_options({"", 1, 1, 2}));
 }
 
-// A sharded folder of split layers with a file missing, or an index whose split cannot be, is
-// refused naming the file or the tensor: by merge-weights and by load_state.
-TEST(TensorParallel, AShardedFolderMissingAPieceOrWithABadSplitIsRefusedNamingIt) {
-  TempDir dir;
-  const auto folder = (dir.path() / "ckpt").string();
+// save_state of the untrained model on tp 2 x FSDP 2, in a state dict type of FSDP's, to `folder`.
+void save_tp_fsdp_state(const std::string& folder, FsdpStateDictType type) {
   auto options = mesh_options({"", 1, 2, 2});
-  options.fsdp_plugin = FullyShardedDataParallelPlugin{.state_dict_type = FsdpStateDictType::kShardedStateDict};
+  options.fsdp_plugin = FullyShardedDataParallelPlugin{.state_dict_type = type};
   run_accelerators(
       4,
       [&](const Accelerator& acc, int) {
@@ -725,6 +722,14 @@ TEST(TensorParallel, AShardedFolderMissingAPieceOrWithABadSplitIsRefusedNamingIt
         acc.save_state(folder);
       },
       options);
+}
+
+// A sharded folder of split layers with a file missing, or an index whose split cannot be, is
+// refused naming the file or the tensor: by merge-weights and by load_state.
+TEST(TensorParallel, AShardedFolderMissingAPieceOrWithABadSplitIsRefusedNamingIt) {
+  TempDir dir;
+  const auto folder = (dir.path() / "ckpt").string();
+  save_tp_fsdp_state(folder, FsdpStateDictType::kShardedStateDict);
   const auto model_folder = folder + "/pytorch_model_fsdp_0";
   ASSERT_EQ(detail::merge_sharded_state(model_folder).at("block0.fc1.weight").sizes(),
             (std::vector<int64_t>{kHidden, kDim}));
@@ -760,17 +765,8 @@ TEST(TensorParallel, AShardedFolderMissingAPieceOrWithABadSplitIsRefusedNamingIt
 TEST(TensorParallel, ALocalStateOfSplitLayersLoadsOnlyOnTheMeshThatSavedIt) {
   TempDir dir;
   const auto folder = (dir.path() / "ckpt").string();
-  auto options = mesh_options({"", 1, 2, 2});
-  options.fsdp_plugin = FullyShardedDataParallelPlugin{.state_dict_type = FsdpStateDictType::kLocalStateDict};
-  run_accelerators(
-      4,
-      [&](const Accelerator& acc, int) {
-        auto net = make_net();
-        auto model = acc.prepare_model(net);
-        acc.save_state(folder);
-      },
-      options);
-  options = mesh_options({"", 1, 4, 1});
+  save_tp_fsdp_state(folder, FsdpStateDictType::kLocalStateDict);
+  auto options = mesh_options({"", 1, 4, 1});
   options.fsdp_plugin = FullyShardedDataParallelPlugin{.state_dict_type = FsdpStateDictType::kLocalStateDict};
   run_accelerators(
       4,

@@ -109,7 +109,7 @@ struct DataLoaderIteration {
 
   void start() {
     auto& L = *impl;
-    const bool prepared = L.kind != LoaderKind::kPlain;
+    const bool prepared = is_prepared();
     // A step boundary, before the pass changes anything (the previous one, if any, has ended).
     if (prepared && L.gradient_state) L.gradient_state->at_step_boundary();
     L.end_of_dataloader = false;

@@ -48,7 +48,7 @@ struct GradientStateImpl {
   bool end_of_dataloader = false;
   int64_t remainder = -1;
   std::vector<const void*> dataloaders;
-  std::function<void(const GradientState&)> step_boundary;
+  std::shared_ptr<const std::function<void(const GradientState&)>> step_boundary;  // shared: run without the lock
 };
 
 /// The process group of a state; throws when it has none (one process) or was destroyed.

@@ -607,7 +607,7 @@ class Attempt {
       const int sig = static_cast<int>(info.ssi_signo);
       if (sig == SIGCHLD) continue;
       if (std::find(std::begin(kPassedSignals), std::end(kPassedSignals), sig) != std::end(kPassedSignals)) {
-        const auto alive = std::count_if(workers_.begin(), workers_.end(), [](const Worker& w) { return w.alive; });
+        const auto alive = alive_workers();
         if (!options_.quiet) {
           say("received " + signal_name(sig) + ", passing it on to " + std::to_string(alive) + " worker(s)");
         }
@@ -622,7 +622,7 @@ class Attempt {
         continue;
       }
       interrupt_signal_ = sig;
-      const auto alive = std::count_if(workers_.begin(), workers_.end(), [](const Worker& w) { return w.alive; });
+      const auto alive = alive_workers();
       if (!options_.quiet) {
         say("received " + signal_name(sig) + ", forwarding it to " + std::to_string(alive) + " worker(s)");
       }
@@ -634,7 +634,7 @@ class Attempt {
   // ended preempted while others still run: they are stopped.
   void enforce_kill_deadline() {
     if (!tearing_down_ && Clock::now() >= preempt_deadline_) {
-      const auto alive = std::count_if(workers_.begin(), workers_.end(), [](const Worker& w) { return w.alive; });
+      const auto alive = alive_workers();
       if (alive > 0) {
         say(std::to_string(alive) + " worker(s) still running " + seconds_text(options_.grace_period) +
             " after another saved its state and stopped; stopping them");
@@ -642,7 +642,7 @@ class Attempt {
       }
     }
     if (!tearing_down_ || killed_hard_ || Clock::now() < kill_deadline_) return;
-    const auto alive = std::count_if(workers_.begin(), workers_.end(), [](const Worker& w) { return w.alive; });
+    const auto alive = alive_workers();
     if (alive > 0) {
       say(std::to_string(alive) + " worker(s) still running " + seconds_text(options_.grace_period) + " after " +
           signal_name(teardown_signal_) + "; sending SIGKILL");
@@ -704,6 +704,10 @@ class Attempt {
         }
       }
     }
+  }
+
+  long alive_workers() const {
+    return std::count_if(workers_.begin(), workers_.end(), [](const Worker& w) { return w.alive; });
   }
 
   bool any_preempted() const {

@@ -407,7 +407,7 @@ void check_not_shared(torch::nn::Module& root, const std::vector<TpAssignment>& 
   for (const auto& item : root.named_modules("", /*include_self=*/true)) {
     const std::string& name = item.key();
     const bool within = std::any_of(names.begin(), names.end(), [&](const std::string& sp) {
-      return name == sp || (name.size() > sp.size() && name.compare(0, sp.size(), sp) == 0 && name[sp.size()] == '.');
+      return name == sp || module_inside(sp, name);
     });
     if (within) continue;
     for (const auto& p : item.value()->named_parameters(/*recurse=*/false)) {

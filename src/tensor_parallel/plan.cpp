@@ -59,6 +59,10 @@ bool tp_pattern_matches(const std::string& pattern, const std::string& name) {
   return true;
 }
 
+bool module_inside(const std::string& outer, const std::string& inner) {
+  return inner.size() > outer.size() && inner.compare(0, outer.size(), outer) == 0 && inner[outer.size()] == '.';
+}
+
 std::vector<TpAssignment> resolve_tp_plan(torch::nn::Module& model,
                                           const std::vector<std::pair<std::string, std::string>>& plan) {
   std::vector<TpStyle> styles;
@@ -91,15 +95,13 @@ std::vector<TpAssignment> resolve_tp_plan(torch::nn::Module& model,
   // A sequence_parallel module computes on a slice of its input with all of its parameters: a
   // split module inside it would see a slice it does not expect, and one around it would slice
   // twice.
-  const auto inside = [](const std::string& outer, const std::string& inner) {
-    return inner.size() > outer.size() && inner.compare(0, outer.size(), outer) == 0 && inner[outer.size()] == '.';
-  };
   for (const auto& sp : out) {
     if (sp.style != TpStyle::kSequenceParallel) continue;
     for (const auto& other : out) {
-      if (other.style == TpStyle::kReplicate || (!inside(sp.name, other.name) && !inside(other.name, sp.name))) continue;
+      const bool holds = module_inside(sp.name, other.name);
+      if (other.style == TpStyle::kReplicate || (!holds && !module_inside(other.name, sp.name))) continue;
       TORCH_CHECK_VALUE(false, "[TorchTensorParallelConfig] module \"", sp.name, "\" (sequence_parallel) ",
-                        inside(sp.name, other.name) ? "holds" : "sits inside", " module \"", other.name, "\" (",
+                        holds ? "holds" : "sits inside", " module \"", other.name, "\" (",
                         to_string(other.style), "): a sequence_parallel module runs whole on a slice of the sequence, "
                         "so no other module of the plan may sit inside it or around it");
     }

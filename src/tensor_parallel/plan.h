@@ -34,6 +34,9 @@ struct TpAssignment {
   TpStyle style;
 };
 
+/// Whether the module named `inner` lies inside the one named `outer` (a proper descendant).
+bool module_inside(const std::string& outer, const std::string& inner);
+
 /// Every module of `model` that the first matching entry of `plan` names, with its style, in
 /// the model's order. Throws `c10::ValueError` for an unknown style, a pattern that matches no
 /// module, a style the module's class cannot take, or a "sequence_parallel" module that holds, or
