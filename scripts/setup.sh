@@ -25,6 +25,8 @@ packages=(
   libgtest-dev libgmock-dev googletest libbenchmark-dev
   python3 python3-protobuf            # python3-protobuf: the test suite's TensorBoard file reader
   iproute2                            # the multi-host tests' hosts: network namespaces and veth pairs
+  slurm-wlm munge                     # the multi-host tests' Slurm cluster (tests/support/cluster.h)
+  openssh-server openssh-client       # the multi-host tests' ssh servers, which mpirun logs in to
   clang libclang-rt-dev               # the libFuzzer target (scripts/fuzz.sh)
 )
 
@@ -57,7 +59,20 @@ done
 if [ ${#missing[@]} -gt 0 ]; then
   echo "setup.sh: installing ${missing[*]}"
   $sudo apt-get update
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y --no-install-recommends "${missing[@]}"
+  # The daemons above (sshd, munged, slurmctld, slurmd) are for the tests, which start and stop
+  # their own: a policy-rc.d that refuses keeps the packages from starting them on this machine.
+  # One the machine already has is left alone.
+  policy=/usr/sbin/policy-rc.d
+  own_policy=0
+  if [ ! -e $policy ]; then
+    printf '#!/bin/sh\nexit 101\n' | $sudo tee $policy >/dev/null
+    $sudo chmod 755 $policy
+    own_policy=1
+  fi
+  status=0
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y --no-install-recommends "${missing[@]}" || status=$?
+  if [ $own_policy -eq 1 ]; then $sudo rm -f $policy; fi
+  [ $status -eq 0 ] || exit $status
   # The downloaded packages (over a gigabyte, LibTorch's and PyTorch's mostly) are not needed once
   # installed; the build trees need the room.
   $sudo apt-get clean

@@ -49,6 +49,28 @@ std::string source_address_towards(const std::string& host, int port) {
   return chosen;
 }
 
+bool is_local_address(const std::string& host) {
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* found = nullptr;
+  if (::getaddrinfo(host.c_str(), nullptr, &hints, &found) != 0 || found == nullptr) return false;
+  ifaddrs* all = nullptr;
+  bool local = false;
+  if (::getifaddrs(&all) == 0) {
+    for (addrinfo* f = found; f != nullptr && !local; f = f->ai_next) {
+      const auto wanted = reinterpret_cast<const sockaddr_in*>(f->ai_addr)->sin_addr.s_addr;
+      for (ifaddrs* a = all; a != nullptr && !local; a = a->ifa_next) {
+        if (a->ifa_addr == nullptr || a->ifa_addr->sa_family != AF_INET) continue;
+        local = reinterpret_cast<const sockaddr_in*>(a->ifa_addr)->sin_addr.s_addr == wanted;
+      }
+    }
+    ::freeifaddrs(all);
+  }
+  ::freeaddrinfo(found);
+  return local;
+}
+
 std::string network_of_address(const std::string& address) {
   ifaddrs* all = nullptr;
   if (::getifaddrs(&all) != 0) return {};

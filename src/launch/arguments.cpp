@@ -39,6 +39,9 @@ struct LaunchCli {
     add_optional(app, args.num_machines, "num_machines", "Number of machines of the job");
     add_optional(app, args.machine_rank, "machine_rank", "Index of this machine in the job");
     add_optional(app, args.main_process_ip, "main_process_ip", "Address of the machine of rank 0");
+    add_optional(app, args.rdzv_backend, "rdzv_backend",
+                 "static (every machine gives --machine_rank) or c10d (machines without one are numbered as they "
+                 "join the rendezvous at --main_process_ip)");
     add_optional(app, args.main_process_port, "main_process_port",
                  "Port of the rendezvous on the machine of rank 0 (0 picks a free port)");
     add_optional(app, args.gpu_ids, "gpu_ids", "Comma-separated GPU ids to use (CUDA_VISIBLE_DEVICES)");

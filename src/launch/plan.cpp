@@ -29,6 +29,12 @@ void merge_flags_with_config(const LaunchArgs& args, const std::optional<Cluster
   plan.num_processes = args.num_processes.value_or(config ? config->num_processes : 1);
   plan.num_machines = args.num_machines.value_or(config ? config->num_machines : 1);
   plan.machine_rank = args.machine_rank.value_or(config ? config->machine_rank : 0);
+  plan.rdzv_backend = args.rdzv_backend.value_or("static");
+  ACCELERATE_CHECK_VALUE(plan.rdzv_backend == "static" || plan.rdzv_backend == "c10d",
+                         "[launch] --rdzv_backend must be static or c10d, got '", plan.rdzv_backend,
+                         "' (the launchers' own store serves the rendezvous; etcd is not supported)");
+  plan.machine_rank_at_rendezvous =
+      plan.rdzv_backend == "c10d" && !args.machine_rank && plan.num_machines > 1;
   const auto config_ip = config ? config->main_process_ip : std::nullopt;
   const std::optional<std::string> ip = args.main_process_ip ? args.main_process_ip : config_ip;
   plan.main_process_ip = ip.value_or("127.0.0.1");
@@ -118,6 +124,18 @@ void check_job_size(LaunchPlan& plan, bool ip_given) {
   }
   ACCELERATE_CHECK_VALUE(plan.main_process_port >= 0 && plan.main_process_port <= 65535,
                          "[launch] --main_process_port must be a TCP port (0-65535), got ", plan.main_process_port);
+  ACCELERATE_CHECK_VALUE(!plan.machine_rank_at_rendezvous || plan.backend != "mpi",
+                         "[launch] --rdzv_backend c10d numbers the machines of one launcher each; with --backend mpi, "
+                         "one launcher on the machine of rank 0 starts every machine's workers through mpirun");
+  // Inside a Slurm allocation, a job on more machines than it has nodes would wait for the missing
+  // ones until --rdzv_timeout.
+  if (const auto nodes = get_env("SLURM_JOB_NUM_NODES"); nodes && !nodes->empty() && plan.num_machines > 1) {
+    const int allocated = std::atoi(nodes->c_str());
+    ACCELERATE_CHECK_VALUE(allocated <= 0 || plan.num_machines <= allocated, "[launch] the job has --num_machines ",
+                           plan.num_machines, ", but its Slurm allocation (job ", get_env("SLURM_JOB_ID").value_or("?"),
+                           ") has ", allocated, " node(s) (SLURM_JOB_NUM_NODES): ask for --nodes=", plan.num_machines,
+                           ", or launch fewer machines");
+  }
   if (plan.num_machines > 1) {
     ACCELERATE_CHECK_VALUE(ip_given, "[launch] a job on ", plan.num_machines,
                            " machines needs --main_process_ip, the address of the machine of rank 0");

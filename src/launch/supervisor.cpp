@@ -34,7 +34,8 @@ namespace {
 using Clock = std::chrono::steady_clock;
 namespace fs = std::filesystem;
 
-constexpr size_t kTailLines = 20;
+// Enough for ssh's line above Open MPI's banner (Note [A machine that ssh cannot reach]).
+constexpr size_t kTailLines = 60;
 
 void write_all(int fd, const std::string& data) {
   size_t done = 0;
@@ -148,6 +149,35 @@ std::string describe_status(int status) {
 
 int exit_code_of(int status) { return WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status); }
 
+// Note [A machine that ssh cannot reach]
+// mpirun starts the ranks of other machines over ssh. When ssh fails, its own line names the
+// machine and the reason (a host key that does not match known_hosts, a refused login, no route),
+// and Open MPI's generic banner about daemons that could not start follows it. That line, made
+// plain, is the root cause.
+std::string ssh_failure(const std::deque<std::string>& tail) {
+  auto after = [](const std::string& line, const std::string& marker) {
+    const auto at = line.find(marker);
+    if (at == std::string::npos) return std::string();
+    std::string rest = line.substr(at + marker.size());
+    const auto end = rest.find_first_of(" \t");
+    return rest.substr(0, end);
+  };
+  std::string changed_host;
+  for (const auto& line : tail) {
+    if (auto host = after(line, "Host key for "); !host.empty()) changed_host = host;
+    if (auto host = after(line, "host key is known for "); !host.empty()) changed_host = host;
+    if (line.find("Host key verification failed") != std::string::npos) {
+      return "ssh refused to log in to " + (changed_host.empty() ? std::string("a machine of the host file") : changed_host) +
+             ": its host key is not the one known_hosts holds for it (Host key verification failed)";
+    }
+    if (line.find("Permission denied (") != std::string::npos) {
+      return "ssh could not log in: " + line + " (the machine does not accept this machine's key for that user)";
+    }
+    if (line.rfind("ssh: ", 0) == 0) return line;  // ssh: connect to host ..., ssh: Could not resolve hostname ...
+  }
+  return {};
+}
+
 // The worker's own account of its failure: the error file, else the most telling stderr line.
 std::string last_error(const Worker& w) {
   if (!w.spec->error_file.empty()) {
@@ -158,6 +188,7 @@ std::string last_error(const Worker& w) {
     while (!msg.empty() && (msg.back() == '\n' || msg.back() == ' ')) msg.pop_back();
     if (!msg.empty()) return msg;
   }
+  if (auto ssh = ssh_failure(w.err.tail); !ssh.empty()) return ssh;
   for (auto it = w.err.tail.rbegin(); it != w.err.tail.rend(); ++it) {
     const std::string& line = *it;
     if (line.find("rror") != std::string::npos || line.find("what()") != std::string::npos ||
@@ -351,7 +382,12 @@ class Attempt {
     if (interrupt_signal_ != 0) {
       result_.interrupted = true;
       if (!result_.preempted) result_.exit_code = 128 + interrupt_signal_;
-      if (result_.root_cause.empty()) result_.root_cause = "the launcher received " + signal_name(interrupt_signal_);
+      if (result_.root_cause.empty()) {
+        result_.root_cause = "the launcher received " + signal_name(interrupt_signal_);
+        // The last line says why the job ended (a scheduler's scancel or time limit, a Ctrl-C).
+        say("stopped: the launcher received " + signal_name(interrupt_signal_) + "; its " +
+            std::to_string(workers_.size()) + " worker(s) have ended");
+      }
     }
     return result_;
   }

@@ -299,6 +299,26 @@ TEST_F(ResolveLaunch, AMachineRankOutsideTheMachinesIsRefused) {
                      "--machine_rank 2 is outside [0, --num_machines=2)");
 }
 
+TEST_F(ResolveLaunch, TheRendezvousBackendIsStaticOrC10d) {
+  const Args machines = {"--num_processes", "4", "--num_machines", "2", "--main_process_ip", "10.0.0.1"};
+  auto with = [&](Args more) {
+    Args argv = machines;
+    argv.insert(argv.end(), more.begin(), more.end());
+    argv.push_back("/bin/true");
+    return resolve(argv);
+  };
+  EXPECT_FALSE(with({}).machine_rank_at_rendezvous);
+  EXPECT_EQ(with({}).rdzv_backend, "static");
+  // c10d without --machine_rank: numbered at the rendezvous; with one, the rank given.
+  EXPECT_TRUE(with({"--rdzv_backend", "c10d"}).machine_rank_at_rendezvous);
+  const LaunchPlan ranked = with({"--rdzv-backend", "c10d", "--machine_rank", "1"});
+  EXPECT_FALSE(ranked.machine_rank_at_rendezvous);
+  EXPECT_EQ(ranked.machine_rank, 1);
+  EXPECT_THROWS_WITH(with({"--rdzv_backend", "etcd"}), "--rdzv_backend must be static or c10d, got 'etcd'");
+  EXPECT_THROWS_WITH(with({"--rdzv_backend", "c10d", "--backend", "mpi"}),
+                     "with --backend mpi, one launcher on the machine of rank 0 starts every machine's workers");
+}
+
 TEST_F(ResolveLaunch, TeeAcceptsOnlyZeroToThree) {
   EXPECT_THROWS_WITH(resolve({"--tee", "5", "/bin/true"}), "--tee must be 0, 1, 2 or 3, got '5'");
   EXPECT_THROWS_WITH(resolve({"--tee", "12", "/bin/true"}), "got '12'");

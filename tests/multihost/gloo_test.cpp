@@ -61,36 +61,25 @@ Outcome run_on_both(const HostPair& hosts, const std::function<std::vector<std::
   }
 
 // How the processes of a job are started: one `accelerate launch` per host, or by hand with
-// torchrun's or Slurm's variables, the way those launchers start them.
-enum class Style { kLaunchers, kTorchrun, kSlurm };
+// torchrun's variables, the way it starts them (Slurm's own srun: tests/multihost/slurm_test.cpp).
+enum class Style { kLaunchers, kTorchrun };
 
 std::string style_name(Style style) {
   switch (style) {
     case Style::kLaunchers: return "Launchers";
     case Style::kTorchrun: return "TorchrunVariables";
-    case Style::kSlurm: return "SlurmVariables";
   }
   return "?";
 }
 
-// The variables torchrun or Slurm gives process `rank` of a 2-host job of 4 processes.
-Env foreign_env(Style style, int rank) {
-  if (style == Style::kTorchrun) {
-    return Env{{"RANK", std::to_string(rank)},
-               {"WORLD_SIZE", "4"},
-               {"LOCAL_RANK", std::to_string(rank % 2)},
-               {"LOCAL_WORLD_SIZE", "2"},
-               {"GROUP_RANK", std::to_string(rank / 2)},
-               {"MASTER_ADDR", HostPair::address(0)},
-               {"MASTER_PORT", kPort}};
-  }
-  // The first host of the step's node list serves the store.
-  return Env{{"SLURM_PROCID", std::to_string(rank)},
-             {"SLURM_NTASKS", "4"},
-             {"SLURM_LOCALID", std::to_string(rank % 2)},
-             {"SLURM_NTASKS_PER_NODE", "2"},
-             {"SLURM_NNODES", "2"},
-             {"SLURM_STEP_NODELIST", HostPair::address(0) + "," + HostPair::address(1)},
+// The variables torchrun gives process `rank` of a 2-host job of 4 processes.
+Env foreign_env(int rank) {
+  return Env{{"RANK", std::to_string(rank)},
+             {"WORLD_SIZE", "4"},
+             {"LOCAL_RANK", std::to_string(rank % 2)},
+             {"LOCAL_WORLD_SIZE", "2"},
+             {"GROUP_RANK", std::to_string(rank / 2)},
+             {"MASTER_ADDR", HostPair::address(0)},
              {"MASTER_PORT", kPort}};
 }
 
@@ -106,7 +95,7 @@ Outcome run_job(const HostPair& hosts, Style style, const std::function<std::vec
   std::vector<std::unique_ptr<Running>> processes;
   for (int rank = 0; rank < 4; ++rank) {
     Env own = env;
-    for (auto& [key, value] : foreign_env(style, rank)) own[key] = value;
+    for (auto& [key, value] : foreign_env(rank)) own[key] = value;
     processes.push_back(std::make_unique<Running>(hosts.in(rank / 2, program(rank / 2)), own));
   }
   Outcome o;
@@ -135,7 +124,7 @@ TEST_P(MultiHostTraining, TrainsLikeOneProcess) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Styles, MultiHostTraining,
-                         ::testing::Values(Style::kLaunchers, Style::kTorchrun, Style::kSlurm),
+                         ::testing::Values(Style::kLaunchers, Style::kTorchrun),
                          [](const auto& info) { return style_name(info.param); });
 
 TEST(MultiHost, EachHostsLauncherStartsItsOwnRanks) {
@@ -176,17 +165,6 @@ TEST(MultiHost, TorchrunStyleVariablesFormAJobAcrossHosts) {
     return Env{{"RANK", std::to_string(rank)}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", std::to_string(rank % 2)},
                {"LOCAL_WORLD_SIZE", "2"}, {"GROUP_RANK", std::to_string(rank / 2)},
                {"MASTER_ADDR", HostPair::address(0)}, {"MASTER_PORT", kPort}};
-  });
-}
-
-TEST(MultiHost, SlurmVariablesFormAJobAcrossHosts) {
-  HostPair hosts;
-  ACCELERATE_REQUIRE_HOSTS(hosts);
-  // The first host of the step's node list serves the store.
-  expect_foreign_job_runs(hosts, [](int rank) {
-    return Env{{"SLURM_PROCID", std::to_string(rank)}, {"SLURM_NTASKS", "4"}, {"SLURM_LOCALID", std::to_string(rank % 2)},
-               {"SLURM_NTASKS_PER_NODE", "2"}, {"SLURM_NNODES", "2"},
-               {"SLURM_STEP_NODELIST", HostPair::address(0) + "," + HostPair::address(1)}, {"MASTER_PORT", kPort}};
   });
 }
 
@@ -267,7 +245,7 @@ TEST_P(MultiHostCheckpoint, ResumesBitForBitOnEveryRank) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Folders, MultiHostCheckpoint,
-                         ::testing::Combine(::testing::Values(Style::kLaunchers, Style::kTorchrun, Style::kSlurm),
+                         ::testing::Combine(::testing::Values(Style::kLaunchers, Style::kTorchrun),
                                             ::testing::Values(std::pair{true, false}, std::pair{true, true},
                                                               std::pair{false, true})),
                          [](const auto& info) {

@@ -13,11 +13,10 @@
 
 #include <gtest/gtest.h>
 
-#include <sys/stat.h>
-
 #include <chrono>
 #include <csignal>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -48,12 +47,23 @@ class HostPair {
         return;
       }
     }
+    // Each host resolves both hosts' names (`ip netns exec` puts /etc/netns/<name>/hosts over
+    // /etc/hosts), as a cluster's machines resolve each other's: Slurm's node lists name hosts.
+    for (const auto& name : created_) {
+      std::filesystem::create_directories("/etc/netns/" + name);
+      std::ofstream hosts("/etc/netns/" + name + "/hosts");
+      hosts << "127.0.0.1 localhost\n";
+      for (int i = 0; i < 2; ++i) hosts << address(i) << " " << names_[i] << "\n";
+    }
     ready_ = links_running();
   }
   ~HostPair() {
     for (size_t i = 0; i < created_.size(); ++i) kill_host(static_cast<int>(i));
-    for (const auto& name : created_) ip({"netns", "del", name});
-    for (const auto& agent : agents_) std::remove(agent.c_str());
+    for (const auto& name : created_) {
+      ip({"netns", "del", name});
+      std::error_code ignored;
+      std::filesystem::remove_all("/etc/netns/" + name, ignored);
+    }
   }
   HostPair(const HostPair&) = delete;
   HostPair& operator=(const HostPair&) = delete;
@@ -72,31 +82,20 @@ class HostPair {
     return out;
   }
 
-  /// Writes a stand-in for ssh that Open MPI's launcher can use as its agent
-  /// (OMPI_MCA_plm_rsh_agent, PRTE_MCA_plm_ssh_agent): `agent [options] ADDRESS COMMAND...` runs
-  /// COMMAND in the host of ADDRESS, with a host name and /dev/shm of its own and, at the path
-  /// `private_dir` (give the launcher that folder as TMPDIR), a folder of that host's own
-  /// (`private_dir-<host>`, kept from call to call, as a machine's disk is), as a separate machine
-  /// would have: none of the launcher's files. It lives in the build tree, which every host sees (Open MPI's
-  /// daemons check the agent's path on each host), until the bed is removed. Returns its path.
-  std::string write_rsh_agent(const std::string& private_dir) const {
-    const std::string path = built("tests/rsh-agent-" + names_[0]);
-    agents_.push_back(path);
-    std::ofstream out(path);
-    out << "#!/bin/sh\n"
-        << "while [ $# -gt 0 ]; do case \"$1\" in -*) shift ;; *) break ;; esac; done\n"
-        << "address=$1; shift\n"
-        << "case \"$address\" in\n";
-    for (int host = 0; host < 2; ++host) out << "  " << address(host) << ") ns=" << names_[host] << " ;;\n";
-    out << "  *) echo \"rsh-agent: no host $address in the test bed\" >&2; exit 255 ;;\n"
-        << "esac\n"
-        << "exec ip netns exec \"$ns\" unshare --mount --uts --propagation private sh -c "
-        << "'hostname \"$1\" && mkdir -p \"$2-$1\" && mount --bind \"$2-$1\" \"$2\" && "
-        << "mount -t tmpfs tmpfs /dev/shm && exec sh -c \"$0\"' "
-        << "\"$*\" \"$ns\" \"" << private_dir << "\"\n";
-    out.close();
-    ::chmod(path.c_str(), 0755);
-    return path;
+  /// `argv` run inside `host` as a daemon of that machine runs: with the host's name, a /dev/shm
+  /// of its own and, when `private_dir` is not empty, a folder of the host's own at that path
+  /// (`private_dir-<host name>`, kept from start to start, as a machine's disk is), none of the
+  /// other host's files. What the daemon starts (a login's shell, a job's processes) inherits
+  /// them.
+  std::vector<std::string> as_machine(int host, const std::string& private_dir,
+                                      const std::vector<std::string>& argv) const {
+    std::vector<std::string> out = in(host, {"unshare", "--mount", "--uts", "--propagation", "private", "sh", "-c",
+                                             "hostname \"$0\" && if [ -n \"$1\" ]; then mkdir -p \"$1\" \"$1-$0\" && "
+                                             "mount --bind \"$1-$0\" \"$1\"; fi && mount -t tmpfs tmpfs /dev/shm && "
+                                             "shift && exec \"$@\"",
+                                             names_.at(host), private_dir});
+    out.insert(out.end(), argv.begin(), argv.end());
+    return out;
   }
 
   /// The pids of every process in `host`.
@@ -156,7 +155,6 @@ class HostPair {
   std::vector<std::string> names_;
   std::vector<std::string> created_;
   std::vector<std::string> links_;
-  mutable std::vector<std::string> agents_;
   mutable std::string why_;  // the first failure, kept by the const helpers too
   bool ready_ = false;
 };

@@ -24,6 +24,7 @@ struct LaunchArgs {
   std::optional<int> num_processes;
   std::optional<int> num_machines;
   std::optional<int> machine_rank;
+  std::optional<std::string> rdzv_backend;  ///< "static" (the default) or "c10d"
   std::optional<std::string> main_process_ip;
   std::optional<int> main_process_port;
   std::optional<std::string> gpu_ids;
@@ -65,6 +66,11 @@ struct LaunchPlan {
   int num_processes = 1;  ///< in the whole job
   int num_machines = 1;
   int machine_rank = 0;
+  /// `--rdzv_backend c10d` without `--machine_rank`: the machine whose address is
+  /// --main_process_ip is machine 0; the others get theirs at the rendezvous, in the order they
+  /// join (Note [Machine ranks from the rendezvous] in launch.cpp).
+  bool machine_rank_at_rendezvous = false;
+  std::string rdzv_backend = "static";
   int local_num_processes = 1;
   std::string main_process_ip = "127.0.0.1";
   int main_process_port = 29500;

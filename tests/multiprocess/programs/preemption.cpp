@@ -6,6 +6,8 @@
 //   --dir DIR        the project folder (checkpoints under DIR/checkpoints)
 //   --steps N        optimizer steps in all (default 12)
 //   --resume         load the newest checkpoint first
+//   --resume_if_saved  load the newest checkpoint when there is one (a job that is started again
+//                    by its scheduler, as a requeued Slurm job is)
 //   --mark N         after step N, each process writes its pid to DIR/mark_<rank> and the steps
 //                    slow down (0.5 s each), so that a signal sent then finds the job running
 //   --manual         save_on_preemption off: the loop asks preemption_requested() after each
@@ -17,6 +19,7 @@
 #include <torch/torch.h>
 
 #include <chrono>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <sstream>
@@ -40,7 +43,7 @@ struct Progress {
 int main(int argc, char** argv) {
   std::string dir, signals;
   int64_t steps = 12, mark = -1;
-  bool resume = false, manual = false;
+  bool resume = false, resume_if_saved = false, manual = false;
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
     const auto value = [&] {
@@ -57,6 +60,8 @@ int main(int argc, char** argv) {
       signals = value();
     } else if (flag == "--resume") {
       resume = true;
+    } else if (flag == "--resume_if_saved") {
+      resume_if_saved = true;
     } else if (flag == "--manual") {
       manual = true;
     } else {
@@ -86,7 +91,7 @@ int main(int argc, char** argv) {
   auto [model, opt, loader] = accelerator.prepare(net, optimizer, data);
   auto progress = std::make_shared<Progress>();
   accelerator.register_for_checkpointing(progress);
-  if (resume) accelerator.load_state();
+  if (resume || (resume_if_saved && std::filesystem::exists(dir + "/checkpoints"))) accelerator.load_state();
 
   while (progress->step < steps) {
     for (auto& batch : loader) {
