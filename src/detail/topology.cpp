@@ -8,7 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 
-extern char** environ;
+#include <unistd.h>  // environ
 
 namespace accelerate::detail {
 

@@ -39,6 +39,11 @@ struct LaunchCli {
     add_optional(app, args.num_machines, "num_machines", "Number of machines of the job");
     add_optional(app, args.machine_rank, "machine_rank", "Index of this machine in the job");
     add_optional(app, args.main_process_ip, "main_process_ip", "Address of the machine of rank 0");
+    add_optional(app, args.nnodes, "nnodes",
+                 "Machines of the job: N, or MIN:MAX for an elastic job (needs --rdzv_backend c10d)");
+    add_optional(app, args.rdzv_conf, "rdzv_conf",
+                 "Rendezvous settings, key=value[,key=value]: last_call_timeout (seconds an elastic "
+                 "rendezvous waits for more machines once MIN have joined; default 30)");
     add_optional(app, args.rdzv_backend, "rdzv_backend",
                  "static (every machine gives --machine_rank) or c10d (machines without one are numbered as they "
                  "join the rendezvous at --main_process_ip)");

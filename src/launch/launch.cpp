@@ -10,6 +10,7 @@
 #include "detail/network.h"
 #include "detail/store_connection.h"
 #include "detail/store_server.h"
+#include "launch/elastic.h"
 #include "launch/mpi.h"
 #include "launch/supervisor.h"
 
@@ -135,7 +136,7 @@ int launch_command(const LaunchPlan& given) {
     port = store->port();
   }
 
-  if (plan.machine_rank < 0) {
+  if (plan.machine_rank < 0 && !plan.elastic) {
     plan.machine_rank = machine_rank_at_rendezvous(plan);
     if (!plan.quiet) {
       std::cerr << "accelerate launch: this is machine " << plan.machine_rank << " of " << plan.num_machines
@@ -163,6 +164,8 @@ int launch_command(const LaunchPlan& given) {
   std::map<std::string, std::string> base;
   for (auto& [key, value] : detail::environment_entries()) base.emplace(std::move(key), std::move(value));
   base.erase("ACCELERATE_ERROR_FILE");
+
+  if (plan.elastic) return run_elastic(plan, supervisor, base, scratch, port, store != nullptr);
 
   // Note [A machine that comes back].
   const bool restarts_together = plan.num_machines > 1 && plan.max_restarts > 0 && plan.backend != "mpi";

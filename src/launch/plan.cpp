@@ -11,6 +11,7 @@
 #include "launch/mpi.h"
 
 #include <filesystem>
+#include <sstream>
 
 namespace accelerate::commands {
 namespace {
@@ -19,6 +20,49 @@ namespace fs = std::filesystem;
 
 bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// torchrun's --nnodes (N or MIN:MAX) and --rdzv_conf, over --num_machines.
+void plan_elastic(const LaunchArgs& args, LaunchPlan& plan) {
+  if (args.rdzv_conf) {
+    std::stringstream entries(*args.rdzv_conf);
+    for (std::string entry; std::getline(entries, entry, ',');) {
+      if (entry.empty()) continue;
+      const auto eq = entry.find('=');
+      const std::string key = entry.substr(0, eq);
+      ACCELERATE_CHECK_VALUE(key == "last_call_timeout", "[launch] --rdzv_conf: unknown setting '", key,
+                             "' (accelerate-cpp's rendezvous has last_call_timeout)");
+      char* end = nullptr;
+      const std::string value = eq == std::string::npos ? "" : entry.substr(eq + 1);
+      plan.last_call_timeout = std::strtod(value.c_str(), &end);
+      ACCELERATE_CHECK_VALUE(!value.empty() && end != nullptr && *end == '\0' && plan.last_call_timeout >= 0,
+                             "[launch] --rdzv_conf: last_call_timeout must be a number of seconds, got '", value, "'");
+    }
+  }
+  if (!args.nnodes) return;
+  const std::string& text = *args.nnodes;
+  const auto colon = text.find(':');
+  auto number = [&](const std::string& part) {
+    char* end = nullptr;
+    const long n = std::strtol(part.c_str(), &end, 10);
+    ACCELERATE_CHECK_VALUE(!part.empty() && end != nullptr && *end == '\0' && n >= 1, "[launch] --nnodes must be N or "
+                           "MIN:MAX with 1 <= MIN <= MAX, got '", text, "'");
+    return static_cast<int>(n);
+  };
+  const int min = number(text.substr(0, colon));
+  const int max = colon == std::string::npos ? min : number(text.substr(colon + 1));
+  ACCELERATE_CHECK_VALUE(min <= max, "[launch] --nnodes must be N or MIN:MAX with 1 <= MIN <= MAX, got '", text, "'");
+  ACCELERATE_CHECK_VALUE(!args.num_machines || *args.num_machines == max, "[launch] --nnodes ", text,
+                         " and --num_machines ", args.num_machines.value_or(0), " disagree on the number of machines");
+  plan.num_machines = max;
+  plan.min_machines = min;
+  plan.elastic = min < max;
+  if (!plan.elastic) return;
+  ACCELERATE_CHECK_VALUE(plan.rdzv_backend == "c10d", "[launch] --nnodes ", text,
+                         " (an elastic job) needs --rdzv_backend c10d, whose rendezvous numbers the machines that "
+                         "join; a static rendezvous needs a fixed number of machines");
+  ACCELERATE_CHECK_VALUE(!args.machine_rank, "[launch] --machine_rank cannot be given with --nnodes ", text,
+                         ": an elastic job numbers its machines at each rendezvous");
 }
 
 // The steps of `resolve_launch`, in order.
@@ -33,6 +77,7 @@ void merge_flags_with_config(const LaunchArgs& args, const std::optional<Cluster
   ACCELERATE_CHECK_VALUE(plan.rdzv_backend == "static" || plan.rdzv_backend == "c10d",
                          "[launch] --rdzv_backend must be static or c10d, got '", plan.rdzv_backend,
                          "' (the launchers' own store serves the rendezvous; etcd is not supported)");
+  plan_elastic(args, plan);
   plan.machine_rank_at_rendezvous =
       plan.rdzv_backend == "c10d" && !args.machine_rank && plan.num_machines > 1;
   const auto config_ip = config ? config->main_process_ip : std::nullopt;
@@ -124,16 +169,22 @@ void check_job_size(LaunchPlan& plan, bool ip_given) {
   }
   ACCELERATE_CHECK_VALUE(plan.main_process_port >= 0 && plan.main_process_port <= 65535,
                          "[launch] --main_process_port must be a TCP port (0-65535), got ", plan.main_process_port);
+  ACCELERATE_CHECK_VALUE(!plan.elastic || plan.backend != "mpi",
+                         "[launch] an elastic job (--nnodes MIN:MAX) runs one launcher per machine; --backend mpi "
+                         "starts every machine's workers from one mpirun, which cannot lose or gain a machine");
   ACCELERATE_CHECK_VALUE(!plan.machine_rank_at_rendezvous || plan.backend != "mpi",
                          "[launch] --rdzv_backend c10d numbers the machines of one launcher each; with --backend mpi, "
                          "one launcher on the machine of rank 0 starts every machine's workers through mpirun");
   // Inside a Slurm allocation, a job on more machines than it has nodes would wait for the missing
   // ones until --rdzv_timeout.
-  if (const auto nodes = get_env("SLURM_JOB_NUM_NODES"); nodes && !nodes->empty() && plan.num_machines > 1) {
+  // An elastic job needs only its minimum.
+  const int needed = plan.elastic ? plan.min_machines : plan.num_machines;
+  if (const auto nodes = get_env("SLURM_JOB_NUM_NODES"); nodes && !nodes->empty() && needed > 1) {
     const int allocated = std::atoi(nodes->c_str());
-    ACCELERATE_CHECK_VALUE(allocated <= 0 || plan.num_machines <= allocated, "[launch] the job has --num_machines ",
-                           plan.num_machines, ", but its Slurm allocation (job ", get_env("SLURM_JOB_ID").value_or("?"),
-                           ") has ", allocated, " node(s) (SLURM_JOB_NUM_NODES): ask for --nodes=", plan.num_machines,
+    ACCELERATE_CHECK_VALUE(allocated <= 0 || needed <= allocated, "[launch] the job has ",
+                           plan.elastic ? "at least " : "", "--num_machines ", needed,
+                           ", but its Slurm allocation (job ", get_env("SLURM_JOB_ID").value_or("?"), ") has ",
+                           allocated, " node(s) (SLURM_JOB_NUM_NODES): ask for --nodes=", needed,
                            ", or launch fewer machines");
   }
   if (plan.num_machines > 1) {

@@ -728,6 +728,7 @@ class Attempt {
     }
     reap();
     enforce_kill_deadline();
+    ask_regroup(any_alive);
     // Streams held open by a process outside our groups must not keep us waiting forever.
     if (!any_alive) {
       for (Worker* w : everyone_) {
@@ -740,6 +741,15 @@ class Attempt {
         }
       }
     }
+  }
+
+  // Note [Elastic membership]: the group is stopped, without blame, to be formed again.
+  void ask_regroup(bool any_alive) {
+    if (!options_.regroup || !any_alive || tearing_down_ || Clock::now() < next_regroup_check_) return;
+    next_regroup_check_ = Clock::now() + std::chrono::milliseconds(500);
+    if (!options_.regroup()) return;
+    result_.regrouped = true;
+    begin_teardown(SIGTERM);
   }
 
   long alive_workers() const {
@@ -799,6 +809,7 @@ class Attempt {
   Clock::time_point kill_deadline_ = Clock::time_point::max();
   Clock::time_point preempt_deadline_ = Clock::time_point::max();  // see worker_ended
   bool killed_hard_ = false;
+  Clock::time_point next_regroup_check_ = Clock::time_point::min();
   const Worker* root_ = nullptr;  // the root cause of a failure
 
   Worker carrier_proc_;

@@ -5,6 +5,7 @@
 
 #include "accelerate/commands/launch.h"
 
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -40,6 +41,9 @@ struct SuperviseOptions {
   int tee = 3;                         ///< with log_dir: 1 stdout, 2 stderr, 3 both, 0 none on the console
   int attempt = 0;
   bool quiet = false;  ///< no informational lines, only errors
+  /// Asked about every half second while workers run: true stops them (SIGTERM, then SIGKILL past
+  /// the grace period) so that the group can be formed again (Note [Elastic membership]).
+  std::function<bool()> regroup;
 };
 
 /// The supervision settings of attempt `attempt` of a launch.
@@ -50,6 +54,7 @@ struct AttemptResult {
   int exit_code = 0;           ///< 0, the root-cause worker's code, or 128 + signal
   bool interrupted = false;    ///< the launcher itself received a signal
   bool preempted = false;      ///< the workers saved their state and stopped, as asked (Note [Preemption])
+  bool regrouped = false;      ///< stopped because `SuperviseOptions::regroup` asked to
   std::string root_cause;      ///< one-paragraph description of the failure, empty on success
 };
 

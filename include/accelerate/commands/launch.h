@@ -25,6 +25,8 @@ struct LaunchArgs {
   std::optional<int> num_machines;
   std::optional<int> machine_rank;
   std::optional<std::string> rdzv_backend;  ///< "static" (the default) or "c10d"
+  std::optional<std::string> nnodes;        ///< torchrun's "N" or "MIN:MAX" (elastic)
+  std::optional<std::string> rdzv_conf;     ///< "key=value,...": last_call_timeout
   std::optional<std::string> main_process_ip;
   std::optional<int> main_process_port;
   std::optional<std::string> gpu_ids;
@@ -71,6 +73,14 @@ struct LaunchPlan {
   /// join (Note [Machine ranks from the rendezvous] in launch.cpp).
   bool machine_rank_at_rendezvous = false;
   std::string rdzv_backend = "static";
+  /// `--nnodes MIN:MAX` with MIN < MAX: the job runs on as many of num_machines (MAX) machines
+  /// as join, and at least `min_machines`, and is formed again when one is lost or one comes
+  /// (Note [Elastic membership] in src/launch/elastic.cpp). Machine ranks come from the rendezvous.
+  bool elastic = false;
+  int min_machines = 1;
+  /// Seconds the rendezvous waits for more machines once `min_machines` have joined (rdzv_conf's
+  /// last_call_timeout).
+  double last_call_timeout = 30;
   int local_num_processes = 1;
   std::string main_process_ip = "127.0.0.1";
   int main_process_port = 29500;

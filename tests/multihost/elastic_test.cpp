@@ -1,0 +1,214 @@
+// An elastic job across the two hosts of the test bed (tests/support/hosts.h): `accelerate launch
+// --nnodes 1:2 --rdzv_backend c10d` on each host, FSDP with sharded checkpoints. A host is lost,
+// the job goes on on the other from its newest checkpoint, and the host comes back and joins; the
+// run must equal one run with the same schedule of world sizes, loss by loss and weight by weight.
+// And the elastic rendezvous's errors: too few machines, a checkpoint unreadable at the rejoin.
+#include "accelerate/utils/safetensors.h"
+#include "support/hosts.h"
+#include "support/process.h"
+#include "support/test_support.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <regex>
+
+namespace accelerate::testing {
+namespace elastic_test {  // not anonymous: its names must not meet another file's in a unity batch
+
+namespace fs = std::filesystem;
+using ::testing::HasSubstr;
+using ::testing::Not;
+using Env = std::map<std::string, std::string>;
+
+const Env kSecret = {{"ACCELERATE_RDZV_SECRET", "a-secret-both-hosts-know"}};
+constexpr int kSteps = 24;
+
+// The flags every launcher of these jobs has: 2 processes per machine, FSDP with sharded state.
+std::vector<std::string> launcher(const std::vector<std::string>& machines) {
+  std::vector<std::string> argv = {accelerate_bin(), "launch"};
+  argv.insert(argv.end(), machines.begin(), machines.end());
+  argv.insert(argv.end(), {"--main_process_ip", HostPair::address(0), "--main_process_port", "29500",
+                           "--rdzv_timeout", "60", "--num_cpu_threads_per_process", "1", "--grace_period", "2",
+                           "--backend", "gloo", "--use_fsdp", "--fsdp_state_dict_type", "SHARDED_STATE_DICT"});
+  return argv;
+}
+
+// The elastic launcher of `host`: 1 to 2 machines, restarts as given.
+std::vector<std::string> elastic_on(const HostPair& hosts, int host, const std::string& dir, double pace,
+                                    int max_restarts = 3) {
+  auto argv = launcher({"--nnodes", "1:2", "--rdzv_backend", "c10d", "--num_processes", "4", "--rdzv_conf",
+                        "last_call_timeout=2", "--max_restarts", std::to_string(max_restarts)});
+  argv.insert(argv.end(), {built("tests/mp_elastic"), "--dir", dir, "--steps", std::to_string(kSteps), "--pace",
+                           std::to_string(pace)});
+  return hosts.in(host, argv);
+}
+
+// The "<round> <step>" the main process wrote last; {-1, -1} before.
+std::pair<int, int> progress(const std::string& dir) {
+  std::ifstream in(dir + "/progress");
+  int round = -1, step = -1;
+  in >> round >> step;
+  return {round, step};
+}
+
+// Waits up to a minute for the progress to reach `round` and `step`.
+bool wait_for_progress(const std::string& dir, int round, int step) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (std::chrono::steady_clock::now() < deadline) {
+    const auto [r, s] = progress(dir);
+    if (r >= round && s >= step) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ADD_FAILURE() << "no progress to round " << round << " step " << step << " within 60 s: at " << progress(dir).first
+                << " " << progress(dir).second;
+  return false;
+}
+
+// Each step's loss, as the main process printed it last (a step run again after a restart
+// replaces the lost one).
+std::map<int, std::string> losses(const std::string& out) {
+  static const std::regex line(R"(step (\d+) world \d+ accumulation \d+ loss (\S+))");
+  std::map<int, std::string> by_step;
+  for (auto it = std::sregex_iterator(out.begin(), out.end(), line); it != std::sregex_iterator(); ++it) {
+    by_step[std::stoi((*it)[1])] = (*it)[2];
+  }
+  return by_step;
+}
+
+// The (step, processes) each round resumed at.
+std::vector<std::pair<int, int>> resumes(const std::string& out) {
+  static const std::regex line(R"(resumed at step (\d+) with (\d+) processes)");
+  std::vector<std::pair<int, int>> found;
+  for (auto it = std::sregex_iterator(out.begin(), out.end(), line); it != std::sregex_iterator(); ++it) {
+    found.emplace_back(std::stoi((*it)[1]), std::stoi((*it)[2]));
+  }
+  return found;
+}
+
+TEST(Elastic, AJobGoesOnSmallerWhenAHostIsLostAndGrowsWhenItComesBackEqualToTheSameSchedule) {
+  HostPair hosts;
+  ACCELERATE_REQUIRE_HOSTS(hosts);
+  TempDir dir;
+  const std::string run = dir.str() + "/elastic";
+  fs::create_directories(run);
+  Running first(elastic_on(hosts, 0, run, 0.3), kSecret);
+  auto second = std::make_unique<Running>(elastic_on(hosts, 1, run, 0.3), kSecret);
+  // 2 hosts x 2 processes, until the second host is lost.
+  ASSERT_TRUE(wait_for_progress(run, 0, 4));
+  hosts.kill_host(1);
+  second->wait(30);
+  // 1 host x 2 processes, resumed, until the second host comes back.
+  const int lost_at = progress(run).second;
+  ASSERT_TRUE(wait_for_progress(run, 1, lost_at + 3));
+  Running back(elastic_on(hosts, 1, run, 0.3), kSecret);
+  first.wait(240);
+  back.wait(240);
+  ASSERT_EQ(first.exit_code(), 0) << first.out << first.err;
+  ASSERT_EQ(back.exit_code(), 0) << back.out << back.err;
+
+  // What the launchers said, and the schedule of world sizes the program went through.
+  EXPECT_THAT(first.err, HasSubstr("round 0 of the rendezvous: this is machine 0 of 2 (4 processes)"));
+  EXPECT_THAT(first.err, HasSubstr("restarting with the machines that remain (restart 1 of 3)"));
+  EXPECT_THAT(first.err, HasSubstr("round 1 of the rendezvous: this is machine 0 of 1 (2 processes)"));
+  EXPECT_THAT(first.err, HasSubstr("a machine is waiting to join: forming the group again"));
+  EXPECT_THAT(first.err, HasSubstr("round 2 of the rendezvous: this is machine 0 of 2 (4 processes)"));
+  EXPECT_THAT(back.err, HasSubstr("round 2 of the rendezvous: this is machine 1 of 2 (4 processes)"));
+  const auto schedule = resumes(first.out);
+  ASSERT_EQ(schedule.size(), 2u) << first.out;
+  EXPECT_EQ(schedule[0].second, 2);
+  EXPECT_EQ(schedule[1].second, 4);
+  EXPECT_GE(schedule[0].first, 3);
+  EXPECT_GT(schedule[1].first, schedule[0].first);
+  EXPECT_THAT(first.out, HasSubstr("finished at step " + std::to_string(kSteps)));
+
+  // The same schedule, each part a job of its own: 4 processes to the first resume's step, 2 to
+  // the second's, 4 to the end.
+  const std::string ref = dir.str() + "/reference";
+  fs::create_directories(ref);
+  std::string ref_out;
+  auto part = [&](int machines, int steps) {
+    std::vector<std::unique_ptr<Running>> launchers;
+    for (int host = 0; host < machines; ++host) {
+      auto argv = launcher({"--num_processes", std::to_string(2 * machines), "--num_machines", std::to_string(machines),
+                            "--machine_rank", std::to_string(host)});
+      argv.insert(argv.end(), {built("tests/mp_elastic"), "--dir", ref, "--steps", std::to_string(steps)});
+      launchers.push_back(std::make_unique<Running>(hosts.in(host, argv), kSecret));
+    }
+    for (auto& l : launchers) {
+      l->wait(240);
+      EXPECT_EQ(l->exit_code(), 0) << l->out << l->err;
+    }
+    ref_out += launchers[0]->out;
+  };
+  part(2, schedule[0].first);
+  part(1, schedule[1].first);
+  part(2, kSteps);
+  const auto got = losses(first.out);
+  const auto want = losses(ref_out);
+  ASSERT_EQ(want.size(), static_cast<size_t>(kSteps)) << ref_out;
+  EXPECT_EQ(got, want) << "the elastic run's losses against the same schedule's";
+  SafetensorsFile elastic(run + "/final.safetensors");
+  SafetensorsFile same_schedule(ref + "/final.safetensors");
+  ASSERT_EQ(elastic.keys(), same_schedule.keys());
+  for (const auto& key : elastic.keys()) {
+    EXPECT_TRUE(at::equal(elastic.get_tensor(key), same_schedule.get_tensor(key))) << key;
+  }
+}
+
+TEST(Elastic, FewerMachinesThanTheMinimumWithinTheRendezvousTimeoutAreNamed) {
+  HostPair hosts;
+  ACCELERATE_REQUIRE_HOSTS(hosts);
+  TempDir dir;
+  auto argv = launcher({"--nnodes", "2:3", "--rdzv_backend", "c10d", "--num_processes", "6"});
+  argv[std::find(argv.begin(), argv.end(), "--rdzv_timeout") - argv.begin() + 1] = "3";
+  argv.insert(argv.end(), {built("tests/mp_elastic"), "--dir", dir.str(), "--steps", "2"});
+  auto r = run(hosts.in(0, argv), 60, kSecret);
+  EXPECT_NE(r->exit_code(), 0);
+  EXPECT_LT(r->elapsed, 30);
+  EXPECT_THAT(r->err, HasSubstr("the elastic job needs at least 2 machine(s) (--nnodes 2:3), but only 1 joined the "
+                                "rendezvous at " + HostPair::address(0) + " within --rdzv_timeout (3s)"));
+  EXPECT_FALSE(fs::exists(dir.path() / "progress")) << "workers ran without the minimum of machines";
+}
+
+TEST(Elastic, ACheckpointUnreadableAtTheRejoinIsNamedInTheLastLine) {
+  HostPair hosts;
+  ACCELERATE_REQUIRE_HOSTS(hosts);
+  TempDir dir;
+  const std::string run_dir = dir.str() + "/elastic";
+  fs::create_directories(run_dir);
+  // Slow steps: between two, the workers sleep, and save nothing more once the host is lost.
+  Running first(elastic_on(hosts, 0, run_dir, 1.5, /*max_restarts=*/1), kSecret);
+  Running second(elastic_on(hosts, 1, run_dir, 1.5, 1), kSecret);
+  ASSERT_TRUE(wait_for_progress(run_dir, 0, 2));
+  // Every saved model shard loses its second half, then the second host is lost.
+  int truncated = 0;
+  for (const auto& entry : fs::recursive_directory_iterator(run_dir + "/checkpoints")) {
+    if (entry.is_regular_file() && entry.path().string().find("model") != std::string::npos) {
+      fs::resize_file(entry.path(), fs::file_size(entry.path()) / 2);
+      ++truncated;
+    }
+  }
+  ASSERT_GT(truncated, 0);
+  hosts.kill_host(1);
+  first.wait(120);
+  second.wait(30);
+  EXPECT_NE(first.exit_code(), 0);
+  // The restart the loss took used the budget; the rejoin that could not load ends the job, and
+  // the launcher's last lines say which checkpoint and what is wrong with it.
+  EXPECT_THAT(first.err, HasSubstr("round 1 of the rendezvous: this is machine 0 of 1 (2 processes)"));
+  const auto end = first.err.rfind("\naccelerate launch: worker rank");
+  ASSERT_NE(end, std::string::npos) << first.err;
+  const auto last = first.err.substr(end);
+  EXPECT_THAT(last, HasSubstr("error: [Accelerator::load_state] loading " + run_dir + "/checkpoints/checkpoint_"));
+  EXPECT_THAT(last, HasSubstr("is not valid JSON"));
+  EXPECT_THAT(first.err, Not(HasSubstr("round 2 of the rendezvous")));
+}
+
+}  // namespace elastic_test
+}  // namespace accelerate::testing
