@@ -137,6 +137,21 @@ int hold_round(const LaunchPlan& plan, Rendezvous& rdzv, int round) {
   return members;
 }
 
+// A member whose workers succeeded says so; machine 0 keeps serving the store until every member
+// has (or a grace period has passed), since the others' workers may still be finishing.
+void finish_round(const LaunchPlan& plan, Rendezvous& rdzv, int round, int members, bool serves_store) {
+  try {
+    const int done = rdzv.add(round_key(round, "done"), 1);
+    if (!serves_store) return;
+    const auto deadline = Clock::now() + millis(std::max(30.0, plan.grace_period));
+    for (int seen = done; seen < members && Clock::now() < deadline; seen = rdzv.add(round_key(round, "done"), 0)) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+  } catch (const std::exception&) {
+    // Machine 0 is gone: nothing to wait for.
+  }
+}
+
 }  // namespace
 
 int run_elastic(const LaunchPlan& plan, detail::Supervisor& supervisor, const std::map<std::string, std::string>& base,
@@ -198,10 +213,16 @@ int run_elastic(const LaunchPlan& plan, detail::Supervisor& supervisor, const st
     }
     auto options = detail::supervise_options(plan, round);
     options.regroup = [&, round, members] {
-      if (serves_store && members < plan.num_machines && rdzv.get_int(kWaitingKey) > 0) {
-        rdzv.set(round_key(round, "regroup"), "1");
+      try {
+        if (serves_store && members < plan.num_machines && rdzv.get_int(kWaitingKey) > 0) {
+          rdzv.set(round_key(round, "regroup"), "1");
+        }
+        return rdzv.has(round_key(round, "regroup"));
+      } catch (const std::exception&) {
+        // The store is gone: machine 0 finished, or was lost. Its workers' own end (a success, or
+        // a collective that fails naming the lost machine) says which.
+        return false;
       }
-      return rdzv.has(round_key(round, "regroup"));
     };
     const auto result = supervisor.run(specs, options);
     last_round = round;
@@ -210,7 +231,10 @@ int run_elastic(const LaunchPlan& plan, detail::Supervisor& supervisor, const st
       say(plan, "a machine is waiting to join: forming the group again");
       continue;
     }
-    if (result.exit_code == 0) return 0;
+    if (result.exit_code == 0) {
+      finish_round(plan, rdzv, round, members, serves_store);
+      return 0;
+    }
     if (++failures > plan.max_restarts) return result.exit_code;
     say(plan, "restarting with the machines that remain (restart " + std::to_string(failures) + " of " +
                   std::to_string(plan.max_restarts) + ")");
