@@ -319,6 +319,40 @@ TEST_F(ResolveLaunch, TheRendezvousBackendIsStaticOrC10d) {
                      "with --backend mpi, one launcher on the machine of rank 0 starts every machine's workers");
 }
 
+TEST_F(ResolveLaunch, NnodesIsTheNumberOfMachinesOrAnElasticRange) {
+  auto with = [&](Args more) {
+    Args argv = {"--num_processes", "4", "--main_process_ip", "10.0.0.1"};
+    argv.insert(argv.end(), more.begin(), more.end());
+    argv.push_back("/bin/true");
+    return resolve(argv);
+  };
+  const LaunchPlan fixed = with({"--nnodes", "2"});
+  EXPECT_EQ(fixed.num_machines, 2);
+  EXPECT_FALSE(fixed.elastic);
+  const LaunchPlan elastic = with({"--nnodes", "1:2", "--rdzv_backend", "c10d", "--rdzv_conf", "last_call_timeout=4"});
+  EXPECT_TRUE(elastic.elastic);
+  EXPECT_EQ(elastic.min_machines, 1);
+  EXPECT_EQ(elastic.num_machines, 2);
+  EXPECT_EQ(elastic.local_num_processes, 2);
+  EXPECT_TRUE(elastic.machine_rank_at_rendezvous);
+  EXPECT_DOUBLE_EQ(elastic.last_call_timeout, 4);
+  EXPECT_DOUBLE_EQ(with({"--nnodes", "1:2", "--rdzv_backend", "c10d"}).last_call_timeout, 30);
+  EXPECT_THROWS_WITH(with({"--nnodes", "1:2"}), "--nnodes 1:2 (an elastic job) needs --rdzv_backend c10d");
+  EXPECT_THROWS_WITH(with({"--nnodes", "2:1", "--rdzv_backend", "c10d"}),
+                     "--nnodes must be N or MIN:MAX with 1 <= MIN <= MAX, got '2:1'");
+  EXPECT_THROWS_WITH(with({"--nnodes", "two"}), "got 'two'");
+  EXPECT_THROWS_WITH(with({"--nnodes", "1:2", "--num_machines", "3", "--rdzv_backend", "c10d"}),
+                     "--nnodes 1:2 and --num_machines 3 disagree");
+  EXPECT_THROWS_WITH(with({"--nnodes", "1:2", "--rdzv_backend", "c10d", "--machine_rank", "1"}),
+                     "--machine_rank cannot be given with --nnodes 1:2");
+  EXPECT_THROWS_WITH(with({"--nnodes", "1:2", "--rdzv_backend", "c10d", "--backend", "mpi"}),
+                     "an elastic job (--nnodes MIN:MAX) runs one launcher per machine");
+  EXPECT_THROWS_WITH(with({"--nnodes", "1:2", "--rdzv_backend", "c10d", "--rdzv_conf", "join_timeout=3"}),
+                     "--rdzv_conf: unknown setting 'join_timeout'");
+  EXPECT_THROWS_WITH(with({"--nnodes", "1:2", "--rdzv_backend", "c10d", "--rdzv_conf", "last_call_timeout=soon"}),
+                     "last_call_timeout must be a number of seconds, got 'soon'");
+}
+
 TEST_F(ResolveLaunch, TeeAcceptsOnlyZeroToThree) {
   EXPECT_THROWS_WITH(resolve({"--tee", "5", "/bin/true"}), "--tee must be 0, 1, 2 or 3, got '5'");
   EXPECT_THROWS_WITH(resolve({"--tee", "12", "/bin/true"}), "got '12'");
