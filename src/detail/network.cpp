@@ -60,6 +60,9 @@ bool is_local_address(const std::string& host) {
   if (::getifaddrs(&all) == 0) {
     for (addrinfo* f = found; f != nullptr && !local; f = f->ai_next) {
       const auto wanted = reinterpret_cast<const sockaddr_in*>(f->ai_addr)->sin_addr.s_addr;
+      // 127.0.0.0/8 is this machine whatever the interfaces list (Debian maps its host name to
+      // 127.0.1.1, which no interface has).
+      if ((ntohl(wanted) >> 24) == 127) local = true;
       for (ifaddrs* a = all; a != nullptr && !local; a = a->ifa_next) {
         if (a->ifa_addr == nullptr || a->ifa_addr->sa_family != AF_INET) continue;
         local = reinterpret_cast<const sockaddr_in*>(a->ifa_addr)->sin_addr.s_addr == wanted;

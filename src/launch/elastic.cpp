@@ -5,6 +5,9 @@
 #include "detail/store_connection.h"
 
 #include <chrono>
+#include <csignal>
+#include <cstring>
+#include <map>
 #include <iostream>
 #include <memory>
 #include <thread>
@@ -20,8 +23,8 @@ using Clock = std::chrono::steady_clock;
 // An elastic job (--nnodes MIN:MAX --rdzv_backend c10d) forms its group in rounds of a rendezvous
 // held in the store that the launcher of the machine with --main_process_ip's address serves (the
 // host; as with torchrun's c10d rendezvous, the job ends if that machine is lost).
-// - The host opens round R by publishing R under kRoundKey, and joins it first, as machine 0.
-// - Every other launcher waits for a round later than the last one it ran that is still open,
+// - The host opens round R: it joins it first, as machine 0, then publishes R under kRoundKey.
+// - Every other launcher waits for a round later than the last one it tried that is still open,
 //   joins it by adding 1 to the round's count, and takes the count as its machine rank.
 // - The host closes the round once MAX machines have joined, or once MIN have and no other came
 //   for rdzv_conf's last_call_timeout; past --rdzv_timeout without MIN, the job ends, saying so.
@@ -32,22 +35,38 @@ using Clock = std::chrono::steady_clock;
 // - A member whose workers fail (a lost machine makes the others' collectives fail) goes on to
 //   the next round, within --max_restarts failures; the host opens it. The machines that remain
 //   form the group again, smaller.
-// - A launcher that waits while a round runs adds 1 to kWaitingKey. The host, whose group is
-//   smaller than MAX, then sets the round's "regroup" key and every member stops its workers
-//   (without blame; it does not count against --max_restarts) and joins the next round, with the
-//   one that waited: the group grows again.
+// - A launcher that finds the running round closed without it (a machine that comes, or comes
+//   back) is a waiter: it takes a number from kWaitersKey and beats a counter under its own key
+//   while it waits, and deletes the key when it joins. The host, whose group is smaller than MAX
+//   and none of whose members has finished, sees a counter that moved within the last few
+//   seconds (a waiter that died stops moving its own) and sets the round's "regroup" key; every
+//   member's supervisor asks for it every half second, stops its workers without blame (not a
+//   restart against --max_restarts) and joins the next round, with the waiter: the group grows.
+//   A member whose workers failed because a peer stopped for the regroup sees the key and takes
+//   it as a regroup too.
+// - When the job succeeds, the host publishes kFinishedKey and serves the store until every
+//   member has said its workers are done (a bounded wait); a waiter then ends with success.
+// - Signals that stop the launcher are read while it waits at the rendezvous, too.
 // The program resumes each round from its newest complete checkpoint: the sharded state and the
 // data loader's position are resharded to the new world size, and the user's accumulation steps
 // keep the global batch.
 constexpr const char* kRoundKey = "accelerate/elastic/round";
-constexpr const char* kWaitingKey = "accelerate/elastic/waiting";
+constexpr const char* kWaitersKey = "accelerate/elastic/waiters";
+constexpr const char* kFinishedKey = "accelerate/elastic/finished";
+constexpr auto kWaiterAlive = std::chrono::seconds(3);  // a waiter's beat is at most this old
 
 std::string round_key(int round, const char* what) {
   return "accelerate/elastic/round" + std::to_string(round) + "/" + what;
 }
+std::string waiter_key(int id) { return "accelerate/elastic/waiter" + std::to_string(id); }
 
 std::chrono::milliseconds millis(double seconds) {
   return std::chrono::milliseconds(static_cast<long long>(seconds * 1000));
+}
+
+std::string signal_text(int sig) {
+  const char* abbrev = ::sigabbrev_np(sig);
+  return abbrev != nullptr ? std::string("SIG") + abbrev : "signal " + std::to_string(sig);
 }
 
 // The rendezvous store, as seen by one launcher.
@@ -75,25 +94,30 @@ class Rendezvous {
                                        plan_.rdzv_timeout, "s): ", failure));
   }
 
-  int add(const std::string& key, int delta) {
-    auto reply = ask(proto::Op::kAdd, {key, std::to_string(delta)});
+  // Each request waits at most `timeout` for its answer; the supervisor's questions use a short one.
+  int add(const std::string& key, int delta, std::chrono::milliseconds timeout = std::chrono::seconds(10)) {
+    auto reply = ask(proto::Op::kAdd, {key, std::to_string(delta)}, timeout);
     return reply.size() == 1 ? std::stoi(reply[0]) : 0;
   }
-  void set(const std::string& key, const std::string& value) { ask(proto::Op::kSet, {key, value}); }
-  bool has(const std::string& key) {
-    auto reply = ask(proto::Op::kCheck, {key});
+  void set(const std::string& key, const std::string& value,
+           std::chrono::milliseconds timeout = std::chrono::seconds(10)) {
+    ask(proto::Op::kSet, {key, value}, timeout);
+  }
+  void erase(const std::string& key) { ask(proto::Op::kDelete, {key}, std::chrono::seconds(10)); }
+  bool has(const std::string& key, std::chrono::milliseconds timeout = std::chrono::seconds(10)) {
+    auto reply = ask(proto::Op::kCheck, {key}, timeout);
     return reply.size() == 1 && reply[0] == "1";
   }
-  int get_int(const std::string& key) {
-    if (!has(key)) return -1;
-    auto reply = ask(proto::Op::kGet, {key});
+  int get_int(const std::string& key, std::chrono::milliseconds timeout = std::chrono::seconds(10)) {
+    if (!has(key, timeout)) return -1;
+    auto reply = ask(proto::Op::kGet, {key}, timeout);
     return reply.size() == 1 ? std::stoi(reply[0]) : -1;
   }
 
  private:
-  std::vector<std::string> ask(proto::Op op, const std::vector<std::string>& args) {
+  std::vector<std::string> ask(proto::Op op, const std::vector<std::string>& args, std::chrono::milliseconds timeout) {
     try {
-      return store_->request(op, args, std::chrono::seconds(10));
+      return store_->request(op, args, timeout);
     } catch (const std::exception& e) {
       detail::raise_error(detail::concat("[launch] the elastic job's rendezvous store at ", plan_.main_process_ip,
                                          ":", port_, " stopped answering (the job ended, or the machine serving it "
@@ -111,14 +135,24 @@ void say(const LaunchPlan& plan, const std::string& line) {
   if (!plan.quiet) std::cerr << "accelerate launch: " << line << std::endl;
 }
 
+// Thrown out of a wait at the rendezvous when the launcher is asked to stop.
+struct StopRequested {
+  int signal;
+};
+
+void check_stop(detail::Supervisor& supervisor) {
+  if (const int sig = supervisor.stop_requested(); sig != 0) throw StopRequested{sig};
+}
+
 // The host: opens round `round`, joins it as machine 0 and closes it; returns the members.
-int hold_round(const LaunchPlan& plan, Rendezvous& rdzv, int round) {
+int hold_round(const LaunchPlan& plan, Rendezvous& rdzv, detail::Supervisor& supervisor, int round) {
+  rdzv.add(round_key(round, "joined"), 1);  // before the round is published: the host is machine 0
   rdzv.set(kRoundKey, std::to_string(round));
-  rdzv.add(round_key(round, "joined"), 1);
   const auto deadline = Clock::now() + millis(plan.rdzv_timeout);
   auto enough_since = Clock::time_point::max();
   int joined = 1;
   while (true) {
+    check_stop(supervisor);
     joined = rdzv.add(round_key(round, "joined"), 0);
     if (joined >= plan.num_machines) break;
     if (joined >= plan.min_machines) {
@@ -137,12 +171,82 @@ int hold_round(const LaunchPlan& plan, Rendezvous& rdzv, int round) {
   return members;
 }
 
-// A member whose workers succeeded says so; machine 0 keeps serving the store until every member
-// has (or a grace period has passed), since the others' workers may still be finishing.
+// Another machine: joins the next open round; returns {round, rank, members}, or round -1 when
+// the job finished without it.
+struct Place {
+  int round = -1, rank = 0, members = 0;
+};
+Place join_round(const LaunchPlan& plan, Rendezvous& rdzv, detail::Supervisor& supervisor, int tried_round,
+                 int ran_round) {
+  int waiter = 0;  // this launcher's number as a waiter; 0: not waiting
+  int beat = 0;
+  Place place;
+  while (true) {
+    check_stop(supervisor);
+    if (rdzv.has(kFinishedKey)) break;
+    const int published = rdzv.get_int(kRoundKey);
+    const bool closed = published >= 0 && rdzv.has(round_key(published, "members"));
+    if (published > tried_round && !closed) {
+      tried_round = published;
+      const int rank = rdzv.add(round_key(published, "joined"), 1) - 1;
+      const auto deadline = Clock::now() + millis(plan.rdzv_timeout + plan.last_call_timeout);
+      int members = -1;
+      while ((members = rdzv.get_int(round_key(published, "members"))) < 0) {
+        check_stop(supervisor);
+        ACCELERATE_CHECK(Clock::now() < deadline, "[launch] round ", published, " of the elastic job's rendezvous at ",
+                         plan.main_process_ip, " was not closed within --rdzv_timeout (", plan.rdzv_timeout, "s)");
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
+      if (rank < members) {
+        place = {published, rank, members};
+        break;
+      }
+      continue;  // too late for it: the next one
+    }
+    // A round runs without this machine: it waits, and says so while its beat moves.
+    if (closed && published != ran_round) {
+      if (waiter == 0) {
+        waiter = rdzv.add(kWaitersKey, 1);
+        say(plan, "waiting for the running group (round " + std::to_string(published) + ") to take this machine in");
+      }
+      rdzv.set(waiter_key(waiter), std::to_string(++beat));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  if (waiter != 0) rdzv.erase(waiter_key(waiter));
+  return place;
+}
+
+// The host's view of the waiters: whose beat moved lately.
+class Waiters {
+ public:
+  bool any_alive(Rendezvous& rdzv) {
+    const auto timeout = std::chrono::seconds(2);
+    const int count = rdzv.add(kWaitersKey, 0, timeout);
+    const auto now = Clock::now();
+    bool alive = false;
+    for (int id = 1; id <= count; ++id) {
+      const int beat = rdzv.get_int(waiter_key(id), timeout);
+      if (beat < 0) continue;  // joined, or never beat
+      auto& seen = seen_[id];
+      if (seen.first != beat) seen = {beat, now};
+      alive = alive || now - seen.second < kWaiterAlive;
+    }
+    return alive;
+  }
+
+ private:
+  std::map<int, std::pair<int, Clock::time_point>> seen_;  // id -> (beat, when it last changed)
+};
+
+// A member whose workers succeeded says so; the host publishes that the job is done and keeps
+// serving the store until every member has said so (or a grace period has passed), since the
+// others' workers may still be finishing.
 void finish_round(const LaunchPlan& plan, Rendezvous& rdzv, int round, int members, bool serves_store) {
   try {
     const int done = rdzv.add(round_key(round, "done"), 1);
     if (!serves_store) return;
+    rdzv.set(kFinishedKey, "1");
     const auto deadline = Clock::now() + millis(std::max(30.0, plan.grace_period));
     for (int seen = done; seen < members && Clock::now() < deadline; seen = rdzv.add(round_key(round, "done"), 0)) {
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
@@ -152,46 +256,28 @@ void finish_round(const LaunchPlan& plan, Rendezvous& rdzv, int round, int membe
   }
 }
 
-}  // namespace
-
-int run_elastic(const LaunchPlan& plan, detail::Supervisor& supervisor, const std::map<std::string, std::string>& base,
-                const fs::path& scratch, int port, bool serves_store) {
+int run(const LaunchPlan& plan, detail::Supervisor& supervisor, const std::map<std::string, std::string>& base,
+        const fs::path& scratch, int port, bool serves_store) {
   Rendezvous rdzv(plan, port);
   rdzv.connect();
-  int last_round = -1;
+  Waiters waiters;
+  int tried_round = -1;  // the last round this launcher joined, or opened
+  int ran_round = -1;    // the last round its workers ran in
   int failures = 0;
   while (true) {
-    int round = 0, rank = 0, members = 0;
+    Place place;
     if (serves_store) {
-      round = last_round + 1;
-      members = hold_round(plan, rdzv, round);
+      place.round = tried_round + 1;
+      place.members = hold_round(plan, rdzv, supervisor, place.round);
     } else {
-      // The next open round; while a round runs without this machine, it is counted as waiting.
-      bool waiting = false;
-      while (true) {
-        const int published = rdzv.get_int(kRoundKey);
-        if (published > last_round && !rdzv.has(round_key(published, "members"))) {
-          round = published;
-          rank = rdzv.add(round_key(round, "joined"), 1) - 1;
-          const auto deadline = Clock::now() + millis(plan.rdzv_timeout + plan.last_call_timeout);
-          while ((members = rdzv.get_int(round_key(round, "members"))) < 0) {
-            ACCELERATE_CHECK(Clock::now() < deadline, "[launch] round ", round, " of the elastic job's rendezvous at ",
-                             plan.main_process_ip, ":", port, " was not closed within --rdzv_timeout (",
-                             plan.rdzv_timeout, "s)");
-            std::this_thread::sleep_for(std::chrono::milliseconds(100));
-          }
-          if (rank < members) break;
-          last_round = round;  // too late for it: the next one
-        }
-        if (!waiting) {
-          rdzv.add(kWaitingKey, 1);
-          waiting = true;
-          if (published >= 0) say(plan, "waiting for the running group (round " + std::to_string(published) + ") to take this machine in");
-        }
-        std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      place = join_round(plan, rdzv, supervisor, tried_round, ran_round);
+      if (place.round < 0) {
+        say(plan, "the elastic job finished before this machine could join it");
+        return 0;
       }
-      if (waiting) rdzv.add(kWaitingKey, -1);
     }
+    const int round = place.round, rank = place.rank, members = place.members;
+    tried_round = ran_round = round;
 
     LaunchPlan group = plan;
     group.num_machines = members;
@@ -212,12 +298,14 @@ int run_elastic(const LaunchPlan& plan, detail::Supervisor& supervisor, const st
       for (auto& [k, v] : env) spec.env.push_back(k + "=" + v);
     }
     auto options = detail::supervise_options(plan, round);
-    options.regroup = [&, round, members] {
+    const auto quick = std::chrono::seconds(2);  // the supervisor must not wait long on the store
+    options.regroup = [&, round, members, quick] {
       try {
-        if (serves_store && members < plan.num_machines && rdzv.get_int(kWaitingKey) > 0) {
-          rdzv.set(round_key(round, "regroup"), "1");
+        if (serves_store && members < plan.num_machines && rdzv.add(round_key(round, "done"), 0, quick) == 0 &&
+            waiters.any_alive(rdzv)) {
+          rdzv.set(round_key(round, "regroup"), "1", quick);
         }
-        return rdzv.has(round_key(round, "regroup"));
+        return rdzv.has(round_key(round, "regroup"), quick);
       } catch (const std::exception&) {
         // The store is gone: machine 0 finished, or was lost. Its workers' own end (a success, or
         // a collective that fails naming the lost machine) says which.
@@ -225,12 +313,19 @@ int run_elastic(const LaunchPlan& plan, detail::Supervisor& supervisor, const st
       }
     };
     const auto result = supervisor.run(specs, options);
-    last_round = round;
-    if (result.interrupted || result.preempted) return result.exit_code;
-    if (result.regrouped) {
+    if (result.interrupted) return result.exit_code;
+    bool regroup = result.regrouped;
+    if (!regroup && result.exit_code != 0) {
+      try {  // stopped by a peer's regroup rather than failed
+        regroup = rdzv.has(round_key(round, "regroup"), quick);
+      } catch (const std::exception&) {
+      }
+    }
+    if (regroup) {
       say(plan, "a machine is waiting to join: forming the group again");
       continue;
     }
+    if (result.preempted) return result.exit_code;
     if (result.exit_code == 0) {
       finish_round(plan, rdzv, round, members, serves_store);
       return 0;
@@ -238,6 +333,19 @@ int run_elastic(const LaunchPlan& plan, detail::Supervisor& supervisor, const st
     if (++failures > plan.max_restarts) return result.exit_code;
     say(plan, "restarting with the machines that remain (restart " + std::to_string(failures) + " of " +
                   std::to_string(plan.max_restarts) + ")");
+  }
+}
+
+}  // namespace
+
+int run_elastic(const LaunchPlan& plan, detail::Supervisor& supervisor, const std::map<std::string, std::string>& base,
+                const fs::path& scratch, int port, bool serves_store) {
+  try {
+    return run(plan, supervisor, base, scratch, port, serves_store);
+  } catch (const StopRequested& stop) {
+    std::cerr << "accelerate launch: stopped: the launcher received " << signal_text(stop.signal)
+              << " while waiting at the elastic job's rendezvous" << std::endl;
+    return 128 + stop.signal;
   }
 }
 

@@ -35,7 +35,8 @@ void plan_elastic(const LaunchArgs& args, LaunchPlan& plan) {
       char* end = nullptr;
       const std::string value = eq == std::string::npos ? "" : entry.substr(eq + 1);
       plan.last_call_timeout = std::strtod(value.c_str(), &end);
-      ACCELERATE_CHECK_VALUE(!value.empty() && end != nullptr && *end == '\0' && plan.last_call_timeout >= 0,
+      ACCELERATE_CHECK_VALUE(!value.empty() && end != nullptr && *end == '\0' && plan.last_call_timeout >= 0 &&
+                                 plan.last_call_timeout <= 86400,
                              "[launch] --rdzv_conf: last_call_timeout must be a number of seconds, got '", value, "'");
     }
   }
@@ -144,6 +145,30 @@ void plan_parallelism(const LaunchArgs& args, const std::optional<ClusterConfig>
 
 }
 
+// The machines the rendezvous expects: its numbering against the back-end, once that is chosen (a
+// host file or the config file's mpirun_config choose MPI too), and against a Slurm allocation.
+void check_rendezvous(const LaunchPlan& plan) {
+  ACCELERATE_CHECK_VALUE(!plan.elastic || plan.backend != "mpi",
+                         "[launch] an elastic job (--nnodes MIN:MAX) runs one launcher per machine; --backend mpi "
+                         "starts every machine's workers from one mpirun, which cannot lose or gain a machine");
+  ACCELERATE_CHECK_VALUE(!plan.machine_rank_at_rendezvous || plan.backend != "mpi",
+                         "[launch] --rdzv_backend c10d numbers the machines of one launcher each; with --backend mpi, "
+                         "one launcher on the machine of rank 0 starts every machine's workers through mpirun");
+  // Inside a Slurm allocation, a job on more machines than it has nodes would wait for the missing
+  // ones until --rdzv_timeout. An elastic job needs only its minimum.
+  const int needed = plan.elastic ? plan.min_machines : plan.num_machines;
+  if (const auto nodes = get_env("SLURM_JOB_NUM_NODES"); nodes && !nodes->empty() && needed > 1) {
+    const int allocated = std::atoi(nodes->c_str());
+    ACCELERATE_CHECK_VALUE(allocated <= 0 || needed <= allocated, "[launch] the job has ",
+                           plan.elastic ? "a minimum of " : "", plan.elastic ? "--nnodes " : "--num_machines ",
+                           plan.elastic ? std::to_string(needed) + ":" + std::to_string(plan.num_machines)
+                                        : std::to_string(needed),
+                           ", but its Slurm allocation (job ", get_env("SLURM_JOB_ID").value_or("?"), ") has ",
+                           allocated, " node(s) (SLURM_JOB_NUM_NODES): ask for --nodes=", needed,
+                           ", or launch fewer machines");
+  }
+}
+
 // The job's size and place: processes, machines, the main process's address.
 void check_job_size(LaunchPlan& plan, bool ip_given) {
   ACCELERATE_CHECK_VALUE(plan.num_processes >= 1, "[launch] --num_processes must be at least 1, got ",
@@ -169,24 +194,6 @@ void check_job_size(LaunchPlan& plan, bool ip_given) {
   }
   ACCELERATE_CHECK_VALUE(plan.main_process_port >= 0 && plan.main_process_port <= 65535,
                          "[launch] --main_process_port must be a TCP port (0-65535), got ", plan.main_process_port);
-  ACCELERATE_CHECK_VALUE(!plan.elastic || plan.backend != "mpi",
-                         "[launch] an elastic job (--nnodes MIN:MAX) runs one launcher per machine; --backend mpi "
-                         "starts every machine's workers from one mpirun, which cannot lose or gain a machine");
-  ACCELERATE_CHECK_VALUE(!plan.machine_rank_at_rendezvous || plan.backend != "mpi",
-                         "[launch] --rdzv_backend c10d numbers the machines of one launcher each; with --backend mpi, "
-                         "one launcher on the machine of rank 0 starts every machine's workers through mpirun");
-  // Inside a Slurm allocation, a job on more machines than it has nodes would wait for the missing
-  // ones until --rdzv_timeout.
-  // An elastic job needs only its minimum.
-  const int needed = plan.elastic ? plan.min_machines : plan.num_machines;
-  if (const auto nodes = get_env("SLURM_JOB_NUM_NODES"); nodes && !nodes->empty() && needed > 1) {
-    const int allocated = std::atoi(nodes->c_str());
-    ACCELERATE_CHECK_VALUE(allocated <= 0 || needed <= allocated, "[launch] the job has ",
-                           plan.elastic ? "at least " : "", "--num_machines ", needed,
-                           ", but its Slurm allocation (job ", get_env("SLURM_JOB_ID").value_or("?"), ") has ",
-                           allocated, " node(s) (SLURM_JOB_NUM_NODES): ask for --nodes=", needed,
-                           ", or launch fewer machines");
-  }
   if (plan.num_machines > 1) {
     ACCELERATE_CHECK_VALUE(ip_given, "[launch] a job on ", plan.num_machines,
                            " machines needs --main_process_ip, the address of the machine of rank 0");
@@ -319,6 +326,7 @@ LaunchPlan resolve_launch(const LaunchArgs& args) {
   choose_backend(args, config, plan);
   read_secret(args, plan);
   check_hostfile_backend(plan);
+  check_rendezvous(plan);
   plan_output_and_threads(args, plan);
   plan_command(args, plan);
   return plan;

@@ -162,11 +162,15 @@ std::string ssh_failure(const std::deque<std::string>& tail) {
     const auto end = rest.find_first_of(" \t");
     return rest.substr(0, end);
   };
-  std::string changed_host;
+  std::string changed_host, unknown_host;
   for (const auto& line : tail) {
     if (auto host = after(line, "Host key for "); !host.empty()) changed_host = host;
-    if (auto host = after(line, "host key is known for "); !host.empty()) changed_host = host;
+    if (auto host = after(line, "host key is known for "); !host.empty()) unknown_host = host;
     if (line.find("Host key verification failed") != std::string::npos) {
+      if (!unknown_host.empty()) {
+        return "ssh refused to log in to " + unknown_host +
+               ": known_hosts holds no key for it (Host key verification failed)";
+      }
       return "ssh refused to log in to " + (changed_host.empty() ? std::string("a machine of the host file") : changed_host) +
              ": its host key is not the one known_hosts holds for it (Host key verification failed)";
     }
@@ -188,7 +192,6 @@ std::string last_error(const Worker& w) {
     while (!msg.empty() && (msg.back() == '\n' || msg.back() == ' ')) msg.pop_back();
     if (!msg.empty()) return msg;
   }
-  if (auto ssh = ssh_failure(w.err.tail); !ssh.empty()) return ssh;
   for (auto it = w.err.tail.rbegin(); it != w.err.tail.rend(); ++it) {
     const std::string& line = *it;
     if (line.find("rror") != std::string::npos || line.find("what()") != std::string::npos ||
@@ -385,8 +388,10 @@ class Attempt {
       if (result_.root_cause.empty()) {
         result_.root_cause = "the launcher received " + signal_name(interrupt_signal_);
         // The last line says why the job ended (a scheduler's scancel or time limit, a Ctrl-C).
-        say("stopped: the launcher received " + signal_name(interrupt_signal_) + "; its " +
-            std::to_string(workers_.size()) + " worker(s) have ended");
+        const auto started =
+            std::count_if(workers_.begin(), workers_.end(), [](const Worker& w) { return w.pid > 0; });
+        say("stopped: the launcher received " + signal_name(interrupt_signal_) + "; its " + std::to_string(started) +
+            " worker(s) have ended");
       }
     }
     return result_;
@@ -782,7 +787,9 @@ class Attempt {
       msg << "rank " << root_->spec->rank << " (local rank " << root_->spec->local_rank << ", pid " << root_->pid
           << ") " << describe_status(root_->status);
     }
-    const std::string error = last_error(*root_);
+    // Note [A machine that ssh cannot reach]: only mpirun's own output is read for ssh's lines.
+    std::string error = root_ == &carrier_proc_ ? ssh_failure(root_->err.tail) : std::string();
+    if (error.empty()) error = last_error(*root_);
     if (!error.empty()) msg << "\n  error: " << error;
     result_.root_cause = msg.str();
     result_.exit_code = exit_code_of(root_->status);
@@ -825,6 +832,17 @@ class Attempt {
 };
 
 }  // namespace
+
+int Supervisor::stop_requested() {
+  struct signalfd_siginfo info {};
+  while (pending_signal_ == 0 && ::read(signal_fd_, &info, sizeof(info)) == static_cast<ssize_t>(sizeof(info))) {
+    const int sig = static_cast<int>(info.ssi_signo);
+    if (std::find(std::begin(kForwardedSignals), std::end(kForwardedSignals), sig) != std::end(kForwardedSignals)) {
+      pending_signal_ = sig;
+    }
+  }
+  return pending_signal_;
+}
 
 AttemptResult Supervisor::run(const std::vector<WorkerSpec>& specs, const SuperviseOptions& options,
                               const CarrierSpec* carrier) {

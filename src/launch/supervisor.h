@@ -72,6 +72,11 @@ class Supervisor {
   AttemptResult run(const std::vector<WorkerSpec>& workers, const SuperviseOptions& options,
                     const CarrierSpec* carrier = nullptr);
 
+  /// Between attempts (while the launcher waits at a rendezvous): the signal that asks the
+  /// launcher to stop (SIGINT, SIGTERM, SIGHUP) if one came, else 0. Signals passed on to workers
+  /// (SIGUSR1, SIGUSR2) are dropped: there are none to pass them to.
+  int stop_requested();
+
  private:
   int signal_fd_ = -1;
   int pending_signal_ = 0;  // a signal received between attempts

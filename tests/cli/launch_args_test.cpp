@@ -315,8 +315,6 @@ TEST_F(ResolveLaunch, TheRendezvousBackendIsStaticOrC10d) {
   EXPECT_FALSE(ranked.machine_rank_at_rendezvous);
   EXPECT_EQ(ranked.machine_rank, 1);
   EXPECT_THROWS_WITH(with({"--rdzv_backend", "etcd"}), "--rdzv_backend must be static or c10d, got 'etcd'");
-  EXPECT_THROWS_WITH(with({"--rdzv_backend", "c10d", "--backend", "mpi"}),
-                     "with --backend mpi, one launcher on the machine of rank 0 starts every machine's workers");
 }
 
 TEST_F(ResolveLaunch, NnodesIsTheNumberOfMachinesOrAnElasticRange) {
@@ -345,12 +343,27 @@ TEST_F(ResolveLaunch, NnodesIsTheNumberOfMachinesOrAnElasticRange) {
                      "--nnodes 1:2 and --num_machines 3 disagree");
   EXPECT_THROWS_WITH(with({"--nnodes", "1:2", "--rdzv_backend", "c10d", "--machine_rank", "1"}),
                      "--machine_rank cannot be given with --nnodes 1:2");
-  EXPECT_THROWS_WITH(with({"--nnodes", "1:2", "--rdzv_backend", "c10d", "--backend", "mpi"}),
-                     "an elastic job (--nnodes MIN:MAX) runs one launcher per machine");
   EXPECT_THROWS_WITH(with({"--nnodes", "1:2", "--rdzv_backend", "c10d", "--rdzv_conf", "join_timeout=3"}),
                      "--rdzv_conf: unknown setting 'join_timeout'");
   EXPECT_THROWS_WITH(with({"--nnodes", "1:2", "--rdzv_backend", "c10d", "--rdzv_conf", "last_call_timeout=soon"}),
                      "last_call_timeout must be a number of seconds, got 'soon'");
+}
+
+TEST_F(ResolveLaunch, MachinesNumberedAtTheRendezvousAreRefusedUnderMpi) {
+  if (!accelerate::is_mpi_available()) GTEST_SKIP() << "built without MPI";
+  // A host file chooses MPI, as --backend mpi does.
+  const std::string hosts = (home_.path() / "hosts").string();
+  std::ofstream(hosts) << "10.0.0.1 slots=2\n10.0.0.2 slots=2\n";
+  auto with = [&](Args more) {
+    Args argv = {"--num_processes", "4", "--main_process_ip", "10.0.0.1", "--mpirun_hostfile", hosts};
+    argv.insert(argv.end(), more.begin(), more.end());
+    argv.push_back("/bin/true");
+    return resolve(argv);
+  };
+  EXPECT_THROWS_WITH(with({"--num_machines", "2", "--rdzv_backend", "c10d"}),
+                     "with --backend mpi, one launcher on the machine of rank 0 starts every machine's workers");
+  EXPECT_THROWS_WITH(with({"--nnodes", "1:2", "--rdzv_backend", "c10d"}),
+                     "an elastic job (--nnodes MIN:MAX) runs one launcher per machine");
 }
 
 TEST_F(ResolveLaunch, TeeAcceptsOnlyZeroToThree) {

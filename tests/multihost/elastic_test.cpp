@@ -176,6 +176,23 @@ TEST(Elastic, FewerMachinesThanTheMinimumWithinTheRendezvousTimeoutAreNamed) {
   EXPECT_FALSE(fs::exists(dir.path() / "progress")) << "workers ran without the minimum of machines";
 }
 
+TEST(Elastic, ALauncherWaitingAtTheRendezvousStopsOnSigterm) {
+  HostPair hosts;
+  ACCELERATE_REQUIRE_HOSTS(hosts);
+  TempDir dir;
+  auto argv = launcher({"--nnodes", "2:3", "--rdzv_backend", "c10d", "--num_processes", "6"});
+  argv.insert(argv.end(), {built("tests/mp_elastic"), "--dir", dir.str(), "--steps", "2"});
+  Running waiting(hosts.in(0, argv), kSecret);  // alone: below the minimum of 2 machines
+  std::this_thread::sleep_for(std::chrono::seconds(1));
+  const auto asked = std::chrono::steady_clock::now();
+  waiting.signal(SIGTERM);
+  waiting.wait(60);
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - asked).count(), 5);
+  EXPECT_EQ(waiting.exit_code(), 128 + SIGTERM) << waiting.err;
+  EXPECT_THAT(waiting.err, HasSubstr("stopped: the launcher received SIGTERM while waiting at the elastic job's "
+                                     "rendezvous"));
+}
+
 TEST(Elastic, ACheckpointUnreadableAtTheRejoinIsNamedInTheLastLine) {
   HostPair hosts;
   ACCELERATE_REQUIRE_HOSTS(hosts);
