@@ -285,18 +285,7 @@ int run(const LaunchPlan& plan, detail::Supervisor& supervisor, const std::map<s
     group.machine_rank = rank;
     say(plan, "round " + std::to_string(round) + " of the rendezvous: this is machine " + std::to_string(rank) +
                   " of " + std::to_string(members) + " (" + std::to_string(group.num_processes) + " processes)");
-    std::vector<detail::WorkerSpec> specs(plan.local_num_processes);
-    for (int local = 0; local < plan.local_num_processes; ++local) {
-      auto& spec = specs[local];
-      spec.local_rank = local;
-      spec.rank = rank * plan.local_num_processes + local;
-      spec.argv = plan.command;
-      spec.error_file = (scratch / ("error_" + std::to_string(round) + "_" + std::to_string(spec.rank))).string();
-      auto env = base;
-      for (auto& [k, v] : worker_environment(group, local, port, round)) env[k] = v;
-      env["ACCELERATE_ERROR_FILE"] = spec.error_file;
-      for (auto& [k, v] : env) spec.env.push_back(k + "=" + v);
-    }
+    const auto specs = detail::worker_specs(group, base, scratch, port, round);
     auto options = detail::supervise_options(plan, round);
     const auto quick = std::chrono::seconds(2);  // the supervisor must not wait long on the store
     options.regroup = [&, round, members, quick] {

@@ -199,18 +199,7 @@ int launch_command(const LaunchPlan& given) {
                 << attempt + 1 << " of " << plan.max_restarts << ")" << std::endl;
       continue;
     }
-    std::vector<detail::WorkerSpec> specs(plan.local_num_processes);
-    for (int local = 0; local < plan.local_num_processes; ++local) {
-      auto& spec = specs[local];
-      spec.local_rank = local;
-      spec.rank = plan.machine_rank * plan.local_num_processes + local;
-      spec.argv = plan.command;
-      spec.error_file = (scratch / ("error_" + std::to_string(attempt) + "_" + std::to_string(spec.rank))).string();
-      auto env = base;
-      for (auto& [k, v] : worker_environment(plan, local, port, attempt)) env[k] = v;
-      env["ACCELERATE_ERROR_FILE"] = spec.error_file;
-      for (auto& [k, v] : env) spec.env.push_back(k + "=" + v);
-    }
+    const auto specs = detail::worker_specs(plan, base, scratch, port, attempt);
     auto result = supervisor.run(specs, detail::supervise_options(plan, attempt));
     exit_code = result.exit_code;
     if (exit_code == 0 || result.interrupted || result.preempted || attempt >= plan.max_restarts) break;

@@ -853,6 +853,23 @@ AttemptResult Supervisor::run(const std::vector<WorkerSpec>& specs, const Superv
   return attempt.finish();
 }
 
+std::vector<WorkerSpec> worker_specs(const commands::LaunchPlan& plan, const std::map<std::string, std::string>& base,
+                                     const fs::path& scratch, int port, int attempt) {
+  std::vector<WorkerSpec> specs(plan.local_num_processes);
+  for (int local = 0; local < plan.local_num_processes; ++local) {
+    auto& spec = specs[local];
+    spec.local_rank = local;
+    spec.rank = plan.machine_rank * plan.local_num_processes + local;
+    spec.argv = plan.command;
+    spec.error_file = (scratch / ("error_" + std::to_string(attempt) + "_" + std::to_string(spec.rank))).string();
+    auto env = base;
+    for (auto& [k, v] : commands::worker_environment(plan, local, port, attempt)) env[k] = v;
+    env["ACCELERATE_ERROR_FILE"] = spec.error_file;
+    for (auto& [k, v] : env) spec.env.push_back(k + "=" + v);
+  }
+  return specs;
+}
+
 SuperviseOptions supervise_options(const commands::LaunchPlan& plan, int attempt) {
   SuperviseOptions options;
   options.monitor_interval = plan.monitor_interval;

@@ -5,6 +5,8 @@
 
 #include "accelerate/commands/launch.h"
 
+#include <filesystem>
+#include <map>
 #include <functional>
 #include <optional>
 #include <string>
@@ -48,6 +50,11 @@ struct SuperviseOptions {
 
 /// The supervision settings of attempt `attempt` of a launch.
 SuperviseOptions supervise_options(const commands::LaunchPlan& plan, int attempt);
+
+/// The workers this machine runs in attempt `attempt` of `plan` (machine `plan.machine_rank` of
+/// `plan.num_machines`): `base` plus the launch contract's variables, error files in `scratch`.
+std::vector<WorkerSpec> worker_specs(const commands::LaunchPlan& plan, const std::map<std::string, std::string>& base,
+                                     const std::filesystem::path& scratch, int port, int attempt);
 
 /// How one attempt ended.
 struct AttemptResult {
