@@ -1740,6 +1740,43 @@ TEST_P(Resume, ShardedShuffledRanksResumeTogether) {
   }
 }
 
+// A job that changes size: the position of 4 processes, each 3 batches in, is batch 12 of the
+// whole order, where 2 processes go on (6 batches each) and 5 cannot (12 is no multiple of 5).
+TEST(DataLoaderState, APositionOfFourProcessesResumesAtTheSamePlaceOfTheWholeOrderOnTwo) {
+  std::vector<std::string> saved(4);
+  run_ranks(4, [&](const PartialState& state) {
+    auto loader =
+        prepare_data_loader(DataLoader(range_dataset(48), {.batch_size = 2}), state, GradientState::standalone());
+    int taken = 0;
+    for (auto& batch : loader) {
+      (void)batch;
+      if (++taken == 3) saved[static_cast<size_t>(state.process_index())] = loader.state_dict().to_json();
+    }
+  });
+  const auto four = DataLoaderState::from_json(saved[0]);
+  EXPECT_EQ(four.num_processes, 4);
+  EXPECT_EQ(four.batches_yielded, 3);
+  std::vector<Batches> resumed(2);
+  run_ranks(2, [&](const PartialState& state) {
+    auto loader =
+        prepare_data_loader(DataLoader(range_dataset(48), {.batch_size = 2}), state, GradientState::standalone());
+    loader.load_state_dict(four);
+    resumed[static_cast<size_t>(state.process_index())] = batches_of(loader);
+  });
+  // Batches 12, 14, ... to process 0 and 13, 15, ... to process 1: samples 24 on.
+  ASSERT_EQ(resumed[0].size(), 6u);
+  EXPECT_EQ(resumed[0].front(), (std::vector<int64_t>{24, 25}));
+  EXPECT_EQ(resumed[1].front(), (std::vector<int64_t>{26, 27}));
+  EXPECT_EQ(resumed[1].back(), (std::vector<int64_t>{46, 47}));
+  run_ranks(5, [&](const PartialState& state) {
+    auto loader =
+        prepare_data_loader(DataLoader(range_dataset(48), {.batch_size = 2}), state, GradientState::standalone());
+    EXPECT_THROWS_WITH(loader.load_state_dict(four),
+                       "stands at batch 3 of each of 4 processes (batch 12 of the whole order), which does not "
+                       "divide among this loader's 5 processes");
+  });
+}
+
 TEST_P(Resume, ADispatchingLoaderResumesAtTheNextBatch) {
   const int workers = GetParam();
   std::vector<Batches> reference(2);
@@ -1791,7 +1828,8 @@ TEST(Resume, AStateThatDoesNotFitTheLoaderIsRefused) {
 }
 
 TEST(DataLoaderState, RoundTripsThroughJson) {
-  const DataLoaderState state{.epoch = 3, .batches_yielded = 7, .iterator_finished = false, .generator_state = "0aff"};
+  const DataLoaderState state{
+      .epoch = 3, .batches_yielded = 7, .iterator_finished = false, .generator_state = "0aff", .num_processes = 2};
   EXPECT_EQ(DataLoaderState::from_json(state.to_json()), state);
   EXPECT_THAT(state.to_json(), HasSubstr("\"batches_yielded\":7"));
 }

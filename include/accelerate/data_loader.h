@@ -474,8 +474,14 @@ struct DataLoaderState {
   bool iterator_finished = false;
   /// The sampler's generator state at the start of the pass (hex), empty without a generator.
   std::string generator_state{};
+  /// The processes `batches_yielded` counts the batches of each of: a prepared loader's processes
+  /// take their own batches of the whole order in turn, so its position of k batches stands for
+  /// k x num_processes of them (1: the position counts whole batches, as with `split_batches`;
+  /// 0: not known, as in states written before it was kept). Loading into a loader of another
+  /// number of processes converts the position (beyond upstream: a job that changes size).
+  int64_t num_processes = 0;
 
-  /// The state as a JSON object with the four keys above.
+  /// The state as a JSON object with the five keys above ("num_processes" may be absent).
   std::string to_json() const;
   /// Parses `to_json`'s output; raises a ValueError naming the key that is missing or wrong.
   static DataLoaderState from_json(const std::string& text);

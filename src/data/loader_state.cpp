@@ -62,6 +62,15 @@ void set_generator_state_hex(at::Generator generator, const std::string& hex, co
   }
 }
 
+// The processes whose batches a position of this loader counts (DataLoaderState::num_processes):
+// those of a prepared loader that deals the whole order's batches out in turn (a sharded batch
+// sampler, a sharded iterable dataset, a dispatcher without split_batches); 1 when each process's
+// batches are slices of whole ones, or the loader is not prepared.
+int64_t position_shards(const DataLoaderImpl& L) {
+  if (L.kind == LoaderKind::kPlain || L.split_batches) return 1;
+  return L.state ? L.state->num_processes() : L.num_processes;
+}
+
 }  // namespace detail
 
 DataLoaderState DataLoader::state_dict() const {
@@ -69,6 +78,7 @@ DataLoaderState DataLoader::state_dict() const {
   const auto generator = detail::generator_of(L);
   const auto current_generator = [&] { return generator ? detail::generator_state_hex(*generator) : std::string(); };
   DataLoaderState state;
+  state.num_processes = detail::position_shards(L);
   if (L.in_pass && !L.end_of_dataloader) {
     // Mid-pass: the order is replayed from the generator as it was when the pass started.
     state.epoch = L.iteration;
@@ -101,8 +111,19 @@ void DataLoader::load_state_dict(const DataLoaderState& state) const {
                     "[DataLoader::load_state_dict] this loader's sampler draws from a generator, but the state holds "
                     "no generator state (was the state saved from a loader that does not shuffle?)");
   if (generator) detail::set_generator_state_hex(*generator, state.generator_state, "DataLoader::load_state_dict");
+  // A position saved by another number of processes: the same place in the whole order.
+  int64_t position = state.batches_yielded;
+  const int64_t shards = detail::position_shards(L);
+  if (state.num_processes > 0 && state.num_processes != shards && position > 0) {
+    const int64_t whole = position * state.num_processes;
+    TORCH_CHECK_VALUE(whole % shards == 0, "[DataLoader::load_state_dict] the state stands at batch ", position,
+                      " of each of ", state.num_processes, " processes (batch ", whole,
+                      " of the whole order), which does not divide among this loader's ", shards,
+                      " processes: resume from a state saved at a step whose batches they share evenly");
+    position = whole / shards;
+  }
   L.iteration = state.epoch;
-  L.resume_position = state.batches_yielded > 0 ? std::optional<int64_t>(state.batches_yielded) : std::nullopt;
+  L.resume_position = position > 0 ? std::optional<int64_t>(position) : std::nullopt;
   L.in_pass = false;
   L.end_of_dataloader = false;
   L.last_pass_finished = state.iterator_finished;
@@ -114,7 +135,8 @@ std::string DataLoaderState::to_json() const {
   nlohmann::json j = {{"epoch", epoch},
                       {"batches_yielded", batches_yielded},
                       {"iterator_finished", iterator_finished},
-                      {"generator_state", generator_state}};
+                      {"generator_state", generator_state},
+                      {"num_processes", num_processes}};
   return j.dump();
 }
 
@@ -144,6 +166,7 @@ DataLoaderState DataLoaderState::from_json(const std::string& text) {
                     "[DataLoaderState::from_json] expected \"generator_state\" to be a string, got ",
                     j.contains("generator_state") ? j.at("generator_state").dump() : std::string("nothing"));
   state.generator_state = j.at("generator_state").get<std::string>();
+  if (j.contains("num_processes")) state.num_processes = integer("num_processes");
   TORCH_CHECK_VALUE(
       detail::is_hex(state.generator_state),
       "[DataLoaderState::from_json] expected \"generator_state\" to be an even number of hex digits, got ",
