@@ -2,6 +2,8 @@
 // machine into a `LaunchPlan`, and each worker's environment (the torchrun contract).
 #include "accelerate/commands/launch.h"
 
+#include "build_config.h"
+
 #include "accelerate/utils/environment.h"
 #include "detail/check.h"
 #include "detail/topology.h"
@@ -12,6 +14,7 @@
 
 #include <filesystem>
 #include <sstream>
+#include <thread>
 
 namespace accelerate::commands {
 namespace {

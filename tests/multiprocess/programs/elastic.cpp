@@ -11,6 +11,7 @@
 // "step <s> world <w> accumulation <a> loss <l>" after each step, and writes "<round> <step>" to
 // <dir>/progress once the step is saved (round: the launcher's attempt).
 #include "accelerate/accelerate.h"
+#include "step_counter.h"
 
 #include <torch/torch.h>
 
@@ -29,11 +30,7 @@ namespace acc = accelerate;
 
 namespace {
 
-struct Progress {
-  int64_t step = 0;
-  nlohmann::json state_dict() const { return {{"step", step}}; }
-  void load_state_dict(const nlohmann::json& state) { step = state.at("step").get<int64_t>(); }
-};
+using Progress = accelerate::testing::StepCounter;
 
 constexpr int kGlobalBatch = 16;
 constexpr int kBatch = 2;

@@ -15,6 +15,7 @@
 //                    saves and ends with kPreemptedExitCode itself
 //   --signals A,B    the signals that ask the job to stop (default: PreemptionKwargs's)
 #include "accelerate/accelerate.h"
+#include "step_counter.h"
 
 #include <torch/torch.h>
 
@@ -32,11 +33,7 @@ namespace acc = accelerate;
 
 namespace {
 
-struct Progress {
-  int64_t step = 0;
-  nlohmann::json state_dict() const { return {{"step", step}}; }
-  void load_state_dict(const nlohmann::json& state) { step = state.at("step").get<int64_t>(); }
-};
+using Progress = accelerate::testing::StepCounter;
 
 }  // namespace
 
