@@ -1,4 +1,4 @@
-// Elastic membership; see elastic.h.
+// The c10d rendezvous of the launchers: machine ranks and elastic membership; see elastic.h.
 #include "launch/elastic.h"
 
 #include "detail/check.h"
@@ -89,7 +89,7 @@ class Rendezvous {
       if (Clock::now() > deadline) break;
       std::this_thread::sleep_for(std::chrono::milliseconds(200));
     }
-    detail::raise_error(detail::concat("[launch] could not reach the elastic job's rendezvous at ",
+    detail::raise_error(detail::concat("[launch] could not reach the job's rendezvous at ",
                                        plan_.main_process_ip, ":", port_, " within --rdzv_timeout (",
                                        plan_.rdzv_timeout, "s): ", failure));
   }
@@ -119,7 +119,7 @@ class Rendezvous {
     try {
       return store_->request(op, args, timeout);
     } catch (const std::exception& e) {
-      detail::raise_error(detail::concat("[launch] the elastic job's rendezvous store at ", plan_.main_process_ip,
+      detail::raise_error(detail::concat("[launch] the job's rendezvous store at ", plan_.main_process_ip,
                                          ":", port_, " stopped answering (the job ended, or the machine serving it "
                                          "was lost): ",
                                          detail::error_text(e)));
@@ -326,6 +326,26 @@ int run(const LaunchPlan& plan, detail::Supervisor& supervisor, const std::map<s
 }
 
 }  // namespace
+
+// Note [Machine ranks from the rendezvous]
+// Upstream's Slurm recipe runs the same `accelerate launch --rdzv_backend c10d` on every node,
+// without --machine_rank. The launcher on the machine that has --main_process_ip's address is
+// machine 0: it serves the store, as with static ranks. Every other launcher adds 1 to
+// kMachinesKey, once, and takes the count it gets back as its machine rank, so machines are
+// numbered in the order they join. A launcher that gets a number past --num_machines - 1 is one
+// launcher too many (a second one on a machine, or a larger allocation than the job), and says so.
+int machine_rank_at_rendezvous(const LaunchPlan& plan, int port) {
+  constexpr const char* kMachinesKey = "accelerate/rdzv/machines_joined";
+  Rendezvous rdzv(plan, port);
+  rdzv.connect();
+  const int rank = rdzv.add(kMachinesKey, 1);
+  ACCELERATE_CHECK_VALUE(rank < plan.num_machines, "[launch] this launcher joined the rendezvous at ",
+                         plan.main_process_ip, ":", port, " as machine ", rank, ", but the job has --num_machines ",
+                         plan.num_machines,
+                         ": more launchers than machines joined it (one started twice, or the allocation has more "
+                         "machines than the job)");
+  return rank;
+}
 
 int run_elastic(const LaunchPlan& plan, detail::Supervisor& supervisor, const std::map<std::string, std::string>& base,
                 const fs::path& scratch, int port, bool serves_store) {

@@ -1,6 +1,7 @@
-// Elastic membership for `accelerate launch --nnodes MIN:MAX --rdzv_backend c10d`: the rounds of
-// the rendezvous through which the machines of a job form, lose and regain their group (Note
-// [Elastic membership] in elastic.cpp).
+// The c10d rendezvous of `accelerate launch --rdzv_backend c10d`: machine ranks numbered as the
+// launchers join (Note [Machine ranks from the rendezvous] in elastic.cpp), and, with --nnodes
+// MIN:MAX, the rounds through which the machines of a job form, lose and regain their group
+// (Note [Elastic membership]).
 #pragma once
 
 #include "accelerate/commands/launch.h"
@@ -11,6 +12,11 @@
 #include <string>
 
 namespace accelerate::commands {
+
+/// This machine's rank, numbered at the rendezvous at --main_process_ip:`port` (a launcher that is
+/// not machine 0, which serves the store). Throws when it cannot be reached within --rdzv_timeout,
+/// or when more launchers than --num_machines joined.
+int machine_rank_at_rendezvous(const LaunchPlan& plan, int port);
 
 /// Runs an elastic job on this machine until it succeeds, fails past --max_restarts, or is
 /// stopped; returns the launcher's exit code. `serves_store`: this machine's launcher serves the

@@ -77,47 +77,6 @@ int attempt_to_join(const LaunchPlan& plan, int port, int own) {
       "s): it has no restart left (--max_restarts), or this machine's launcher runs twice"));
 }
 
-// Note [Machine ranks from the rendezvous]
-// Upstream's Slurm recipe runs the same `accelerate launch --rdzv_backend c10d` on every node,
-// without --machine_rank. The launcher on the machine that has --main_process_ip's address is
-// machine 0: it serves the store, as with static ranks. Every other launcher adds 1 to
-// kMachinesKey and takes the count it gets back as its machine rank, so machines are numbered in
-// the order they join. A launcher that gets a number past --num_machines - 1 is one launcher too
-// many (a second one on a machine, or a larger allocation than the job), and says so.
-constexpr const char* kMachinesKey = "accelerate/rdzv/machines_joined";
-
-int machine_rank_at_rendezvous(const LaunchPlan& plan) {
-  namespace proto = detail::store_protocol;
-  const auto deadline =
-      std::chrono::steady_clock::now() +
-      std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(plan.rdzv_timeout));
-  std::string failure;
-  int rank = -1;
-  while (rank < 0) {
-    try {
-      detail::StoreConnection store(plan.main_process_ip, plan.main_process_port, plan.rdzv_secret,
-                                    std::chrono::seconds(5));
-      const auto sum = store.request(proto::Op::kAdd, {kMachinesKey, "1"}, std::chrono::seconds(5));
-      if (sum.size() == 1) rank = std::stoi(sum[0]);
-    } catch (const std::exception& e) {
-      failure = detail::error_text(e);
-    }
-    if (rank >= 0 || std::chrono::steady_clock::now() > deadline) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(200));
-  }
-  if (rank >= 0) {
-    ACCELERATE_CHECK_VALUE(rank < plan.num_machines, "[launch] this launcher joined the rendezvous at ",
-                           plan.main_process_ip, ":", plan.main_process_port, " as machine ", rank,
-                           ", but the job has --num_machines ", plan.num_machines,
-                           ": more launchers than machines joined it (one started twice, or the allocation has "
-                           "more machines than the job)");
-    return rank;
-  }
-  detail::raise_error(detail::concat("[launch] could not join the rendezvous at ", plan.main_process_ip, ":",
-                                     plan.main_process_port, " within --rdzv_timeout (", plan.rdzv_timeout,
-                                     "s) to get this machine's rank: ", failure));
-}
-
 }  // namespace
 
 int launch_command(const LaunchPlan& given) {
@@ -137,7 +96,7 @@ int launch_command(const LaunchPlan& given) {
   }
 
   if (plan.machine_rank < 0 && !plan.elastic) {
-    plan.machine_rank = machine_rank_at_rendezvous(plan);
+    plan.machine_rank = machine_rank_at_rendezvous(plan, port);
     if (!plan.quiet) {
       std::cerr << "accelerate launch: this is machine " << plan.machine_rank << " of " << plan.num_machines
                 << " (numbered at the rendezvous at " << plan.main_process_ip << ":" << plan.main_process_port << ")"

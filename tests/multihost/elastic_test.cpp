@@ -191,6 +191,33 @@ TEST(Elastic, FewerMachinesThanTheMinimumWithinTheRendezvousTimeoutAreNamed) {
   EXPECT_FALSE(fs::exists(dir.path() / "progress")) << "workers ran without the minimum of machines";
 }
 
+// Note [Machine ranks from the rendezvous]: a third launcher for a job of two machines.
+TEST(C10dRendezvous, ALauncherMoreThanTheMachinesOfTheJobIsToldSo) {
+  HostPair hosts;
+  ACCELERATE_REQUIRE_HOSTS(hosts);
+  TempDir dir;
+  auto argv = launcher({"--num_machines", "2", "--rdzv_backend", "c10d", "--num_processes", "4"});
+  argv.insert(argv.end(), {worker_bin(), "barriers", dir.str(), "30"});
+  Running first(hosts.in(0, argv), kSecret);
+  Running second(hosts.in(1, argv), kSecret);
+  std::vector<pid_t> workers;
+  for (int rank = 0; rank < 4; ++rank) workers.push_back(wait_for_int_file(dir.str() + "/pid_" + std::to_string(rank), 60));
+  auto extra = testing::run(hosts.in(1, argv), 60, kSecret);
+  EXPECT_EQ(extra->exit_code(), 2);
+  EXPECT_LT(extra->elapsed, 30);
+  EXPECT_THAT(extra->err, HasSubstr("this launcher joined the rendezvous at " + HostPair::address(0) +
+                                    ":29500 as machine 2, but the job has --num_machines 2: more launchers than "
+                                    "machines joined it"));
+  // The job it tried to join goes on undisturbed, until it is stopped.
+  for (pid_t pid : workers) EXPECT_FALSE(process_gone(pid)) << "worker " << pid;
+  first.signal(SIGTERM);
+  second.signal(SIGTERM);
+  first.wait(60);
+  second.wait(60);
+  EXPECT_EQ(first.exit_code(), 128 + SIGTERM) << first.err;
+  EXPECT_EQ(second.exit_code(), 128 + SIGTERM) << second.err;
+}
+
 TEST(Elastic, ALauncherWaitingAtTheRendezvousStopsOnSigterm) {
   HostPair hosts;
   ACCELERATE_REQUIRE_HOSTS(hosts);

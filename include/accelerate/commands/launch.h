@@ -70,7 +70,7 @@ struct LaunchPlan {
   int machine_rank = 0;
   /// `--rdzv_backend c10d` without `--machine_rank`: the machine whose address is
   /// --main_process_ip is machine 0; the others get theirs at the rendezvous, in the order they
-  /// join (Note [Machine ranks from the rendezvous] in launch.cpp).
+  /// join (Note [Machine ranks from the rendezvous] in src/launch/elastic.cpp).
   bool machine_rank_at_rendezvous = false;
   std::string rdzv_backend = "static";
   /// `--nnodes MIN:MAX` with MIN < MAX: the job runs on as many of num_machines (MAX) machines
