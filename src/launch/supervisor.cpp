@@ -267,6 +267,18 @@ std::vector<pid_t> own_children() {
 // died before its wrapper could report it, and its wait status is the real one, which makes it the
 // root cause rather than the ranks that mpirun stopped because of it.
 
+// Note [A stop that reached another machine first]
+// A scheduler stops a job of several machines by signalling each machine's launcher, and those
+// signals do not arrive at once: Slurm's scancel reaches one node's step some milliseconds before
+// the other's. The first machine's workers end, and the collective they were in breaks on every
+// other machine, so the other workers fail with "connection reset by peer" before their own
+// launcher has received the very same stop. Blaming that failure would make the last line of one
+// machine say the job crashed when it was cancelled. So in a job of several machines, a launcher
+// whose workers failed waits, for a short window after the first failure (stop_echo_window), for a
+// stop request of its own; one that comes within it makes the failure its echo: the failure is
+// still shown, and the last line and the exit status are the stop's. A failure with no stop after it
+// ends the attempt as before, that window later.
+
 // Note [Signals of other threads]
 // The supervisor blocks the signals it forwards in its own thread and reads them from a signalfd.
 // A thread that a library started before that (LibTorch's CUDA build starts some while it loads)
@@ -362,7 +374,7 @@ class Attempt {
                                         [](const Worker* w) { return w->out.fd >= 0 || w->err.fd >= 0; });
       bool settled = true;
       if (!any_alive) stop_leftovers(settled);
-      if (!any_alive && !any_open && settled) return;
+      if (!any_alive && !any_open && settled && !awaiting_stop()) return;
       poll_once(any_alive, settled);
     }
   }
@@ -382,6 +394,11 @@ class Attempt {
     } else {
       describe_preemption();
     }
+    // Note [A stop that reached another machine first]
+    if (root_ != nullptr && interrupt_signal_ != 0 && options_.stop_echo_window > 0 &&
+        stopped_at_ - failed_at_ <= seconds(options_.stop_echo_window)) {
+      result_.root_cause.clear();
+    }
     if (interrupt_signal_ != 0) {
       result_.interrupted = true;
       if (!result_.preempted) result_.exit_code = 128 + interrupt_signal_;
@@ -398,6 +415,22 @@ class Attempt {
   }
 
  private:
+  static Clock::duration seconds(double s) {
+    return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s));
+  }
+
+  // Note [A stop that reached another machine first]: the workers failed, no stop has come yet,
+  // and the window after the failure is still open.
+  bool awaiting_stop() const {
+    return root_ != nullptr && interrupt_signal_ == 0 && options_.stop_echo_window > 0 &&
+           Clock::now() < failed_at_ + seconds(options_.stop_echo_window);
+  }
+
+  void set_root(const Worker& w) {
+    root_ = &w;
+    failed_at_ = Clock::now();
+  }
+
   static void signal_worker(const Worker& w, int sig) {
     if (!w.alive || w.pid <= 0) return;
     if (::kill(-w.pid, sig) != 0) ::kill(w.pid, sig);
@@ -514,7 +547,7 @@ class Attempt {
       if (any_preempted()) return;
     }
     if (status != 0 && !tearing_down_) {
-      root_ = &w;
+      set_root(w);
       begin_teardown(SIGTERM);
     }
   }
@@ -562,7 +595,7 @@ class Attempt {
       w.release_pipes();
     }
     // mpirun ends with its workers' status: one that stopped as asked is no failure of mpirun's.
-    if (status != 0 && root_ == nullptr && !tearing_down_ && !any_preempted()) root_ = &carrier_proc_;
+    if (status != 0 && root_ == nullptr && !tearing_down_ && !any_preempted()) set_root(carrier_proc_);
     if (status != 0 || orphans) begin_teardown(SIGTERM);
   }
 
@@ -654,6 +687,12 @@ class Attempt {
         }
         signal_all(sig);
         continue;
+      }
+      if (interrupt_signal_ == 0) {
+        stopped_at_ = Clock::now();
+        if (tearing_down_ && !options_.quiet) {
+          say("received " + signal_name(sig) + " while its workers were ending after a failure");
+        }
       }
       if (interrupt_signal_ != 0 || tearing_down_) {
         // A second request to stop: no more grace.
@@ -818,6 +857,8 @@ class Attempt {
   bool killed_hard_ = false;
   Clock::time_point next_regroup_check_ = Clock::time_point::min();
   const Worker* root_ = nullptr;  // the root cause of a failure
+  Clock::time_point failed_at_;   // when root_ ended
+  Clock::time_point stopped_at_;  // when the launcher was first asked to stop
 
   Worker carrier_proc_;
   WorkerSpec carrier_spec_;
@@ -878,6 +919,8 @@ SuperviseOptions supervise_options(const commands::LaunchPlan& plan, int attempt
   options.tee = plan.tee;
   options.attempt = attempt;
   options.quiet = plan.quiet;
+  // Note [A stop that reached another machine first]
+  if (plan.num_machines > 1) options.stop_echo_window = kStopEchoWindow;
   return options;
 }
 

@@ -36,6 +36,9 @@ struct CarrierSpec {
   std::string status_pipe;
 };
 
+/// The stop echo window of a job of several machines.
+inline constexpr double kStopEchoWindow = 2;
+
 struct SuperviseOptions {
   double monitor_interval = 0.1;
   double grace_period = 5;
@@ -43,6 +46,9 @@ struct SuperviseOptions {
   int tee = 3;                         ///< with log_dir: 1 stdout, 2 stderr, 3 both, 0 none on the console
   int attempt = 0;
   bool quiet = false;  ///< no informational lines, only errors
+  /// Seconds a launcher whose workers failed waits for a stop request of its own, which then
+  /// counts as the cause (Note [A stop that reached another machine first]); 0: none.
+  double stop_echo_window = 0;
   /// Asked about every half second while workers run: true stops them (SIGTERM, then SIGKILL past
   /// the grace period) so that the group can be formed again (Note [Elastic membership]).
   std::function<bool()> regroup;

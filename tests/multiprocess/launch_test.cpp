@@ -11,6 +11,7 @@
 #include <fstream>
 #include <iterator>
 #include <regex>
+#include <sstream>
 
 namespace accelerate::testing {
 namespace {
@@ -380,6 +381,75 @@ TEST(Launch, AMachinesLauncherStartedTwiceIsRefusedOnceTheJobIsFullAndLeavesNoSc
   EXPECT_THAT(twice->out, Not(HasSubstr("[rank")));
   EXPECT_TRUE(std::filesystem::is_empty(scratch.path())) << "the refused launcher left its scratch folder behind";
   EXPECT_THAT(machine0.err, Not(HasSubstr("restarting"))) << "the refused launcher disturbed the job";
+}
+
+// The last line a launcher wrote of its own.
+std::string last_launcher_line(const std::string& err) {
+  std::istringstream lines(err);
+  std::string last;
+  for (std::string line; std::getline(lines, line);) {
+    if (line.rfind("accelerate launch: ", 0) == 0) last = line;
+  }
+  return last;
+}
+
+// Two launchers of a job of two machines, one process each, meeting in barriers; `dir` gets the
+// workers' pids.
+struct TwoMachineBarriers {
+  explicit TwoMachineBarriers(const TempDir& dir)
+      : port(std::to_string(free_port())),
+        machine0(launch(flags("0"), {"barriers", dir.str(), "60"}), kJobSecret),
+        machine1(launch(flags("1"), {"barriers", dir.str(), "60"}), kJobSecret) {}
+
+  std::vector<std::string> flags(const char* machine_rank) const {
+    return {"--num_processes", "2", "--num_machines", "2", "--machine_rank", machine_rank, "--main_process_ip",
+            "127.0.0.1", "--main_process_port", port, "--rdzv_timeout", "30", "--grace_period", "2"};
+  }
+
+  std::string port;
+  Running machine0, machine1;
+};
+
+TEST(Launch, AStopThatReachesTheOtherMachineAfterItsWorkersFailedIsTheCauseItsLauncherNames) {
+  // Note [A stop that reached another machine first]: a scheduler's stop reaches machine 0 first;
+  // machine 1's worker fails in its barrier, and the same stop reaches machine 1's launcher
+  // moments later. Its last line names the stop, not the failure it caused.
+  TempDir dir;
+  TwoMachineBarriers job(dir);
+  const pid_t worker1 = wait_for_int_file(dir.str() + "/pid_1", 60);
+  ASSERT_GT(wait_for_int_file(dir.str() + "/pid_0", 60), 0);
+  ASSERT_GT(worker1, 0);
+  job.machine0.signal(SIGTERM);
+  job.machine0.wait(30);
+  // Machine 1's launcher has taken its worker's failure in.
+  ASSERT_TRUE(wait_reaped(worker1, 30)) << "machine 1's worker outlived machine 0's";
+  job.machine1.signal(SIGTERM);
+  job.machine1.wait(30);
+  EXPECT_EQ(job.machine0.exit_code(), 128 + SIGTERM);
+  EXPECT_EQ(job.machine1.exit_code(), 128 + SIGTERM) << job.machine1.err;
+  // The failure is still shown, above the line that says why the job ended.
+  EXPECT_THAT(job.machine1.err, HasSubstr("accelerate launch: worker rank 1 (local rank 0"));
+  EXPECT_THAT(job.machine1.err, HasSubstr("received SIGTERM while its workers were ending after a failure"));
+  EXPECT_EQ(last_launcher_line(job.machine1.err),
+            "accelerate launch: stopped: the launcher received SIGTERM; its 1 worker(s) have ended")
+      << job.machine1.err;
+}
+
+TEST(Launch, AFailureCausedByAnotherMachineWithNoStopOfItsOwnIsNamedAsTheFailure) {
+  // The same failure without a stop for machine 1: after the short window, its launcher ends
+  // with the worker's failure as the cause.
+  TempDir dir;
+  TwoMachineBarriers job(dir);
+  ASSERT_GT(wait_for_int_file(dir.str() + "/pid_0", 60), 0);
+  ASSERT_GT(wait_for_int_file(dir.str() + "/pid_1", 60), 0);
+  job.machine0.signal(SIGTERM);
+  job.machine0.wait(30);
+  job.machine1.wait(30);
+  EXPECT_EQ(job.machine0.exit_code(), 128 + SIGTERM);
+  EXPECT_NE(job.machine1.exit_code(), 0);
+  EXPECT_NE(job.machine1.exit_code(), 128 + SIGTERM) << job.machine1.err;
+  EXPECT_THAT(job.machine1.err, HasSubstr("accelerate launch: worker rank 1 (local rank 0"));
+  EXPECT_THAT(job.machine1.err, Not(HasSubstr("stopped: the launcher received")));
 }
 
 TEST(Launch, ATemporaryFolderThatCannotBeMadeIsNamedBeforeAnyWorkerStarts) {

@@ -176,6 +176,17 @@ inline bool wait_gone(pid_t pid, double seconds) {
   return process_gone(pid);
 }
 
+/// Waits up to `seconds` for a process to be reaped by its parent (no such pid any more, not even a
+/// zombie).
+inline bool wait_reaped(pid_t pid, double seconds) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  while (::kill(pid, 0) == 0) {
+    if (std::chrono::steady_clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return true;
+}
+
 /// Reads an integer from a file that another process writes, waiting up to `seconds` for it.
 inline int wait_for_int_file(const std::string& path, double seconds) {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
