@@ -277,7 +277,9 @@ std::vector<pid_t> own_children() {
 // whose workers failed waits, for a short window after the first failure (stop_echo_window), for a
 // stop request of its own; one that comes within it makes the failure its echo: the failure is
 // still shown, and the last line and the exit status are the stop's. A failure with no stop after it
-// ends the attempt as before, that window later.
+// ends the attempt as before, that window later. The same holds on one machine for a worker killed
+// by SIGTERM, SIGINT or SIGHUP: Slurm signals every process of a job step, the launcher's workers
+// too, and the launcher may reap a worker before it reads its own signal.
 
 // Note [Signals of other threads]
 // The supervisor blocks the signals it forwards in its own thread and reads them from a signalfd.
@@ -395,8 +397,8 @@ class Attempt {
       describe_preemption();
     }
     // Note [A stop that reached another machine first]
-    if (root_ != nullptr && interrupt_signal_ != 0 && options_.stop_echo_window > 0 &&
-        stopped_at_ - failed_at_ <= seconds(options_.stop_echo_window)) {
+    if (root_ != nullptr && interrupt_signal_ != 0 && echo_window() > 0 &&
+        stopped_at_ - failed_at_ <= seconds(echo_window())) {
       result_.root_cause.clear();
     }
     if (interrupt_signal_ != 0) {
@@ -422,8 +424,20 @@ class Attempt {
   // Note [A stop that reached another machine first]: the workers failed, no stop has come yet,
   // and the window after the failure is still open.
   bool awaiting_stop() const {
-    return root_ != nullptr && interrupt_signal_ == 0 && options_.stop_echo_window > 0 &&
-           Clock::now() < failed_at_ + seconds(options_.stop_echo_window);
+    return root_ != nullptr && interrupt_signal_ == 0 && echo_window() > 0 &&
+           Clock::now() < failed_at_ + seconds(echo_window());
+  }
+
+  // The job's window, or, for a worker that a stop signal killed, kStopEchoWindow: a scheduler
+  // signals every process of a job step, the workers as well as their launcher, in no set order.
+  double echo_window() const {
+    if (root_ != nullptr && WIFSIGNALED(root_->status)) {
+      const int sig = WTERMSIG(root_->status);
+      if (std::find(std::begin(kForwardedSignals), std::end(kForwardedSignals), sig) != std::end(kForwardedSignals)) {
+        return std::max(options_.stop_echo_window, kStopEchoWindow);
+      }
+    }
+    return options_.stop_echo_window;
   }
 
   void set_root(const Worker& w) {

@@ -452,6 +452,45 @@ TEST(Launch, AFailureCausedByAnotherMachineWithNoStopOfItsOwnIsNamedAsTheFailure
   EXPECT_THAT(job.machine1.err, Not(HasSubstr("stopped: the launcher received")));
 }
 
+TEST(Launch, AWorkerStoppedBySigtermJustBeforeItsLauncherIsTheLaunchersStop) {
+  // Slurm's scancel signals every process of the job step, the workers as well as the launcher:
+  // when a worker's end is reaped before the launcher's own SIGTERM is read, the job still ends
+  // as stopped, not as a crash of that worker.
+  TempDir dir;
+  // On Gloo, where the worker is the launcher's own child: reaped means taken in.
+  Running launcher(launch({"-n", "2", "--backend", "gloo", "--main_process_port", "0", "--grace_period", "3"},
+                          {"sleep", dir.str()}));
+  const pid_t pid0 = wait_for_int_file(dir.str() + "/pid_0", 30);
+  ASSERT_GT(wait_for_int_file(dir.str() + "/pid_1", 30), 0);
+  ASSERT_GT(pid0, 0);
+  ::kill(pid0, SIGTERM);
+  ASSERT_TRUE(wait_reaped(pid0, 30)) << "the launcher did not reap worker 0";
+  launcher.signal(SIGTERM);
+  launcher.wait(30);
+  EXPECT_EQ(launcher.exit_code(), 128 + SIGTERM) << launcher.err;
+  EXPECT_THAT(launcher.err, HasSubstr("accelerate launch: worker rank 0 (local rank 0, pid " + std::to_string(pid0) +
+                                      ") was killed by signal 15 (SIGTERM)"));
+  EXPECT_EQ(last_launcher_line(launcher.err),
+            "accelerate launch: stopped: the launcher received SIGTERM; its 2 worker(s) have ended")
+      << launcher.err;
+}
+
+TEST(Launch, AWorkerKilledBySigtermWithNoStopOfTheLaunchersIsNamedAsTheFailure) {
+  TempDir dir;
+  // On Gloo, where the worker is the launcher's own child: reaped means taken in.
+  Running launcher(launch({"-n", "2", "--backend", "gloo", "--main_process_port", "0", "--grace_period", "3"},
+                          {"sleep", dir.str()}));
+  const pid_t pid0 = wait_for_int_file(dir.str() + "/pid_0", 30);
+  ASSERT_GT(wait_for_int_file(dir.str() + "/pid_1", 30), 0);
+  ASSERT_GT(pid0, 0);
+  ::kill(pid0, SIGTERM);
+  launcher.wait(30);
+  EXPECT_EQ(launcher.exit_code(), 128 + SIGTERM) << launcher.err;
+  EXPECT_THAT(launcher.err, HasSubstr("accelerate launch: worker rank 0 (local rank 0, pid " + std::to_string(pid0) +
+                                      ") was killed by signal 15 (SIGTERM)"));
+  EXPECT_THAT(launcher.err, Not(HasSubstr("stopped: the launcher received")));
+}
+
 TEST(Launch, ATemporaryFolderThatCannotBeMadeIsNamedBeforeAnyWorkerStarts) {
   TempDir dir;
   const std::string missing = dir.str() + "/no-such-folder";
