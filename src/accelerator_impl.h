@@ -24,6 +24,7 @@ struct AcceleratorImpl {
   std::optional<DeviceMesh> mesh;  // with a parallelism_config
   int tp_size = 1;  // the mesh's tp size (1 without a mesh)
   std::atomic<int> joining{0};  // join_uneven_inputs in progress: no preemption check (Note [Preemption])
+  int preemption_base = 0;       // the signals that had asked to stop before this one's handlers (preemption.cpp)
 
   std::mutex mutex;  // guards everything below
   ProjectConfiguration project;

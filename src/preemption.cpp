@@ -24,7 +24,8 @@ namespace accelerate {
 // Slurm sends SIGTERM (then SIGKILL after its KillWait), or with `--signal=USR1@N` SIGUSR1 N
 // seconds before the limit; `accelerate launch` passes both on to its workers. With
 // `AcceleratorOptions::preemption`, the signals it names no longer end the process: a handler
-// records the first of them, and nothing else happens in the handler (it may interrupt anything).
+// records that one came, and nothing else happens in the handler (it may interrupt anything). An
+// Accelerator counts only those that came after it was made.
 // The processes may learn of it at different times (each machine's launcher is signalled on its
 // own; a signal may come between two steps on one process and in the middle of one on another),
 // so the question "was the job asked to stop?" is a collective: the largest signal number any
@@ -50,11 +51,16 @@ static_assert(kPreemptedExitCode == detail::kPreemptedExitStatus);
 namespace detail {
 namespace {
 
-std::atomic<int> g_requested{0};  // the first signal that asked the job to stop; 0 before
+// The signals that asked the job to stop: how many came, and the latest. An Accelerator counts
+// those that came after it installed its handlers (AcceleratorImpl::preemption_base), so one made
+// after an earlier one was asked to stop, in the same process, starts unasked.
+std::atomic<int> g_signal{0};
+std::atomic<int> g_signals_seen{0};
+static_assert(std::atomic<int>::is_always_lock_free, "the handler needs lock-free atomics");
 
 extern "C" void record_preemption_signal(int sig) {
-  int none = 0;
-  g_requested.compare_exchange_strong(none, sig);
+  g_signal.store(sig);
+  g_signals_seen.fetch_add(1);
 }
 
 struct NamedSignal {
@@ -81,9 +87,9 @@ const char* name_of(int sig) {
   return "a signal";
 }
 
-// The signal any process of `state` recorded (the largest number), or 0. A collective.
-int agreed_signal(const PartialState& state) {
-  const int mine = g_requested.load();
+// The signal any process of `state` recorded since `base` (the largest number), or 0. A collective.
+int agreed_signal(const PartialState& state, int base) {
+  const int mine = g_signals_seen.load() != base ? g_signal.load() : 0;
   if (!state.use_distributed()) return mine;
   return all_reduce(state, at::tensor({mine}, at::kInt), Reduction::kMax, "Accelerator::preemption_requested")
       .item<int>();
@@ -109,6 +115,7 @@ void Accelerator::install_preemption() const {
                       "checkpoint: set project_config.automatic_checkpoint_naming and a project_dir (or set "
                       "save_on_preemption to false and call preemption_requested() in the loop)");
   }
+  impl_->preemption_base = detail::g_signals_seen.load();
   for (int sig : numbers) {
     struct sigaction action {};
     action.sa_handler = detail::record_preemption_signal;
@@ -136,12 +143,12 @@ void Accelerator::install_preemption() const {
 
 bool Accelerator::preemption_requested() const {
   if (!impl_->options.preemption) return false;
-  return detail::agreed_signal(partial()) != 0;
+  return detail::agreed_signal(partial(), impl_->preemption_base) != 0;
 }
 
 void Accelerator::stop_if_preempted() const {
   if (!at::GradMode::is_enabled() || !gradient_state_.sync_gradients() || impl_->joining.load() > 0) return;
-  const int sig = detail::agreed_signal(partial());
+  const int sig = detail::agreed_signal(partial(), impl_->preemption_base);
   if (sig == 0) return;
   detail::warn("accelerate.accelerator",
                c10::str("the job was asked to stop (", detail::name_of(sig), "): every process saves the state at "

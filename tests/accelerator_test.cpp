@@ -105,6 +105,22 @@ TEST(Accelerator, PreemptionRequestedTurnsTrueOnEveryProcessOnceOneOfItsSignalsC
   EXPECT_EQ(asked.load(), 2);
 }
 
+TEST(Accelerator, AStopRequestBeforeAnAcceleratorWasMadeIsNotItsRequest) {
+  // A program (or a test suite) that makes a new Accelerator after an earlier one was asked to
+  // stop: the new one starts unasked, the earlier one stays asked.
+  AcceleratorOptions options;
+  options.preemption = PreemptionKwargs{.signals = {"USR2"}, .save_on_preemption = false};
+  Accelerator first(options);
+  EXPECT_FALSE(first.preemption_requested());
+  std::raise(SIGUSR2);
+  EXPECT_TRUE(first.preemption_requested());
+  Accelerator second(options);
+  EXPECT_FALSE(second.preemption_requested());
+  EXPECT_TRUE(first.preemption_requested());
+  std::raise(SIGUSR2);
+  EXPECT_TRUE(second.preemption_requested());
+}
+
 TEST(Accelerator, ReduceDefaultsToSumUnlikeTheFreeFunction) {
   run_accelerators(2, [](const Accelerator& acc) {
     auto t = at::full({2}, static_cast<float>(acc.process_index() + 1));
