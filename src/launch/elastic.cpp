@@ -50,6 +50,11 @@ using Clock = std::chrono::steady_clock;
 // The program resumes each round from its newest complete checkpoint: the sharded state and the
 // data loader's position are resharded to the new world size, and the user's accumulation steps
 // keep the global batch.
+// A job of a fixed size whose machines are numbered at the rendezvous (--rdzv_backend c10d without
+// --machine_rank) and that may restart runs the same rounds with MIN = MAX: a machine lost and
+// launched again (a launcher counting from 0, which static numbering would take for one launcher
+// too many) joins the round that the others open after their failure, and the host waits for it
+// up to --rdzv_timeout.
 constexpr const char* kRoundKey = "accelerate/elastic/round";
 constexpr const char* kWaitersKey = "accelerate/elastic/waiters";
 constexpr const char* kFinishedKey = "accelerate/elastic/finished";
@@ -159,10 +164,15 @@ int hold_round(const LaunchPlan& plan, Rendezvous& rdzv, detail::Supervisor& sup
       if (enough_since == Clock::time_point::max()) enough_since = Clock::now();
       if (Clock::now() - enough_since >= millis(plan.last_call_timeout)) break;
     } else if (Clock::now() > deadline) {
-      detail::raise_error(detail::concat(
-          "[launch] the elastic job needs at least ", plan.min_machines, " machine(s) (--nnodes ", plan.min_machines,
-          ":", plan.num_machines, "), but only ", joined, " joined the rendezvous at ", plan.main_process_ip,
-          " within --rdzv_timeout (", plan.rdzv_timeout, "s)"));
+      const std::string needs =
+          plan.min_machines < plan.num_machines
+              ? detail::concat("the elastic job needs at least ", plan.min_machines, " machine(s) (--nnodes ",
+                               plan.min_machines, ":", plan.num_machines, ")")
+              : detail::concat("the job needs its ", plan.num_machines, " machines (--num_machines ",
+                               plan.num_machines, ")");
+      detail::raise_error(detail::concat("[launch] ", needs, ", but only ", joined, " joined round ", round,
+                                         " of the rendezvous at ", plan.main_process_ip, " within --rdzv_timeout (",
+                                         plan.rdzv_timeout, "s)"));
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
@@ -320,8 +330,9 @@ int run(const LaunchPlan& plan, detail::Supervisor& supervisor, const std::map<s
       return 0;
     }
     if (++failures > plan.max_restarts) return result.exit_code;
-    say(plan, "restarting with the machines that remain (restart " + std::to_string(failures) + " of " +
-                  std::to_string(plan.max_restarts) + ")");
+    say(plan, std::string(plan.min_machines < plan.num_machines ? "restarting with the machines that remain"
+                                                                : "restarting; a lost machine rejoins when launched again") +
+                  " (restart " + std::to_string(failures) + " of " + std::to_string(plan.max_restarts) + ")");
   }
 }
 

@@ -99,6 +99,13 @@ void merge_flags_with_config(const LaunchArgs& args, const std::optional<Cluster
   plan.debug = args.debug || (config && config->debug);
   plan.enable_cpu_affinity = args.enable_cpu_affinity || (config && config->enable_cpu_affinity);
   plan.max_restarts = args.max_restarts;
+  // Note [Elastic membership]: machines numbered at the rendezvous take part in rounds when the job
+  // may restart, so that a machine lost and launched again joins the next one (the number it had
+  // is not taken twice), as with torchrun's c10d rendezvous of a fixed size.
+  if (plan.machine_rank_at_rendezvous && plan.max_restarts > 0 && !plan.elastic) {
+    plan.elastic = true;
+    plan.min_machines = plan.num_machines;
+  }
   plan.monitor_interval = args.monitor_interval;
   plan.rdzv_timeout = args.rdzv_timeout;
   plan.grace_period = args.grace_period;
@@ -151,7 +158,7 @@ void plan_parallelism(const LaunchArgs& args, const std::optional<ClusterConfig>
 // The machines the rendezvous expects: its numbering against the back-end, once that is chosen (a
 // host file or the config file's mpirun_config choose MPI too), and against a Slurm allocation.
 void check_rendezvous(const LaunchPlan& plan) {
-  ACCELERATE_CHECK_VALUE(!plan.elastic || plan.backend != "mpi",
+  ACCELERATE_CHECK_VALUE(!plan.elastic || plan.min_machines == plan.num_machines || plan.backend != "mpi",
                          "[launch] an elastic job (--nnodes MIN:MAX) runs one launcher per machine; --backend mpi "
                          "starts every machine's workers from one mpirun, which cannot lose or gain a machine");
   ACCELERATE_CHECK_VALUE(!plan.machine_rank_at_rendezvous || plan.backend != "mpi",
@@ -160,12 +167,13 @@ void check_rendezvous(const LaunchPlan& plan) {
   // Inside a Slurm allocation, a job on more machines than it has nodes would wait for the missing
   // ones until --rdzv_timeout. An elastic job needs only its minimum.
   const int needed = plan.elastic ? plan.min_machines : plan.num_machines;
+  const bool ranged = needed < plan.num_machines;
   if (const auto nodes = get_env("SLURM_JOB_NUM_NODES"); nodes && !nodes->empty() && needed > 1) {
     const int allocated = std::atoi(nodes->c_str());
     ACCELERATE_CHECK_VALUE(allocated <= 0 || needed <= allocated, "[launch] the job has ",
-                           plan.elastic ? "a minimum of " : "", plan.elastic ? "--nnodes " : "--num_machines ",
-                           plan.elastic ? std::to_string(needed) + ":" + std::to_string(plan.num_machines)
-                                        : std::to_string(needed),
+                           ranged ? "a minimum of --nnodes " : "--num_machines ",
+                           ranged ? std::to_string(needed) + ":" + std::to_string(plan.num_machines)
+                                  : std::to_string(needed),
                            ", but its Slurm allocation (job ", get_env("SLURM_JOB_ID").value_or("?"), ") has ",
                            allocated, " node(s) (SLURM_JOB_NUM_NODES): ask for --nodes=", needed,
                            ", or launch fewer machines");

@@ -314,6 +314,15 @@ TEST_F(ResolveLaunch, TheRendezvousBackendIsStaticOrC10d) {
   const LaunchPlan ranked = with({"--rdzv-backend", "c10d", "--machine_rank", "1"});
   EXPECT_FALSE(ranked.machine_rank_at_rendezvous);
   EXPECT_EQ(ranked.machine_rank, 1);
+  // Numbered at the rendezvous and restarting: rounds of a fixed size, which a relaunched machine
+  // joins; with the rank given, or without restarts, no rounds.
+  const LaunchPlan rounds = with({"--rdzv_backend", "c10d", "--max_restarts", "2"});
+  EXPECT_TRUE(rounds.elastic);
+  EXPECT_EQ(rounds.min_machines, 2);
+  EXPECT_EQ(rounds.num_machines, 2);
+  EXPECT_FALSE(with({"--rdzv_backend", "c10d"}).elastic);
+  EXPECT_FALSE(with({"--rdzv_backend", "c10d", "--machine_rank", "1", "--max_restarts", "2"}).elastic);
+  EXPECT_FALSE(with({"--max_restarts", "2", "--machine_rank", "1"}).elastic);
   EXPECT_THROWS_WITH(with({"--rdzv_backend", "etcd"}), "--rdzv_backend must be static or c10d, got 'etcd'");
 }
 
@@ -364,6 +373,8 @@ TEST_F(ResolveLaunch, MachinesNumberedAtTheRendezvousAreRefusedUnderMpi) {
                      "with --backend mpi, one launcher on the machine of rank 0 starts every machine's workers");
   EXPECT_THROWS_WITH(with({"--nnodes", "1:2", "--rdzv_backend", "c10d"}),
                      "an elastic job (--nnodes MIN:MAX) runs one launcher per machine");
+  EXPECT_THROWS_WITH(with({"--num_machines", "2", "--rdzv_backend", "c10d", "--max_restarts", "1"}),
+                     "with --backend mpi, one launcher on the machine of rank 0 starts every machine's workers");
 }
 
 TEST_F(ResolveLaunch, TeeAcceptsOnlyZeroToThree) {

@@ -186,8 +186,8 @@ TEST(Elastic, FewerMachinesThanTheMinimumWithinTheRendezvousTimeoutAreNamed) {
   auto r = run(hosts.in(0, argv), 60, kSecret);
   EXPECT_NE(r->exit_code(), 0);
   EXPECT_LT(r->elapsed, 30);
-  EXPECT_THAT(r->err, HasSubstr("the elastic job needs at least 2 machine(s) (--nnodes 2:3), but only 1 joined the "
-                                "rendezvous at " + HostPair::address(0) + " within --rdzv_timeout (3s)"));
+  EXPECT_THAT(r->err, HasSubstr("the elastic job needs at least 2 machine(s) (--nnodes 2:3), but only 1 joined "
+                                "round 0 of the rendezvous at " + HostPair::address(0) + " within --rdzv_timeout (3s)"));
   EXPECT_FALSE(fs::exists(dir.path() / "progress")) << "workers ran without the minimum of machines";
 }
 
@@ -216,6 +216,60 @@ TEST(C10dRendezvous, ALauncherMoreThanTheMachinesOfTheJobIsToldSo) {
   second.wait(60);
   EXPECT_EQ(first.exit_code(), 128 + SIGTERM) << first.err;
   EXPECT_EQ(second.exit_code(), 128 + SIGTERM) << second.err;
+}
+
+TEST(C10dRendezvous, AMachineLostAndLaunchedAgainRejoinsAndTheJobEndsAsAnUninterruptedRun) {
+  // A job of a fixed size numbered at the rendezvous, with restarts: the lost machine's launcher,
+  // started again, is not one launcher too many but joins the round the other opens.
+  HostPair hosts;
+  ACCELERATE_REQUIRE_HOSTS(hosts);
+  TempDir dir;
+  const std::string run = dir.str() + "/fixed";
+  fs::create_directories(run);
+  auto on = [&](int host) {
+    auto argv = launcher({"--num_machines", "2", "--rdzv_backend", "c10d", "--num_processes", "4", "--max_restarts",
+                          "2"});
+    argv.insert(argv.end(), {built("tests/mp_elastic"), "--dir", run, "--steps", std::to_string(kSteps), "--pace",
+                             "0.3"});
+    return hosts.in(host, argv);
+  };
+  Running first(on(0), kSecret);
+  auto second = std::make_unique<Running>(on(1), kSecret);
+  ASSERT_TRUE(wait_for_progress(run, 0, 4));
+  hosts.kill_host(1);
+  second->wait(30);
+  Running back(on(1), kSecret);
+  first.wait(240);
+  back.wait(240);
+  ASSERT_EQ(first.exit_code(), 0) << first.out << first.err;
+  ASSERT_EQ(back.exit_code(), 0) << back.out << back.err;
+  EXPECT_THAT(first.err, HasSubstr("round 0 of the rendezvous: this is machine 0 of 2 (4 processes)"));
+  EXPECT_THAT(first.err, HasSubstr("restarting; a lost machine rejoins when launched again (restart 1 of 2)"));
+  EXPECT_THAT(first.err, HasSubstr("round 1 of the rendezvous: this is machine 0 of 2 (4 processes)"));
+  EXPECT_THAT(back.err, HasSubstr("round 1 of the rendezvous: this is machine 1 of 2 (4 processes)"));
+  EXPECT_THAT(back.err, Not(HasSubstr("more launchers than machines")));
+  const auto schedule = resumes(first.out);
+  ASSERT_EQ(schedule.size(), 1u) << first.out;
+  EXPECT_EQ(schedule[0].second, 4);
+  EXPECT_GE(schedule[0].first, 3);
+
+  // Resumed at the same size, the run is the one that was never interrupted, loss by loss and
+  // weight by weight.
+  const std::string whole = dir.str() + "/uninterrupted";
+  fs::create_directories(whole);
+  auto argv = launcher({"--num_processes", "4"});
+  argv.insert(argv.end(), {built("tests/mp_elastic"), "--dir", whole, "--steps", std::to_string(kSteps)});
+  auto uninterrupted = testing::run(hosts.in(0, argv), 240, kSecret);
+  ASSERT_EQ(uninterrupted->exit_code(), 0) << uninterrupted->err;
+  const auto want = losses(uninterrupted->out);
+  ASSERT_EQ(want.size(), static_cast<size_t>(kSteps));
+  EXPECT_EQ(losses(first.out), want);
+  SafetensorsFile resumed(run + "/final.safetensors");
+  SafetensorsFile never(whole + "/final.safetensors");
+  ASSERT_EQ(resumed.keys(), never.keys());
+  for (const auto& key : resumed.keys()) {
+    EXPECT_TRUE(at::equal(resumed.get_tensor(key), never.get_tensor(key))) << key;
+  }
 }
 
 TEST(Elastic, ALauncherWaitingAtTheRendezvousStopsOnSigterm) {

@@ -76,6 +76,8 @@ struct LaunchPlan {
   /// `--nnodes MIN:MAX` with MIN < MAX: the job runs on as many of num_machines (MAX) machines
   /// as join, and at least `min_machines`, and is formed again when one is lost or one comes
   /// (Note [Elastic membership] in src/launch/elastic.cpp). Machine ranks come from the rendezvous.
+  /// Also a job of a fixed size (MIN = MAX) whose machines are numbered at the rendezvous and that
+  /// may restart: each attempt's group is formed at a round, which a relaunched machine joins.
   bool elastic = false;
   int min_machines = 1;
   /// Seconds the rendezvous waits for more machines once `min_machines` have joined (rdzv_conf's
