@@ -30,6 +30,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <future>
@@ -429,6 +430,44 @@ TEST(SourceAddress, AHostWithoutARouteIsNamed) {
   EXPECT_THAT(result, HasSubstr("GLOO_SOCKET_IFNAME"));
   EXPECT_THROWS_WITH(source_address_towards("no-such-host.invalid", 29500),
                      "cannot resolve the main process's address 'no-such-host.invalid'");
+}
+
+// The machine that serves the rendezvous knows itself by --main_process_ip: its loopback addresses
+// and its interfaces' addresses, IPv4 and IPv6. Checked in a network namespace of its own, whose
+// loopback interface is given one address of each family (needs root; skipped otherwise).
+TEST(LocalAddress, LoopbackAndInterfaceAddressesOfBothFamiliesAreThisMachines) {
+  int pipe_fds[2];
+  ASSERT_EQ(::pipe(pipe_fds), 0);
+  const pid_t child = ::fork();
+  if (child == 0) {
+    ::close(pipe_fds[0]);
+    std::string result;
+    if (::unshare(CLONE_NEWNET) != 0) {
+      result = "skip: " + std::string(std::strerror(errno));
+    } else if (std::system("ip link set lo up && ip addr add 198.51.100.5/32 dev lo && "
+                           "ip addr add 2001:db8::5/128 dev lo nodad") != 0) {
+      result = "skip: ip could not give the namespace's loopback interface the addresses";
+    } else {
+      for (const char* host : {"127.0.0.1", "127.0.1.1", "localhost", "::1", "[::1]", "::ffff:127.0.0.1",
+                               "198.51.100.5", "2001:db8::5", "[2001:db8::5]", "::ffff:198.51.100.5",
+                               "198.51.100.6", "2001:db8::6", "192.0.2.1", "no-such-host.invalid"}) {
+        result += std::string(host) + (is_local_address(host) ? " local\n" : " not local\n");
+      }
+    }
+    (void)!::write(pipe_fds[1], result.data(), result.size());
+    ::_exit(0);
+  }
+  ::close(pipe_fds[1]);
+  std::string result;
+  char buffer[4096];
+  for (ssize_t n; (n = ::read(pipe_fds[0], buffer, sizeof(buffer))) > 0;) result.append(buffer, static_cast<size_t>(n));
+  ::close(pipe_fds[0]);
+  ::waitpid(child, nullptr, 0);
+  if (result.rfind("skip: ", 0) == 0) GTEST_SKIP() << "cannot make a network namespace: " << result.substr(6);
+  EXPECT_EQ(result,
+            "127.0.0.1 local\n127.0.1.1 local\nlocalhost local\n::1 local\n[::1] local\n::ffff:127.0.0.1 local\n"
+            "198.51.100.5 local\n2001:db8::5 local\n[2001:db8::5] local\n::ffff:198.51.100.5 local\n"
+            "198.51.100.6 not local\n2001:db8::6 not local\n192.0.2.1 not local\nno-such-host.invalid not local\n");
 }
 
 TEST(JobStore, ItListensOnlyOnTheAddressItWasGiven) {

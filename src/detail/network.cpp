@@ -49,25 +49,57 @@ std::string source_address_towards(const std::string& host, int port) {
   return chosen;
 }
 
+namespace {
+
+// Whether `wanted` (an IPv4 or IPv6 socket address) is this machine's: a loopback address, or one
+// an interface has.
+bool is_address_of_this_machine(const sockaddr* wanted, const ifaddrs* all) {
+  if (wanted->sa_family == AF_INET) {
+    const auto address = reinterpret_cast<const sockaddr_in*>(wanted)->sin_addr.s_addr;
+    // 127.0.0.0/8 is this machine whatever the interfaces list (Debian maps its host name to
+    // 127.0.1.1, which no interface has).
+    if ((ntohl(address) >> 24) == 127) return true;
+    for (const ifaddrs* a = all; a != nullptr; a = a->ifa_next) {
+      if (a->ifa_addr != nullptr && a->ifa_addr->sa_family == AF_INET &&
+          reinterpret_cast<const sockaddr_in*>(a->ifa_addr)->sin_addr.s_addr == address) {
+        return true;
+      }
+    }
+    return false;
+  }
+  if (wanted->sa_family != AF_INET6) return false;
+  const in6_addr& address = reinterpret_cast<const sockaddr_in6*>(wanted)->sin6_addr;
+  if (IN6_IS_ADDR_LOOPBACK(&address)) return true;
+  if (IN6_IS_ADDR_V4MAPPED(&address)) {  // ::ffff:a.b.c.d is the IPv4 address a.b.c.d
+    sockaddr_in v4{};
+    v4.sin_family = AF_INET;
+    std::memcpy(&v4.sin_addr.s_addr, &address.s6_addr[12], 4);
+    return is_address_of_this_machine(reinterpret_cast<const sockaddr*>(&v4), all);
+  }
+  for (const ifaddrs* a = all; a != nullptr; a = a->ifa_next) {
+    if (a->ifa_addr != nullptr && a->ifa_addr->sa_family == AF_INET6 &&
+        IN6_ARE_ADDR_EQUAL(&reinterpret_cast<const sockaddr_in6*>(a->ifa_addr)->sin6_addr, &address)) {
+      return true;
+    }
+  }
+  return false;
+}
+
+}  // namespace
+
 bool is_local_address(const std::string& host) {
   addrinfo hints{};
-  hints.ai_family = AF_INET;
+  hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
   addrinfo* found = nullptr;
-  if (::getaddrinfo(host.c_str(), nullptr, &hints, &found) != 0 || found == nullptr) return false;
+  // A bracketed IPv6 literal, as in a URL, is the address inside.
+  const bool bracketed = host.size() > 2 && host.front() == '[' && host.back() == ']';
+  const std::string name = bracketed ? host.substr(1, host.size() - 2) : host;
+  if (::getaddrinfo(name.c_str(), nullptr, &hints, &found) != 0 || found == nullptr) return false;
   ifaddrs* all = nullptr;
   bool local = false;
   if (::getifaddrs(&all) == 0) {
-    for (addrinfo* f = found; f != nullptr && !local; f = f->ai_next) {
-      const auto wanted = reinterpret_cast<const sockaddr_in*>(f->ai_addr)->sin_addr.s_addr;
-      // 127.0.0.0/8 is this machine whatever the interfaces list (Debian maps its host name to
-      // 127.0.1.1, which no interface has).
-      if ((ntohl(wanted) >> 24) == 127) local = true;
-      for (ifaddrs* a = all; a != nullptr && !local; a = a->ifa_next) {
-        if (a->ifa_addr == nullptr || a->ifa_addr->sa_family != AF_INET) continue;
-        local = reinterpret_cast<const sockaddr_in*>(a->ifa_addr)->sin_addr.s_addr == wanted;
-      }
-    }
+    for (addrinfo* f = found; f != nullptr && !local; f = f->ai_next) local = is_address_of_this_machine(f->ai_addr, all);
     ::freeifaddrs(all);
   }
   ::freeaddrinfo(found);
