@@ -326,9 +326,7 @@ OptimizerStates read_optimizers(const detail::CheckpointObjects& objects, const 
         const size_t index = detail::state_param_index(key);
         if (!split || index >= params.size() || !split->is_sharded(params[index])) return -1;
         const auto& param = params[index];
-        auto shape = engine && engine->is_sharded(param) ? engine->whole_shape(param) : param.sizes().vec();
-        shape[split->split_dim(param)] *= split->group().num_processes();
-        return shape == whole ? split->split_dim(param) : -1;
+        return detail::whole_tensor_shape(engine, split, param) == whole ? split->split_dim(param) : -1;
       };
       read.paths.push_back(sharded_folder);
       read.states.push_back(naming_file(sharded_folder, [&] {
@@ -358,10 +356,9 @@ OptimizerStates read_optimizers(const detail::CheckpointObjects& objects, const 
                             params.size());
           const auto& param = params[index];
           const bool rows = engine && engine->is_sharded(param);
-          if (split && split->is_sharded(param)) {
-            auto whole = rows ? engine->whole_shape(param) : param.sizes().vec();
-            whole[split->split_dim(param)] *= split->group().num_processes();
-            if (tensor.sizes().vec() == whole) tensor = split->piece_of(param, tensor, "\"" + key + "\"").clone();
+          if (split && split->is_sharded(param) &&
+              tensor.sizes().vec() == detail::whole_tensor_shape(engine, split, param)) {
+            tensor = split->piece_of(param, tensor, "\"" + key + "\"").clone();
           }
           if (rows && tensor.sizes().vec() == engine->whole_shape(param)) {
             tensor = engine->local_rows(param, tensor).clone();

@@ -224,12 +224,8 @@ void write_sharded_models(const detail::CheckpointObjects& objects, const std::v
       tensors.emplace(item.key(), item.value());
       auto it = params.find(item.key());
       if (it == params.end()) continue;
-      auto shape = engine->is_sharded(it->second) ? engine->whole_shape(it->second) : it->second.sizes().vec();
-      if (split && split->is_sharded(it->second)) {
-        const int64_t dim = split->split_dim(it->second);
-        shape[dim] *= split->group().num_processes();
-        pieces[item.key()] = {dim, shape};
-      }
+      const auto shape = detail::whole_tensor_shape(engine, split, it->second);
+      if (split && split->is_sharded(it->second)) pieces[item.key()] = {split->split_dim(it->second), shape};
       if (engine->is_sharded(it->second)) whole[item.key()] = shape;
     }
     if (engine->replica_index() != 0) continue;  // hybrid sharding: the first replica writes the shards
@@ -261,11 +257,8 @@ std::vector<std::optional<StateDict>> sharded_optimizer_states(const detail::Che
       const bool piece = split && split->is_sharded(param) && like_param;
       if (sharded) {  // this process's part, placed in the whole tensor by the index
         if (!like_param) continue;
-        auto shape = rows ? engine->whole_shape(param) : param.sizes().vec();
-        if (piece) {
-          shape[split->split_dim(param)] *= split->group().num_processes();
-          pieces[key] = {split->split_dim(param), shape};
-        }
+        const auto shape = detail::whole_tensor_shape(engine, split, param);
+        if (piece) pieces[key] = {split->split_dim(param), shape};
         if (rows) whole[key] = shape;
         continue;
       }

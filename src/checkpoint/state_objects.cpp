@@ -126,4 +126,10 @@ ShardPlace shard_place(FsdpEngine* engine, TensorParallelEngine* split) {
   return place;
 }
 
+std::vector<int64_t> whole_tensor_shape(FsdpEngine* engine, TensorParallelEngine* split, const at::Tensor& param) {
+  auto shape = engine && engine->is_sharded(param) ? engine->whole_shape(param) : param.sizes().vec();
+  if (split && split->is_sharded(param)) shape[split->split_dim(param)] *= split->group().num_processes();
+  return shape;
+}
+
 }  // namespace accelerate::detail

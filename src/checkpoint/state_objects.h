@@ -58,6 +58,10 @@ bool local_state(FsdpEngine* engine);
 /// Where this process's part of a sharded state lies (Note [Sharded checkpoint layout]): rows of
 /// `engine`'s shard group, of its piece of `split`'s group (either may be null).
 ShardPlace shard_place(FsdpEngine* engine, TensorParallelEngine* split);
+/// The shape of the whole tensor of which `param` holds this process's part: all of `engine`'s
+/// rows (when it shards `param`), and all of `split`'s pieces joined on its dimension (when it
+/// splits `param`). Either may be null.
+std::vector<int64_t> whole_tensor_shape(FsdpEngine* engine, TensorParallelEngine* split, const at::Tensor& param);
 /// The parameters of an optimizer in the numbering of `optimizer_state_dict`.
 std::vector<at::Tensor> optimizer_params(const torch::optim::Optimizer& optimizer);
 /// The parameter number in an optimizer state tensor's name, "state.<index>.<name>".
