@@ -33,6 +33,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <future>
 #include <mutex>
 #include <set>
@@ -398,11 +399,11 @@ TEST(JobStore, AnotherVersionOfTheProtocolIsRefusedAndNamedOnBothSides) {
   ::close(listener);
 }
 
-// The address towards a host this machine has no route to is refused by name: checked in a
-// network namespace of its own, which has no route at all (needs root; skipped otherwise).
-TEST(SourceAddress, AHostWithoutARouteIsNamed) {
+// What `body` returns when run in a child process in a network namespace of its own (needs
+// root), or "skip: <why>" when the namespace cannot be made.
+std::string in_own_network_namespace(const std::function<std::string()>& body) {
   int pipe_fds[2];
-  ASSERT_EQ(::pipe(pipe_fds), 0);
+  if (::pipe(pipe_fds) != 0) return "skip: pipe failed";
   const pid_t child = ::fork();
   if (child == 0) {
     ::close(pipe_fds[0]);
@@ -411,7 +412,7 @@ TEST(SourceAddress, AHostWithoutARouteIsNamed) {
       result = "skip: " + std::string(std::strerror(errno));
     } else {
       try {
-        result = "address " + source_address_towards("10.9.9.9", 29500);
+        result = body();
       } catch (const std::exception& e) {
         result = error_text(e);
       }
@@ -425,6 +426,14 @@ TEST(SourceAddress, AHostWithoutARouteIsNamed) {
   for (ssize_t n; (n = ::read(pipe_fds[0], buffer, sizeof(buffer))) > 0;) result.append(buffer, static_cast<size_t>(n));
   ::close(pipe_fds[0]);
   ::waitpid(child, nullptr, 0);
+  return result;
+}
+
+// The address towards a host this machine has no route to is refused by name: checked in a
+// network namespace of its own, which has no route at all (needs root; skipped otherwise).
+TEST(SourceAddress, AHostWithoutARouteIsNamed) {
+  const std::string result =
+      in_own_network_namespace([] { return "address " + source_address_towards("10.9.9.9", 29500); });
   if (result.rfind("skip: ", 0) == 0) GTEST_SKIP() << "cannot make a network namespace: " << result.substr(6);
   EXPECT_THAT(result, HasSubstr("this machine has no route to the main process's address 10.9.9.9"));
   EXPECT_THAT(result, HasSubstr("GLOO_SOCKET_IFNAME"));
@@ -436,33 +445,19 @@ TEST(SourceAddress, AHostWithoutARouteIsNamed) {
 // and its interfaces' addresses, IPv4 and IPv6. Checked in a network namespace of its own, whose
 // loopback interface is given one address of each family (needs root; skipped otherwise).
 TEST(LocalAddress, LoopbackAndInterfaceAddressesOfBothFamiliesAreThisMachines) {
-  int pipe_fds[2];
-  ASSERT_EQ(::pipe(pipe_fds), 0);
-  const pid_t child = ::fork();
-  if (child == 0) {
-    ::close(pipe_fds[0]);
-    std::string result;
-    if (::unshare(CLONE_NEWNET) != 0) {
-      result = "skip: " + std::string(std::strerror(errno));
-    } else if (std::system("ip link set lo up && ip addr add 198.51.100.5/32 dev lo && "
-                           "ip addr add 2001:db8::5/128 dev lo nodad") != 0) {
-      result = "skip: ip could not give the namespace's loopback interface the addresses";
-    } else {
-      for (const char* host : {"127.0.0.1", "127.0.1.1", "localhost", "::1", "[::1]", "::ffff:127.0.0.1",
-                               "198.51.100.5", "2001:db8::5", "[2001:db8::5]", "::ffff:198.51.100.5",
-                               "198.51.100.6", "2001:db8::6", "192.0.2.1", "no-such-host.invalid"}) {
-        result += std::string(host) + (is_local_address(host) ? " local\n" : " not local\n");
-      }
+  const std::string result = in_own_network_namespace([]() -> std::string {
+    if (std::system("ip link set lo up && ip addr add 198.51.100.5/32 dev lo && "
+                    "ip addr add 2001:db8::5/128 dev lo nodad") != 0) {
+      return "skip: ip could not give the namespace's loopback interface the addresses";
     }
-    (void)!::write(pipe_fds[1], result.data(), result.size());
-    ::_exit(0);
-  }
-  ::close(pipe_fds[1]);
-  std::string result;
-  char buffer[4096];
-  for (ssize_t n; (n = ::read(pipe_fds[0], buffer, sizeof(buffer))) > 0;) result.append(buffer, static_cast<size_t>(n));
-  ::close(pipe_fds[0]);
-  ::waitpid(child, nullptr, 0);
+    std::string answers;
+    for (const char* host : {"127.0.0.1", "127.0.1.1", "localhost", "::1", "[::1]", "::ffff:127.0.0.1",
+                             "198.51.100.5", "2001:db8::5", "[2001:db8::5]", "::ffff:198.51.100.5", "198.51.100.6",
+                             "2001:db8::6", "192.0.2.1", "no-such-host.invalid"}) {
+      answers += std::string(host) + (is_local_address(host) ? " local\n" : " not local\n");
+    }
+    return answers;
+  });
   if (result.rfind("skip: ", 0) == 0) GTEST_SKIP() << "cannot make a network namespace: " << result.substr(6);
   EXPECT_EQ(result,
             "127.0.0.1 local\n127.0.1.1 local\nlocalhost local\n::1 local\n[::1] local\n::ffff:127.0.0.1 local\n"

@@ -15,6 +15,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <regex>
 
@@ -91,24 +92,62 @@ std::vector<std::pair<int, int>> resumes(const std::string& out) {
   return found;
 }
 
+// The launchers of a job run by `argv_on(host)` on both hosts, whose second host is lost (every
+// process of it killed) after step 4 of round 0 and started again once `before_back` returns;
+// both launchers have ended: the first host's, and the second host's started again.
+struct LostAndBack {
+  std::unique_ptr<Running> first, back;
+};
+LostAndBack lose_second_host_and_bring_it_back(const HostPair& hosts, const std::string& run,
+                                               const std::function<std::vector<std::string>(int)>& argv_on,
+                                               const std::function<void()>& before_back) {
+  LostAndBack job;
+  job.first = std::make_unique<Running>(argv_on(0), kSecret);
+  auto second = std::make_unique<Running>(argv_on(1), kSecret);
+  if (wait_for_progress(run, 0, 4)) {
+    hosts.kill_host(1);
+    second->wait(30);
+    before_back();
+    job.back = std::make_unique<Running>(argv_on(1), kSecret);
+    job.back->wait(240);
+  }
+  job.first->wait(240);
+  return job;
+}
+
+// A run of `kSteps` steps of 4 processes on the first host, never interrupted, into `dir`; its
+// output.
+std::string uninterrupted_run(const HostPair& hosts, const std::string& dir) {
+  fs::create_directories(dir);
+  auto argv = launcher({"--num_processes", "4"});
+  argv.insert(argv.end(), {built("tests/mp_elastic"), "--dir", dir, "--steps", std::to_string(kSteps)});
+  auto run = testing::run(hosts.in(0, argv), 240, kSecret);
+  EXPECT_EQ(run->exit_code(), 0) << run->err;
+  return run->out;
+}
+
+// The final weights two runs wrote into their folders are equal, bit for bit.
+void expect_equal_final_weights(const std::string& dir, const std::string& other) {
+  SafetensorsFile got(dir + "/final.safetensors");
+  SafetensorsFile want(other + "/final.safetensors");
+  ASSERT_EQ(got.keys(), want.keys());
+  for (const auto& key : got.keys()) EXPECT_TRUE(at::equal(got.get_tensor(key), want.get_tensor(key))) << key;
+}
+
 TEST(Elastic, AJobGoesOnSmallerWhenAHostIsLostAndGrowsWhenItComesBackEqualToTheSameSchedule) {
   HostPair hosts;
   ACCELERATE_REQUIRE_HOSTS(hosts);
   TempDir dir;
   const std::string run = dir.str() + "/elastic";
   fs::create_directories(run);
-  Running first(elastic_on(hosts, 0, run, 0.3), kSecret);
-  auto second = std::make_unique<Running>(elastic_on(hosts, 1, run, 0.3), kSecret);
-  // 2 hosts x 2 processes, until the second host is lost.
-  ASSERT_TRUE(wait_for_progress(run, 0, 4));
-  hosts.kill_host(1);
-  second->wait(30);
-  // 1 host x 2 processes, resumed, until the second host comes back.
-  const int lost_at = progress(run).second;
-  ASSERT_TRUE(wait_for_progress(run, 1, lost_at + 3));
-  Running back(elastic_on(hosts, 1, run, 0.3), kSecret);
-  first.wait(240);
-  back.wait(240);
+  // 2 hosts x 2 processes, until the second host is lost; then 1 host x 2 processes, resumed,
+  // until the second host comes back.
+  auto job = lose_second_host_and_bring_it_back(
+      hosts, run, [&](int host) { return elastic_on(hosts, host, run, 0.3); },
+      [&] { wait_for_progress(run, 1, progress(run).second + 3); });
+  ASSERT_TRUE(job.back) << job.first->err;
+  const Running& first = *job.first;
+  const Running& back = *job.back;
   ASSERT_EQ(first.exit_code(), 0) << first.out << first.err;
   ASSERT_EQ(back.exit_code(), 0) << back.out << back.err;
 
@@ -156,24 +195,13 @@ TEST(Elastic, AJobGoesOnSmallerWhenAHostIsLostAndGrowsWhenItComesBackEqualToTheS
   // And the curve continues that of a run that never changed size: each step's global batch holds
   // the same samples at any size (the loader's position carries over), so the losses differ only by
   // the rounding of sums taken in another order.
-  const std::string whole = dir.str() + "/uninterrupted";
-  fs::create_directories(whole);
-  auto argv = launcher({"--num_processes", "4"});
-  argv.insert(argv.end(), {built("tests/mp_elastic"), "--dir", whole, "--steps", std::to_string(kSteps)});
-  auto uninterrupted = testing::run(hosts.in(0, argv), 240, kSecret);
-  ASSERT_EQ(uninterrupted->exit_code(), 0) << uninterrupted->err;
-  const auto never_changed = losses(uninterrupted->out);
+  const auto never_changed = losses(uninterrupted_run(hosts, dir.str() + "/uninterrupted"));
   ASSERT_EQ(never_changed.size(), static_cast<size_t>(kSteps));
   for (const auto& [step, loss] : got) {
     EXPECT_NEAR(std::stod(loss), std::stod(never_changed.at(step)), 1e-4 * std::stod(never_changed.at(step)))
         << "step " << step;
   }
-  SafetensorsFile elastic(run + "/final.safetensors");
-  SafetensorsFile same_schedule(ref + "/final.safetensors");
-  ASSERT_EQ(elastic.keys(), same_schedule.keys());
-  for (const auto& key : elastic.keys()) {
-    EXPECT_TRUE(at::equal(elastic.get_tensor(key), same_schedule.get_tensor(key))) << key;
-  }
+  expect_equal_final_weights(run, ref);
 }
 
 TEST(Elastic, FewerMachinesThanTheMinimumWithinTheRendezvousTimeoutAreNamed) {
@@ -233,14 +261,10 @@ TEST(C10dRendezvous, AMachineLostAndLaunchedAgainRejoinsAndTheJobEndsAsAnUninter
                              "0.3"});
     return hosts.in(host, argv);
   };
-  Running first(on(0), kSecret);
-  auto second = std::make_unique<Running>(on(1), kSecret);
-  ASSERT_TRUE(wait_for_progress(run, 0, 4));
-  hosts.kill_host(1);
-  second->wait(30);
-  Running back(on(1), kSecret);
-  first.wait(240);
-  back.wait(240);
+  auto job = lose_second_host_and_bring_it_back(hosts, run, on, [] {});
+  ASSERT_TRUE(job.back) << job.first->err;
+  const Running& first = *job.first;
+  const Running& back = *job.back;
   ASSERT_EQ(first.exit_code(), 0) << first.out << first.err;
   ASSERT_EQ(back.exit_code(), 0) << back.out << back.err;
   EXPECT_THAT(first.err, HasSubstr("round 0 of the rendezvous: this is machine 0 of 2 (4 processes)"));
@@ -256,20 +280,10 @@ TEST(C10dRendezvous, AMachineLostAndLaunchedAgainRejoinsAndTheJobEndsAsAnUninter
   // Resumed at the same size, the run is the one that was never interrupted, loss by loss and
   // weight by weight.
   const std::string whole = dir.str() + "/uninterrupted";
-  fs::create_directories(whole);
-  auto argv = launcher({"--num_processes", "4"});
-  argv.insert(argv.end(), {built("tests/mp_elastic"), "--dir", whole, "--steps", std::to_string(kSteps)});
-  auto uninterrupted = testing::run(hosts.in(0, argv), 240, kSecret);
-  ASSERT_EQ(uninterrupted->exit_code(), 0) << uninterrupted->err;
-  const auto want = losses(uninterrupted->out);
+  const auto want = losses(uninterrupted_run(hosts, whole));
   ASSERT_EQ(want.size(), static_cast<size_t>(kSteps));
   EXPECT_EQ(losses(first.out), want);
-  SafetensorsFile resumed(run + "/final.safetensors");
-  SafetensorsFile never(whole + "/final.safetensors");
-  ASSERT_EQ(resumed.keys(), never.keys());
-  for (const auto& key : resumed.keys()) {
-    EXPECT_TRUE(at::equal(resumed.get_tensor(key), never.get_tensor(key))) << key;
-  }
+  expect_equal_final_weights(run, whole);
 }
 
 TEST(Elastic, ALauncherWaitingAtTheRendezvousStopsOnSigterm) {

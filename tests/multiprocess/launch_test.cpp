@@ -452,43 +452,53 @@ TEST(Launch, AFailureCausedByAnotherMachineWithNoStopOfItsOwnIsNamedAsTheFailure
   EXPECT_THAT(job.machine1.err, Not(HasSubstr("stopped: the launcher received")));
 }
 
+// A launcher of 2 sleeping workers on Gloo (where each worker is the launcher's own child, so
+// reaped means taken in), whose worker 0 is then killed by SIGTERM from outside.
+struct SleepersWithOneTerminated {
+  explicit SleepersWithOneTerminated(const TempDir& dir)
+      : launcher(launch({"-n", "2", "--backend", "gloo", "--main_process_port", "0", "--grace_period", "3"},
+                        {"sleep", dir.str()})) {
+    pid0 = wait_for_int_file(dir.str() + "/pid_0", 30);
+    started = pid0 > 0 && wait_for_int_file(dir.str() + "/pid_1", 30) > 0;
+    if (started) ::kill(pid0, SIGTERM);
+  }
+
+  // The line that names worker 0's end.
+  std::string killed_line() const {
+    return "accelerate launch: worker rank 0 (local rank 0, pid " + std::to_string(pid0) +
+           ") was killed by signal 15 (SIGTERM)";
+  }
+
+  Running launcher;
+  pid_t pid0 = -1;
+  bool started = false;
+};
+
 TEST(Launch, AWorkerStoppedBySigtermJustBeforeItsLauncherIsTheLaunchersStop) {
   // Slurm's scancel signals every process of the job step, the workers as well as the launcher:
   // when a worker's end is reaped before the launcher's own SIGTERM is read, the job still ends
   // as stopped, not as a crash of that worker.
   TempDir dir;
-  // On Gloo, where the worker is the launcher's own child: reaped means taken in.
-  Running launcher(launch({"-n", "2", "--backend", "gloo", "--main_process_port", "0", "--grace_period", "3"},
-                          {"sleep", dir.str()}));
-  const pid_t pid0 = wait_for_int_file(dir.str() + "/pid_0", 30);
-  ASSERT_GT(wait_for_int_file(dir.str() + "/pid_1", 30), 0);
-  ASSERT_GT(pid0, 0);
-  ::kill(pid0, SIGTERM);
-  ASSERT_TRUE(wait_reaped(pid0, 30)) << "the launcher did not reap worker 0";
-  launcher.signal(SIGTERM);
-  launcher.wait(30);
-  EXPECT_EQ(launcher.exit_code(), 128 + SIGTERM) << launcher.err;
-  EXPECT_THAT(launcher.err, HasSubstr("accelerate launch: worker rank 0 (local rank 0, pid " + std::to_string(pid0) +
-                                      ") was killed by signal 15 (SIGTERM)"));
-  EXPECT_EQ(last_launcher_line(launcher.err),
+  SleepersWithOneTerminated job(dir);
+  ASSERT_TRUE(job.started) << job.launcher.err;
+  ASSERT_TRUE(wait_reaped(job.pid0, 30)) << "the launcher did not reap worker 0";
+  job.launcher.signal(SIGTERM);
+  job.launcher.wait(30);
+  EXPECT_EQ(job.launcher.exit_code(), 128 + SIGTERM) << job.launcher.err;
+  EXPECT_THAT(job.launcher.err, HasSubstr(job.killed_line()));
+  EXPECT_EQ(last_launcher_line(job.launcher.err),
             "accelerate launch: stopped: the launcher received SIGTERM; its 2 worker(s) have ended")
-      << launcher.err;
+      << job.launcher.err;
 }
 
 TEST(Launch, AWorkerKilledBySigtermWithNoStopOfTheLaunchersIsNamedAsTheFailure) {
   TempDir dir;
-  // On Gloo, where the worker is the launcher's own child: reaped means taken in.
-  Running launcher(launch({"-n", "2", "--backend", "gloo", "--main_process_port", "0", "--grace_period", "3"},
-                          {"sleep", dir.str()}));
-  const pid_t pid0 = wait_for_int_file(dir.str() + "/pid_0", 30);
-  ASSERT_GT(wait_for_int_file(dir.str() + "/pid_1", 30), 0);
-  ASSERT_GT(pid0, 0);
-  ::kill(pid0, SIGTERM);
-  launcher.wait(30);
-  EXPECT_EQ(launcher.exit_code(), 128 + SIGTERM) << launcher.err;
-  EXPECT_THAT(launcher.err, HasSubstr("accelerate launch: worker rank 0 (local rank 0, pid " + std::to_string(pid0) +
-                                      ") was killed by signal 15 (SIGTERM)"));
-  EXPECT_THAT(launcher.err, Not(HasSubstr("stopped: the launcher received")));
+  SleepersWithOneTerminated job(dir);
+  ASSERT_TRUE(job.started) << job.launcher.err;
+  job.launcher.wait(30);
+  EXPECT_EQ(job.launcher.exit_code(), 128 + SIGTERM) << job.launcher.err;
+  EXPECT_THAT(job.launcher.err, HasSubstr(job.killed_line()));
+  EXPECT_THAT(job.launcher.err, Not(HasSubstr("stopped: the launcher received")));
 }
 
 TEST(Launch, ATemporaryFolderThatCannotBeMadeIsNamedBeforeAnyWorkerStarts) {
