@@ -51,11 +51,15 @@ static_assert(kPreemptedExitCode == detail::kPreemptedExitStatus);
 namespace detail {
 namespace {
 
-// The signals that asked the job to stop: how many came, and the latest. An Accelerator counts
-// those that came after it installed its handlers (AcceleratorImpl::preemption_base), so one made
-// after an earlier one was asked to stop, in the same process, starts unasked.
+// The signals that asked the job to stop: how many came, and the latest; and how many of them an
+// Accelerator has answered (seen in preemption_requested or at a step boundary). An Accelerator
+// counts those after the answered ones when it installed its handlers
+// (AcceleratorImpl::preemption_base): one made after an earlier one was asked to stop, in the
+// same process, starts unasked, while a signal that came between the two, which no Accelerator
+// answered, still asks the new one.
 std::atomic<int> g_signal{0};
 std::atomic<int> g_signals_seen{0};
+std::atomic<int> g_signals_answered{0};
 static_assert(std::atomic<int>::is_always_lock_free, "the handler needs lock-free atomics");
 
 extern "C" void record_preemption_signal(int sig) {
@@ -89,7 +93,13 @@ const char* name_of(int sig) {
 
 // The signal any process of `state` recorded since `base` (the largest number), or 0. A collective.
 int agreed_signal(const PartialState& state, int base) {
-  const int mine = g_signals_seen.load() != base ? g_signal.load() : 0;
+  const int seen = g_signals_seen.load();
+  const int mine = seen != base ? g_signal.load() : 0;
+  if (mine != 0) {
+    int answered = g_signals_answered.load();
+    while (answered < seen && !g_signals_answered.compare_exchange_weak(answered, seen)) {
+    }
+  }
   if (!state.use_distributed()) return mine;
   return all_reduce(state, at::tensor({mine}, at::kInt), Reduction::kMax, "Accelerator::preemption_requested")
       .item<int>();
@@ -115,7 +125,7 @@ void Accelerator::install_preemption() const {
                       "checkpoint: set project_config.automatic_checkpoint_naming and a project_dir (or set "
                       "save_on_preemption to false and call preemption_requested() in the loop)");
   }
-  impl_->preemption_base = detail::g_signals_seen.load();
+  impl_->preemption_base = detail::g_signals_answered.load();
   for (int sig : numbers) {
     struct sigaction action {};
     action.sa_handler = detail::record_preemption_signal;

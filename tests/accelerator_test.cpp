@@ -119,6 +119,10 @@ TEST(Accelerator, AStopRequestBeforeAnAcceleratorWasMadeIsNotItsRequest) {
   EXPECT_TRUE(first.preemption_requested());
   std::raise(SIGUSR2);
   EXPECT_TRUE(second.preemption_requested());
+  // A request that came before an Accelerator was made, and that none answered, is its request.
+  std::raise(SIGUSR2);
+  Accelerator third(options);
+  EXPECT_TRUE(third.preemption_requested());
 }
 
 TEST(Accelerator, ReduceDefaultsToSumUnlikeTheFreeFunction) {

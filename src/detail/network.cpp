@@ -92,10 +92,7 @@ bool is_local_address(const std::string& host) {
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
   addrinfo* found = nullptr;
-  // A bracketed IPv6 literal, as in a URL, is the address inside.
-  const bool bracketed = host.size() > 2 && host.front() == '[' && host.back() == ']';
-  const std::string name = bracketed ? host.substr(1, host.size() - 2) : host;
-  if (::getaddrinfo(name.c_str(), nullptr, &hints, &found) != 0 || found == nullptr) return false;
+  if (::getaddrinfo(host.c_str(), nullptr, &hints, &found) != 0 || found == nullptr) return false;
   ifaddrs* all = nullptr;
   bool local = false;
   if (::getifaddrs(&all) == 0) {

@@ -14,7 +14,7 @@ std::string source_address_towards(const std::string& host, int port);
 /// `address`; empty when none has it.
 std::string network_of_address(const std::string& address);
 
-/// Whether `host` (an address, "[IPv6 address]", or a name) is an IPv4 or IPv6 address of one of
+/// Whether `host` (an address or a name) is an IPv4 or IPv6 address of one of
 /// this machine's interfaces, or a loopback address (127.0.0.0/8, ::1, or IPv4-mapped ones).
 bool is_local_address(const std::string& host);
 

@@ -153,13 +153,21 @@ void check_stop(detail::Supervisor& supervisor) {
 int hold_round(const LaunchPlan& plan, Rendezvous& rdzv, detail::Supervisor& supervisor, int round) {
   rdzv.add(round_key(round, "joined"), 1);  // before the round is published: the host is machine 0
   rdzv.set(kRoundKey, std::to_string(round));
-  const auto deadline = Clock::now() + millis(plan.rdzv_timeout);
+  const auto opened = Clock::now();
+  const auto deadline = opened + millis(plan.rdzv_timeout);
   auto enough_since = Clock::time_point::max();
+  bool said_waiting = false;
   int joined = 1;
   while (true) {
     check_stop(supervisor);
     joined = rdzv.add(round_key(round, "joined"), 0);
     if (joined >= plan.num_machines) break;
+    if (!said_waiting && joined < plan.min_machines && Clock::now() - opened > std::chrono::seconds(5)) {
+      said_waiting = true;
+      say(plan, "round " + std::to_string(round) + " of the rendezvous waits for " +
+                    std::to_string(plan.min_machines) + " machine(s), " + std::to_string(joined) +
+                    " joined so far (up to --rdzv_timeout, " + detail::concat(plan.rdzv_timeout) + "s)");
+    }
     if (joined >= plan.min_machines) {
       if (enough_since == Clock::time_point::max()) enough_since = Clock::now();
       if (Clock::now() - enough_since >= millis(plan.last_call_timeout)) break;
@@ -190,6 +198,7 @@ Place join_round(const LaunchPlan& plan, Rendezvous& rdzv, detail::Supervisor& s
                  int ran_round) {
   int waiter = 0;  // this launcher's number as a waiter; 0: not waiting
   int beat = 0;
+  auto waiting_since = Clock::time_point::max();
   Place place;
   while (true) {
     check_stop(supervisor);
@@ -217,9 +226,20 @@ Place join_round(const LaunchPlan& plan, Rendezvous& rdzv, detail::Supervisor& s
     if (closed && published != ran_round) {
       if (waiter == 0) {
         waiter = rdzv.add(kWaitersKey, 1);
+        waiting_since = Clock::now();
         say(plan, "waiting for the running group (round " + std::to_string(published) + ") to take this machine in");
       }
       rdzv.set(waiter_key(waiter), std::to_string(++beat));
+      // A job of a fixed size takes a machine in only when one of its own was lost: one that
+      // waits longer than --rdzv_timeout while every machine runs is a launcher too many.
+      if (plan.min_machines == plan.num_machines && Clock::now() - waiting_since > millis(plan.rdzv_timeout)) {
+        rdzv.erase(waiter_key(waiter));
+        detail::raise_value_error(detail::concat(
+            "[launch] round ", published, " of the rendezvous at ", plan.main_process_ip, " runs the job's ",
+            plan.num_machines, " machines (--num_machines ", plan.num_machines, ") without this launcher, and no "
+            "machine was lost within --rdzv_timeout (", plan.rdzv_timeout, "s): more launchers than machines joined "
+            "it (one started twice, or the allocation has more machines than the job)"));
+      }
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
   }
@@ -298,7 +318,8 @@ int run(const LaunchPlan& plan, detail::Supervisor& supervisor, const std::map<s
     const auto specs = detail::worker_specs(group, base, scratch, port, round);
     auto options = detail::supervise_options(plan, round);
     const auto quick = std::chrono::seconds(2);  // the supervisor must not wait long on the store
-    options.regroup = [&, round, members, quick] {
+    // A job of a fixed size never regroups: it takes a machine in only after losing one.
+    if (plan.min_machines < plan.num_machines) options.regroup = [&, round, members, quick] {
       try {
         if (serves_store && members < plan.num_machines && rdzv.add(round_key(round, "done"), 0, quick) == 0 &&
             waiters.any_alive(rdzv)) {

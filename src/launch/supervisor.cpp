@@ -278,8 +278,11 @@ std::vector<pid_t> own_children() {
 // stop request of its own; one that comes within it makes the failure its echo: the failure is
 // still shown, and the last line and the exit status are the stop's. A failure with no stop after it
 // ends the attempt as before, that window later. The same holds on one machine for a worker killed
-// by SIGTERM, SIGINT or SIGHUP: Slurm signals every process of a job step, the launcher's workers
-// too, and the launcher may reap a worker before it reads its own signal.
+// by SIGTERM, SIGINT or SIGHUP (or ending with 128 + one of them): Slurm signals every process of a
+// job step, the launcher's workers too, and the launcher may reap a worker before it reads its own
+// signal. The price: a real crash on one machine that makes a scheduler stop the others (srun
+// --kill-on-bad-exit) within the window is reported there as their stop; the crashed machine's own
+// launcher still names the crash.
 
 // Note [Signals of other threads]
 // The supervisor blocks the signals it forwards in its own thread and reads them from a signalfd.
@@ -431,8 +434,10 @@ class Attempt {
   // The job's window, or, for a worker that a stop signal killed, kStopEchoWindow: a scheduler
   // signals every process of a job step, the workers as well as their launcher, in no set order.
   double echo_window() const {
-    if (root_ != nullptr && WIFSIGNALED(root_->status)) {
-      const int sig = WTERMSIG(root_->status);
+    if (root_ != nullptr) {
+      // Killed by the signal, or ended with its status after handling it.
+      const int status = root_->status;
+      const int sig = WIFSIGNALED(status) ? WTERMSIG(status) : WIFEXITED(status) ? WEXITSTATUS(status) - 128 : 0;
       if (std::find(std::begin(kForwardedSignals), std::end(kForwardedSignals), sig) != std::end(kForwardedSignals)) {
         return std::max(options_.stop_echo_window, kStopEchoWindow);
       }
@@ -702,20 +707,20 @@ class Attempt {
         signal_all(sig);
         continue;
       }
-      if (interrupt_signal_ == 0) {
-        stopped_at_ = Clock::now();
-        if (tearing_down_ && !options_.quiet) {
-          say("received " + signal_name(sig) + " while its workers were ending after a failure");
-        }
-      }
-      if (interrupt_signal_ != 0 || tearing_down_) {
+      if (interrupt_signal_ != 0) {
         // A second request to stop: no more grace.
-        interrupt_signal_ = interrupt_signal_ != 0 ? interrupt_signal_ : sig;
         signal_all(SIGKILL);
         killed_hard_ = true;
         continue;
       }
       interrupt_signal_ = sig;
+      stopped_at_ = Clock::now();
+      if (tearing_down_) {
+        // The workers are already being stopped (after a failure, for a regroup or a preemption):
+        // the stop lets their grace period run out, as Slurm's KillWait would.
+        if (!options_.quiet) say("received " + signal_name(sig) + " while its workers were already stopping");
+        continue;
+      }
       const auto alive = alive_workers();
       if (!options_.quiet) {
         say("received " + signal_name(sig) + ", forwarding it to " + std::to_string(alive) + " worker(s)");

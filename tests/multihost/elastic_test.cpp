@@ -115,6 +115,23 @@ LostAndBack lose_second_host_and_bring_it_back(const HostPair& hosts, const std:
   return job;
 }
 
+// An ordinary job of 2 processes on each of the first `machines` hosts, to step `steps`, in `dir`
+// (resuming from its newest checkpoint); the output of machine 0's launcher.
+std::string run_on_machines(const HostPair& hosts, int machines, const std::string& dir, int steps) {
+  std::vector<std::unique_ptr<Running>> launchers;
+  for (int host = 0; host < machines; ++host) {
+    auto argv = launcher({"--num_processes", std::to_string(2 * machines), "--num_machines", std::to_string(machines),
+                          "--machine_rank", std::to_string(host)});
+    argv.insert(argv.end(), {built("tests/mp_elastic"), "--dir", dir, "--steps", std::to_string(steps)});
+    launchers.push_back(std::make_unique<Running>(hosts.in(host, argv), kSecret));
+  }
+  for (auto& l : launchers) {
+    l->wait(240);
+    EXPECT_EQ(l->exit_code(), 0) << l->out << l->err;
+  }
+  return launchers[0]->out;
+}
+
 // A run of `kSteps` steps of 4 processes on the first host, never interrupted, into `dir`; its
 // output.
 std::string uninterrupted_run(const HostPair& hosts, const std::string& dir) {
@@ -171,23 +188,9 @@ TEST(Elastic, AJobGoesOnSmallerWhenAHostIsLostAndGrowsWhenItComesBackEqualToTheS
   const std::string ref = dir.str() + "/reference";
   fs::create_directories(ref);
   std::string ref_out;
-  auto part = [&](int machines, int steps) {
-    std::vector<std::unique_ptr<Running>> launchers;
-    for (int host = 0; host < machines; ++host) {
-      auto argv = launcher({"--num_processes", std::to_string(2 * machines), "--num_machines", std::to_string(machines),
-                            "--machine_rank", std::to_string(host)});
-      argv.insert(argv.end(), {built("tests/mp_elastic"), "--dir", ref, "--steps", std::to_string(steps)});
-      launchers.push_back(std::make_unique<Running>(hosts.in(host, argv), kSecret));
-    }
-    for (auto& l : launchers) {
-      l->wait(240);
-      EXPECT_EQ(l->exit_code(), 0) << l->out << l->err;
-    }
-    ref_out += launchers[0]->out;
-  };
-  part(2, schedule[0].first);
-  part(1, schedule[1].first);
-  part(2, kSteps);
+  ref_out += run_on_machines(hosts, 2, ref, schedule[0].first);
+  ref_out += run_on_machines(hosts, 1, ref, schedule[1].first);
+  ref_out += run_on_machines(hosts, 2, ref, kSteps);
   const auto got = losses(first.out);
   const auto want = losses(ref_out);
   ASSERT_EQ(want.size(), static_cast<size_t>(kSteps)) << ref_out;
@@ -277,13 +280,47 @@ TEST(C10dRendezvous, AMachineLostAndLaunchedAgainRejoinsAndTheJobEndsAsAnUninter
   EXPECT_EQ(schedule[0].second, 4);
   EXPECT_GE(schedule[0].first, 3);
 
-  // Resumed at the same size, the run is the one that was never interrupted, loss by loss and
-  // weight by weight.
+  // Resumed at the same size, the run is the one that was never interrupted (on the same two
+  // hosts), loss by loss and weight by weight.
   const std::string whole = dir.str() + "/uninterrupted";
-  const auto want = losses(uninterrupted_run(hosts, whole));
+  fs::create_directories(whole);
+  const auto want = losses(run_on_machines(hosts, 2, whole, kSteps));
   ASSERT_EQ(want.size(), static_cast<size_t>(kSteps));
   EXPECT_EQ(losses(first.out), want);
   expect_equal_final_weights(run, whole);
+}
+
+TEST(C10dRendezvous, ALauncherMoreThanTheMachinesOfARestartingJobIsToldSoAfterTheRendezvousTimeout) {
+  // With restarts, a launcher beyond the job's machines might be a lost machine's, launched again:
+  // it waits for a round to open; when none does within its --rdzv_timeout, it is told why.
+  HostPair hosts;
+  ACCELERATE_REQUIRE_HOSTS(hosts);
+  TempDir dir;
+  auto on = [&](int host, const char* rdzv_timeout) {
+    auto argv = launcher({"--num_machines", "2", "--rdzv_backend", "c10d", "--num_processes", "4", "--max_restarts",
+                          "1"});
+    argv[std::find(argv.begin(), argv.end(), "--rdzv_timeout") - argv.begin() + 1] = rdzv_timeout;
+    argv.insert(argv.end(), {worker_bin(), "barriers", dir.str(), "30"});
+    return hosts.in(host, argv);
+  };
+  Running first(on(0, "60"), kSecret);
+  Running second(on(1, "60"), kSecret);
+  std::vector<pid_t> workers;
+  for (int rank = 0; rank < 4; ++rank) workers.push_back(wait_for_int_file(dir.str() + "/pid_" + std::to_string(rank), 60));
+  auto extra = testing::run(on(1, "3"), 60, kSecret);
+  EXPECT_EQ(extra->exit_code(), 2) << extra->err;
+  EXPECT_LT(extra->elapsed, 30);
+  EXPECT_THAT(extra->err, HasSubstr("waiting for the running group (round 0) to take this machine in"));
+  EXPECT_THAT(extra->err, HasSubstr("round 0 of the rendezvous at " + HostPair::address(0) + " runs the job's 2 "
+                                    "machines (--num_machines 2) without this launcher, and no machine was lost "
+                                    "within --rdzv_timeout (3s): more launchers than machines joined it"));
+  for (pid_t pid : workers) EXPECT_FALSE(process_gone(pid)) << "worker " << pid;
+  first.signal(SIGTERM);
+  second.signal(SIGTERM);
+  first.wait(60);
+  second.wait(60);
+  EXPECT_EQ(first.exit_code(), 128 + SIGTERM) << first.err;
+  EXPECT_EQ(second.exit_code(), 128 + SIGTERM) << second.err;
 }
 
 TEST(Elastic, ALauncherWaitingAtTheRendezvousStopsOnSigterm) {
