@@ -15,8 +15,12 @@
 
 #include <gtest/gtest.h>
 
+#include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -186,6 +190,14 @@ class SlurmCluster {
         return;
       }
     }
+    // One Slurm cluster at a time on this machine: two tests' clusters side by side (ctest -j2)
+    // slowed each other's job steps from 5 s to 20-80 s under Slurm 24.11. The lock is held from
+    // before the daemons start until after they stopped; the daemons do not inherit it.
+    lock_fd_ = ::open("/tmp/accelerate-tests-slurm-cluster.lock", O_CREAT | O_RDWR | O_CLOEXEC, 0600);
+    if (lock_fd_ >= 0) {
+      while (::flock(lock_fd_, LOCK_EX) != 0 && errno == EINTR) {
+      }
+    }
     for (const char* sub : {"munge", "state", "spool", "log"}) std::filesystem::create_directories(dir_ + "/" + sub);
     // munge: a key of the test's own, one daemon whose socket (a file) every host reaches.
     const std::string munge = dir_ + "/munge";
@@ -253,6 +265,7 @@ class SlurmCluster {
   ~SlurmCluster() {
     if (ready_) command({"scancel", "--full", "--user=root"}, 10);
     cluster_detail::stop_all(daemons_);
+    if (lock_fd_ >= 0) ::close(lock_fd_);  // releases the lock
   }
   SlurmCluster(const SlurmCluster&) = delete;
   SlurmCluster& operator=(const SlurmCluster&) = delete;
@@ -309,6 +322,7 @@ class SlurmCluster {
   std::string why_;
   bool ready_ = false;
   bool not_installed_ = false;
+  int lock_fd_ = -1;  // the machine's one-cluster-at-a-time lock, held while this cluster lives
 };
 
 /// Skips the test when the daemons' packages are not installed (scripts/setup.sh installs them);
