@@ -34,6 +34,11 @@ namespace {
 using Clock = std::chrono::steady_clock;
 namespace fs = std::filesystem;
 
+// `s` seconds as the clock's duration.
+Clock::duration seconds(double s) {
+  return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s));
+}
+
 // Enough for ssh's line above Open MPI's banner (Note [A machine that ssh cannot reach]).
 constexpr size_t kTailLines = 60;
 
@@ -400,8 +405,7 @@ class Attempt {
       describe_preemption();
     }
     // Note [A stop that reached another machine first]
-    if (root_ != nullptr && interrupt_signal_ != 0 && echo_window() > 0 &&
-        stopped_at_ - failed_at_ <= seconds(echo_window())) {
+    if (interrupt_signal_ != 0 && in_echo_window(stopped_at_)) {
       result_.root_cause.clear();
     }
     if (interrupt_signal_ != 0) {
@@ -420,15 +424,13 @@ class Attempt {
   }
 
  private:
-  static Clock::duration seconds(double s) {
-    return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s));
-  }
-
   // Note [A stop that reached another machine first]: the workers failed, no stop has come yet,
   // and the window after the failure is still open.
-  bool awaiting_stop() const {
-    return root_ != nullptr && interrupt_signal_ == 0 && echo_window() > 0 &&
-           Clock::now() < failed_at_ + seconds(echo_window());
+  bool awaiting_stop() const { return interrupt_signal_ == 0 && in_echo_window(Clock::now()); }
+
+  // Whether `t` falls within the echo window after the workers' failure.
+  bool in_echo_window(Clock::time_point t) const {
+    return root_ != nullptr && echo_window() > 0 && t - failed_at_ <= seconds(echo_window());
   }
 
   // The job's window, or, for a worker that a stop signal killed, kStopEchoWindow: a scheduler
@@ -468,8 +470,7 @@ class Attempt {
     tearing_down_ = true;
     teardown_signal_ = sig;
     signal_all(sig);
-    kill_deadline_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                        std::chrono::duration<double>(options_.grace_period));
+    kill_deadline_ = Clock::now() + seconds(options_.grace_period);
   }
 
   void setup_streams(Worker& w, const WorkerSpec& spec, const std::string& tag) {
@@ -553,8 +554,7 @@ class Attempt {
       // The others are expected to follow at once; those still running a grace period later
       // would wait for it in a collective: they are stopped.
       if (preempt_deadline_ == Clock::time_point::max()) {
-        preempt_deadline_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                               std::chrono::duration<double>(options_.grace_period));
+        preempt_deadline_ = Clock::now() + seconds(options_.grace_period);
       }
       return;
     }
@@ -664,8 +664,7 @@ class Attempt {
     }
     if (left.empty()) return;
     if (leftover_deadline_ == Clock::time_point::max()) {
-      leftover_deadline_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                              std::chrono::duration<double>(options_.grace_period));
+      leftover_deadline_ = Clock::now() + seconds(options_.grace_period);
     }
     const bool hard = killed_hard_ || Clock::now() >= leftover_deadline_;
     const int sig = hard ? SIGKILL : SIGTERM;
