@@ -177,13 +177,27 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (mode == "orphan" || mode == "orphan_stubborn") {
+    // The child tells its parent once it is in a group of its own and ignores SIGTERM: before
+    // that, a signal to the worker's group (the launcher forwards SIGINT so) would end it too, and
+    // a slow child (under a sanitizer, on a busy machine) was still in the worker's group when
+    // the tests sent it.
+    int ready[2];
+    if (::pipe(ready) != 0) return 5;
     const pid_t child = ::fork();
     if (child == 0) {
+      ::close(ready[0]);
       ::setpgid(0, 0);
       std::signal(SIGTERM, SIG_IGN);
+      const char byte = 1;
+      if (::write(ready[1], &byte, 1) != 1) ::_exit(1);
+      ::close(ready[1]);
       for (int i = 0; i < 3000; ++i) sleep_seconds(0.02);
       ::_exit(0);
     }
+    ::close(ready[1]);
+    char byte = 0;
+    if (child < 0 || ::read(ready[0], &byte, 1) != 1) return 5;
+    ::close(ready[0]);
     std::ofstream(arg(2) + "/orphan_" + std::to_string(rank)) << child << std::endl;
     if (mode == "orphan") return 0;
     std::signal(SIGINT, SIG_IGN);
