@@ -206,7 +206,7 @@ TEST(Slurm, ScancelEndsEveryProcessOnBothHostsAndTheLaunchersSayWhy) {
   ASSERT_EQ(r->exit_code(), 0) << r->err;
   const std::string out = wait_for_job(bed, "cancelled", id, 60);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - cancelled).count();
-  EXPECT_LT(seconds, 15) << out;
+  EXPECT_LT(seconds, 30) << out;  // a hang would take the job's 60 s barriers, or Slurm's KillWait
   // Each node's launcher says it was stopped, and by what.
   EXPECT_THAT(out, HasSubstr("CANCELLED")) << out;
   std::istringstream lines(out);

@@ -76,7 +76,9 @@ TEST(ForeignLaunchers, APortAlreadyServedByAnotherJobIsNamed) {
   const std::string port = std::to_string(free_port());
   Env env = {{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", port},
              {"ACCELERATE_RDZV_TIMEOUT", "20"}};
-  Running first({worker_bin(), "state"}, env);
+  Env holder = env;
+  holder["ACCELERATE_RDZV_TIMEOUT"] = "300";  // holds the port however slowly the second starts
+  Running first({worker_bin(), "state"}, holder);
   ASSERT_TRUE(wait_for_port(std::stoi(port), 30)) << "the first job never served its store";
   auto second = run({worker_bin(), "state"}, 30, env);
   EXPECT_NE(second->exit_code(), 0);

@@ -187,6 +187,22 @@ inline bool wait_reaped(pid_t pid, double seconds) {
   return true;
 }
 
+/// Waits up to `seconds` until a process catches `sig` (a handler of its own, /proc's SigCgt):
+/// before that, the signal's default action would end it instead of reaching its code.
+inline bool wait_until_catching(pid_t pid, int sig, double seconds) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  const unsigned long long bit = 1ull << (sig - 1);
+  while (std::chrono::steady_clock::now() < deadline) {
+    std::ifstream status("/proc/" + std::to_string(pid) + "/status");
+    std::string line;
+    while (std::getline(status, line)) {
+      if (line.rfind("SigCgt:", 0) == 0 && (std::stoull(line.substr(7), nullptr, 16) & bit) != 0) return true;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return false;
+}
+
 /// Reads an integer from a file that another process writes, waiting up to `seconds` for it.
 inline int wait_for_int_file(const std::string& path, double seconds) {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);

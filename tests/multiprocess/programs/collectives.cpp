@@ -356,7 +356,10 @@ int main(int argc, char** argv) {
   const int target = argc > 2 ? std::stoi(argv[2]) : -1;
   try {
     accelerate::PartialStateOptions options;
-    if (mode != "all") options.init_kwargs.timeout = std::chrono::seconds(2);
+    // Only where a rank skips the collective does the timeout end it; where one dies, the others
+    // are stopped by the launcher, and a short timeout would race that (a slow machine's rank 0
+    // timing out first would become the root cause).
+    if (mode == "skip") options.init_kwargs.timeout = std::chrono::seconds(2);
     accelerate::PartialState state(options);
     std::cout << "backend " << (state.backend().empty() ? "none" : state.backend()) << " processes " << state.num_processes() << std::endl;
     const int rank = state.process_index();

@@ -215,12 +215,14 @@ int main(int argc, char** argv) {
     if (std::system(command.c_str()) != 0) return 4;
     int pid = 0;
     std::ifstream(file + ".tmp") >> pid;
-    for (int i = 0; i < 500; ++i) {  // until it runs sleep, so that the launcher names it so
+    bool sleeping = false;
+    for (int i = 0; i < 3000 && !sleeping; ++i) {  // until it runs sleep, so that the launcher names it so
       std::string name;
       std::getline(std::ifstream("/proc/" + std::to_string(pid) + "/comm"), name);
-      if (name == "sleep") break;
-      sleep_seconds(0.01);
+      sleeping = name == "sleep";
+      if (!sleeping) sleep_seconds(0.01);
     }
+    if (!sleeping) return 4;
     std::ofstream(file) << pid << std::endl;
     return 0;
   }
