@@ -151,6 +151,18 @@ void expect_equal_final_weights(const std::string& dir, const std::string& other
   for (const auto& key : got.keys()) EXPECT_TRUE(at::equal(got.get_tensor(key), want.get_tensor(key))) << key;
 }
 
+// The job a launcher too many tried to join goes on undisturbed (its workers all run), and its two
+// launchers end as stopped when asked to.
+void expect_undisturbed_until_stopped(const std::vector<pid_t>& workers, Running& first, Running& second) {
+  for (pid_t pid : workers) EXPECT_FALSE(process_gone(pid)) << "worker " << pid;
+  first.signal(SIGTERM);
+  second.signal(SIGTERM);
+  first.wait(60);
+  second.wait(60);
+  EXPECT_EQ(first.exit_code(), 128 + SIGTERM) << first.err;
+  EXPECT_EQ(second.exit_code(), 128 + SIGTERM) << second.err;
+}
+
 TEST(Elastic, AJobGoesOnSmallerWhenAHostIsLostAndGrowsWhenItComesBackEqualToTheSameSchedule) {
   HostPair hosts;
   ACCELERATE_REQUIRE_HOSTS(hosts);
@@ -239,14 +251,7 @@ TEST(C10dRendezvous, ALauncherMoreThanTheMachinesOfTheJobIsToldSo) {
   EXPECT_THAT(extra->err, HasSubstr("this launcher joined the rendezvous at " + HostPair::address(0) +
                                     ":29500 as machine 2, but the job has --num_machines 2: more launchers than "
                                     "machines joined it"));
-  // The job it tried to join goes on undisturbed, until it is stopped.
-  for (pid_t pid : workers) EXPECT_FALSE(process_gone(pid)) << "worker " << pid;
-  first.signal(SIGTERM);
-  second.signal(SIGTERM);
-  first.wait(60);
-  second.wait(60);
-  EXPECT_EQ(first.exit_code(), 128 + SIGTERM) << first.err;
-  EXPECT_EQ(second.exit_code(), 128 + SIGTERM) << second.err;
+  expect_undisturbed_until_stopped(workers, first, second);
 }
 
 TEST(C10dRendezvous, AMachineLostAndLaunchedAgainRejoinsAndTheJobEndsAsAnUninterruptedRun) {
@@ -314,13 +319,7 @@ TEST(C10dRendezvous, ALauncherMoreThanTheMachinesOfARestartingJobIsToldSoAfterTh
   EXPECT_THAT(extra->err, HasSubstr("round 0 of the rendezvous at " + HostPair::address(0) + " runs the job's 2 "
                                     "machines (--num_machines 2) without this launcher, and no machine was lost "
                                     "within --rdzv_timeout (3s): more launchers than machines joined it"));
-  for (pid_t pid : workers) EXPECT_FALSE(process_gone(pid)) << "worker " << pid;
-  first.signal(SIGTERM);
-  second.signal(SIGTERM);
-  first.wait(60);
-  second.wait(60);
-  EXPECT_EQ(first.exit_code(), 128 + SIGTERM) << first.err;
-  EXPECT_EQ(second.exit_code(), 128 + SIGTERM) << second.err;
+  expect_undisturbed_until_stopped(workers, first, second);
 }
 
 TEST(Elastic, ALauncherWaitingAtTheRendezvousStopsOnSigterm) {
