@@ -5,6 +5,7 @@
 #include "detail/accelerator_device.h"
 #include "detail/blas.h"
 #include "detail/buffer_pool.h"
+#include "detail/collective_watch.h"
 #include "detail/collectives.h"
 #include "detail/check.h"
 #include "detail/process_group.h"
@@ -58,6 +59,22 @@ void write_error_file_and_abort() {
   std::abort();
 }
 
+// The process-wide state's processes learn that this one has ended its program (Note [The
+// collective watch]) before any static destructor runs: the MPI runtime's would wait for them.
+void publish_ended_at_exit() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    std::atexit([] {
+      std::shared_ptr<detail::PartialStateImpl> impl;
+      {
+        std::lock_guard<std::mutex> lock(g_state_mutex);
+        impl = g_partial;
+      }
+      if (impl && impl->process_group) detail::publish_ended(*impl);
+    });
+  });
+}
+
 void install_error_file_handler() {
   static std::once_flag once;
   std::call_once(once, [] {
@@ -79,6 +96,14 @@ std::chrono::milliseconds seconds_from_env(const char* key, std::chrono::millise
   TORCH_CHECK_VALUE(used == value->size() && parsed > 0, "[PartialState] environment variable ", key,
                     " must be a positive number of seconds, got '", *value, "'");
   return std::chrono::milliseconds(static_cast<int64_t>(parsed * 1000));
+}
+
+// The collective watch's delay (Note [The collective watch]): ACCELERATE_COLLECTIVE_CHECK_SECONDS,
+// 5 s by default; 0 turns the watch off.
+std::chrono::milliseconds check_delay_from_env() {
+  const auto value = get_env("ACCELERATE_COLLECTIVE_CHECK_SECONDS");
+  if (value && *value == "0") return std::chrono::milliseconds(0);
+  return seconds_from_env("ACCELERATE_COLLECTIVE_CHECK_SECONDS", std::chrono::seconds(5));
 }
 
 std::shared_ptr<detail::PartialStateImpl> build_partial_state(const PartialStateOptions& options) {
@@ -123,6 +148,7 @@ std::shared_ptr<detail::PartialStateImpl> build_partial_state(const PartialState
   impl->debug = options.debug.value_or(parse_flag_from_env("ACCELERATE_DEBUG_MODE"));
   impl->timeout = options.init_kwargs.timeout.value_or(std::chrono::minutes(30));
   TORCH_CHECK_VALUE(impl->timeout.count() > 0, "[PartialState] InitProcessGroupKwargs.timeout must be positive");
+  impl->check_delay = check_delay_from_env();
 
   if (topo.world_size > 1) {
     TORCH_CHECK_VALUE(impl->device.is_cpu() || impl->device.is_cuda(), "[PartialState] a job of ", topo.world_size,
@@ -199,6 +225,7 @@ PartialState::PartialState(const PartialStateOptions& options) {
                       ", cpu=true cannot apply; call PartialState::reset() first");
   } else {
     g_partial = build_partial_state(options);
+    if (g_partial->process_group) publish_ended_at_exit();
   }
   impl_ = g_partial;
 }
@@ -232,16 +259,24 @@ bool PartialState::use_distributed() const { return impl_->distributed_type != D
 bool PartialState::debug() const { return impl_->debug; }
 std::chrono::milliseconds PartialState::timeout() const { return impl_->timeout; }
 
+namespace {
+
+std::string barrier_failure(const PartialState& state, const char* api, const std::exception& e) {
+  return c10::str("[", api, "] process ", state.process_index(), " of ", state.num_processes(),
+                  " failed while waiting for the others (a peer died, or did not arrive within ",
+                  state.timeout().count() / 1000.0, "s): ", detail::collective_error_text(state, e));
+}
+
+}  // namespace
+
 void PartialState::wait_for_everyone() const {
   if (!use_distributed()) return;
-  auto pg = detail::process_group(*this, "wait_for_everyone");
-  try {
-    pg->barrier()->wait(impl_->timeout);
-  } catch (const std::exception& e) {
-    C10_THROW_ERROR(Error, c10::str("[wait_for_everyone] process ", process_index(), " of ", num_processes(),
-                                    " failed while waiting for the others (a peer died, or did not arrive within ",
-                                    impl_->timeout.count() / 1000.0, "s): ", detail::collective_error_text(*this, e)));
-  }
+  constexpr const char* kApi = "wait_for_everyone";
+  // Debug mode checks the barrier like every other collective (Note [Debug-mode collective check]).
+  detail::verify_signature(*this, kApi, "barrier", "call the same collective");
+  auto pg = detail::process_group(*this, kApi);
+  const auto ticket = detail::enter_collective(*this, "barrier");
+  detail::watch_wait(*this, ticket, pg->barrier(), kApi, barrier_failure);
 }
 
 PartialState::Share PartialState::share_of(int64_t length, bool apply_padding, const char* what) const {
@@ -313,15 +348,21 @@ void PartialState::destroy_process_group() const {
     std::lock_guard<std::mutex> lock(impl_->groups_mutex);
     for (auto& [tag, group] : impl_->groups) {
       std::lock_guard<std::mutex> group_lock(group->mutex);
+      if (group->process_group) detail::publish_ended(*group);
       group->process_group.reset();
     }
     impl_->groups.clear();
   }
   std::lock_guard<std::mutex> lock(impl_->mutex);
+  if (impl_->process_group) detail::publish_ended(*impl_);
   impl_->process_group.reset();
 }
 
 namespace detail {
+
+PartialStateImpl::~PartialStateImpl() {
+  if (process_group) publish_ended(*this);
+}
 
 c10::intrusive_ptr<c10d::ProcessGroup> process_group(const PartialState& state, const char* api) {
   auto& impl = *state.impl();
@@ -371,6 +412,8 @@ PartialState split_state(const PartialState& state, const std::vector<std::vecto
   impl->cpu = parent.cpu;
   impl->debug = parent.debug;
   impl->timeout = parent.timeout;
+  impl->check_delay = parent.check_delay;
+  impl->watch_prefix = "watch/group/" + layout + "/";
   impl->store = parent.store;
   impl->world_ranks = members;
   impl->world_topology = world;

@@ -2,6 +2,7 @@
 #include "detail/collectives.h"
 
 #include "detail/check.h"
+#include "detail/collective_watch.h"
 #include "detail/state_impl.h"
 #include "detail/torch_compat.h"
 
@@ -15,15 +16,19 @@
 namespace accelerate::detail {
 namespace {
 
-// Waits for `work`, turning a failure or a timeout into an error that names the API.
-void wait(const PartialState& state, const c10::intrusive_ptr<c10d::Work>& work, const char* api) {
-  try {
-    work->wait(state.timeout());
-  } catch (const std::exception& e) {
-    C10_THROW_ERROR(Error, c10::str("[", api, "] the collective failed on process ", state.process_index(), " of ",
-                                    state.num_processes(), " (a peer died, skipped it, or did not arrive within ",
-                                    state.timeout().count() / 1000.0, "s): ", collective_error_text(state, e)));
-  }
+std::string collective_failure(const PartialState& state, const char* api, const std::exception& e) {
+  return c10::str("[", api, "] the collective failed on process ", state.process_index(), " of ",
+                  state.num_processes(), " (a peer died, skipped it, or did not arrive within ",
+                  state.timeout().count() / 1000.0, "s): ", collective_error_text(state, e));
+}
+
+// Starts `operation` through `start` (which returns its work) and waits for it, turning a
+// failure or a timeout into an error that names the API; the wait is watched (Note [The
+// collective watch]).
+template <typename Start>
+void run(const PartialState& state, const char* operation, const char* api, Start&& start) {
+  const auto ticket = enter_collective(state, operation);
+  watch_wait(state, ticket, start(), api, collective_failure);
 }
 
 c10d::ReduceOp to_c10d(Reduction r) {
@@ -43,14 +48,13 @@ bool needs_float_path(const at::Tensor& t) {
   return t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf;
 }
 
-std::string signature(const char* api, const at::Tensor& t, ShapeCheck check) {
+std::string signature(const at::Tensor& t, ShapeCheck check) {
   std::ostringstream out;
-  out << "operation " << api;
   if (!t.defined()) {
-    out << ", no tensor";
+    out << "no tensor";
     return out.str();
   }
-  out << ", dtype " << t.scalar_type() << ", device " << t.device();
+  out << "dtype " << t.scalar_type() << ", device " << t.device();
   if (check == ShapeCheck::kExact) {
     out << ", shape " << t.sizes();
   } else if (check == ShapeCheck::kTrailing) {
@@ -71,7 +75,7 @@ std::vector<std::vector<char>> raw_all_gather_bytes(const PartialState& state, c
   std::vector<at::Tensor> mine{on_collective_device(state, at::tensor({static_cast<int64_t>(bytes.size())}, at::kLong))};
   std::vector<std::vector<at::Tensor>> lengths(1);
   for (int i = 0; i < n; ++i) lengths[0].push_back(at::empty_like(mine[0]));
-  wait(state, pg->allgather(lengths, mine), api);
+  run(state, "all_gather", api, [&] { return pg->allgather(lengths, mine); });
   int64_t longest = 0;
   for (auto& l : lengths[0]) longest = std::max(longest, l.item<int64_t>());
   auto payload = at::zeros({std::max<int64_t>(longest, 1)}, at::kByte);
@@ -79,7 +83,7 @@ std::vector<std::vector<char>> raw_all_gather_bytes(const PartialState& state, c
   std::vector<at::Tensor> send{on_collective_device(state, payload)};
   std::vector<std::vector<at::Tensor>> recv(1);
   for (int i = 0; i < n; ++i) recv[0].push_back(at::empty_like(send[0]));
-  wait(state, pg->allgather(recv, send), api);
+  run(state, "all_gather", api, [&] { return pg->allgather(recv, send); });
   std::vector<std::vector<char>> out(n);
   for (int i = 0; i < n; ++i) {
     const auto len = static_cast<size_t>(lengths[0][i].item<int64_t>());
@@ -111,9 +115,11 @@ Reduction parse_reduction(const std::string& name, const char* api) {
 void verify_signature(const PartialState& state, const char* api, const std::string& signature,
                       const char* must_agree) {
   if (!state.debug() || !state.use_distributed()) return;
-  auto all = raw_all_gather_bytes(state, std::vector<char>(signature.begin(), signature.end()), api);
+  // The calling API is part of it, so that two different operations on alike tensors disagree.
+  const std::string line = signature + ", from " + api;
+  auto all = raw_all_gather_bytes(state, std::vector<char>(line.begin(), line.end()), api);
   bool same = true;
-  for (const auto& s : all) same = same && std::string(s.begin(), s.end()) == signature;
+  for (const auto& s : all) same = same && std::string(s.begin(), s.end()) == line;
   if (same) return;
   std::ostringstream table;
   for (size_t i = 0; i < all.size(); ++i) {
@@ -125,7 +131,7 @@ void verify_signature(const PartialState& state, const char* api, const std::str
 
 void verify_collective(const PartialState& state, const char* api, const at::Tensor& tensor, ShapeCheck check) {
   if (!state.debug() || !state.use_distributed()) return;
-  verify_signature(state, api, signature(api, tensor, check),
+  verify_signature(state, api, signature(tensor, check),
                    "call the same operation with the same dtype, device and shape");
 }
 
@@ -144,7 +150,7 @@ std::vector<at::Tensor> all_gather(const PartialState& state, const at::Tensor& 
   std::vector<at::Tensor> inputs{send};
   std::vector<std::vector<at::Tensor>> outputs(1);
   for (int i = 0; i < state.num_processes(); ++i) outputs[0].push_back(at::empty_like(send));
-  wait(state, pg->allgather(outputs, inputs), api);
+  run(state, "all_gather", api, [&] { return pg->allgather(outputs, inputs); });
   for (auto& t : outputs[0]) t = t.to(tensor.device(), tensor.scalar_type());
   return outputs[0];
 }
@@ -159,7 +165,7 @@ at::Tensor broadcast(const PartialState& state, const at::Tensor& tensor, int fr
   std::vector<at::Tensor> buf{on_collective_device(state, (cast ? tensor.to(at::kFloat) : tensor).contiguous().clone())};
   c10d::BroadcastOptions opts;
   opts.rootRank = from_process;
-  wait(state, pg->broadcast(buf, opts), api);
+  run(state, "broadcast", api, [&] { return pg->broadcast(buf, opts); });
   return buf[0].to(tensor.device(), tensor.scalar_type());
 }
 
@@ -171,7 +177,7 @@ at::Tensor all_reduce(const PartialState& state, const at::Tensor& tensor, Reduc
   std::vector<at::Tensor> buf{on_collective_device(state, (cast ? tensor.to(at::kFloat) : tensor).contiguous().clone())};
   c10d::AllreduceOptions opts;
   opts.reduceOp = to_c10d(reduction);
-  wait(state, pg->allreduce(buf, opts), api);
+  run(state, "all_reduce", api, [&] { return pg->allreduce(buf, opts); });
   at::Tensor out = buf[0];
   if (reduction == Reduction::kMean) {
     out = out.is_floating_point() ? out.div_(state.num_processes()) : out.div(state.num_processes());
@@ -190,13 +196,14 @@ PendingCollective start_all_gather_into(const PartialState& state, at::Tensor& o
   const bool as_bytes = needs_float_path(input);
   at::Tensor in = as_bytes ? input.view({-1}).view(at::kByte) : input;
   at::Tensor out = as_bytes ? output.view({-1}).view(at::kByte) : output;
-  if (compat::has_flat_collectives(*pg)) return {compat::all_gather_single(*pg, out, in), nullptr};
+  const auto ticket = enter_collective(state, "all_gather");
+  if (compat::has_flat_collectives(*pg)) return {compat::all_gather_single(*pg, out, in), nullptr, ticket};
   // The list form, into views of `output` (Note [LibTorch releases]).
   std::vector<std::vector<at::Tensor>> outputs(1);
   const int64_t n = in.numel();
   for (int r = 0; r < state.num_processes(); ++r) outputs[0].push_back(out.narrow(0, r * n, n));
   std::vector<at::Tensor> inputs{in};
-  return {pg->allgather(outputs, inputs), nullptr};
+  return {pg->allgather(outputs, inputs), nullptr, ticket};
 }
 
 }  // namespace
@@ -239,13 +246,13 @@ namespace {
 // Starts the sum of `input` over the processes, this process's piece into `output`.
 PendingCollective start_reduce_scatter(const PartialState& state, const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
                                        at::Tensor& output, at::Tensor& input) {
-  if (compat::has_flat_collectives(*pg)) return {compat::reduce_scatter_single(*pg, output, input), nullptr};
+  const auto ticket = enter_collective(state, "reduce_scatter");
+  if (compat::has_flat_collectives(*pg)) return {compat::reduce_scatter_single(*pg, output, input), nullptr, ticket};
   // An allreduce of the whole input, of which this process keeps its piece: the same sums.
   std::vector<at::Tensor> tensors{input};
   const int64_t offset = static_cast<int64_t>(state.process_index()) * output.numel();
-  return {pg->allreduce(tensors), [output, input, offset]() mutable {
-            output.copy_(input.narrow(0, offset, output.numel()));
-          }};
+  return {pg->allreduce(tensors),
+          [output, input, offset]() mutable { output.copy_(input.narrow(0, offset, output.numel())); }, ticket};
 }
 
 }  // namespace
@@ -264,16 +271,18 @@ PendingCollective reduce_scatter_sum_async(const PartialState& state, at::Tensor
     at::Tensor wide_input = input.to(at::kFloat);
     at::Tensor wide_output = at::empty(output.sizes(), output.options().dtype(at::kFloat));
     auto pending = start_reduce_scatter(state, pg, wide_output, wide_input);
-    return {pending.work, [finish = std::move(pending.finish), output, wide_output, wide_input]() mutable {
+    return {pending.work,
+            [finish = std::move(pending.finish), output, wide_output, wide_input]() mutable {
               if (finish) finish();
               output.copy_(wide_output);
-            }};
+            },
+            pending.ticket};
   }
   return start_reduce_scatter(state, pg, output, input);
 }
 
 void wait_collective(const PartialState& state, PendingCollective& pending, const char* api) {
-  if (pending.work) wait(state, pending.work, api);
+  if (pending.work) watch_wait(state, pending.ticket, pending.work, api, collective_failure);
   if (pending.finish) pending.finish();
   pending = {};
 }

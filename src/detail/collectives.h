@@ -6,6 +6,7 @@
 #pragma once
 
 #include "accelerate/state.h"
+#include "detail/collective_watch.h"
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
@@ -65,6 +66,7 @@ void reduce_scatter_sum(const PartialState& state, at::Tensor& output, at::Tenso
 struct PendingCollective {
   c10::intrusive_ptr<c10d::Work> work;
   std::function<void()> finish;  ///< runs after the wait (copies out of a fallback's buffer)
+  CollectiveTicket ticket;       ///< what the watch knows of it (Note [The collective watch])
 };
 /// `all_gather_into`, started: `output` holds the result once `wait_collective` returned. Both
 /// tensors must stay alive and untouched until then.

@@ -8,6 +8,9 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <atomic>
+#include <chrono>
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -39,6 +42,18 @@ struct PartialStateImpl {
   // and unused for the job's own state; Note [Groups within groups]).
   std::vector<int> world_ranks;
   Topology world_topology;
+  // The collective watch (Note [The collective watch]): the collectives entered on this group so
+  // far, how long a wait lasts before the processes compare notes (zero: never), and the store
+  // keys of this group's records.
+  std::atomic<uint64_t> collectives{0};
+  std::atomic<const char*> last_operation{""};  // a string literal
+  std::chrono::milliseconds check_delay{std::chrono::seconds(5)};
+  std::string watch_prefix = "watch/job/";
+
+  PartialStateImpl() = default;
+  PartialStateImpl(const PartialStateImpl&) = delete;
+  PartialStateImpl& operator=(const PartialStateImpl&) = delete;
+  ~PartialStateImpl();  // tells the others this process has ended (publish_ended)
 };
 
 struct GradientStateImpl {

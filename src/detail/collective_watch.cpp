@@ -1,0 +1,293 @@
+// The collective watch; see collective_watch.h and Note [The collective watch].
+#include "detail/collective_watch.h"
+
+#include "detail/check.h"
+#include "detail/durations.h"
+#include "detail/state_impl.h"
+#include "detail/warn.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <sstream>
+#include <thread>
+#include <vector>
+
+namespace accelerate::detail {
+
+// Note [The collective watch]
+// A collective that some processes skip (a gather on one process, a barrier on the other) used
+// to hang until the process group's timeout, or, on MPI, to fail at once as if a peer had died.
+// The watch names it within seconds at no cost per step:
+// - Fast path. Entering a collective increments the group's counter (`enter_collective`): the
+//   collective's number. Its wait is one wait of at most the check delay
+//   (ACCELERATE_COLLECTIVE_CHECK_SECONDS, 5 s by default, 0 turns the watch off); nothing else.
+// - Slow path. A wait that outlasts the delay publishes this process's record in the job's store
+//   ("waiting", number, operation, calling API), then goes on waiting in short slices and, between
+//   them, reads every process's record. When every process has a record (waiting, failed or
+//   ended) and they are not all the same collective, and two reads a slice apart agree (a record
+//   is rewritten as "done" the moment its wait ends, so a stale one cannot survive a slice), every
+//   process raises naming what each one does. A process that ended its program ("ended", written
+//   when its state or process group is destroyed) is named at once. A process without a record
+//   is in no collective: slow, not wrong; the first waiting process warns about it, at the delay
+//   and then at doubling intervals, until the process group's own timeout.
+// - Failures. A collective that fails (MPI reports a mismatched pair as an error; Gloo a peer's
+//   closed connection) publishes "failed" and waits, at most the check delay and a slice, for
+//   every process's record: if they show a mismatch or an ended process, that is the error;
+//   otherwise the failure is a death, and reported as before.
+// Waits that never block on the host are not watched: NCCL's wait only orders streams.
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+enum class Kind { kNone, kDone, kWaiting, kFailed, kEnded };
+
+struct Record {
+  Kind kind = Kind::kNone;
+  uint64_t number = 0;
+  std::string operation;
+  std::string api;
+  std::string text;  // as stored, to compare two reads
+
+  bool in_collective() const { return kind == Kind::kWaiting || kind == Kind::kFailed; }
+  bool published() const { return in_collective() || kind == Kind::kEnded; }
+};
+
+std::string key_of(const PartialStateImpl& impl, int rank) { return impl.watch_prefix + std::to_string(rank); }
+
+std::string encode(Kind kind, const CollectiveTicket& ticket, const char* api) {
+  const char* name = kind == Kind::kWaiting ? "waiting" : kind == Kind::kFailed ? "failed" : "done";
+  return c10::str(name, '\t', ticket.number, '\t', ticket.operation, '\t', api);
+}
+
+Record decode(std::string text) {
+  Record r;
+  std::vector<std::string> fields;
+  std::istringstream in(text);
+  for (std::string f; std::getline(in, f, '\t');) fields.push_back(f);
+  r.text = std::move(text);
+  if (fields.empty()) return r;
+  if (fields[0] == "ended") {
+    r.kind = Kind::kEnded;
+    if (fields.size() >= 3) {
+      r.number = std::stoull(fields[1]);
+      r.operation = fields[2];
+    }
+    return r;
+  }
+  if (fields.size() < 4) return r;
+  r.kind = fields[0] == "waiting" ? Kind::kWaiting : fields[0] == "failed" ? Kind::kFailed : Kind::kDone;
+  r.number = std::stoull(fields[1]);
+  r.operation = fields[2];
+  r.api = fields[3];
+  return r;
+}
+
+void publish(const PartialStateImpl& impl, const std::string& value) {
+  impl.store->set(key_of(impl, impl.topology.rank), std::vector<uint8_t>(value.begin(), value.end()));
+}
+
+// Every process's record, this one's as `mine`.
+std::vector<Record> read_records(const PartialStateImpl& impl, const Record& mine) {
+  std::vector<Record> out(impl.topology.world_size);
+  for (int rank = 0; rank < impl.topology.world_size; ++rank) {
+    if (rank == impl.topology.rank) {
+      out[rank] = mine;
+      continue;
+    }
+    const std::string key = key_of(impl, rank);
+    if (!impl.store->check({key})) continue;
+    const auto bytes = impl.store->get(key);
+    out[rank] = decode(std::string(bytes.begin(), bytes.end()));
+  }
+  return out;
+}
+
+std::string describe(const Record& r) {
+  switch (r.kind) {
+    case Kind::kWaiting: return c10::str(r.operation, " #", r.number, " from ", r.api);
+    case Kind::kFailed: return c10::str(r.operation, " #", r.number, " from ", r.api, " (failed there)");
+    case Kind::kEnded:
+      return r.number == 0 ? "ended its program" : c10::str("ended its program after ", r.operation, " #", r.number);
+    case Kind::kDone:
+    case Kind::kNone: break;
+  }
+  return "in no collective";
+}
+
+// What the records say is wrong, or empty when they show no mismatch (yet).
+std::string diagnosis(const std::vector<Record>& records) {
+  std::vector<int> ended;
+  bool all_published = true;
+  bool same = true;
+  const Record* first = nullptr;
+  for (size_t rank = 0; rank < records.size(); ++rank) {
+    const Record& r = records[rank];
+    if (r.kind == Kind::kEnded) ended.push_back(static_cast<int>(rank));
+    all_published = all_published && r.published();
+    if (!r.in_collective()) continue;
+    if (first == nullptr) first = &r;
+    same = same && r.number == first->number && r.operation == first->operation;
+  }
+  if (ended.empty() && (!all_published || same)) return {};
+  std::ostringstream out;
+  if (!ended.empty()) {
+    out << "process" << (ended.size() > 1 ? "es " : " ");
+    for (size_t i = 0; i < ended.size(); ++i) out << (i == 0 ? "" : ", ") << ended[i];
+    out << (ended.size() > 1 ? " ended their program" : " ended its program")
+        << " while the others wait in a collective (a collective that some processes skip)";
+  } else {
+    out << "the processes wait in different collectives (a collective that some processes skip, or call in "
+           "another order)";
+  }
+  for (size_t rank = 0; rank < records.size(); ++rank) {
+    out << (rank == 0 ? ": " : "; ") << "process " << rank << ": " << describe(records[rank]);
+  }
+  return out.str();
+}
+
+[[noreturn]] void raise_mismatch(const PartialState& state, const char* api, const std::string& text) {
+  C10_THROW_ERROR(Error, c10::str("[", api, "] ", text, " (seen by process ", state.process_index(), " of ",
+                                  state.num_processes(), ")"));
+}
+
+// The pause between two reads of the records.
+std::chrono::milliseconds slice_of(std::chrono::milliseconds delay, Clock::duration waited) {
+  using std::chrono::milliseconds;
+  if (waited > std::chrono::minutes(1)) return milliseconds(5000);
+  return std::clamp(delay / 2, milliseconds(200), milliseconds(2000));
+}
+
+// A failed collective: the records explain it, or it is reported as `failure` reports it.
+[[noreturn]] void explain_failure(const PartialState& state, const CollectiveTicket& ticket, const char* api,
+                                  FailureMessage failure, const std::exception& e) {
+  const auto& impl = *state.impl();
+  const auto delay = impl.check_delay;
+  if (impl.store && delay.count() > 0) {
+    std::string verdict;
+    try {
+      Record mine = decode(encode(Kind::kFailed, ticket, api));
+      publish(impl, mine.text);
+      // A peer in a collective publishes its record at the latest one delay after it began.
+      const auto give_up = Clock::now() + delay + slice_of(delay, {});
+      while (verdict.empty()) {
+        const auto records = read_records(impl, mine);
+        verdict = diagnosis(records);
+        const bool all = std::all_of(records.begin(), records.end(), [](const Record& r) { return r.published(); });
+        if (all || Clock::now() >= give_up) break;
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
+    } catch (const std::exception&) {
+      // The store is gone too (its process ended): nothing more to compare.
+    }
+    if (!verdict.empty()) raise_mismatch(state, api, verdict);
+  }
+  C10_THROW_ERROR(Error, failure(state, api, e));
+}
+
+}  // namespace
+
+CollectiveTicket enter_collective(const PartialState& state, const char* operation) noexcept {
+  auto& impl = *state.impl();
+  impl.last_operation.store(operation, std::memory_order_relaxed);
+  return {impl.collectives.fetch_add(1, std::memory_order_relaxed) + 1, operation};
+}
+
+void watch_wait(const PartialState& state, const CollectiveTicket& ticket, const c10::intrusive_ptr<c10d::Work>& work,
+                const char* api, FailureMessage failure) {
+  const auto& impl = *state.impl();
+  const auto timeout = impl.timeout;
+  const auto delay = impl.check_delay;
+  const auto start = Clock::now();
+  if (delay.count() <= 0 || delay >= timeout || !impl.store) {
+    try {
+      work->wait(timeout);
+      return;
+    } catch (const std::exception& e) {
+      C10_THROW_ERROR(Error, failure(state, api, e));
+    }
+  }
+  try {
+    work->wait(delay);
+    return;
+  } catch (const std::exception& e) {
+    if (work->isCompleted()) explain_failure(state, ticket, api, failure, e);
+  }
+
+  // The slow path (Note [The collective watch]).
+  const auto deadline = start + timeout;
+  Record mine = decode(encode(Kind::kWaiting, ticket, api));
+  bool published = false;
+  std::string previous;  // the last diagnosis, to be confirmed by the next read
+  auto next_warning = delay;
+  while (true) {
+    std::string verdict;
+    try {
+      if (!published) {
+        publish(impl, mine.text);
+        published = true;
+      }
+      const auto records = read_records(impl, mine);
+      const std::string text = diagnosis(records);
+      if (!text.empty() && text == previous) verdict = text;
+      previous = text;
+      const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start);
+      // The first waiting process speaks for the others.
+      int first_waiting = -1;
+      std::vector<int> absent;
+      for (int rank = 0; rank < static_cast<int>(records.size()); ++rank) {
+        if (records[rank].in_collective() && first_waiting < 0) first_waiting = rank;
+        if (!records[rank].published()) absent.push_back(rank);
+      }
+      if (waited >= next_warning && text.empty() && !absent.empty()) {
+        next_warning = waited * 2;
+        if (first_waiting == state.process_index()) {
+          std::ostringstream who;
+          for (size_t i = 0; i < absent.size(); ++i) {
+            who << (i == 0 ? "" : i + 1 == absent.size() ? " and " : ", ") << absent[i];
+          }
+          warn("accelerate.state",
+               c10::str("[", api, "] process ", state.process_index(), " has waited ", seconds_text(waited), " in ",
+                        describe(mine), " for process", absent.size() > 1 ? "es " : " ", who.str(),
+                        ", which ", absent.size() > 1 ? "are" : "is",
+                        " in no collective yet (slow, busy or stopped; still waiting, up to the process group's "
+                        "timeout of ", seconds_text(timeout), ")"),
+               {.every_process = true, .state = state});
+        }
+      }
+    } catch (const std::exception&) {
+      // The store failed: nothing to compare this time; the collective's own wait goes on.
+    }
+    if (!verdict.empty()) raise_mismatch(state, api, verdict);
+    const auto now = Clock::now();
+    const auto remaining = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now);
+    const auto slice = std::max(std::min(slice_of(delay, now - start), remaining), std::chrono::milliseconds(1));
+    try {
+      work->wait(slice);
+      break;
+    } catch (const std::exception& e) {
+      if (work->isCompleted() || remaining <= slice) {
+        if (work->isCompleted()) explain_failure(state, ticket, api, failure, e);
+        C10_THROW_ERROR(Error, failure(state, api, e));
+      }
+    }
+  }
+  try {
+    publish(impl, encode(Kind::kDone, ticket, api));
+  } catch (const std::exception&) {
+  }
+}
+
+void publish_ended(PartialStateImpl& impl) noexcept {
+  if (!impl.store || impl.topology.world_size < 2 || impl.check_delay.count() <= 0) return;
+  try {
+    const std::string value = c10::str("ended\t", impl.collectives.load(std::memory_order_relaxed), '\t',
+                                       impl.last_operation.load(std::memory_order_relaxed));
+    impl.store->set(key_of(impl, impl.topology.rank), std::vector<uint8_t>(value.begin(), value.end()));
+  } catch (...) {
+    // The store has ended first: nobody is left to tell.
+  }
+}
+
+}  // namespace accelerate::detail

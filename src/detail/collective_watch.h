@@ -1,0 +1,49 @@
+// The collective watch: every wait of a library collective goes through `watch_wait`, which
+// waits as before on the fast path and, when a wait lasts longer than a few seconds, compares
+// notes with the other processes through the job's store, so that a collective some processes
+// skip is named within seconds instead of hanging until the process group's timeout (Note [The
+// collective watch]). Collectives that the library does not wait for itself (the DDP reducer's
+// bucket allreduces, c10d's coalesced broadcasts) are not watched.
+#pragma once
+
+#include "accelerate/state.h"
+
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <cstdint>
+#include <exception>
+#include <string>
+
+namespace accelerate::detail {
+
+struct PartialStateImpl;
+
+/// A collective as the watch knows it: its number among the watched collectives of its process
+/// group, counted from 1 since the group was made, and its operation ("all_gather", "barrier", …).
+struct CollectiveTicket {
+  uint64_t number = 0;
+  const char* operation = "";
+};
+
+/// Records that this process enters `operation` on `state`'s process group: one relaxed atomic
+/// increment, nothing else.
+CollectiveTicket enter_collective(const PartialState& state, const char* operation) noexcept;
+
+/// The error of a collective that failed or timed out on this process and that no record
+/// explains (a peer died, or did not arrive within the timeout): raised as it was before the watch.
+using FailureMessage = std::string (*)(const PartialState& state, const char* api, const std::exception& e);
+
+/// Waits for `work`, the collective `ticket` entered for `api`, with the state's timeout. A wait
+/// longer than the state's check delay compares records with the other processes: a mismatch
+/// (every process waits in a collective, not all in the same one) or a process that ended its
+/// program raises on every process, naming what each one does; a process that is not in a
+/// collective is warned about, never an error. A failure that the records do not explain raises
+/// `failure(state, api, e)`.
+void watch_wait(const PartialState& state, const CollectiveTicket& ticket, const c10::intrusive_ptr<c10d::Work>& work,
+                const char* api, FailureMessage failure);
+
+/// Tells the other processes of `impl`'s group that this one has ended its program (its state is
+/// destroyed, or its process group): a wait of theirs names it. Never throws.
+void publish_ended(PartialStateImpl& impl) noexcept;
+
+}  // namespace accelerate::detail
