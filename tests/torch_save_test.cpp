@@ -14,10 +14,15 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <caffe2/serialize/inline_container.h>
+#include <sys/wait.h>
 #include <torch/torch.h>
+#include <unistd.h>
 
 #include <filesystem>
+#include <cstring>
 #include <fstream>
+#include <functional>
 
 namespace accelerate::testing {
 namespace {
@@ -181,6 +186,161 @@ torch.save({"s": {1, 2}}, sys.argv[5])
   // load_state_dict reads a model's .bin, and only tensors.
   EXPECT_TRUE(at::equal(load_state_dict(p("whole.bin")).at("w"), at::ones(1000)));
   EXPECT_THROWS_WITH(load_state_dict(p("counter.bin")), "[load_state_dict]");
+}
+
+// What running `fn` in a child process raised its peak resident memory by, in bytes, and its
+// error ("accepted" when it raised none). The child's peak is reset first (clear_refs), so what
+// it shares with this process does not count.
+std::pair<int64_t, std::string> peak_and_error(const std::function<void()>& fn) {
+  int pipe_fds[2];
+  EXPECT_EQ(pipe(pipe_fds), 0);
+  const auto kib = [](const char* field) {
+    std::ifstream status("/proc/self/status");
+    std::string line;
+    while (std::getline(status, line)) {
+      if (line.rfind(field, 0) == 0) return std::stoll(line.substr(std::strlen(field)));
+    }
+    return -1LL;
+  };
+  const pid_t pid = fork();
+  if (pid == 0) {
+    close(pipe_fds[0]);
+    std::ofstream("/proc/self/clear_refs") << "5";
+    const auto before = kib("VmRSS:");
+    std::string error = "accepted";
+    try {
+      fn();
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    const auto grown = (kib("VmHWM:") - before) * 1024;
+    const auto out = std::to_string(grown) + "\n" + error.substr(0, 4000);
+    (void)!write(pipe_fds[1], out.data(), out.size());
+    _exit(0);
+  }
+  close(pipe_fds[1]);
+  std::string out;
+  char buffer[4096];
+  for (ssize_t n; (n = read(pipe_fds[0], buffer, sizeof buffer)) > 0;) out.append(buffer, n);
+  close(pipe_fds[0]);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "the child died: status " << status;
+  const auto newline = out.find('\n');
+  if (newline == std::string::npos) return {-1, "the child wrote nothing"};
+  return {std::stoll(out.substr(0, newline)), out.substr(newline + 1)};
+}
+
+// A torch.save archive whose data.pkl is `pickle` (and `records` beside it), written by LibTorch.
+void write_archive(const std::string& path, const std::string& pickle,
+                   const std::vector<std::pair<std::string, std::string>>& records = {}) {
+  caffe2::serialize::PyTorchStreamWriter archive(path);
+  archive.writeRecord("data.pkl", pickle.data(), pickle.size());
+  for (const auto& [name, bytes] : records) archive.writeRecord(name, bytes.data(), bytes.size());
+  archive.writeEndOfFile();
+}
+
+// Note [torch.save files] in torch_save.cpp: about 232 bytes per byte of
+// data.pkl and 64 MiB, plus the file's records; 32 MiB more for the allocator's own ways.
+int64_t read_bound(const std::string& path, size_t pickle_size) {
+  return 232 * static_cast<int64_t>(pickle_size) + (int64_t{64} << 20) +
+         static_cast<int64_t>(fs::file_size(path)) + (int64_t{32} << 20);
+}
+
+TEST(TorchSave, CallsNestedDeeperThanValuesAreRefusedWithoutExhaustingTheStack) {
+  TempDir dir;
+  // _rebuild_parameter(_rebuild_parameter(…)), 20 000 deep: each level a memo reference to the
+  // global, a MARK, the inner call, TUPLE and REDUCE.
+  const int depth = 20000;
+  // The global itself, kept on the stack by BINPUT, is the outermost callable.
+  std::string pkl = "\x80\x02" "ctorch._utils\n_rebuild_parameter\nq\x00"s;
+  const std::string inner = "h\x00)R"s;
+  for (int i = 1; i < depth; ++i) pkl += "(h\x00"s;
+  pkl += "(" + inner;
+  for (int i = 0; i < depth; ++i) pkl += "tR";
+  pkl += ".";
+  const auto path = dir.str() + "/optimizer.bin";
+  write_archive(path, pkl);
+  const auto [peak, error] = peak_and_error([&] { detail::read_torch_save(path); });
+  EXPECT_THAT(error, HasSubstr("values nested deeper than 100"));
+  EXPECT_LT(peak, read_bound(path, pkl.size()));
+}
+
+TEST(TorchSave, CompressedRecordsAreRefusedBeforeTheyAreInflated) {
+  TempDir dir;
+  const auto p = [&](const char* name) { return dir.str() + "/" + name; };
+  // A data.pkl of 4 MiB of EMPTY_LIST and a storage of 256 MiB, each deflated to kilobytes; and a
+  // stored version record of 1 MiB.
+  python(R"(
+import zipfile
+def archive(path, records, method):
+    with zipfile.ZipFile(path, "w", compression=method) as out:
+        for name, data in records:
+            out.writestr("archive/" + name, data)
+lists = b"\x80\x02" + b"]" * (4 << 20)
+archive(sys.argv[1], [("data.pkl", lists), ("version", b"3\n")], zipfile.ZIP_DEFLATED)
+tensor = (b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\n((X\x07\x00\x00\x00storage"
+          b"ctorch\nByteStorage\nX\x01\x00\x00\x000X\x03\x00\x00\x00cpuJ\x00\x00\x00\x10tQK\x00J\x00\x00\x00\x10\x85K\x01\x85\x89)tR.")
+archive(sys.argv[2], [("data.pkl", tensor), ("data/0", bytes(256 << 20)), ("version", b"3\n")], zipfile.ZIP_DEFLATED)
+archive(sys.argv[3], [("data.pkl", b"\x80\x02K\x07."), ("version", b"3" * (1 << 20))], zipfile.ZIP_STORED)
+)",
+         {p("lists.bin"), p("storage.bin"), p("version.bin")});
+  EXPECT_LT(fs::file_size(p("lists.bin")), 64u << 10);
+  EXPECT_LT(fs::file_size(p("storage.bin")), 1u << 20);
+  for (const char* name : {"lists.bin", "storage.bin"}) {
+    SCOPED_TRACE(name);
+    const auto [peak, error] = peak_and_error([&] { detail::read_torch_save(p(name)); });
+    EXPECT_THAT(error, HasSubstr("is compressed (method 8); torch.save stores its records uncompressed"));
+    EXPECT_LT(peak, int64_t{16} << 20);
+  }
+  // A long version record is the archive reader's to judge; it costs no more than the file.
+  const auto [peak, error] = peak_and_error([&] { detail::read_torch_save(p("version.bin")); });
+  EXPECT_LT(peak, read_bound(p("version.bin"), 5));
+  // A directory that claims more than the file holds.
+  auto bytes = detail::read_file(p("version.bin"));
+  const auto end = bytes.rfind("PK\x05\x06"s);
+  ASSERT_NE(end, std::string::npos);
+  bytes[end + 12] = '\xff';  // the directory's size
+  bytes[end + 13] = '\xff';
+  bytes[end + 14] = '\xff';
+  detail::write_file(p("directory.bin"), bytes);
+  EXPECT_THROWS_WITH(detail::read_torch_save(p("directory.bin")), "reaches past the end of the file");
+}
+
+TEST(TorchSave, AKeySharedByEveryLevelOrAStringSharedEverywhereCostsABoundedMultipleOfTheFile) {
+  TempDir dir;
+  const auto p = [&](const char* name) { return dir.str() + "/" + name; };
+  // {K: {K: {… {K: 1}}}} 99 levels deep with one key K of 256 KiB, memoized: the paths of the
+  // levels once cost |K|·99²/2 (1.2 GB); now each level costs its copy of K in the values.
+  const std::string key(256 << 10, 'k');
+  std::string nested = "\x80\x02}X"s;
+  const auto le32 = [](uint32_t n) { return std::string{char(n & 255), char(n >> 8 & 255), char(n >> 16 & 255), char(n >> 24)}; };
+  nested += le32(key.size()) + key + "q\x01"s;
+  for (int i = 1; i < 99; ++i) nested += "}h\x01"s;
+  nested += "K\x01";
+  for (int i = 1; i < 99; ++i) nested += "s";
+  nested += "s.";
+  write_archive(p("nested.bin"), nested);
+  auto [peak, error] = peak_and_error([&] {
+    const auto state = detail::read_torch_save(p("nested.bin"));
+    const auto* level = &state.values;
+    int depth = 0;
+    while (level->is_object()) {
+      level = &level->at(key);
+      ++depth;
+    }
+    if (depth != 99 || *level != 1) throw std::runtime_error("read wrongly: " + std::to_string(depth) + " levels");
+  });
+  EXPECT_EQ(error, "accepted");
+  EXPECT_LT(peak, read_bound(p("nested.bin"), nested.size()));
+  // One string of 512 KiB in a list 100 000 times through the memo: 51 GB once copied.
+  std::string shared = "\x80\x02](X"s + le32(512 << 10) + std::string(512 << 10, 's') + "q\x01"s;
+  for (int i = 1; i < 100000; ++i) shared += "h\x01"s;
+  shared += "e.";
+  write_archive(p("shared.bin"), shared);
+  std::tie(peak, error) = peak_and_error([&] { detail::read_torch_save(p("shared.bin")); });
+  EXPECT_THAT(error, HasSubstr("values that expand to more than"));
+  EXPECT_LT(peak, read_bound(p("shared.bin"), shared.size()));
 }
 
 TEST(TorchSave, WrittenFilesAreReadByPyTorchWithWeightsOnly) {
@@ -425,6 +585,60 @@ print(json.dumps({k: state[k] for k in sorted(state)}))
                               {scaler});
   EXPECT_EQ(nlohmann::json::parse(printed), state);
   EXPECT_EQ(detail::python_layout::read_scaler(scaler), state);
+}
+
+TEST(LoadState, AGeneratorStateThatDoesNotFitIsRefusedNamingItsFileBeforeAnythingChanges) {
+  TempDir dir;
+  Tally tally;
+  run_accelerators(1, [&](const Accelerator& acc, int) {
+    torch::nn::Linear net(3, 2);
+    auto sgd = std::make_shared<torch::optim::SGD>(net->parameters(), torch::optim::SGDOptions(0.1));
+    auto [model, opt] = acc.prepare(net, sgd);
+    acc.register_for_checkpointing(tally);
+    const auto train = [&] {
+      opt.zero_grad();
+      acc.backward(model(torch::ones({2, 3})).sum());
+      opt.step();
+    };
+    for (const auto layout : {CheckpointLayout::kCpp, CheckpointLayout::kPython}) {
+      SCOPED_TRACE(to_string(layout));
+      const auto folder = dir.str() + "/" + to_string(layout);
+      train();
+      acc.save_state(folder, {.layout = layout});
+      // A generator state of ten bytes, as a hand-edited or foreign file might hold.
+      const auto random = folder + (layout == CheckpointLayout::kPython ? "/random_states_0.pkl"
+                                                                        : "/random_states_0.safetensors");
+      StateDict generators;
+      generators.tensors["torch_manual_seed"] = torch::zeros({10}, torch::kUInt8);
+      if (layout == CheckpointLayout::kPython) {
+        detail::python_layout::write_random(generators, acc.step(), random);
+      } else {
+        generators.values["step"] = acc.step();
+        save_state_dict_file(generators, random);
+      }
+      train();
+      tally.count = 11;
+      const auto weight = model->weight.clone();
+      const auto step = acc.step();
+      const auto generator = rng_state_dict().tensors.at("torch_manual_seed");
+      EXPECT_THROWS_WITH(acc.load_state(folder), random + ": [load_rng_state_dict] torch_manual_seed is not a state");
+      EXPECT_TRUE(torch::equal(model->weight, weight)) << "the model was loaded";
+      EXPECT_EQ(tally.count, 11) << "the registered object was loaded";
+      EXPECT_EQ(acc.step(), step);
+      EXPECT_TRUE(torch::equal(rng_state_dict().tensors.at("torch_manual_seed"), generator));
+      // Of another dtype: refused the same way.
+      generators.tensors["torch_manual_seed"] = rng_state_dict().tensors.at("torch_manual_seed").to(torch::kInt);
+      if (layout == CheckpointLayout::kPython) {
+        detail::python_layout::write_random(generators, acc.step(), random);
+      } else {
+        save_state_dict_file(generators, random);
+      }
+      EXPECT_THROWS_WITH(acc.load_state(folder), random + ": [load_rng_state_dict] torch_manual_seed should be a 1-D "
+                                                          "uint8 tensor on the CPU, got Int");
+      EXPECT_TRUE(torch::equal(model->weight, weight));
+      EXPECT_EQ(tally.count, 11);
+    }
+  });
 }
 
 TEST(PythonLayout, AModelInPickledShardsWithTheirIndexLoads) {
