@@ -25,6 +25,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <map>
 #include <random>
 #include <string>
 #include <vector>
@@ -172,6 +173,83 @@ bool load_with(size_t index, const std::string& bytes) {
   return false;
 }
 
+// Zip's CRC-32 (the polynomial of zlib), for archives whose records were edited in place.
+uint32_t zip_crc32(const char* data, size_t size) {
+  static const auto table = [] {
+    std::vector<uint32_t> t(256);
+    for (uint32_t n = 0; n < 256; ++n) {
+      uint32_t c = n;
+      for (int k = 0; k < 8; ++k) c = (c & 1) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+      t[n] = c;
+    }
+    return t;
+  }();
+  uint32_t c = 0xffffffffu;
+  for (size_t i = 0; i < size; ++i) c = table[(c ^ static_cast<unsigned char>(data[i])) & 0xff] ^ (c >> 8);
+  return c ^ 0xffffffffu;
+}
+
+uint32_t le32(const std::string& b, size_t at) {
+  uint32_t v = 0;
+  for (int i = 3; i >= 0; --i) v = (v << 8) | static_cast<unsigned char>(b[at + i]);
+  return v;
+}
+
+void put_le32(std::string& b, size_t at, uint32_t v) {
+  for (int i = 0; i < 4; ++i) b[at + i] = static_cast<char>((v >> (8 * i)) & 0xff);
+}
+
+// Recomputes the CRC of every stored record of a zip archive (local headers and central
+// directory), so that an edit inside a record reaches the record's reader.
+void fix_zip_crcs(std::string& zip) {
+  std::map<std::string, uint32_t> crcs;
+  for (size_t at = 0; at + 30 <= zip.size() && le32(zip, at) == 0x04034b50;) {
+    const size_t name = static_cast<unsigned char>(zip[at + 26]) | static_cast<unsigned char>(zip[at + 27]) << 8;
+    const size_t extra = static_cast<unsigned char>(zip[at + 28]) | static_cast<unsigned char>(zip[at + 29]) << 8;
+    const size_t size = le32(zip, at + 18);
+    const size_t data = at + 30 + name + extra;
+    if (data + size > zip.size()) return;
+    const auto crc = zip_crc32(zip.data() + data, size);
+    put_le32(zip, at + 14, crc);
+    crcs[zip.substr(at + 30, name)] = crc;
+    at = data + size;
+  }
+  for (size_t at = zip.find("PK\x01\x02"); at != std::string::npos && at + 46 <= zip.size();
+       at = zip.find("PK\x01\x02", at + 4)) {
+    const size_t name = static_cast<unsigned char>(zip[at + 28]) | static_cast<unsigned char>(zip[at + 29]) << 8;
+    const auto it = crcs.find(zip.substr(at + 46, name));
+    if (it != crcs.end()) put_le32(zip, at + 16, it->second);
+  }
+}
+
+// A generator state that does not fit its generator: cut, lengthened or of another dtype (the
+// project's random_states_<p>.safetensors), or of another size in the pickle (Python's
+// random_states_<p>.pkl, whose CPU state is a tensor of 5056 bytes: BININT2 0x13c0).
+std::string mutate_generator(const std::string& name, const std::string& bytes, std::mt19937_64& random) {
+  if (name.size() > 12 && name.substr(name.size() - 12) == ".safetensors") {
+    const auto scratch = setup().root / "generator.safetensors";
+    write_all(scratch, bytes);
+    auto state = acc::load_state_dict_file(scratch.string());
+    auto& generator = state.tensors.at("torch_manual_seed");
+    switch (random() % 3) {
+      // Cut below 5000 bytes: LibTorch's CPU generator also takes a legacy state of 5048.
+      case 0: generator = generator.slice(0, 0, static_cast<int64_t>(random() % 5000)).clone(); break;
+      case 1: generator = torch::cat({generator, generator.slice(0, 0, 1 + random() % 16)}); break;
+      default: generator = generator.to(random() % 2 ? torch::kInt : torch::kFloat); break;
+    }
+    acc::save_state_dict_file(state, scratch.string());
+    return read_all(scratch);
+  }
+  std::string out = bytes;
+  const auto size = out.find("M\xc0\x13");
+  if (size == std::string::npos) return out.substr(0, out.size() / 2);  // a cut archive, refused too
+  const auto smaller = static_cast<uint16_t>(random() % 5000);
+  out[size + 1] = static_cast<char>(smaller & 0xff);
+  out[size + 2] = static_cast<char>(smaller >> 8);
+  fix_zip_crcs(out);
+  return out;
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
@@ -221,6 +299,15 @@ int main(int argc, char** argv) {
         s.accelerator.load_state((s.root / "seed").string());
       } catch (const std::exception& e) {
         broken(std::string("the unmutated checkpoint no longer loads: ") + e.what());
+      }
+      continue;
+    }
+    if (s.names[index].rfind("random_states_", 0) == 0 && pick(2) == 0) {
+      // One in two mutations of the generators' file is a state that does not fit its generator.
+      if (load_with(index, mutate_generator(s.names[index], bytes, random))) {
+        ++refused;
+      } else {
+        broken("a generator state that does not fit its generator was loaded from " + s.names[index]);
       }
       continue;
     }

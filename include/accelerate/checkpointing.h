@@ -67,7 +67,9 @@ void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, const StateDi
 /// The states of LibTorch's default generators: tensor "torch_manual_seed" (the CPU generator)
 /// and, with CUDA, "torch_cuda_manual_seed.<device>".
 StateDict rng_state_dict();
-/// Restores `rng_state_dict`'s output (CUDA states only where the devices exist).
+/// Restores `rng_state_dict`'s output (CUDA states only where the devices exist). Every state is
+/// checked (dtype, device, size, and by its generator) before any generator changes; a state that
+/// does not fit raises a ValueError naming its key.
 void load_rng_state_dict(const StateDict& state);
 
 /// An object saved with `save_state` and restored by `load_state`, type-erased.
@@ -77,6 +79,9 @@ struct CheckpointObject {
 };
 
 namespace checkpoint_detail {
+
+/// Raises what `load_rng_state_dict(state)` would raise, and changes nothing.
+void check_rng_state_dict(const StateDict& state);
 
 using traits::is_shared_ptr;
 

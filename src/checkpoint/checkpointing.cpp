@@ -594,39 +594,70 @@ StateDict rng_state_dict() {
   return out;
 }
 
-void load_rng_state_dict(const StateDict& state) {
-  auto it = state.tensors.find("torch_manual_seed");
-  TORCH_CHECK_VALUE(it != state.tensors.end(), "[load_rng_state_dict] missing tensor torch_manual_seed");
-  TORCH_CHECK_VALUE(it->second.scalar_type() == at::kByte && it->second.dim() == 1, "[load_rng_state_dict] ",
-                    "torch_manual_seed should be a 1-D uint8 tensor, got ", it->second.scalar_type(), " ",
-                    it->second.sizes());
-  auto cpu = at::detail::getDefaultCPUGenerator();
-  {
-    std::lock_guard<std::mutex> lock(cpu.mutex());
+namespace {
+
+// One generator and the state a checkpoint holds for it.
+struct GeneratorState {
+  at::Generator generator;
+  const at::Tensor* state;
+};
+
+// Every generator `state` holds a state for, each state checked on a copy of its generator, so
+// that a state of the wrong size, dtype or device is refused before any generator changes.
+std::vector<GeneratorState> checked_generator_states(const StateDict& state) {
+  std::vector<GeneratorState> out;
+  const auto take = [&](const std::string& key, at::Generator generator) {
+    const auto& tensor = state.tensors.at(key);
+    TORCH_CHECK_VALUE(tensor.device().is_cpu() && tensor.scalar_type() == at::kByte && tensor.dim() == 1,
+                      "[load_rng_state_dict] ", key, " should be a 1-D uint8 tensor on the CPU, got ",
+                      tensor.scalar_type(), " ", tensor.sizes(), " on ", tensor.device());
+    // The generator's own checks, on a copy of it; one that cannot be copied is checked by the
+    // size of its state.
     try {
-      cpu.set_state(it->second.clone());
+      auto copy = generator.clone();
+      std::lock_guard<std::mutex> lock(copy.mutex());
+      copy.set_state(tensor.clone());
+    } catch (const c10::NotImplementedError&) {
+      std::lock_guard<std::mutex> lock(generator.mutex());
+      const auto bytes = generator.get_state().numel();
+      TORCH_CHECK_VALUE(tensor.numel() == bytes, "[load_rng_state_dict] ", key, " holds ", tensor.numel(),
+                        " bytes, but the state of its generator (", generator.device(), ") has ", bytes);
     } catch (const c10::Error& e) {
-      C10_THROW_ERROR(ValueError, c10::str("[load_rng_state_dict] torch_manual_seed is not a CPU generator state: ",
-                                           e.what_without_backtrace()));
+      C10_THROW_ERROR(ValueError, c10::str("[load_rng_state_dict] ", key, " is not a state of its generator (",
+                                           generator.device(), "): ", e.what_without_backtrace()));
     }
-  }
+    out.push_back({std::move(generator), &tensor});
+  };
+  TORCH_CHECK_VALUE(state.tensors.count("torch_manual_seed"), "[load_rng_state_dict] missing tensor torch_manual_seed");
+  take("torch_manual_seed", at::detail::getDefaultCPUGenerator());
   if (at::globalContext().hasCUDA()) {
     const auto devices = at::detail::getCUDAHooks().getNumGPUs();
     for (int i = 0; i < devices; ++i) {
-      auto cuda = state.tensors.find("torch_cuda_manual_seed." + std::to_string(i));
-      if (cuda == state.tensors.end()) continue;
-      auto generator = at::globalContext().defaultGenerator(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(i)));
-      std::lock_guard<std::mutex> lock(generator.mutex());
-      generator.set_state(cuda->second.clone());
+      const auto key = "torch_cuda_manual_seed." + std::to_string(i);
+      if (state.tensors.count(key) == 0) continue;
+      take(key, at::globalContext().defaultGenerator(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(i))));
     }
   }
   for_each_backend_generator([&](const std::string& key, at::Generator& generator) {
-    const auto found = state.tensors.find(key);
-    if (found == state.tensors.end()) return;
-    std::lock_guard<std::mutex> lock(generator.mutex());
-    generator.set_state(found->second.clone());
+    if (state.tensors.count(key)) take(key, generator);
   });
+  return out;
 }
+
+}  // namespace
+
+void load_rng_state_dict(const StateDict& state) {
+  for (auto& [generator, tensor] : checked_generator_states(state)) {
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    generator.set_state(tensor->clone());
+  }
+}
+
+namespace checkpoint_detail {
+
+void check_rng_state_dict(const StateDict& state) { (void)checked_generator_states(state); }
+
+}  // namespace checkpoint_detail
 
 // ---- modules as registered objects -----------------------------------------------------------
 

@@ -574,11 +574,13 @@ std::optional<StateDict> read_random_states(const Source& from, int process_inde
                             ", which have no C++ counterpart (Python's random and numpy generators) and are skipped"),
                    {.once = true, .state = state});
     }
+    naming_file(random_file, [&] { checkpoint_detail::check_rng_state_dict(random); });
     return random;
   }
   auto random = load_state_dict_file(random_file.string());
   TORCH_CHECK_VALUE(random.values.contains("step") && random.values.at("step").is_number_integer(),
                     random_file.string(), " has no integer \"step\"");
+  naming_file(random_file, [&] { checkpoint_detail::check_rng_state_dict(random); });
   return random;
 }
 
@@ -676,6 +678,11 @@ void Accelerator::load_state(const std::string& input_dir, const LoadStateOption
     }
   });
 
+  {
+    std::lock_guard<std::mutex> lock(impl_->mutex);
+    impl_->checkpoint_boundary = impl_->boundaries_passed;  // Note [Preemption]
+    impl_->checkpoint_folder = folder.string();
+  }
   // The next automatically named checkpoint follows the one loaded (upstream keeps counting from
   // where this process started, and the next save collides with an existing folder).
   static const std::regex name(R"(checkpoint_(\d{1,9}))");
