@@ -32,6 +32,12 @@ struct AcceleratorImpl {
   // set_save_iteration or load_state); else the first save numbers after an earlier run's.
   bool iteration_chosen = false;
   std::set<int64_t> checkpoints_written;  // numbers of the checkpoints this accelerator saved
+  // The step boundaries of the prepared data loaders passed with gradients enabled, and how many
+  // had passed when the newest checkpoint was saved or loaded (-1: none), and its folder: a stop
+  // at the same count finds the state already saved (Note [Preemption]).
+  int64_t boundaries_passed = 0;
+  int64_t checkpoint_boundary = -1;
+  std::string checkpoint_folder;
   std::vector<DistributedDataParallel> models;
   std::vector<AcceleratedOptimizer> optimizers;
   std::vector<AcceleratedScheduler> schedulers;

@@ -15,7 +15,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <iostream>
+#include <mutex>
 
 namespace accelerate {
 
@@ -40,6 +42,10 @@ namespace accelerate {
 // finished step is done — the optimizer and scheduler stepped, the loop's own bookkeeping after
 // them — and the loader has not yet delivered the next batch, so the state that `save_state()`
 // writes, the loaders' positions included, resumes into exactly the run that was interrupted.
+// When the newest checkpoint, saved or loaded by this Accelerator, already holds this step (no
+// step boundary passed with gradients enabled since, on any process), nothing new is saved: a
+// stop that comes right after a periodic save, or while `load_state` resumes, would otherwise
+// write a copy of it, and `total_limit` would prune an older, distinct checkpoint for that copy.
 // After saving, every process ends the trackers, waits for the others, flushes its output and
 // ends at once with kPreemptedExitCode, without running static destructors: the data loader's
 // workers and the process group's threads may still be running, and unwinding them could turn a
@@ -147,7 +153,12 @@ void Accelerator::install_preemption() const {
   std::weak_ptr<detail::AcceleratorImpl> weak = impl_;
   gradient_state_.set_step_boundary_callback([state = state_, weak](const GradientState& gradient_state) {
     auto impl = weak.lock();
-    if (impl) Accelerator(state, gradient_state, impl).stop_if_preempted();
+    if (!impl) return;
+    Accelerator(state, gradient_state, impl).stop_if_preempted();
+    if (at::GradMode::is_enabled()) {
+      std::lock_guard<std::mutex> lock(impl->mutex);
+      ++impl->boundaries_passed;
+    }
   });
 }
 
@@ -164,8 +175,28 @@ void Accelerator::stop_if_preempted() const {
                c10::str("the job was asked to stop (", detail::name_of(sig), "): every process saves the state at "
                         "this step and ends with exit status ", kPreemptedExitCode),
                {.state = partial()});
-  const std::string folder = save_state();
-  detail::warn("accelerate.accelerator", "saved " + folder + "; resume with load_state()", {.state = partial()});
+  // The newest checkpoint may hold this very step (saved just before, or loaded): then saving
+  // again would only add a copy of it, which total_limit would keep instead of an older one.
+  std::string saved;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mutex);
+    if (impl_->checkpoint_boundary == impl_->boundaries_passed) saved = impl_->checkpoint_folder;
+  }
+  int held = !saved.empty() && std::filesystem::is_directory(saved) ? 1 : 0;
+  if (partial().use_distributed()) {
+    held = detail::all_reduce(partial(), at::tensor({held}, at::kInt), detail::Reduction::kMin,
+                              "Accelerator::preemption_requested")
+               .item<int>();
+  }
+  if (held) {
+    detail::warn("accelerate.accelerator",
+                 "the newest checkpoint, " + saved + ", already holds this step: nothing new is saved; resume with "
+                 "load_state()",
+                 {.state = partial()});
+  } else {
+    const std::string folder = save_state();
+    detail::warn("accelerate.accelerator", "saved " + folder + "; resume with load_state()", {.state = partial()});
+  }
   try {
     end_training();
   } catch (const std::exception& e) {  // a tracker that fails must not keep the others waiting below

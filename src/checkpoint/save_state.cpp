@@ -446,9 +446,11 @@ std::string Accelerator::save_state(const std::string& output_dir, const SaveSta
       detail::prune_checkpoints(target.parent_path(), project.total_limit, written_here, project.iteration);
     }
   });
-  if (project.automatic_checkpoint_naming) {
+  {
     std::lock_guard<std::mutex> lock(impl_->mutex);
-    impl_->project.iteration = project.iteration + 1;
+    if (project.automatic_checkpoint_naming) impl_->project.iteration = project.iteration + 1;
+    impl_->checkpoint_boundary = impl_->boundaries_passed;  // Note [Preemption]
+    impl_->checkpoint_folder = path.string();
   }
   return path.string();
 }

@@ -153,5 +153,36 @@ TEST(Preemption, ASignalReachingOneWorkerStopsEveryWorkerAfterTheSameStep) {
   expect_equal(final_weights(run_dir), want);
 }
 
+// A stop that comes right after a periodic save, or while load_state resumes, finds the newest
+// checkpoint already holding this step: nothing new is saved, so total_limit keeps that
+// checkpoint instead of pruning it for a copy, and the resumed run still ends equal.
+TEST(Preemption, AStopWhenTheNewestCheckpointHoldsThisStepSavesNothingNew) {
+  TempDir dir;
+  const auto want = uninterrupted(dir);
+  const auto run_dir = dir.path() / "run";
+  fs::create_directories(run_dir);
+  auto job = run(launch(run_dir.string(), {"--save_at", "4", "--raise_after_save", "--total_limit", "1"}), 120);
+  ASSERT_EQ(job->exit_code(), kPreempted) << job->out << job->err;
+  EXPECT_THAT(job->err, HasSubstr("the newest checkpoint, " + (run_dir / "checkpoints/checkpoint_0").string() +
+                                  ", already holds this step: nothing new is saved"));
+  EXPECT_EQ(last_step(job->out), 4) << job->out;
+  EXPECT_TRUE(fs::is_directory(run_dir / "checkpoints/checkpoint_0")) << job->err;
+  EXPECT_FALSE(fs::exists(run_dir / "checkpoints/checkpoint_1")) << job->err;
+
+  // Asked to stop while resuming: the checkpoint just loaded holds the state.
+  auto again = run(launch(run_dir.string(), {"--resume", "--raise_before_load", "--total_limit", "1"}), 120);
+  ASSERT_EQ(again->exit_code(), kPreempted) << again->out << again->err;
+  EXPECT_THAT(again->err, HasSubstr("the newest checkpoint, " + (run_dir / "checkpoints/checkpoint_0").string() +
+                                    ", already holds this step: nothing new is saved"));
+  EXPECT_TRUE(fs::is_directory(run_dir / "checkpoints/checkpoint_0"));
+  EXPECT_FALSE(fs::exists(run_dir / "checkpoints/checkpoint_1"));
+
+  auto resumed = run(launch(run_dir.string(), {"--resume", "--total_limit", "1"}), 120);
+  ASSERT_EQ(resumed->exit_code(), 0) << resumed->out << resumed->err;
+  EXPECT_THAT(resumed->out, HasSubstr("step 5\n"));
+  EXPECT_THAT(resumed->out, HasSubstr("finished at step 12"));
+  expect_equal(final_weights(run_dir), want);
+}
+
 }  // namespace
 }  // namespace accelerate::testing

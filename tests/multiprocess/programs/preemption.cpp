@@ -14,12 +14,17 @@
 //                    step, and on a request prints "rank <r>: asked to stop after step <k>",
 //                    saves and ends with kPreemptedExitCode itself
 //   --signals A,B    the signals that ask the job to stop (default: PreemptionKwargs's)
+//   --save_at N      save_state() after step N, as a periodic save does
+//   --total_limit L  ProjectConfiguration::total_limit
+//   --raise_after_save  every process raises SIGUSR1 right after the save of --save_at
+//   --raise_before_load every process raises SIGUSR1 right before load_state() resumes
 #include "accelerate/accelerate.h"
 #include "step_counter.h"
 
 #include <torch/torch.h>
 
 #include <chrono>
+#include <csignal>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -39,8 +44,8 @@ using Progress = accelerate::testing::StepCounter;
 
 int main(int argc, char** argv) {
   std::string dir, signals;
-  int64_t steps = 12, mark = -1;
-  bool resume = false, resume_if_saved = false, manual = false;
+  int64_t steps = 12, mark = -1, save_at = -1, total_limit = 0;
+  bool resume = false, resume_if_saved = false, manual = false, raise_after_save = false, raise_before_load = false;
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
     const auto value = [&] {
@@ -61,6 +66,14 @@ int main(int argc, char** argv) {
       resume_if_saved = true;
     } else if (flag == "--manual") {
       manual = true;
+    } else if (flag == "--save_at") {
+      save_at = std::stoll(value());
+    } else if (flag == "--total_limit") {
+      total_limit = std::stoll(value());
+    } else if (flag == "--raise_after_save") {
+      raise_after_save = true;
+    } else if (flag == "--raise_before_load") {
+      raise_before_load = true;
     } else {
       throw std::invalid_argument("unknown argument " + flag);
     }
@@ -77,7 +90,7 @@ int main(int argc, char** argv) {
   acc::Accelerator accelerator({.gradient_accumulation_steps = 2,
                                 .dataloader_config = {.use_stateful_dataloader = true},  // resume mid-pass
                                 .project_dir = dir,
-                                .project_config = {.automatic_checkpoint_naming = true},
+                                .project_config = {.automatic_checkpoint_naming = true, .total_limit = static_cast<int>(total_limit)},
                                 .preemption = preemption});
   acc::set_seed(7);
   auto net = torch::nn::Linear(8, 1);
@@ -88,7 +101,10 @@ int main(int argc, char** argv) {
   auto [model, opt, loader] = accelerator.prepare(net, optimizer, data);
   auto progress = std::make_shared<Progress>();
   accelerator.register_for_checkpointing(progress);
-  if (resume || (resume_if_saved && std::filesystem::exists(dir + "/checkpoints"))) accelerator.load_state();
+  if (resume || (resume_if_saved && std::filesystem::exists(dir + "/checkpoints"))) {
+    if (raise_before_load) std::raise(SIGUSR1);
+    accelerator.load_state();
+  }
 
   while (progress->step < steps) {
     for (auto& batch : loader) {
@@ -109,6 +125,10 @@ int main(int argc, char** argv) {
         std::cout << "rank " << accelerator.process_index() << ": asked to stop after step " << step << std::endl;
         accelerator.save_state();
         return acc::kPreemptedExitCode;
+      }
+      if (step == save_at) {
+        accelerator.save_state();
+        if (raise_after_save) std::raise(SIGUSR1);
       }
       if (step >= steps) break;
     }
