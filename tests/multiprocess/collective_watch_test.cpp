@@ -10,7 +10,12 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <csignal>
+#include <filesystem>
+#include <fstream>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -126,6 +131,29 @@ TEST(CollectiveWatch, ASlowProcessIsWarnedAboutAndTheJobCompletes) {
   const std::string all = r->out + r->err;
   EXPECT_THAT(all, HasSubstr("[wait_for_everyone] process 1 has waited"));
   EXPECT_THAT(all, HasSubstr("in barrier #2 from wait_for_everyone for process 0, which is in no collective yet"));
+}
+
+// A process stopped (SIGSTOP) while the other waits at a barrier is warned about, and the job
+// goes on once it is continued.
+TEST(CollectiveWatch, AStoppedProcessIsWarnedAboutAndTheJobGoesOnOnceItIsContinued) {
+  TempDir dir;
+  const auto pid_file = dir.path() / "pid";
+  Running job(launch("gloo", 2, {}, {"stopped", "1", pid_file.string()}), kOneSecondDelay);
+  pid_t pid = 0;
+  for (int i = 0; i < 600 && pid == 0; ++i) {
+    std::ifstream in(pid_file);
+    if (!(in >> pid)) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ASSERT_NE(pid, 0) << "the worker never wrote its pid";
+  // Long enough for the first warnings (at 1 s and 2 s of waiting) on a loaded machine.
+  std::this_thread::sleep_for(std::chrono::seconds(8));
+  ::kill(pid, SIGCONT);
+  job.wait(120);
+  ASSERT_EQ(job.exit_code(), 0) << job.out << job.err;
+  EXPECT_THAT(job.out, HasSubstr("[rank0]: done"));
+  EXPECT_THAT(job.out, HasSubstr("[rank1]: done"));
+  EXPECT_THAT(job.out + job.err, HasSubstr("in barrier #2 from wait_for_everyone for process 1, which is in no "
+                                           "collective yet (slow, busy or stopped"));
 }
 
 // A process that returns from main while the other waits at a barrier is named.

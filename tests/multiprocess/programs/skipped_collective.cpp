@@ -9,8 +9,8 @@
 //                                        others wait for everyone; prints "done" on each
 //   skipped_collective ended RANK        RANK ends its program at once; the others wait for
 //                                        everyone
-//   skipped_collective stopped RANK      RANK stops itself (SIGSTOP) before the barrier; a
-//                                        test continues it
+//   skipped_collective stopped RANK FILE RANK writes its pid to FILE and stops itself (SIGSTOP)
+//                                        before the barrier; a test continues it
 #include "accelerate/accelerator.h"
 #include "accelerate/state.h"
 #include "accelerate/utils/operations.h"
@@ -19,7 +19,9 @@
 #include <torch/torch.h>
 
 #include <csignal>
+#include <fstream>
 #include <iostream>
+#include <stdexcept>
 #include <string>
 #include <thread>
 
@@ -74,7 +76,8 @@ int main(int argc, char** argv) {
   }
   if (mode == "stopped") {
     if (rank == std::stoi(arg)) {
-      std::cout << "stopping pid " << ::getpid() << std::endl;
+      if (argc < 4) throw std::invalid_argument("stopped RANK FILE");
+      std::ofstream(argv[3]) << ::getpid() << std::endl;
       ::raise(SIGSTOP);
     }
     state.wait_for_everyone();
