@@ -656,6 +656,210 @@ TEST(JobStore, SomethingElseThatClosesTheConnectionIsNamedAsSuch) {
                                "port?)"));
 }
 
+// A connection that has shown the secret `secret` to the store at 127.0.0.1:`port`, or -1.
+int greeted_connection(int port, const std::string& secret) {
+  const int fd = raw_connect("127.0.0.1", port);
+  if (fd < 0) return -1;
+  const std::string greeting = greeting_with(secret);
+  char answer = 1;
+  if (::write(fd, greeting.data(), greeting.size()) != static_cast<ssize_t>(greeting.size()) ||
+      ::read(fd, &answer, 1) != 1 || answer != static_cast<char>(store_protocol::kGreetingAccepted)) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// A request as a client sends it (store_protocol.h).
+std::string request_bytes(store_protocol::Op op, const std::vector<std::string>& args) {
+  std::string message(1, static_cast<char>(static_cast<uint8_t>(op)));
+  store_protocol::put_strings(message, args);
+  return message;
+}
+
+// Sends all of `data` unless the peer is gone; whether it did.
+bool send_all(int fd, const std::string& data) {
+  for (size_t sent = 0; sent < data.size();) {
+    const ssize_t n = ::send(fd, data.data() + sent, data.size() - sent, MSG_NOSIGNAL);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    sent += static_cast<size_t>(n);
+  }
+  return true;
+}
+
+// "127.0.0.1:<port>" of this end of a connection, as the store names it.
+std::string local_name(int fd) {
+  sockaddr_in address{};
+  socklen_t length = sizeof(address);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length);
+  return "127.0.0.1:" + std::to_string(ntohs(address.sin_port));
+}
+
+// Note [What a client may hold] in store_server.cpp: what a client that knows the secret may
+// hold. The limits are lowered so that a test reaches them at once; the deadlines leave margins
+// of seconds, and only what must happen eventually is waited for.
+TEST(JobStore, AClientThatStopsMidRequestIsDroppedAtTheStallDeadlineNamingIt) {
+  namespace proto = store_protocol;
+  Reports reports;
+  StoreLimits limits;
+  limits.stall_timeout = 500ms;
+  StoreServer server("127.0.0.1", 0, "k", reports.sink(), limits);
+  Descriptors held;
+  held.fds.push_back(greeted_connection(server.port(), "k"));
+  ASSERT_GE(held.fds[0], 0);
+  // Half of a set of 1 MiB, then nothing.
+  const std::string whole = request_bytes(proto::Op::kSet, {"key", std::string(size_t{1} << 20, 'v')});
+  ASSERT_TRUE(send_all(held.fds[0], whole.substr(0, whole.size() / 2)));
+  EXPECT_TRUE(eventually([&] { return closed_by_peer(held.fds[0]); }, 30000ms)) << reports.text();
+  EXPECT_TRUE(eventually(
+      [&] { return reports.text().find("dropped the rendezvous connection from " + local_name(held.fds[0])) !=
+                   std::string::npos; },
+      5000ms))
+      << reports.text();
+  EXPECT_THAT(reports.text(), HasSubstr(": it sent " + std::to_string(whole.size() / 2) +
+                                        " bytes of a request and nothing moved for 0.5s"));
+  // A client that waits for a key is not stalled, however long it waits: its client decides.
+  JobStoreClient reader("127.0.0.1", server.port(), "k", 30s);
+  std::thread later([&] {
+    std::this_thread::sleep_for(1500ms);
+    JobStoreClient writer("127.0.0.1", server.port(), "k", 30s);
+    writer.set("late", bytes("here"));
+  });
+  EXPECT_EQ(text(reader.get("late")), "here");
+  later.join();
+}
+
+TEST(JobStore, AClientThatLeavesItsRepliesUnreadIsDroppedAtTheStallDeadline) {
+  namespace proto = store_protocol;
+  Reports reports;
+  StoreLimits limits;
+  limits.stall_timeout = 500ms;
+  StoreServer server("127.0.0.1", 0, "k", reports.sink(), limits);
+  JobStoreClient writer("127.0.0.1", server.port(), "k", 30s);
+  writer.set("big", std::vector<uint8_t>(size_t{32} << 20, 7));  // more than the sockets' buffers take
+  Descriptors held;
+  held.fds.push_back(greeted_connection(server.port(), "k"));
+  ASSERT_GE(held.fds[0], 0);
+  // Gets sent one after another, their replies never read: one is taken, the others held back.
+  std::string gets;
+  for (int i = 0; i < 8; ++i) gets += request_bytes(proto::Op::kGet, {"big"});
+  ASSERT_TRUE(send_all(held.fds[0], gets));
+  EXPECT_TRUE(eventually(
+      [&] { return reports.text().find("dropped the rendezvous connection from " + local_name(held.fds[0])) !=
+                   std::string::npos; },
+      30000ms))
+      << reports.text();
+  EXPECT_THAT(reports.text(), HasSubstr("bytes of replies unread and nothing moved for 0.5s"));
+  EXPECT_EQ(writer.get("big").size(), size_t{32} << 20);  // the store serves the others
+}
+
+TEST(JobStore, ConnectionsBeyondTheCapAreRefusedAtTheirGreetingNamingTheClient) {
+  Reports reports;
+  StoreLimits limits;
+  limits.max_clients = 3;
+  StoreServer server("127.0.0.1", 0, "k", reports.sink(), limits);
+  std::vector<std::unique_ptr<JobStoreClient>> clients;
+  for (int i = 0; i < 3; ++i) clients.push_back(std::make_unique<JobStoreClient>("127.0.0.1", server.port(), "k", 10s));
+  EXPECT_THROWS_WITH(JobStoreClient("127.0.0.1", server.port(), "k", 10s),
+                     "the rendezvous store at 127.0.0.1:" + std::to_string(server.port()) +
+                         " refused this process: it already serves as many connections that know the job's secret "
+                         "as it lets in at once");
+  EXPECT_TRUE(eventually([&] { return !reports.text().empty(); }, 5000ms));
+  EXPECT_THAT(reports.text(), HasSubstr("refused a rendezvous connection from 127.0.0.1:"));
+  EXPECT_THAT(reports.text(), HasSubstr("it knows the job's secret, but the store already serves 3 connections that "
+                                        "do, as many as it lets in at once"));
+  // The others are served; once one has gone, another gets in.
+  clients[0]->set("key", bytes("value"));
+  clients.erase(clients.begin());
+  std::unique_ptr<JobStoreClient> another;
+  EXPECT_TRUE(eventually(
+      [&] {
+        try {
+          another = std::make_unique<JobStoreClient>("127.0.0.1", server.port(), "k", 10s);
+          return true;
+        } catch (const c10::Error&) {
+          return false;
+        }
+      },
+      10000ms));
+  if (another) {
+    EXPECT_EQ(text(another->get("key")), "value");
+  }
+}
+
+TEST(JobStore, KeysAndValuesBeyondTheCapAreRefusedNamingTheClientAndChangeNothing) {
+  Reports reports;
+  StoreLimits limits;
+  limits.max_stored_bytes = size_t{1} << 20;
+  StoreServer server("127.0.0.1", 0, "k", reports.sink(), limits);
+  JobStoreClient store("127.0.0.1", server.port(), "k", 10s);
+  const std::vector<uint8_t> kb600(600 << 10, 1);
+  store.set("a", kb600);
+  const std::string refused = testing::error_of([&] { store.set("b", kb600); });
+  EXPECT_THAT(refused,
+              HasSubstr("[rendezvous] the rendezvous store refused a request: refused a request from 127.0.0.1:"));
+  EXPECT_THAT(refused, HasSubstr("storing 'b' (614400 bytes) would take the store's keys and values to"));
+  EXPECT_THAT(refused, HasSubstr("over their cap of 1 MiB (1 key stored)"));
+  EXPECT_THROWS_WITH((void)store.compareSet("b", {}, kb600), "storing 'b' (614400 bytes)");
+  EXPECT_FALSE(store.check({"b"}));
+  EXPECT_EQ(store.get("a"), kb600);
+  // A value replaced counts once; a key deleted makes room.
+  store.set("a", std::vector<uint8_t>(900 << 10, 2));
+  EXPECT_EQ(store.add("n", 1), 1);
+  EXPECT_TRUE(store.deleteKey("a"));
+  store.set("b", kb600);
+  EXPECT_EQ(store.get("b"), kb600);
+  EXPECT_TRUE(eventually([&] { return !reports.text().empty(); }, 5000ms));
+  EXPECT_THAT(reports.text(), HasSubstr("refused a request from 127.0.0.1:"));
+
+  // Small keys are paid for too: each counts for more than its bytes.
+  StoreLimits small;
+  small.max_stored_bytes = size_t{64} << 10;
+  StoreServer tight("127.0.0.1", 0, "k", {}, small);
+  JobStoreClient many("127.0.0.1", tight.port(), "k", 10s);
+  int kept = 0;
+  for (; kept < 5000; ++kept) {
+    try {
+      many.set("k" + std::to_string(kept), {});
+    } catch (const c10::Error& e) {
+      EXPECT_THAT(e.what_without_backtrace(), HasSubstr("over their cap of 64 KiB"));
+      break;
+    }
+  }
+  EXPECT_LT(kept, 1000) << "keys of a few bytes are stored as if they cost nothing";
+  EXPECT_GT(kept, 100);
+}
+
+TEST(JobStore, WhenWhatConnectionsHoldGoesOverTheCapTheOneThatHoldsTheMostIsDropped) {
+  namespace proto = store_protocol;
+  Reports reports;
+  StoreLimits limits;
+  limits.max_buffered_bytes = size_t{16} << 20;
+  limits.stall_timeout = 600s;  // the second connection holds its request for the whole test
+  StoreServer server("127.0.0.1", 0, "k", reports.sink(), limits);
+  Descriptors held;
+  for (int i = 0; i < 2; ++i) held.fds.push_back(greeted_connection(server.port(), "k"));
+  ASSERT_GE(held.fds[0], 0);
+  ASSERT_GE(held.fds[1], 0);
+  // The second connection holds 3 MiB of a set of 64 MiB; the first sends 24 MiB of another.
+  const std::string set = request_bytes(proto::Op::kSet, {"key", std::string(size_t{64} << 20, 'v')});
+  ASSERT_TRUE(send_all(held.fds[1], set.substr(0, size_t{3} << 20)));
+  (void)send_all(held.fds[0], set.substr(0, size_t{24} << 20));  // cut off when it is dropped
+  EXPECT_TRUE(eventually([&] { return closed_by_peer(held.fds[0]); }, 30000ms)) << reports.text();
+  EXPECT_TRUE(eventually(
+      [&] { return reports.text().find("dropped the rendezvous connection from " + local_name(held.fds[0])) !=
+                   std::string::npos; },
+      5000ms))
+      << reports.text();
+  EXPECT_THAT(reports.text(), HasSubstr("bytes of unfinished requests and unread replies, the most of any connection, "
+                                        "when what the store holds for its connections went over its cap of 16 MiB"));
+  EXPECT_FALSE(closed_by_peer(held.fds[1]));
+  JobStoreClient worker("127.0.0.1", server.port(), "k", 10s);
+  worker.set("still", bytes("served"));
+  EXPECT_EQ(text(worker.get("still")), "served");
+}
+
 TEST(JobStore, AClientReachesAServerThatStartsAfterIt) {
   // Process 0 may serve the store a little after the others start connecting.
   const int port = testing::free_port();

@@ -99,6 +99,9 @@ void StoreConnection::connect(std::chrono::milliseconds timeout) {
                    " refused this process: it does not know the job's secret. Every process of a job needs the same "
                    "ACCELERATE_RDZV_SECRET; `accelerate launch` sets it for its workers, and the launchers of a job on "
                    "several machines take it from ACCELERATE_RDZV_SECRET or --rdzv_secret_file");
+  ACCELERATE_CHECK(answer != proto::kGreetingTooManyClients, "[rendezvous] the rendezvous store at ", host_, ":",
+                   port_, " refused this process: it already serves as many connections that know the job's secret as "
+                   "it lets in at once (the store's process names the connection it refused)");
   ACCELERATE_CHECK(answer != proto::kGreetingWrongVersion, "[rendezvous] the rendezvous store at ", host_, ":", port_,
                    " speaks another version of the store's protocol (another release of accelerate-cpp serves it)");
   ACCELERATE_CHECK(false, "[rendezvous] the rendezvous store at ", host_, ":", port_,

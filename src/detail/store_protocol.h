@@ -3,8 +3,8 @@
 //
 // A connection opens with a greeting from the client: the 8 bytes "ACCSTORE", the protocol
 // version (u32) and the job's secret (u32 length, bytes). The server answers one byte
-// (kGreetingAccepted, kGreetingWrongSecret or kGreetingWrongVersion) and closes the connection
-// unless it accepted. Then each request is an operation byte and a list of byte strings, and each
+// (kGreetingAccepted, kGreetingWrongSecret, kGreetingWrongVersion or kGreetingTooManyClients) and
+// closes the connection unless it accepted. Then each request is an operation byte and a list of byte strings, and each
 // reply a status byte and a list of byte strings; integers are little-endian, lists are a u32
 // count then, per string, a u32 length and its bytes.
 #pragma once
@@ -21,6 +21,8 @@ inline constexpr uint32_t kVersion = 1;
 inline constexpr uint8_t kGreetingAccepted = 0;
 inline constexpr uint8_t kGreetingWrongSecret = 1;
 inline constexpr uint8_t kGreetingWrongVersion = 2;
+/// The store serves as many connections as it lets in at once (StoreLimits::max_clients).
+inline constexpr uint8_t kGreetingTooManyClients = 3;
 
 /// Limits a peer must respect, so that a stray client cannot make the server allocate at will.
 inline constexpr uint32_t kMaxSecretBytes = 4096;

@@ -1,6 +1,7 @@
 // The job's rendezvous store; see store_server.h and store_protocol.h.
 #include "detail/store_server.h"
 
+#include "detail/durations.h"
 #include "detail/store_protocol.h"
 
 #include <arpa/inet.h>
@@ -35,7 +36,8 @@ namespace accelerate::detail {
 // its keys. This server listens only on the address it is given (loopback for a job on one
 // machine) and lets a client in only after a greeting that carries the job's secret, compared in
 // constant time; a client without it gets a refusal it can name, and the server reports it
-// (Note [Reporting refusals]). Connections that have not greeted yet are bounded (Note [Strangers]).
+// (Note [Reporting refusals]). Connections that have not greeted yet are bounded (Note [Strangers]),
+// and so is what those that have may hold (Note [What a client may hold]).
 // It speaks a protocol of its own (store_protocol.h) to `JobStoreClient`, a c10d::Store, so
 // Gloo, NCCL and the MPI group use it like any store. One thread serves every connection with
 // poll(); a request for a key that does not exist yet (get, wait) is answered when a later write
@@ -84,8 +86,61 @@ constexpr auto kAcceptPause = std::chrono::milliseconds(200);
 constexpr size_t kNamedAddresses = 8;
 constexpr size_t kCountedAddresses = 1024;
 
-enum class Refusal { kNotTheProtocol, kOtherVersion, kWrongSecret, kMalformedGreeting, kCrowdedOut, kSilent };
-constexpr size_t kRefusalKinds = 6;
+// Note [What a client may hold]
+// The secret keeps strangers out, but every worker of the job has it in its environment, and a
+// program of the job that misbehaves must not make the store's process (the launcher, or process
+// 0) take memory and descriptors at will. So what the clients that greeted may hold is bounded
+// (StoreLimits), and each bound is reported naming the client:
+//  - A connection that holds an unfinished request, or a reply it does not read, with no byte
+//    going either way for `stall_timeout` (10s) is dropped. A real client sends a request in one
+//    go and reads its reply as it comes, so bytes move within milliseconds; 10s outlasts TCP's
+//    retransmissions of a lost segment (0.2s, doubled each time) several times over, and is the
+//    time a new connection has for its greeting. A request that waits for a key (get, wait) is
+//    not stalled: its client decides how long it waits.
+//  - At most `max_clients` (32768) connections past their greeting; the next is refused at its
+//    greeting (kGreetingTooManyClients). A process of a job holds one connection, two where
+//    LibTorch clones the store, and each launcher one or two: a job of 8192 GPUs holds about 20000.
+//  - Keys and values take at most `max_stored_bytes` (1 GiB), each key counted with
+//    kEntryOverhead more for what the map spends on it, so that many small keys are paid for too.
+//    A set, add or compare-set beyond it is refused with an error its client reports, and changes
+//    nothing. The largest user is Gloo: a group of N processes stores, per process, the addresses
+//    of its N-1 peers, 136 bytes each on LibTorch 1.13 (newer Gloo stores 8 bytes a peer), so
+//    142 MB for 1024 processes; NCCL and MPI store a few hundred bytes a group, the rendezvous and
+//    the elastic rendezvous a few keys a process and a round. The keys of a job's attempts stay
+//    (each attempt has its prefix): 1 GiB holds seven attempts of a 1024-process Gloo job.
+//  - What connections hold in the store's buffers (unfinished requests, unsent replies, the keys of
+//    requests that wait), counted by the buffers' capacity, is at most `max_buffered_bytes`
+//    (1 GiB). A request may be 257 MiB (store_protocol.h), in a buffer of up to twice that; real
+//    requests and replies are a few KB (Gloo's largest is 1.1 MB at 8192 processes). When a read
+//    or a reply takes the total beyond it, the connections that hold the most are dropped until
+//    it is within: the connection that filled it is the likeliest of them.
+// A connection is not read while kReplyBacklog of its replies wait to be sent, so a client that
+// sends requests without reading the replies holds one reply at most, and strangers are read no
+// further than a greeting. In all, the store holds at most max_stored_bytes + max_buffered_bytes
+// and a few hundred bytes a connection. (Before these bounds, one client could keep 257 MiB of an
+// unfinished request for ever, and the values had no bound at all.)
+constexpr size_t kEntryOverhead = 128;  // a map node with its two strings, malloc's headers, a bucket
+constexpr size_t kReplyBacklog = size_t{64} << 10;
+constexpr size_t kKeptCapacity = size_t{64} << 10;  // an emptied buffer keeps at most this
+constexpr size_t kMaxGreetingBytes = 16 + proto::kMaxSecretBytes;
+constexpr size_t kMaxRequestBytes = proto::kMaxStringBytes + (size_t{1} << 20);
+
+enum class Refusal {
+  kNotTheProtocol,
+  kOtherVersion,
+  kWrongSecret,
+  kMalformedGreeting,
+  kCrowdedOut,
+  kSilent,
+  // Clients that know the secret (Note [What a client may hold]).
+  kTooManyClients,
+  kStalled,
+  kOverBudget,
+  kTooLarge,
+  kValuesFull,
+};
+constexpr size_t kRefusalKinds = 11;
+constexpr size_t kStrangerKinds = 6;  // the kinds before kTooManyClients
 
 // How the summary of Note [Reporting refusals] counts a kind: "3 without the job's secret".
 const char* counted_as(Refusal kind) {
@@ -96,11 +151,37 @@ const char* counted_as(Refusal kind) {
     case Refusal::kMalformedGreeting: return "with a malformed greeting";
     case Refusal::kCrowdedOut: return "crowded out by newer connections without a greeting";
     case Refusal::kSilent: return "without a greeting within 10s";
+    case Refusal::kTooManyClients: return "turned away at the cap on connections that know the secret";
+    case Refusal::kStalled: return "dropped for stalling mid-request or mid-reply";
+    case Refusal::kOverBudget: return "dropped for holding the most when the store's buffers were full";
+    case Refusal::kTooLarge: return "dropped for requests larger than the store takes";
+    case Refusal::kValuesFull: return "requests refused at the cap on the store's keys and values";
   }
   return "refused";
 }
 
 std::string errno_text(int e) { return std::strerror(e); }
+
+// "1 GiB", "512 MiB", "64 KiB", else the number of bytes.
+std::string bytes_text(size_t bytes) {
+  if (bytes >= (size_t{1} << 30) && bytes % (size_t{1} << 30) == 0) return std::to_string(bytes >> 30) + " GiB";
+  if (bytes >= (size_t{1} << 20) && bytes % (size_t{1} << 20) == 0) return std::to_string(bytes >> 20) + " MiB";
+  if (bytes >= (size_t{1} << 10) && bytes % (size_t{1} << 10) == 0) return std::to_string(bytes >> 10) + " KiB";
+  return std::to_string(bytes) + " bytes";
+}
+
+// A key as a message names it: quoted, its first 64 bytes.
+std::string quoted(const std::string& key) {
+  return key.size() <= 64 ? "'" + key + "'" : "'" + key.substr(0, 64) + "...'";
+}
+
+size_t entry_bytes(const std::string& key, size_t value_bytes) { return key.size() + value_bytes + kEntryOverhead; }
+
+// The bytes a string holds outside itself.
+size_t heap_bytes(const std::string& s) {
+  static const size_t kInline = std::string().capacity();
+  return s.capacity() > kInline ? s.capacity() : 0;
+}
 
 std::chrono::milliseconds until(Clock::time_point when, Clock::time_point now) {
   return std::max(std::chrono::milliseconds(0), std::chrono::ceil<std::chrono::milliseconds>(when - now));
@@ -119,6 +200,12 @@ struct Client {
   bool pending = false;
   proto::Op op{};
   std::vector<std::string> args;
+  // Note [What a client may hold]
+  Clock::time_point last_progress;  // when a byte was last read from it or written to it
+  bool partial = false;             // `in` begins with a request not all here yet
+  bool held_back = false;           // `in` holds requests not taken while replies wait to be sent
+  bool dropped = false;             // closed at the end of the server's round
+  size_t waiting_bytes = 0;         // the keys of its request that waits, while it waits
 };
 
 void name_peer(Client& c) {
@@ -157,7 +244,10 @@ struct StoreServer::State {
   int wake_fd = -1;
   std::string secret;
   std::function<void(const std::string&)> report;
+  StoreLimits limits;
   std::unordered_map<std::string, std::string> data;
+  size_t stored = 0;    // `data`'s keys and values, each with kEntryOverhead
+  size_t buffered = 0;  // every connection's buffers and waiting keys (Note [What a client may hold])
   std::list<Client> clients;  // greeted, in the order they came
   std::list<Client> strangers;  // not yet greeted, oldest first (Note [Strangers])
   std::unordered_map<std::string, size_t> strangers_from;  // how many per address
@@ -178,12 +268,14 @@ struct StoreServer::State {
     if (wake_fd >= 0) ::close(wake_fd);
   }
 
-  void refused(const Client& c, Refusal kind, const std::string& why) {
+  // Reports a refusal, `what` naming what was refused: "refused a rendezvous connection from ".
+  void refused(const Client& c, Refusal kind, const std::string& why,
+               const char* what = "refused a rendezvous connection from ") {
     if (!report) return;
     const auto now = Clock::now();
     if (unreported == 0 && now - last_report >= kReportInterval) {
       last_report = now;
-      report("refused a rendezvous connection from " + c.peer + ": " + why);
+      report(what + c.peer + ": " + why);
       return;
     }
     ++unreported;
@@ -198,8 +290,11 @@ struct StoreServer::State {
   // Reports the refusals counted since the last line, once a second has passed since it.
   void report_refusals(Clock::time_point now) {
     if (unreported == 0 || now - last_report < kReportInterval) return;
-    std::string line = "refused " + std::to_string(unreported) + " more rendezvous connection" +
-                       (unreported == 1 ? "" : "s") + " since the last report, from ";
+    const bool only_strangers = std::all_of(unreported_kinds.begin() + kStrangerKinds, unreported_kinds.end(),
+                                            [](size_t n) { return n == 0; });
+    std::string line = (only_strangers ? "refused " : "refused or dropped ") + std::to_string(unreported) +
+                       " more rendezvous connection" + (unreported == 1 ? "" : "s") +
+                       (only_strangers ? "" : " or requests") + " since the last report, from ";
     for (size_t i = 0; i < unreported_named.size(); ++i) line += (i == 0 ? "" : ", ") + unreported_named[i];
     if (unreported_from.size() > unreported_named.size()) {
       line += " and " + std::string(unreported_from.size() >= kCountedAddresses ? "over " : "") +
@@ -219,9 +314,85 @@ struct StoreServer::State {
     report(line);
   }
 
+  // Changes a buffer of a connection with `change`, keeping `buffered` up to date; an emptied
+  // buffer lets go of its memory beyond kKeptCapacity.
+  template <typename Change>
+  void change_buffer(std::string& buffer, Change&& change) {
+    const size_t before = heap_bytes(buffer);
+    change();
+    if (buffer.empty() && buffer.capacity() > kKeptCapacity) std::string().swap(buffer);
+    buffered = buffered - before + heap_bytes(buffer);
+  }
+
+  // Lets go of what a connection holds (Note [What a client may hold]).
+  void release_buffers(Client& c) {
+    buffered -= heap_bytes(c.in) + heap_bytes(c.out) + c.waiting_bytes;
+    std::string().swap(c.in);
+    std::string().swap(c.out);
+    c.args.clear();
+    c.waiting_bytes = 0;
+    c.pending = false;
+  }
+
+  void close_connection(Client& c) {
+    release_buffers(c);
+    ::close(c.fd);
+  }
+
+  static size_t held(const Client& c) { return heap_bytes(c.in) + heap_bytes(c.out) + c.waiting_bytes; }
+
+  // Drops a connection that knows the secret, reporting why: its buffers now, its descriptor at
+  // the end of the round.
+  void drop(Client& c, Refusal kind, const std::string& why) {
+    refused(c, kind, why, "dropped the rendezvous connection from ");
+    release_buffers(c);
+    c.dropped = true;
+  }
+
+  // Drops the connections that hold the most until the buffers are within their cap.
+  void keep_within_budget() {
+    while (buffered > limits.max_buffered_bytes) {
+      Client* most = nullptr;
+      for (auto& c : clients) {
+        if (!c.dropped && (most == nullptr || held(c) > held(*most))) most = &c;
+      }
+      if (most == nullptr) return;
+      drop(*most, Refusal::kOverBudget,
+           "it held " + std::to_string(held(*most)) +
+               " bytes of unfinished requests and unread replies, the most of any connection, when what the "
+               "store holds for its connections went over its cap of " +
+               bytes_text(limits.max_buffered_bytes));
+    }
+  }
+
   void reply(Client& c, uint8_t status, const std::vector<std::string>& strings) {
-    c.out.push_back(static_cast<char>(status));
-    proto::put_strings(c.out, strings);
+    change_buffer(c.out, [&] {
+      c.out.push_back(static_cast<char>(status));
+      proto::put_strings(c.out, strings);
+    });
+  }
+
+  // Whether `key` may take `value_bytes` within the cap on keys and values; if not, refuses the
+  // request, naming the client (Note [What a client may hold]).
+  bool room_for(Client& c, const std::string& key, size_t value_bytes) {
+    const auto it = data.find(key);
+    const size_t now_held = it == data.end() ? 0 : entry_bytes(key, it->second.size());
+    const size_t after = stored - now_held + entry_bytes(key, value_bytes);
+    if (after <= limits.max_stored_bytes) return true;
+    const std::string why = "storing " + quoted(key) + " (" + std::to_string(value_bytes) +
+                            " bytes) would take the store's keys and values to " + std::to_string(after) +
+                            " bytes, over their cap of " + bytes_text(limits.max_stored_bytes) + " (" +
+                            std::to_string(data.size()) + (data.size() == 1 ? " key" : " keys") + " stored)";
+    reply(c, proto::kReplyError, {"refused a request from " + c.peer + ": " + why});
+    refused(c, Refusal::kValuesFull, why, "refused a request from ");
+    return false;
+  }
+
+  void put(const std::string& key, std::string value) {
+    auto [it, inserted] = data.try_emplace(key);
+    stored = stored - (inserted ? 0 : entry_bytes(key, it->second.size())) + entry_bytes(key, value.size());
+    it->second = std::move(value);
+    maybe_written = true;
   }
 
   // Answers the client's request if it can be answered now; returns false when it must wait.
@@ -235,7 +406,8 @@ struct StoreServer::State {
     switch (c.op) {
       case proto::Op::kSet:
         if (!arity(2)) return true;
-        data[a[0]] = a[1];
+        if (!room_for(c, a[0], a[1].size())) return true;
+        put(a[0], std::move(a[1]));
         reply(c, proto::kReplyOk, {});
         return true;
       case proto::Op::kGet: {
@@ -254,8 +426,10 @@ struct StoreServer::State {
           return true;
         }
         current += delta;
-        data[a[0]] = std::to_string(current);
-        reply(c, proto::kReplyOk, {std::to_string(current)});
+        std::string sum = std::to_string(current);
+        if (!room_for(c, a[0], sum.size())) return true;
+        put(a[0], sum);
+        reply(c, proto::kReplyOk, {std::move(sum)});
         return true;
       }
       case proto::Op::kCheck: {
@@ -273,18 +447,31 @@ struct StoreServer::State {
         if (!arity(3)) return true;
         auto it = data.find(a[0]);
         if (it == data.end()) {
-          if (a[1].empty()) data[a[0]] = a[2];
+          if (a[1].empty()) {
+            if (!room_for(c, a[0], a[2].size())) return true;
+            put(a[0], a[2]);
+          }
           reply(c, proto::kReplyOk, {a[1].empty() ? a[2] : a[1]});
         } else {
-          if (it->second == a[1]) it->second = a[2];
-          reply(c, proto::kReplyOk, {it->second});
+          if (it->second == a[1]) {
+            if (!room_for(c, a[0], a[2].size())) return true;
+            put(a[0], a[2]);
+          }
+          reply(c, proto::kReplyOk, {data.at(a[0])});
         }
         return true;
       }
-      case proto::Op::kDelete:
+      case proto::Op::kDelete: {
         if (!arity(1)) return true;
-        reply(c, proto::kReplyOk, {data.erase(a[0]) > 0 ? "1" : "0"});
+        const auto it = data.find(a[0]);
+        const bool existed = it != data.end();
+        if (existed) {
+          stored -= entry_bytes(it->first, it->second.size());
+          data.erase(it);
+        }
+        reply(c, proto::kReplyOk, {existed ? "1" : "0"});
         return true;
+      }
       case proto::Op::kNumKeys:
         reply(c, proto::kReplyOk, {std::to_string(data.size())});
         return true;
@@ -305,7 +492,7 @@ struct StoreServer::State {
       const uint32_t version = proto::get_u32(c.in.data() + 8);
       const uint32_t length = proto::get_u32(c.in.data() + 12);
       if (version != proto::kVersion) {
-        c.out.push_back(static_cast<char>(proto::kGreetingWrongVersion));
+        change_buffer(c.out, [&] { c.out.push_back(static_cast<char>(proto::kGreetingWrongVersion)); });
         c.closing = true;
         refused(c, Refusal::kOtherVersion,
                 "it speaks version " + std::to_string(version) + " of the store's protocol, not " +
@@ -318,26 +505,56 @@ struct StoreServer::State {
       }
       if (c.in.size() < 16 + length) return true;
       if (!same_secret(c.in.substr(16, length), secret)) {
-        c.out.push_back(static_cast<char>(proto::kGreetingWrongSecret));
+        change_buffer(c.out, [&] { c.out.push_back(static_cast<char>(proto::kGreetingWrongSecret)); });
         c.closing = true;
         refused(c, Refusal::kWrongSecret, "it does not know the job's secret (ACCELERATE_RDZV_SECRET)");
         return true;
       }
-      c.in.erase(0, 16 + length);
+      if (clients.size() >= limits.max_clients) {
+        change_buffer(c.out, [&] { c.out.push_back(static_cast<char>(proto::kGreetingTooManyClients)); });
+        c.closing = true;
+        refused(c, Refusal::kTooManyClients,
+                "it knows the job's secret, but the store already serves " + std::to_string(clients.size()) +
+                    " connections that do, as many as it lets in at once");
+        return true;
+      }
+      change_buffer(c.in, [&] { c.in.erase(0, 16 + length); });
       c.greeted = true;
-      c.out.push_back(static_cast<char>(proto::kGreetingAccepted));
+      c.last_progress = Clock::now();
+      change_buffer(c.out, [&] { c.out.push_back(static_cast<char>(proto::kGreetingAccepted)); });
     }
-    while (!c.pending && !c.in.empty()) {
+    // Requests are taken while their replies are sent (Note [What a client may hold]).
+    while (!c.pending && !c.in.empty() && c.out.size() < kReplyBacklog) {
       std::vector<std::string> args;
       const long taken = proto::parse_strings(c.in.data() + 1, c.in.size() - 1, args);
       if (taken < 0) return false;
-      if (taken == 0) return true;
+      c.partial = taken == 0;
+      c.held_back = false;
+      if (c.partial) return true;
       c.op = static_cast<proto::Op>(static_cast<uint8_t>(c.in[0]));
       c.args = std::move(args);
-      c.in.erase(0, 1 + static_cast<size_t>(taken));
-      c.pending = !execute(c);
+      change_buffer(c.in, [&] { c.in.erase(0, 1 + static_cast<size_t>(taken)); });
+      if (execute(c)) {
+        c.args.clear();
+      } else {
+        c.pending = true;
+        for (const auto& arg : c.args) c.waiting_bytes += arg.size();
+        buffered += c.waiting_bytes;
+      }
+      keep_within_budget();
+      if (c.dropped) return false;
     }
+    if (c.in.empty()) c.partial = false;
+    c.held_back = !c.pending && !c.in.empty();  // behind kReplyBacklog of replies
     return true;
+  }
+
+  // A request that waited has been answered.
+  void answered(Client& c) {
+    buffered -= c.waiting_bytes;
+    c.waiting_bytes = 0;
+    c.args.clear();
+    c.pending = false;
   }
 
   void serve() {
@@ -348,13 +565,18 @@ struct StoreServer::State {
       const bool accepting = now >= accept_paused_until;
       auto timeout = std::chrono::milliseconds(1000);
       if (!strangers.empty()) timeout = std::min(timeout, until(strangers.front().greeting_deadline, now));
+      for (const auto& c : clients) {
+        if (stalls(c)) timeout = std::min(timeout, until(c.last_progress + limits.stall_timeout, now));
+      }
       if (unreported > 0) timeout = std::min(timeout, until(last_report + kReportInterval, now));
       if (!accepting) timeout = std::min(timeout, until(accept_paused_until, now));
       fds.clear();
       fds.push_back({wake_fd, POLLIN, 0});
       fds.push_back({accepting ? listen_fd : -1, POLLIN, 0});  // poll skips a negative descriptor
       for (auto* list : {&strangers, &clients}) {
-        for (auto& c : *list) fds.push_back({c.fd, static_cast<short>(POLLIN | (c.out.empty() ? 0 : POLLOUT)), 0});
+        for (auto& c : *list) {
+          fds.push_back({c.fd, static_cast<short>((reads(c) ? POLLIN : 0) | (c.out.empty() ? 0 : POLLOUT)), 0});
+        }
       }
       if (::poll(fds.data(), fds.size(), static_cast<int>(timeout.count())) < 0 && errno != EINTR) {
         if (report) report("the rendezvous store stopped: poll failed: " + errno_text(errno));
@@ -377,16 +599,39 @@ struct StoreServer::State {
         if (serve_one(*it, now)) {
           ++it;
         } else {
-          ::close(it->fd);
+          close_connection(*it);
           it = clients.erase(it);
         }
       }
       answer_waiting();
+      close_dropped();
       // A closed connection frees a descriptor (Note [Out of descriptors]).
       if (strangers.size() + clients.size() < before) accept_paused_until = {};
       if (accepting && (fds[1].revents & POLLIN) != 0) {
         accept_some(now);
         answer_waiting();
+        close_dropped();
+      }
+    }
+  }
+
+  // Whether the server reads what the connection sends: a stranger no further than a greeting, a
+  // client while its replies are sent (Note [What a client may hold]).
+  static bool reads(const Client& c) {
+    if (!c.greeted) return !c.closing && c.in.size() < kMaxGreetingBytes;
+    return c.out.size() < kReplyBacklog;
+  }
+
+  // Whether the connection is held up mid-request or mid-reply, so that its stall deadline runs.
+  static bool stalls(const Client& c) { return !c.dropped && (c.partial || !c.out.empty()); }
+
+  void close_dropped() {
+    for (auto it = clients.begin(); it != clients.end();) {
+      if (it->dropped) {
+        close_connection(*it);
+        it = clients.erase(it);
+      } else {
+        ++it;
       }
     }
   }
@@ -396,11 +641,17 @@ struct StoreServer::State {
     while (maybe_written) {
       maybe_written = false;
       for (auto& c : clients) {
-        if (c.pending && execute(c)) {
-          c.pending = false;
+        if (c.dropped || !c.pending) continue;
+        if (execute(c)) {
+          answered(c);
+          keep_within_budget();
+          if (c.dropped) continue;
           if (!c.in.empty()) maybe_written = true;
-          consume(c);  // requests queued behind it
-          write_to(c);
+          if (!consume(c)) {  // requests queued behind it
+            c.dropped = true;
+            continue;
+          }
+          write_to(c, Clock::now());
         }
       }
     }
@@ -408,13 +659,36 @@ struct StoreServer::State {
 
   // Reads, answers and writes what the poll found; returns false when the connection must end.
   bool serve_one(Client& c, Clock::time_point now) {
+    if (c.dropped) return false;
     bool keep = true;
-    if ((c.revents & (POLLIN | POLLHUP | POLLERR)) != 0) keep = read_from(c) && consume(c);
+    bool take = false;  // whether there may be requests to take
+    if ((c.revents & (POLLIN | POLLHUP | POLLERR)) != 0) {
+      keep = read_from(c, now);
+      take = true;
+    }
     c.revents = 0;
-    if (keep && !c.out.empty()) keep = write_to(c);
+    // Requests held back while replies were sent are taken once they are (Note [What a client may hold]).
+    while (keep) {
+      if (take || (c.held_back && c.out.size() < kReplyBacklog)) keep = consume(c);
+      take = false;
+      if (!keep || c.out.empty()) break;
+      const size_t unsent = c.out.size();
+      keep = write_to(c, now);
+      if (c.out.size() == unsent || !c.held_back || c.out.size() >= kReplyBacklog) break;
+    }
+    if (c.dropped) return false;
     if (keep && c.closing && c.out.empty()) keep = false;
     if (keep && !c.greeted && !c.closing && now >= c.greeting_deadline) {
       refused(c, Refusal::kSilent, "it sent no greeting within 10s");
+      keep = false;
+    }
+    if (keep && c.greeted && stalls(c) && now - c.last_progress >= limits.stall_timeout) {
+      refused(c,
+              Refusal::kStalled,
+              std::string(c.partial ? "it sent " + std::to_string(c.in.size()) + " bytes of a request"
+                                    : "it left " + std::to_string(c.out.size()) + " bytes of replies unread") +
+                  " and nothing moved for " + seconds_text(limits.stall_timeout),
+              "dropped the rendezvous connection from ");
       keep = false;
     }
     return keep;
@@ -442,7 +716,7 @@ struct StoreServer::State {
 
   void drop_stranger(std::list<Client>::iterator it) {
     forget_stranger(*it);
-    ::close(it->fd);
+    close_connection(*it);
     strangers.erase(it);
   }
 
@@ -487,6 +761,7 @@ struct StoreServer::State {
       c.fd = fd;
       name_peer(c);
       c.greeting_deadline = now + kGreetingTime;
+      c.last_progress = now;
       c.revents = POLLIN;  // the greeting usually comes with the connection
       make_room(c.host, now);
       ++strangers_from[c.host];
@@ -507,13 +782,26 @@ struct StoreServer::State {
            "; those waiting are let in once it can");
   }
 
-  static bool read_from(Client& c) {
+  // Reads what the connection sent, within Note [What a client may hold]; returns false when it
+  // must end.
+  bool read_from(Client& c, Clock::time_point now) {
     char buf[65536];
     while (true) {
-      const ssize_t n = ::read(c.fd, buf, sizeof(buf));
+      size_t room = sizeof(buf);
+      if (!c.greeted) room = std::min(room, kMaxGreetingBytes - std::min(c.in.size(), kMaxGreetingBytes));
+      if (room == 0) return true;
+      const ssize_t n = ::read(c.fd, buf, room);
       if (n > 0) {
-        c.in.append(buf, static_cast<size_t>(n));
-        if (c.in.size() > proto::kMaxStringBytes + (1u << 20)) return false;
+        c.last_progress = now;
+        change_buffer(c.in, [&] { c.in.append(buf, static_cast<size_t>(n)); });
+        if (c.in.size() > kMaxRequestBytes) {
+          refused(c, Refusal::kTooLarge,
+                  "it sent more than " + bytes_text(kMaxRequestBytes) + " of requests that the store had not taken",
+                  "dropped the rendezvous connection from ");
+          return false;
+        }
+        keep_within_budget();
+        if (c.dropped) return false;
         continue;
       }
       if (n < 0 && errno == EINTR) continue;
@@ -521,11 +809,12 @@ struct StoreServer::State {
     }
   }
 
-  static bool write_to(Client& c) {
+  bool write_to(Client& c, Clock::time_point now) {
     while (!c.out.empty()) {
       const ssize_t n = ::send(c.fd, c.out.data(), c.out.size(), MSG_NOSIGNAL);
       if (n > 0) {
-        c.out.erase(0, static_cast<size_t>(n));
+        c.last_progress = now;
+        change_buffer(c.out, [&] { c.out.erase(0, static_cast<size_t>(n)); });
         continue;
       }
       if (n < 0 && errno == EINTR) continue;
@@ -575,13 +864,14 @@ std::string new_job_secret() {
 }
 
 StoreServer::StoreServer(const std::string& host, int port, std::string secret,
-                         std::function<void(const std::string&)> report)
+                         std::function<void(const std::string&)> report, StoreLimits limits)
     : state_(std::make_unique<State>()), host_(host) {
   if (port < 0 || port > 65535) {
     throw StoreError("[rendezvous] expected a TCP port in 0-65535, got " + std::to_string(port));
   }
   state_->secret = std::move(secret);
   state_->report = std::move(report);
+  state_->limits = limits;
 
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;

@@ -3,6 +3,8 @@
 // needs no LibTorch; its client is `JobStoreClient` (store_client.h).
 #pragma once
 
+#include <chrono>
+#include <cstddef>
 #include <functional>
 #include <memory>
 #include <stdexcept>
@@ -30,14 +32,30 @@ bool is_loopback_address(const std::string& address);
 /// could not reach it: then "" (every interface; the secret still keeps others out).
 std::string store_bind_address(const std::string& main_process_address, bool several_machines);
 
+/// What the store lets the clients that know the job's secret hold (Note [What a client may hold]
+/// in store_server.cpp). The defaults are far beyond what the library's own use needs.
+struct StoreLimits {
+  /// Connections past their greeting, at once.
+  size_t max_clients = 32768;
+  /// Bytes of keys and values kept, each key counted with a fixed overhead more.
+  size_t max_stored_bytes = size_t{1} << 30;
+  /// Bytes held for unfinished requests, unsent replies and requests that wait for a key, over all
+  /// connections.
+  size_t max_buffered_bytes = size_t{1} << 30;
+  /// How long a connection may hold an unfinished request, or a reply it does not read, without a
+  /// byte going either way.
+  std::chrono::milliseconds stall_timeout = std::chrono::seconds(10);
+};
+
 class StoreServer {
  public:
   /// Listens on `host`:`port` ("" for every interface; port 0 picks a free one) and serves until destroyed, on a thread
   /// of its own. `report` receives a line naming a refused client, then at most one a second
   /// counting those refused since, and a line when the server cannot accept connections for want
-  /// of descriptors (Note [Reporting refusals] in store_server.cpp).
+  /// of descriptors (Note [Reporting refusals] in store_server.cpp); also the clients dropped or
+  /// refused at `limits`.
   StoreServer(const std::string& host, int port, std::string secret,
-              std::function<void(const std::string&)> report = {});
+              std::function<void(const std::string&)> report = {}, StoreLimits limits = {});
   ~StoreServer();
   StoreServer(const StoreServer&) = delete;
   StoreServer& operator=(const StoreServer&) = delete;
