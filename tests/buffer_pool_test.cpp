@@ -1,6 +1,7 @@
 // The process's pool of large CPU buffers (Note [One pool for the process's large CPU buffers]):
 // freed buffers served again by size, the bound it keeps to when it must allocate, a training
-// loop that in its steady state takes no fresh large buffer, and the switch that turns it off.
+// loop that in its steady state takes no fresh large buffer, the process's peak memory over the
+// pool switched off, and the switch that turns it off.
 #include "accelerate/accelerator.h"
 #include "detail/buffer_pool.h"
 #include "support/accelerators.h"
@@ -9,6 +10,17 @@
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+
+#include <barrier>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
 
 namespace accelerate::testing {
 namespace {
@@ -105,6 +117,108 @@ TEST(HostPool, SteadyTrainingStepsTakeNoFreshLargeBuffer) {
     // Per step at least: 2 gradients, AdamW's temporaries, the metric and its reduced copy.
     EXPECT_GE(steady.reused - warm.reused, 5u * 4u);
   });
+}
+
+// A field of /proc/self/status in KiB ("VmRSS", "VmHWM"); -1 when it cannot be read.
+int64_t status_kib(const std::string& field) {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);) {
+    if (line.rfind(field + ":", 0) == 0) return std::stoll(line.substr(field.size() + 1));
+  }
+  return -1;
+}
+
+// Takes a buffer of `bytes` through LibTorch's CPU allocator and touches every page; the tensor
+// frees it.
+at::Tensor taken_and_touched(int64_t bytes) {
+  auto t = at::empty({bytes}, at::kByte);
+  auto* data = t.data_ptr<uint8_t>();
+  for (int64_t offset = 0; offset < bytes; offset += 4096) data[offset] = 1;
+  return t;
+}
+
+// The two patterns of Note [One pool for the process's large CPU buffers] whose peak the pool
+// once let rise far past its bound; returns the most bytes they hold at once. "classes": 48 size
+// classes (1 to 8 MiB) taken in turn, three times over, each freed before the next. "threads":
+// two threads taking buffers of 1 to 256 MiB (log-uniform), in step: both take one, touch it and
+// free it, then both take the next.
+int64_t run_pool_pattern(const std::string& pattern) {
+  int64_t most = 0;
+  if (pattern == "classes") {
+    for (int round = 0; round < 3; ++round) {
+      for (int64_t power : {kMiB, 2 * kMiB, 4 * kMiB}) {
+        for (int64_t i = 1; i <= 16; ++i) {
+          const int64_t bytes = power + i * power / 16;
+          (void)taken_and_touched(bytes);
+          most = std::max(most, bytes);
+        }
+      }
+    }
+  } else if (pattern == "threads") {
+    constexpr int kSteps = 60;
+    auto sizes = [](unsigned seed) {
+      std::mt19937 random(seed);
+      std::vector<int64_t> out;
+      for (int i = 0; i < kSteps; ++i) {
+        out.push_back(static_cast<int64_t>(std::exp2(static_cast<double>(random() % 8001) / 1000.0) * kMiB));
+      }
+      return out;
+    };
+    const std::vector<std::vector<int64_t>> taken = {sizes(1), sizes(2)};
+    for (int i = 0; i < kSteps; ++i) most = std::max(most, taken[0][i] + taken[1][i]);
+    std::barrier step(2);
+    auto taker = [&](const std::vector<int64_t>& mine) {
+      for (int64_t bytes : mine) {
+        {
+          auto t = taken_and_touched(bytes);
+          step.arrive_and_wait();  // both hold theirs
+        }
+        step.arrive_and_wait();  // both have freed theirs
+      }
+    };
+    std::thread first(taker, std::cref(taken[0]));
+    std::thread second(taker, std::cref(taken[1]));
+    first.join();
+    second.join();
+  }
+  return most;
+}
+
+// In a process of its own (ACCELERATE_TEST_POOL_PATTERN set) this test runs a pattern and prints
+// how far its resident memory rose and the most it held at once; the test itself runs each pattern
+// so and checks that the rise stays within kPoolKeepsOnMissBytes of what it held. Without the pool
+// the rise is at least what was held, so this is the documented bound over the pool switched off,
+// without depending on what malloc happens to keep. Resident memory only: no timing.
+TEST(HostPool, PeakMemoryStaysWithinTheBoundOverThePoolSwitchedOff) {
+  if (const char* pattern = std::getenv("ACCELERATE_TEST_POOL_PATTERN")) {
+    detail::install_host_pool();  // unless ACCELERATE_CPU_BUFFER_POOL=0
+    { auto warm = torch::ones({64, 64}).matmul(torch::ones({64, 64})); }  // LibTorch's own first use
+    { std::ofstream("/proc/self/clear_refs") << "5"; }  // the peak starts again from here, where allowed
+    const int64_t start = status_kib("VmRSS");
+    const int64_t most = run_pool_pattern(pattern);
+    std::cout << "rose by " << (status_kib("VmHWM") - start) << " KiB holding at most " << (most >> 10) << " KiB\n"
+              << std::flush;
+    return;
+  }
+  const std::string self = std::filesystem::read_symlink("/proc/self/exe");
+  const double bound_mib = static_cast<double>(detail::kPoolKeepsOnMissBytes >> 20);
+  for (const std::string pattern : {"classes", "threads"}) {
+    auto child = run({self, "--gtest_filter=HostPool.PeakMemoryStaysWithinTheBoundOverThePoolSwitchedOff"}, 300,
+                     {{"ACCELERATE_TEST_POOL_PATTERN", pattern},
+                      {"ACCELERATE_CPU_BUFFER_POOL", "1"},
+                      {"GTEST_TOTAL_SHARDS", "1"},  // not the shard this test runs in
+                      {"GTEST_SHARD_INDEX", "0"}});
+    EXPECT_EQ(child->exit_code(), 0) << child->err;
+    long long rose_kib = 0, held_kib = 0;
+    const size_t at = child->out.find("rose by ");
+    ASSERT_NE(at, std::string::npos) << "the " << pattern << " pattern printed no peak: " << child->out << child->err;
+    ASSERT_EQ(std::sscanf(child->out.c_str() + at, "rose by %lld KiB holding at most %lld KiB", &rose_kib, &held_kib),
+              2);
+    const double over_mib = static_cast<double>(rose_kib - held_kib) / 1024;
+    // A few MiB for what else moves: page tables, the threads' stacks.
+    EXPECT_LE(over_mib, bound_mib + 8) << "the " << pattern << " pattern's resident memory rose " << over_mib
+                                       << " MiB over the " << held_kib / 1024 << " MiB it held at once";
+  }
 }
 
 // Every state installs the pool, unless the environment turns it off.
