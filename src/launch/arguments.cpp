@@ -1,11 +1,39 @@
-// `accelerate launch`'s command line: its flags (with upstream's spellings) into `LaunchArgs`.
-#include "accelerate/commands/launch.h"
+// `accelerate launch`'s command line: its flags (with upstream's spellings) into `LaunchArgs`, its
+// integers read whole and within int (arguments.h).
+#include "launch/arguments.h"
 
+#include "accelerate/commands/launch.h"
 #include "detail/check.h"
 
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <cstdlib>
+#include <functional>
+
 namespace accelerate::commands {
+
+std::optional<int> parse_int(const std::string& text, int min, int max) {
+  const size_t sign = !text.empty() && (text[0] == '-' || text[0] == '+') ? 1 : 0;
+  if (text.size() == sign ||
+      !std::all_of(text.begin() + sign, text.end(), [](unsigned char c) { return std::isdigit(c) != 0; })) {
+    return std::nullopt;
+  }
+  errno = 0;
+  const long long value = std::strtoll(text.c_str(), nullptr, 10);
+  if (errno == ERANGE || value < min || value > max) return std::nullopt;
+  return static_cast<int>(value);
+}
+
+int int_value(const std::string& name, const std::string& text) {
+  const auto value = parse_int(text);
+  ACCELERATE_CHECK_VALUE(value.has_value(), "[launch] ", name, " must be an integer that fits an int (", INT_MIN,
+                         " to ", INT_MAX, "), got '", text, "'");
+  return *value;
+}
+
 namespace {
 
 // Registers "--name" together with its hyphenated spelling "--na-me".
@@ -16,6 +44,21 @@ std::string spellings(const std::string& name, const std::string& short_name = "
   out += "--" + name;
   if (hyphenated != name) out += ",--" + hyphenated;
   return out;
+}
+
+// An integer flag, read whole and within int by `int_value` (CLI11 would say only that it "could
+// not convert" a number beyond int).
+void add_int(CLI::App& app, std::function<void(int)> set, const std::string& name, const std::string& help,
+             const std::string& short_name = "") {
+  app.add_option_function<std::string>(
+         spellings(name, short_name),
+         [set = std::move(set), flag = "--" + name](const std::string& text) { set(int_value(flag, text)); }, help)
+      ->type_name("INT");
+}
+
+void add_optional_int(CLI::App& app, std::optional<int>& target, const std::string& name, const std::string& help,
+                      const std::string& short_name = "") {
+  add_int(app, [&target](int value) { target = value; }, name, help, short_name);
 }
 
 template <typename T>
@@ -35,9 +78,9 @@ struct LaunchCli {
     app.add_flag(spellings("cpu"), args.cpu, "Run on the CPU even when GPUs are available");
     app.add_flag(spellings("multi_gpu"), args.multi_gpu, "Run one process per GPU");
     add_optional(app, args.mixed_precision, "mixed_precision", "no, fp16 or bf16");
-    add_optional(app, args.num_processes, "num_processes", "Total number of processes of the job", "-n");
-    add_optional(app, args.num_machines, "num_machines", "Number of machines of the job");
-    add_optional(app, args.machine_rank, "machine_rank", "Index of this machine in the job");
+    add_optional_int(app, args.num_processes, "num_processes", "Total number of processes of the job", "-n");
+    add_optional_int(app, args.num_machines, "num_machines", "Number of machines of the job");
+    add_optional_int(app, args.machine_rank, "machine_rank", "Index of this machine in the job");
     add_optional(app, args.main_process_ip, "main_process_ip", "Address of the machine of rank 0");
     add_optional(app, args.nnodes, "nnodes",
                  "Machines of the job: N, or MIN:MAX for an elastic job (needs --rdzv_backend c10d)");
@@ -47,13 +90,13 @@ struct LaunchCli {
     add_optional(app, args.rdzv_backend, "rdzv_backend",
                  "static (every machine gives --machine_rank) or c10d (machines without one are numbered as they "
                  "join the rendezvous at --main_process_ip)");
-    add_optional(app, args.main_process_port, "main_process_port",
-                 "Port of the rendezvous on the machine of rank 0 (0 picks a free port)");
+    add_optional_int(app, args.main_process_port, "main_process_port",
+                     "Port of the rendezvous on the machine of rank 0 (0 picks a free port)");
     add_optional(app, args.gpu_ids, "gpu_ids", "Comma-separated GPU ids to use (CUDA_VISIBLE_DEVICES)");
-    add_optional(app, args.num_cpu_threads_per_process, "num_cpu_threads_per_process",
-                 "CPU threads per process (OMP_NUM_THREADS); default: cores / local processes");
-    add_optional(app, args.gradient_accumulation_steps, "gradient_accumulation_steps",
-                 "Gradient accumulation steps passed to Accelerator");
+    add_optional_int(app, args.num_cpu_threads_per_process, "num_cpu_threads_per_process",
+                     "CPU threads per process (OMP_NUM_THREADS); default: cores / local processes");
+    add_optional_int(app, args.gradient_accumulation_steps, "gradient_accumulation_steps",
+                     "Gradient accumulation steps passed to Accelerator");
     add_optional(app, args.backend, "backend",
                  "Process-group back-end: gloo, nccl or mpi (mpi starts the workers through mpirun)");
     add_optional(app, args.mpirun_hostfile, "mpirun_hostfile",
@@ -63,7 +106,8 @@ struct LaunchCli {
                  "one machine makes its own)");
     app.add_flag(spellings("debug"), args.debug, "Check every collective's shapes across processes");
     app.add_flag(spellings("enable_cpu_affinity"), args.enable_cpu_affinity, "Bind each process to a NUMA node");
-    app.add_option(spellings("max_restarts"), args.max_restarts, "Restart the group this many times on failure");
+    add_int(app, [this](int value) { args.max_restarts = value; }, "max_restarts",
+            "Restart the group this many times on failure");
     app.add_option(spellings("monitor_interval"), args.monitor_interval, "Seconds between health checks");
     app.add_option(spellings("rdzv_timeout"), args.rdzv_timeout, "Seconds the processes wait for each other to join");
     app.add_option(spellings("grace_period"), args.grace_period,

@@ -9,9 +9,11 @@
 #include "detail/topology.h"
 #include "detail/files.h"
 #include "detail/subprocess.h"
+#include "launch/arguments.h"
 #include "launch/devices.h"
 #include "launch/mpi.h"
 
+#include <climits>
 #include <filesystem>
 #include <sstream>
 #include <thread>
@@ -47,11 +49,10 @@ void plan_elastic(const LaunchArgs& args, LaunchPlan& plan) {
   const std::string& text = *args.nnodes;
   const auto colon = text.find(':');
   auto number = [&](const std::string& part) {
-    char* end = nullptr;
-    const long n = std::strtol(part.c_str(), &end, 10);
-    ACCELERATE_CHECK_VALUE(!part.empty() && end != nullptr && *end == '\0' && n >= 1, "[launch] --nnodes must be N or "
-                           "MIN:MAX with 1 <= MIN <= MAX, got '", text, "'");
-    return static_cast<int>(n);
+    const auto n = parse_int(part, 1);
+    ACCELERATE_CHECK_VALUE(n.has_value(), "[launch] --nnodes must be N or MIN:MAX, whole numbers from 1 to ", INT_MAX,
+                           ", got '", text, "'");
+    return *n;
   };
   const int min = number(text.substr(0, colon));
   const int max = colon == std::string::npos ? min : number(text.substr(colon + 1));
@@ -169,7 +170,7 @@ void check_rendezvous(const LaunchPlan& plan) {
   const int needed = plan.elastic ? plan.min_machines : plan.num_machines;
   const bool ranged = needed < plan.num_machines;
   if (const auto nodes = get_env("SLURM_JOB_NUM_NODES"); nodes && !nodes->empty() && needed > 1) {
-    const int allocated = std::atoi(nodes->c_str());
+    const int allocated = int_value("the environment variable SLURM_JOB_NUM_NODES", *nodes);
     ACCELERATE_CHECK_VALUE(allocated <= 0 || needed <= allocated, "[launch] the job has ",
                            ranged ? "a minimum of --nnodes " : "--num_machines ",
                            ranged ? std::to_string(needed) + ":" + std::to_string(plan.num_machines)
@@ -192,13 +193,16 @@ void check_job_size(LaunchPlan& plan, bool ip_given) {
                          ")");
   plan.local_num_processes = plan.num_processes / plan.num_machines;
   if (!plan.parallelism_environment.empty()) {
-    const auto size = [&](const char* variable, int fallback) {
+    // Each size is at most a million (check_parallelism_value), so their product fits a long long,
+    // not an int.
+    const auto size = [&](const char* variable, long long fallback) {
       auto it = plan.parallelism_environment.find(variable);
-      return it == plan.parallelism_environment.end() ? fallback : std::stoi(it->second);
+      return it == plan.parallelism_environment.end() ? fallback : std::stoll(it->second);
     };
-    const int replicate = size("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", 1);
-    const int tp = size("PARALLELISM_CONFIG_TP_SIZE", 1);
-    const int shard = size("PARALLELISM_CONFIG_DP_SHARD_SIZE", std::max(1, plan.num_processes / (replicate * tp)));
+    const long long replicate = size("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", 1);
+    const long long tp = size("PARALLELISM_CONFIG_TP_SIZE", 1);
+    const long long shard =
+        size("PARALLELISM_CONFIG_DP_SHARD_SIZE", std::max(1LL, plan.num_processes / (replicate * tp)));
     ACCELERATE_CHECK_VALUE(replicate * shard * tp == plan.num_processes, "[launch] parallelism_config: "
                            "dp_replicate_size (", replicate, ") x dp_shard_size (", shard, ") x tp_size (", tp,
                            ") must equal --num_processes (", plan.num_processes, ")");

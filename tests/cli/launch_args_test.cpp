@@ -99,6 +99,22 @@ TEST_F(ParseLaunchArgs, ANonIntegerProcessCountIsRefusedNamingTheFlag) {
   EXPECT_THROWS_WITH(parse_launch_args({"--num_processes", "two", "/bin/true"}), "num_processes");
 }
 
+TEST_F(ParseLaunchArgs, AnIntegerFlagBeyondIntIsRefusedByName) {
+  for (const std::string flag : {"--num_processes", "--num_machines", "--machine_rank", "--main_process_port",
+                                 "--num_cpu_threads_per_process", "--gradient_accumulation_steps", "--max_restarts"}) {
+    for (const std::string value : {"4294967297", "2147483648", "-2147483649", "99999999999999999999"}) {
+      EXPECT_THROWS_WITH(parse_launch_args({flag, value, "/bin/true"}),
+                         flag + " must be an integer that fits an int (-2147483648 to 2147483647), got '" + value + "'");
+    }
+    EXPECT_THROWS_WITH(parse_launch_args({flag, "12abc", "/bin/true"}), flag + " must be an integer");
+  }
+  // Named as given in any spelling; the limits themselves are numbers.
+  EXPECT_THROWS_WITH(parse_launch_args({"-n", "4294967297", "/bin/true"}), "--num_processes must be an integer");
+  EXPECT_THROWS_WITH(parse_launch_args({"--max-restarts=4294967297", "/bin/true"}), "--max_restarts must be an integer");
+  EXPECT_EQ(parse_launch_args({"-n", "2147483647", "/bin/true"}).num_processes, std::optional<int>(2147483647));
+  EXPECT_EQ(parse_launch_args({"--max_restarts", "-2147483648", "/bin/true"}).max_restarts, -2147483647 - 1);
+}
+
 TEST_F(ParseLaunchArgs, ArgumentsAfterTheProgramBelongToItEvenWhenTheyLookLikeFlags) {
   const LaunchArgs args =
       parse_launch_args({"--cpu", "./prog", "--num_processes", "7", "-n", "3", "--help", "--", "x"});
@@ -326,6 +342,32 @@ TEST_F(ResolveLaunch, TheRendezvousBackendIsStaticOrC10d) {
   EXPECT_THROWS_WITH(with({"--rdzv_backend", "etcd"}), "--rdzv_backend must be static or c10d, got 'etcd'");
 }
 
+TEST_F(ResolveLaunch, NumbersBeyondIntFromTheConfigFileAndTheEnvironmentAreRefusedByName) {
+  const std::string config = write_config("big.yaml", "distributed_type: MULTI_CPU\nnum_processes: 4294967297\n");
+  EXPECT_THROWS_WITH(resolve({"--config_file", config, "/bin/true"}),
+                     "key 'num_processes' expects an integer, got '4294967297'");
+  {
+    EnvironmentPatch slurm(std::map<std::string, std::string>{{"SLURM_JOB_NUM_NODES", "4294967298"}});
+    EXPECT_THROWS_WITH(resolve({"-n", "4", "--num_machines", "2", "--main_process_ip", "10.0.0.1", "/bin/true"}),
+                       "SLURM_JOB_NUM_NODES must be an integer that fits an int (-2147483648 to 2147483647), got "
+                       "'4294967298'");
+  }
+  {
+    EnvironmentPatch threads(std::map<std::string, std::string>{{"OMP_NUM_THREADS", "4294967297"}});
+    EXPECT_THROWS_WITH(resolve({"-n", "2", "/bin/true"}), "OMP_NUM_THREADS must be an integer, got '4294967297'");
+  }
+  // The product of the parallelism sizes is beyond int: 1300 x 2501 x 1321 = 2^32 + 4, which an int
+  // product would take for --num_processes 4.
+  EXPECT_THROWS_WITH(resolve({"-n", "4", "--parallelism_config_dp_replicate_size", "1300",
+                              "--parallelism_config_dp_shard_size", "2501", "--parallelism_config_tp_size", "1321",
+                              "/bin/true"}),
+                     "dp_replicate_size (1300) x dp_shard_size (2501) x tp_size (1321) must equal --num_processes (4)");
+  // Without dp_shard_size, 65536 x 65536 (2^32) divides --num_processes.
+  EXPECT_THROWS_WITH(resolve({"-n", "4", "--parallelism_config_dp_replicate_size", "65536",
+                              "--parallelism_config_tp_size", "65536", "/bin/true"}),
+                     "must equal --num_processes (4)");
+}
+
 TEST_F(ResolveLaunch, NnodesIsTheNumberOfMachinesOrAnElasticRange) {
   auto with = [&](Args more) {
     Args argv = {"--num_processes", "4", "--main_process_ip", "10.0.0.1"};
@@ -348,6 +390,11 @@ TEST_F(ResolveLaunch, NnodesIsTheNumberOfMachinesOrAnElasticRange) {
   EXPECT_THROWS_WITH(with({"--nnodes", "2:1", "--rdzv_backend", "c10d"}),
                      "--nnodes must be N or MIN:MAX with 1 <= MIN <= MAX, got '2:1'");
   EXPECT_THROWS_WITH(with({"--nnodes", "two"}), "got 'two'");
+  // A number beyond int is refused, not cut to one machine (4294967297 = 2^32 + 1).
+  for (const std::string nnodes : {"4294967297", "1:4294967297", "4294967297:4294967297", "2147483648"}) {
+    EXPECT_THROWS_WITH(with({"--nnodes", nnodes, "--rdzv_backend", "c10d"}),
+                       "--nnodes must be N or MIN:MAX, whole numbers from 1 to 2147483647, got '" + nnodes + "'");
+  }
   EXPECT_THROWS_WITH(with({"--nnodes", "1:2", "--num_machines", "3", "--rdzv_backend", "c10d"}),
                      "--nnodes 1:2 and --num_machines 3 disagree");
   EXPECT_THROWS_WITH(with({"--nnodes", "1:2", "--rdzv_backend", "c10d", "--machine_rank", "1"}),
