@@ -140,6 +140,7 @@ int run_mpi_attempt(const LaunchPlan& plan, detail::Supervisor& supervisor,
   };
   detail::CarrierSpec carrier;
   carrier.status_pipe = (dir / "status").string();
+  carrier.reports_every_worker = !plan.mpirun_hostfile;  // other machines have no status pipe
   make_fifo(carrier.status_pipe);
   std::vector<detail::WorkerSpec> specs(plan.num_processes);
   for (int rank = 0; rank < plan.num_processes; ++rank) {

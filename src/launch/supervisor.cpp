@@ -12,6 +12,8 @@
 #include <chrono>
 #include <cmath>
 #include <csignal>
+#include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <dirent.h>
@@ -19,6 +21,7 @@
 #include <fcntl.h>
 #include <fstream>
 #include <iterator>
+#include <optional>
 #include <poll.h>
 #include <set>
 #include <sstream>
@@ -122,6 +125,9 @@ struct Worker {
   // ends before the worker has started; closed once it has exited.
   int keep_out = -1;
   int keep_err = -1;
+  // Passed signals it does not handle yet, held until it does (Note [Signals the workers cannot
+  // take yet]).
+  std::vector<int> held;
 
   void release_pipes() {
     for (int* fd : {&keep_out, &keep_err}) {
@@ -241,18 +247,69 @@ std::string describe_processes(const std::vector<pid_t>& pids) {
   return out;
 }
 
-// The launcher's children, from every one of its threads.
-std::vector<pid_t> own_children() {
+// The children of `process` ("self" or a pid), from every one of its threads.
+std::vector<pid_t> children_of(const std::string& process) {
   std::vector<pid_t> children;
-  DIR* tasks = ::opendir("/proc/self/task");
+  const std::string task_dir = "/proc/" + process + "/task";
+  DIR* tasks = ::opendir(task_dir.c_str());
   if (tasks == nullptr) return children;
   while (const dirent* entry = ::readdir(tasks)) {
     if (entry->d_name[0] == '.') continue;
-    std::ifstream in(std::string("/proc/self/task/") + entry->d_name + "/children");
+    std::ifstream in(task_dir + "/" + entry->d_name + "/children");
     for (long pid; in >> pid;) children.push_back(static_cast<pid_t>(pid));
   }
   ::closedir(tasks);
   return children;
+}
+
+// The launcher's children, from every one of its threads.
+std::vector<pid_t> own_children() { return children_of("self"); }
+
+// Note [Signals the workers cannot take yet]
+// SIGUSR1 and SIGUSR2 are passed on for a program that handles them to stop at its next step
+// (Note [Preemption] in src/preemption.cpp). While the workers are still starting, none can take
+// one: before mpirun has started the ranks, a signal sent to mpirun reached nobody and the job
+// trained to its end; a worker that has not yet installed its handler (before its Accelerator is
+// made) is killed by it. So the launcher passes such a signal to a worker only once every process
+// of the worker's group (it, and those of its descendants still in the group) catches or ignores
+// it, as /proc/<pid>/status says, and holds it until then, looking again at every poll (50 ms at
+// most). A worker that ends without ever handling it, as a program that does not handle the signal
+// at all does, is named at the end of the attempt; it is no longer killed by the signal. A signal
+// a process only blocks (to take it with sigwait or a signalfd) does not count, since a process
+// may block signals for a moment while it starts. Workers the launcher does not see (under mpirun
+// with a host file, on other machines) still get the signal through mpirun.
+
+// The signals `pid` catches or ignores (its SigCgt and SigIgn), as a mask with bit N-1 for signal
+// N; nullopt when it is gone.
+std::optional<uint64_t> handled_signals(pid_t pid) {
+  std::ifstream status("/proc/" + std::to_string(pid) + "/status");
+  std::optional<uint64_t> mask;
+  for (std::string line; std::getline(status, line);) {
+    if (line.rfind("SigIgn:", 0) == 0 || line.rfind("SigCgt:", 0) == 0) {
+      mask = mask.value_or(0) | std::strtoull(line.c_str() + 7, nullptr, 16);
+    }
+  }
+  return mask;
+}
+
+// Whether every process of the group `leader` leads (it, and those of its descendants still in
+// the group) catches or ignores `sig`, so that passing it on kills none of them.
+bool group_handles(pid_t leader, int sig) {
+  const uint64_t bit = uint64_t{1} << (sig - 1);
+  std::vector<pid_t> todo = {leader};
+  bool any = false;
+  for (int seen = 0; !todo.empty() && seen < 4096; ++seen) {
+    const pid_t pid = todo.back();
+    todo.pop_back();
+    if (::getpgid(pid) != leader) continue;
+    const auto handled = handled_signals(pid);
+    if (!handled) continue;  // gone meanwhile
+    if ((*handled & bit) == 0) return false;
+    any = true;
+    const auto children = children_of(std::to_string(pid));
+    todo.insert(todo.end(), children.begin(), children.end());
+  }
+  return any;
 }
 
 // Note [The launcher returns last]
@@ -374,6 +431,40 @@ class Attempt {
     if (carrier_ != nullptr) everyone_.push_back(&carrier_proc_);
   }
 
+  // A signal passed on to the workers: now to those that handle it, later to the others (Note
+  // [Signals the workers cannot take yet]).
+  void pass_on(int sig) {
+    if (carrier_ != nullptr && !carrier_->reports_every_worker) {
+      if (!options_.quiet) {
+        say("received " + signal_name(sig) + ", passing it on to " + std::to_string(alive_workers()) + " worker(s)");
+      }
+      signal_all(sig);
+      return;
+    }
+    long now = 0, later = 0;
+    for (auto& w : workers_) {
+      if (!w.alive) continue;
+      if (w.pid > 0 && group_handles(w.pid, sig)) {
+        signal_worker(w, sig);
+        ++now;
+      } else {
+        if (std::find(w.held.begin(), w.held.end(), sig) == w.held.end()) w.held.push_back(sig);
+        ++later;
+      }
+    }
+    if (options_.quiet) return;
+    const std::string name = signal_name(sig);
+    if (later == 0) {
+      say("received " + name + ", passing it on to " + std::to_string(now) + " worker(s)");
+    } else if (now == 0) {
+      say("received " + name + " before the " + std::to_string(later) + " worker(s) handle it; holding it until "
+          "they do (" + name + " would kill them)");
+    } else {
+      say("received " + name + ", passing it on to " + std::to_string(now) + " worker(s) now and to " +
+          std::to_string(later) + " more once they handle it (" + name + " would kill them)");
+    }
+  }
+
   // Step 2. Watches until every worker has ended, every stream is closed and nothing the job
   // left behind is still running.
   void watch() {
@@ -399,6 +490,7 @@ class Attempt {
     for (int fd : {status_fd_, status_keep_}) {
       if (fd >= 0) ::close(fd);
     }
+    describe_held();
     if (root_ != nullptr) {
       describe_root_cause();
     } else {
@@ -699,11 +791,7 @@ class Attempt {
       const int sig = static_cast<int>(info.ssi_signo);
       if (sig == SIGCHLD) continue;
       if (std::find(std::begin(kPassedSignals), std::end(kPassedSignals), sig) != std::end(kPassedSignals)) {
-        const auto alive = alive_workers();
-        if (!options_.quiet) {
-          say("received " + signal_name(sig) + ", passing it on to " + std::to_string(alive) + " worker(s)");
-        }
-        signal_all(sig);
+        pass_on(sig);
         continue;
       }
       if (interrupt_signal_ != 0) {
@@ -725,6 +813,45 @@ class Attempt {
         say("received " + signal_name(sig) + ", forwarding it to " + std::to_string(alive) + " worker(s)");
       }
       begin_teardown(sig);
+    }
+  }
+
+  // Whether a running worker waits for a held signal.
+  bool any_held() const {
+    return std::any_of(workers_.begin(), workers_.end(), [](const Worker& w) { return w.alive && !w.held.empty(); });
+  }
+
+  // The held signals, to the workers that handle them now.
+  void pass_on_held() {
+    if (!any_held()) return;
+    for (int sig : kPassedSignals) {
+      long passed = 0;
+      for (auto& w : workers_) {
+        auto it = std::find(w.held.begin(), w.held.end(), sig);
+        if (it == w.held.end() || !w.alive || w.pid <= 0 || !group_handles(w.pid, sig)) continue;
+        w.held.erase(it);
+        signal_worker(w, sig);
+        ++passed;
+      }
+      if (passed > 0 && !options_.quiet) {
+        say("passing the " + signal_name(sig) + " it held on to " + std::to_string(passed) +
+            " worker(s), which handle it now");
+      }
+    }
+  }
+
+  // Held signals that no worker took: said plainly, even when quiet, since the request was lost.
+  void describe_held() const {
+    for (int sig : kPassedSignals) {
+      std::string ranks;
+      long count = 0;
+      for (const auto& w : workers_) {
+        if (std::find(w.held.begin(), w.held.end(), sig) == w.held.end()) continue;
+        ranks += (count++ == 0 ? "" : ", ") + std::to_string(w.spec->rank);
+      }
+      if (count == 0) continue;
+      say(signal_name(sig) + " was not passed on to " + std::to_string(count) + " worker(s) (rank " + ranks +
+          "): they ended without ever handling it, and the launcher held it rather than kill them with it");
     }
   }
 
@@ -770,6 +897,7 @@ class Attempt {
     }
     if (!any_alive) timeout = std::min<std::chrono::duration<double>>(timeout, std::chrono::milliseconds(200));
     if (!settled) timeout = std::min<std::chrono::duration<double>>(timeout, std::chrono::milliseconds(10));
+    if (any_held()) timeout = std::min<std::chrono::duration<double>>(timeout, std::chrono::milliseconds(50));
     const int timeout_ms = std::max(0, static_cast<int>(std::ceil(timeout.count() * 1000)));
     int ready = ::poll(fds.data(), fds.size(), timeout_ms);
     if (ready < 0 && errno != EINTR)
@@ -789,6 +917,7 @@ class Attempt {
       }
     }
     reap();
+    pass_on_held();
     enforce_kill_deadline();
     ask_regroup(any_alive);
     // Streams held open by a process outside our groups must not keep us waiting forever.
@@ -899,6 +1028,10 @@ int Supervisor::stop_requested() {
     if (std::find(std::begin(kForwardedSignals), std::end(kForwardedSignals), sig) != std::end(kForwardedSignals)) {
       pending_signal_ = sig;
     }
+    const bool passed = std::find(std::begin(kPassedSignals), std::end(kPassedSignals), sig) != std::end(kPassedSignals);
+    if (passed && std::find(pending_passed_.begin(), pending_passed_.end(), sig) == pending_passed_.end()) {
+      pending_passed_.push_back(sig);
+    }
   }
   return pending_signal_;
 }
@@ -907,6 +1040,9 @@ AttemptResult Supervisor::run(const std::vector<WorkerSpec>& specs, const Superv
                               const CarrierSpec* carrier) {
   Attempt attempt(specs, options, carrier, signal_fd_, pending_signal_);
   attempt.start();
+  // Note [Signals the workers cannot take yet]: those that came between attempts, for these workers.
+  for (int sig : pending_passed_) attempt.pass_on(sig);
+  pending_passed_.clear();
   attempt.watch();
   pending_signal_ = 0;
   return attempt.finish();

@@ -34,6 +34,9 @@ struct CarrierSpec {
   std::vector<std::string> argv;
   std::vector<std::string> env;
   std::string status_pipe;
+  /// Whether every worker's wrapper reports on `status_pipe` (false when some run on other
+  /// machines): the signals passed on to the workers then go to the carrier, which forwards them.
+  bool reports_every_worker = true;
 };
 
 /// The stop echo window of a job of several machines.
@@ -87,12 +90,13 @@ class Supervisor {
 
   /// Between attempts (while the launcher waits at a rendezvous): the signal that asks the
   /// launcher to stop (SIGINT, SIGTERM, SIGHUP) if one came, else 0. Signals passed on to workers
-  /// (SIGUSR1, SIGUSR2) are dropped: there are none to pass them to.
+  /// (SIGUSR1, SIGUSR2) are kept for the next attempt's workers.
   int stop_requested();
 
  private:
   int signal_fd_ = -1;
   int pending_signal_ = 0;  // a signal received between attempts
+  std::vector<int> pending_passed_;  // signals for the workers, received between attempts
   bool was_subreaper_ = false;
 };
 

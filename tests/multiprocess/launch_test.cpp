@@ -8,10 +8,16 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
+#include <csignal>
+#include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <regex>
 #include <sstream>
+#include <thread>
+#include <tuple>
 
 namespace accelerate::testing {
 namespace {
@@ -161,6 +167,101 @@ TEST_P(LaunchSignal, ASignalToTheLauncherIsForwardedToEveryWorker) {
 
 INSTANTIATE_TEST_SUITE_P(Signals, LaunchSignal, ::testing::Values(SIGTERM, SIGINT, SIGHUP),
                          [](const auto& info) { return detail::signal_name(info.param); });
+
+// Whether signal `sig` is in the mask `field` ("SigBlk", "ShdPnd") of `pid`'s /proc status (of its
+// main thread, for a thread's own mask).
+bool in_signal_mask(pid_t pid, const std::string& field, int sig) {
+  std::ifstream status("/proc/" + std::to_string(pid) + "/status");
+  for (std::string line; std::getline(status, line);) {
+    if (line.rfind(field + ":", 0) != 0) continue;
+    return ((std::strtoull(line.c_str() + field.size() + 1, nullptr, 16) >> (sig - 1)) & 1) != 0;
+  }
+  return false;
+}
+
+// Waits until `in_signal_mask(pid, field, sig)` is `wanted`; false past `seconds`.
+bool wait_for_signal_mask(pid_t pid, const std::string& field, int sig, bool wanted, double seconds) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  while (in_signal_mask(pid, field, sig) != wanted) {
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return true;
+}
+
+// A SIGUSR1 that reaches the launcher while its workers are still starting (before mpirun has
+// started the ranks, before a worker has made the Accelerator that handles it) is held and passed
+// on once they handle it: they save and stop, as with one that comes later. The delay counts from
+// the moment the launcher blocks the signals it handles (before that, SIGUSR1 ends it, as it ends
+// any program that does not handle it), which is before it starts any worker.
+class LaunchEarlyStop : public ::testing::TestWithParam<std::tuple<std::string, int>> {};
+
+TEST_P(LaunchEarlyStop, ASigusr1BeforeTheWorkersHandleItIsPassedOnOnceTheyDoAndTheySave) {
+  const auto& [backend, delay_ms] = GetParam();
+  if (backend == "mpi" && !is_mpi_available()) GTEST_SKIP() << "built without MPI";
+  TempDir dir;
+  Running job({accelerate_bin(), "launch", "--backend", backend, "-n", "2", "--main_process_port", "0",
+               "--num_cpu_threads_per_process", "1", built("tests/mp_preemption"), "--dir", dir.str(), "--steps", "12",
+               "--mark", "1"});
+  ASSERT_TRUE(wait_for_signal_mask(job.pid(), "SigBlk", SIGUSR1, /*wanted=*/true, 30))
+      << "the launcher never blocked SIGUSR1";
+  std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
+  job.signal(SIGUSR1);
+  job.wait(180);
+  ASSERT_EQ(job.exit_code(), 75) << job.out << job.err;  // accelerate::kPreemptedExitCode
+  EXPECT_THAT(job.err, HasSubstr("received SIGUSR1"));
+  EXPECT_THAT(job.err, HasSubstr("the job was preempted: 2 of 2 worker(s) saved the state"));
+  EXPECT_TRUE(std::filesystem::is_directory(dir.path() / "checkpoints/checkpoint_0")) << job.err;
+  EXPECT_FALSE(std::filesystem::exists(dir.path() / "final.safetensors")) << "the job trained to its end";
+}
+
+INSTANTIATE_TEST_SUITE_P(Delays, LaunchEarlyStop,
+                         ::testing::Combine(::testing::Values("mpi", "gloo"), ::testing::Values(0, 20, 50)),
+                         [](const auto& info) {
+                           return std::get<0>(info.param) + "_" + std::to_string(std::get<1>(info.param)) + "ms";
+                         });
+
+// A SIGUSR1 that comes while an elastic job's launcher waits at the rendezvous (here for the
+// second machine that --nnodes 1:2 allows, until last_call_timeout) is kept for the workers it then
+// starts, and passed on once they handle it.
+TEST(ElasticLaunch, ASigusr1ThatComesWhileTheLauncherWaitsAtTheRendezvousReachesTheWorkersItThenStarts) {
+  TempDir dir;
+  Running job({accelerate_bin(), "launch", "--nnodes", "1:2", "--rdzv_backend", "c10d", "-n", "4",
+               "--main_process_ip", "127.0.0.1", "--main_process_port", std::to_string(free_port()), "--rdzv_conf",
+               "last_call_timeout=2", "--num_cpu_threads_per_process", "1", built("tests/mp_preemption"), "--dir",
+               dir.str(), "--steps", "12", "--mark", "1"},
+              kJobSecret);
+  ASSERT_TRUE(wait_for_signal_mask(job.pid(), "SigBlk", SIGUSR1, /*wanted=*/true, 30))
+      << "the launcher never blocked SIGUSR1";
+  job.signal(SIGUSR1);
+  job.wait(180);
+  ASSERT_EQ(job.exit_code(), 75) << job.out << job.err;  // accelerate::kPreemptedExitCode
+  EXPECT_THAT(job.err, HasSubstr("round 0 of the rendezvous"));
+  EXPECT_THAT(job.err, HasSubstr("the job was preempted: 2 of 2 worker(s) saved the state"));
+  EXPECT_TRUE(std::filesystem::is_directory(dir.path() / "checkpoints/checkpoint_0")) << job.err;
+  EXPECT_FALSE(std::filesystem::exists(dir.path() / "final.safetensors")) << "the job trained to its end";
+}
+
+// A program that never handles SIGUSR1 is not killed by one passed on: the launcher holds it and
+// says, when the workers have ended, that it never reached them.
+TEST(Launch, ASigusr1TheWorkersNeverHandleIsHeldAndNamedWhenTheyEnd) {
+  TempDir dir;
+  Running launcher(launch({"-n", "2", "--main_process_port", "0"}, {"until_go", dir.str()}));
+  ASSERT_GT(wait_for_int_file(dir.str() + "/pid_0", 60), 0);
+  ASSERT_GT(wait_for_int_file(dir.str() + "/pid_1", 60), 0);
+  launcher.signal(SIGUSR1);
+  // Once the launcher has read it (it waits neither for the process nor for its main thread, where
+  // a thread that does not block it sends it on), the workers may end.
+  ASSERT_TRUE(wait_for_signal_mask(launcher.pid(), "ShdPnd", SIGUSR1, /*wanted=*/false, 60));
+  ASSERT_TRUE(wait_for_signal_mask(launcher.pid(), "SigPnd", SIGUSR1, /*wanted=*/false, 60));
+  std::ofstream(dir.str() + "/go") << "1\n";
+  launcher.wait(60);
+  EXPECT_EQ(launcher.exit_code(), 0) << launcher.err;
+  EXPECT_THAT(launcher.err, HasSubstr("received SIGUSR1 before the 2 worker(s) handle it; holding it until they do "
+                                      "(SIGUSR1 would kill them)"));
+  EXPECT_THAT(launcher.err, HasSubstr("SIGUSR1 was not passed on to 2 worker(s) (rank 0, 1): they ended without ever "
+                                      "handling it"));
+}
 
 TEST(Launch, WorkersDieWhenTheLauncherIsKilledWithSigkill) {
   TempDir dir;

@@ -16,6 +16,8 @@
 //                                  exits with CODE once they all do
 //   worker throw RANK              RANK throws an exception out of main after rendezvous
 //   worker sleep DIR               write pid to DIR/pid_<rank>, print "ready", sleep
+//   worker until_go DIR            write pid to DIR/pid_<rank>, then exit 0 once DIR/go exists
+//                                  (at most a minute later); handles no signal
 //   worker stubborn DIR            like sleep, but ignore SIGTERM and append a line to
 //                                  DIR/alive_<rank> every 20 ms until killed
 //   worker orphan DIR              leave behind a child of its own process group that ignores
@@ -163,6 +165,11 @@ int main(int argc, char** argv) {
     std::ofstream(arg(2) + "/pid_" + std::to_string(rank)) << ::getpid() << std::endl;
     std::cout << "ready" << std::endl;
     sleep_seconds(60);
+    return 0;
+  }
+  if (mode == "until_go") {
+    std::ofstream(arg(2) + "/pid_" + std::to_string(rank)) << ::getpid() << std::endl;
+    for (int i = 0; i < 6000 && !std::ifstream(arg(2) + "/go").good(); ++i) sleep_seconds(0.01);
     return 0;
   }
   if (mode == "stubborn") {
