@@ -6,6 +6,7 @@
 #include "fsdp/engine.h"
 #include "tensor_parallel/engine.h"
 #include "detail/check.h"
+#include "detail/collective_watch.h"
 #include "detail/state_impl.h"
 #include "detail/torch_compat.h"
 #include "detail/warn.h"
@@ -17,6 +18,7 @@
 #include <torch/csrc/distributed/c10d/default_comm_hooks.hpp>
 #include <torch/csrc/distributed/c10d/reducer.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <limits>
 #include <mutex>
@@ -79,6 +81,35 @@ constexpr size_t kFirstBucketBytes = 1024 * 1024;
 // release gives the same bits.
 // (It derives from the plain interface: LibTorch does not export the result parser of the
 // C++ hook template.)
+// Note [Watched bucket allreduces]
+// The reducer waits for its bucket allreduces inside the backward pass, where no library wait
+// can take over: its allreduces go through a communication hook of ours, whose futures the
+// collective watch follows (Note [The collective watch]), so that a backward pass on one
+// process and, say, a barrier on another are named within seconds instead of hanging. Without a
+// hook the reducer multiplies each gradient by 1 / (number of processes) as it copies it into
+// its bucket and sums the buckets; the hook does the same multiplication on the bucket, then the
+// sum, so the gradients are the same bits. Sparse gradients and NCCL (whose waits do not block
+// the host) keep the reducer's own path.
+class WatchedAllreduceHook final : public c10d::CommHookInterface {
+ public:
+  WatchedAllreduceHook(PartialState state, c10::intrusive_ptr<c10d::ProcessGroup> group)
+      : state_(std::move(state)), group_(std::move(group)) {}
+
+  c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
+    auto& buffer = bucket.getBufferRef();
+    buffer.mul_(1.0 / static_cast<double>(group_->getSize()));
+    std::vector<at::Tensor> tensors{buffer};
+    const auto ticket = detail::enter_collective(state_, "all_reduce");
+    return detail::watch_future(state_, ticket, group_->allreduce(tensors)->getFuture(), "DistributedDataParallel");
+  }
+
+  at::Tensor parseHookResult(const c10::IValue& result) override { return result.toTensorVector()[0]; }
+
+ private:
+  PartialState state_;
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+};
+
 class CompressHook final : public c10d::CommHookInterface {
  public:
   CompressHook(c10::intrusive_ptr<c10d::ProcessGroup> group, at::ScalarType type)
@@ -338,7 +369,12 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
                                                 static_cast<int64_t>(kFirstBucketBytes));
   if (kwargs.static_graph) impl_->reducer->set_static_graph();
   switch (kwargs.comm_hook) {
-    case DDPCommunicationHookType::kNo: break;
+    case DDPCommunicationHookType::kNo:
+      if (std::find(sparse.begin(), sparse.end(), true) == sparse.end() && group->getBackendName() != "nccl" &&
+          state.impl()->check_delay.count() > 0) {
+        impl_->reducer->register_comm_hook(std::make_unique<WatchedAllreduceHook>(state, group));
+      }
+      break;
     case DDPCommunicationHookType::kFp16:
       impl_->reducer->register_comm_hook(std::make_unique<CompressHook>(group, at::kHalf));
       break;

@@ -9,6 +9,10 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
 #include <sstream>
 #include <thread>
 #include <vector>
@@ -186,6 +190,167 @@ std::chrono::milliseconds slice_of(std::chrono::milliseconds delay, Clock::durat
   C10_THROW_ERROR(Error, failure(state, api, e));
 }
 
+// One wait past the check delay: publishes this process's record once, then at each `check`
+// reads every process's and returns the diagnosis once two reads agree on it (empty until then),
+// warning about the processes in no collective at the delay and then at doubling intervals.
+class SlowWait {
+ public:
+  SlowWait(const CollectiveTicket& ticket, const char* api, Clock::time_point start, std::chrono::milliseconds delay)
+      : mine_(decode(encode(Kind::kWaiting, ticket, api))), ticket_(ticket), api_(api), start_(start),
+        next_warning_(delay) {}
+
+  std::string check(const PartialState& state) {
+    const auto& impl = *state.impl();
+    std::string verdict;
+    try {
+      if (!published_) {
+        publish(impl, mine_.text);
+        published_ = true;
+      }
+      const auto records = read_records(impl, mine_);
+      const std::string text = diagnosis(records);
+      if (!text.empty() && text == previous_) verdict = text;
+      previous_ = text;
+      const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start_);
+      // The first waiting process speaks for the others.
+      int first_waiting = -1;
+      std::vector<int> absent;
+      for (int rank = 0; rank < static_cast<int>(records.size()); ++rank) {
+        if (records[rank].in_collective() && first_waiting < 0) first_waiting = rank;
+        if (!records[rank].published()) absent.push_back(rank);
+      }
+      if (waited >= next_warning_ && text.empty() && !absent.empty()) {
+        next_warning_ = waited * 2;
+        if (first_waiting == state.process_index()) {
+          std::ostringstream who;
+          for (size_t i = 0; i < absent.size(); ++i) {
+            who << (i == 0 ? "" : i + 1 == absent.size() ? " and " : ", ") << absent[i];
+          }
+          warn("accelerate.state",
+               c10::str("[", api_, "] process ", state.process_index(), " has waited ", seconds_text(waited), " in ",
+                        describe(mine_), " for process", absent.size() > 1 ? "es " : " ", who.str(), ", which ",
+                        absent.size() > 1 ? "are" : "is",
+                        " in no collective yet (slow, busy or stopped; still waiting, up to the process group's "
+                        "timeout of ", seconds_text(impl.timeout), ")"),
+               {.every_process = true, .state = state});
+        }
+      }
+    } catch (const std::exception&) {
+      // The store failed: nothing to compare this time; the collective's own wait goes on.
+    }
+    return verdict;
+  }
+
+  // The wait ended: its record is rewritten, so that no process reads it stale.
+  void done(const PartialState& state) noexcept {
+    if (!published_) return;
+    try {
+      publish(*state.impl(), encode(Kind::kDone, ticket_, api_));
+    } catch (const std::exception&) {
+    }
+  }
+
+ private:
+  Record mine_;
+  CollectiveTicket ticket_;
+  const char* api_;
+  Clock::time_point start_;
+  std::chrono::milliseconds next_warning_;
+  bool published_ = false;
+  std::string previous_;  // the last diagnosis, to be confirmed by the next read
+};
+
+// A collective watched through its future, and the future handed to its waiter.
+struct WatchedFuture {
+  explicit WatchedFuture(PartialState s) : state(std::move(s)) {}
+  PartialState state;
+  CollectiveTicket ticket;
+  const char* api;
+  Clock::time_point start;
+  c10::intrusive_ptr<c10::ivalue::Future> result;
+  std::atomic<bool> settled{false};  // `result` completed or failed, by whichever came first
+  // The watcher thread's own:
+  std::unique_ptr<SlowWait> slow;
+  Clock::time_point next_check;
+};
+
+// The thread that compares the records of collectives watched through their futures: every
+// 200 ms it looks at the oldest unsettled one of each process group, and past the check delay
+// runs its slow path at the slices `watch_wait` uses. Joined at exit.
+class FutureWatcher {
+ public:
+  static FutureWatcher& get() {
+    static FutureWatcher watcher;
+    return watcher;
+  }
+
+  void add(std::shared_ptr<WatchedFuture> f) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    pending_.push_back(std::move(f));
+    if (!thread_.joinable()) thread_ = std::thread([this] { run(); });
+  }
+
+  ~FutureWatcher() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  FutureWatcher() = default;
+
+  void run() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (!stop_) {
+      cv_.wait_for(lock, std::chrono::milliseconds(200));
+      if (stop_) break;
+      std::vector<std::shared_ptr<WatchedFuture>> finished, oldest;
+      std::vector<const PartialStateImpl*> groups;
+      for (auto it = pending_.begin(); it != pending_.end();) {
+        if ((*it)->settled.load()) {
+          finished.push_back(std::move(*it));
+          it = pending_.erase(it);
+          continue;
+        }
+        const auto* group = (*it)->state.impl().get();
+        if (std::find(groups.begin(), groups.end(), group) == groups.end()) {
+          groups.push_back(group);
+          oldest.push_back(*it);  // pending_ is in the order of entry
+        }
+        ++it;
+      }
+      lock.unlock();
+      for (auto& f : finished) {
+        if (f->slow) f->slow->done(f->state);
+      }
+      const auto now = Clock::now();
+      for (auto& f : oldest) {
+        const auto delay = f->state.impl()->check_delay;
+        if (now - f->start < delay || now < f->next_check) continue;
+        if (!f->slow) f->slow = std::make_unique<SlowWait>(f->ticket, f->api, f->start, delay);
+        const auto verdict = f->slow->check(f->state);
+        f->next_check = Clock::now() + slice_of(delay, now - f->start);
+        if (verdict.empty() || f->settled.exchange(true)) continue;
+        try {
+          raise_mismatch(f->state, f->api, verdict);
+        } catch (const c10::Error&) {
+          f->result->setError(std::current_exception());
+        }
+      }
+      lock.lock();
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  std::vector<std::shared_ptr<WatchedFuture>> pending_;
+  std::thread thread_;
+};
+
 }  // namespace
 
 CollectiveTicket enter_collective(const PartialState& state, const char* operation) noexcept {
@@ -217,48 +382,9 @@ void watch_wait(const PartialState& state, const CollectiveTicket& ticket, const
 
   // The slow path (Note [The collective watch]).
   const auto deadline = start + timeout;
-  Record mine = decode(encode(Kind::kWaiting, ticket, api));
-  bool published = false;
-  std::string previous;  // the last diagnosis, to be confirmed by the next read
-  auto next_warning = delay;
+  SlowWait slow(ticket, api, start, delay);
   while (true) {
-    std::string verdict;
-    try {
-      if (!published) {
-        publish(impl, mine.text);
-        published = true;
-      }
-      const auto records = read_records(impl, mine);
-      const std::string text = diagnosis(records);
-      if (!text.empty() && text == previous) verdict = text;
-      previous = text;
-      const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - start);
-      // The first waiting process speaks for the others.
-      int first_waiting = -1;
-      std::vector<int> absent;
-      for (int rank = 0; rank < static_cast<int>(records.size()); ++rank) {
-        if (records[rank].in_collective() && first_waiting < 0) first_waiting = rank;
-        if (!records[rank].published()) absent.push_back(rank);
-      }
-      if (waited >= next_warning && text.empty() && !absent.empty()) {
-        next_warning = waited * 2;
-        if (first_waiting == state.process_index()) {
-          std::ostringstream who;
-          for (size_t i = 0; i < absent.size(); ++i) {
-            who << (i == 0 ? "" : i + 1 == absent.size() ? " and " : ", ") << absent[i];
-          }
-          warn("accelerate.state",
-               c10::str("[", api, "] process ", state.process_index(), " has waited ", seconds_text(waited), " in ",
-                        describe(mine), " for process", absent.size() > 1 ? "es " : " ", who.str(),
-                        ", which ", absent.size() > 1 ? "are" : "is",
-                        " in no collective yet (slow, busy or stopped; still waiting, up to the process group's "
-                        "timeout of ", seconds_text(timeout), ")"),
-               {.every_process = true, .state = state});
-        }
-      }
-    } catch (const std::exception&) {
-      // The store failed: nothing to compare this time; the collective's own wait goes on.
-    }
+    const std::string verdict = slow.check(state);
     if (!verdict.empty()) raise_mismatch(state, api, verdict);
     const auto now = Clock::now();
     const auto remaining = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now);
@@ -273,10 +399,30 @@ void watch_wait(const PartialState& state, const CollectiveTicket& ticket, const
       }
     }
   }
-  try {
-    publish(impl, encode(Kind::kDone, ticket, api));
-  } catch (const std::exception&) {
-  }
+  slow.done(state);
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> watch_future(const PartialState& state, const CollectiveTicket& ticket,
+                                                     const c10::intrusive_ptr<c10::ivalue::Future>& future,
+                                                     const char* api) {
+  const auto& impl = *state.impl();
+  if (impl.check_delay.count() <= 0 || impl.check_delay >= impl.timeout || !impl.store) return future;
+  auto watched = std::make_shared<WatchedFuture>(state);
+  watched->ticket = ticket;
+  watched->api = api;
+  watched->start = Clock::now();
+  watched->result = c10::make_intrusive<c10::ivalue::Future>(future->elementType());
+  auto result = watched->result;
+  FutureWatcher::get().add(watched);
+  future->addCallback([watched](c10::ivalue::Future& done) {
+    if (watched->settled.exchange(true)) return;
+    if (done.hasError()) {
+      watched->result->setError(done.exception_ptr());
+    } else {
+      watched->result->markCompleted(done.value());
+    }
+  });
+  return result;
 }
 
 void publish_ended(PartialStateImpl& impl) noexcept {

@@ -2,12 +2,14 @@
 // waits as before on the fast path and, when a wait lasts longer than a few seconds, compares
 // notes with the other processes through the job's store, so that a collective some processes
 // skip is named within seconds instead of hanging until the process group's timeout (Note [The
-// collective watch]). Collectives that the library does not wait for itself (the DDP reducer's
-// bucket allreduces, c10d's coalesced broadcasts) are not watched.
+// collective watch]). The DDP reducer's bucket allreduces, which the reducer waits for inside the
+// backward pass, are watched through their futures (`watch_future`); c10d's coalesced broadcasts
+// are not watched.
 #pragma once
 
 #include "accelerate/state.h"
 
+#include <ATen/core/ivalue_inl.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <cstdint>
@@ -41,6 +43,15 @@ using FailureMessage = std::string (*)(const PartialState& state, const char* ap
 /// `failure(state, api, e)`.
 void watch_wait(const PartialState& state, const CollectiveTicket& ticket, const c10::intrusive_ptr<c10d::Work>& work,
                 const char* api, FailureMessage failure);
+
+/// Watches a collective whose wait is not the library's own (the DDP reducer's bucket
+/// allreduces): the future returned completes as `future` does, or fails with the error
+/// `watch_wait` would raise (a mismatch, or a process that ended its program) once the wait has
+/// lasted longer than the check delay and the records show one. One thread per process compares
+/// the records of such waits; the fast path adds a callback and nothing else.
+c10::intrusive_ptr<c10::ivalue::Future> watch_future(const PartialState& state, const CollectiveTicket& ticket,
+                                                     const c10::intrusive_ptr<c10::ivalue::Future>& future,
+                                                     const char* api);
 
 /// Tells the other processes of `impl`'s group that this one has ended its program (its state is
 /// destroyed, or its process group): a wait of theirs names it. Never throws.

@@ -91,6 +91,29 @@ TEST_P(SkippedStateDict, EndsWithinSecondsNamingTheEnginesGatherAndTheBarrier) {
 INSTANTIATE_TEST_SUITE_P(Backends, SkippedStateDict, ::testing::Values("gloo", "mpi"),
                          [](const auto& info) { return info.param; });
 
+class SkippedBackward : public ::testing::TestWithParam<std::string> {};
+
+// The DDP reducer's bucket allreduce, waited for inside the backward pass, on one process, and a
+// barrier on the other: the backward pass raises too, naming both (Note [Watched bucket
+// allreduces] in src/distributed.cpp).
+TEST_P(SkippedBackward, EndsWithinSecondsNamingTheReducersAllreduceAndTheBarrier) {
+  const std::string backend = GetParam();
+  if (skip_mpi(backend)) GTEST_SKIP() << "this build has no MPI";
+  auto r = run(launch(backend, 2, {}, {"backward", "1"}), 120, kOneSecondDelay);
+  EXPECT_NE(r->exit_code(), 0) << r->out << r->err;
+  const std::string all = r->out + r->err;
+  // MPI may match the allreduce with the barrier (wrong data, see the watch's Note): process 0
+  // then ends its program after it, and that is what the others name.
+  EXPECT_THAT(all, HasSubstr(backend == "gloo" ? "process 0: all_reduce #3 from DistributedDataParallel"
+                                               : "process 0: ended its program after all_reduce #3"));
+  EXPECT_THAT(all, HasSubstr("process 1: barrier #3 from wait_for_everyone"));
+  EXPECT_THAT(launcher_report(*r), Not(HasSubstr("a peer died"))) << r->err;
+  EXPECT_LT(r->elapsed, 60);
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, SkippedBackward, ::testing::Values("gloo", "mpi"),
+                         [](const auto& info) { return info.param; });
+
 class SkippedCollectiveInDebugMode : public ::testing::TestWithParam<std::string> {};
 
 // Debug mode checks the barrier too: both sides are named before either collective starts.

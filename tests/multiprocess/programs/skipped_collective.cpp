@@ -9,6 +9,8 @@
 //                                        others wait for everyone; prints "done" on each
 //   skipped_collective ended RANK        RANK ends its program at once; the others wait for
 //                                        everyone
+//   skipped_collective backward RANK     under DDP every process but RANK runs a backward pass
+//                                        (the reducer's allreduce); RANK waits for everyone
 //   skipped_collective stopped RANK FILE RANK writes its pid to FILE and stops itself (SIGSTOP)
 //                                        before the barrier; a test continues it
 #include "accelerate/accelerator.h"
@@ -44,6 +46,22 @@ int main(int argc, char** argv) {
       std::cout << "got " << state.size() << " tensors" << std::endl;
     }
     accelerator.wait_for_everyone();
+    std::cout << "done" << std::endl;
+    return 0;
+  }
+  if (mode == "backward") {
+    // DDP: every process but RANK runs a backward pass (the reducer's bucket allreduce); RANK
+    // waits for everyone.
+    acc::Accelerator accelerator;
+    torch::nn::Linear net(8, 4);
+    auto sgd = std::make_shared<torch::optim::SGD>(net->parameters(), torch::optim::SGDOptions(0.1));
+    auto [model, optimizer] = accelerator.prepare(net, sgd);
+    std::cout << "prepared" << std::endl;
+    if (accelerator.process_index() == std::stoi(arg)) {
+      accelerator.wait_for_everyone();
+    } else {
+      accelerator.backward(model(torch::ones({2, 8})).sum());
+    }
     std::cout << "done" << std::endl;
     return 0;
   }
