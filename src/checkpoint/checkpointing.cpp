@@ -602,8 +602,8 @@ struct GeneratorState {
   const at::Tensor* state;
 };
 
-// Every generator `state` holds a state for, each state checked on a copy of its generator, so
-// that a state of the wrong size, dtype or device is refused before any generator changes.
+// Every generator `state` holds a state for, each state checked by its generator, so that a state
+// of the wrong size, dtype or device is refused before any generator is left changed.
 std::vector<GeneratorState> checked_generator_states(const StateDict& state) {
   std::vector<GeneratorState> out;
   const auto take = [&](const std::string& key, at::Generator generator) {
@@ -611,22 +611,26 @@ std::vector<GeneratorState> checked_generator_states(const StateDict& state) {
     TORCH_CHECK_VALUE(tensor.device().is_cpu() && tensor.scalar_type() == at::kByte && tensor.dim() == 1,
                       "[load_rng_state_dict] ", key, " should be a 1-D uint8 tensor on the CPU, got ",
                       tensor.scalar_type(), " ", tensor.sizes(), " on ", tensor.device());
-    // The generator's own checks, on a copy of it; one that cannot be copied is checked by the
-    // size of its state.
+    // The generator's own checks: the state is set and the generator's own put back at once, under
+    // its lock. (A copy of the generator would do without the round trip, but LibTorch 1.13's
+    // CPU generator leaks its copies.)
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    at::Tensor own;
     try {
-      auto copy = generator.clone();
-      std::lock_guard<std::mutex> lock(copy.mutex());
-      copy.set_state(tensor.clone());
+      own = generator.get_state();
     } catch (const c10::NotImplementedError&) {
-      std::lock_guard<std::mutex> lock(generator.mutex());
-      const auto bytes = generator.get_state().numel();
-      TORCH_CHECK_VALUE(tensor.numel() == bytes, "[load_rng_state_dict] ", key, " holds ", tensor.numel(),
-                        " bytes, but the state of its generator (", generator.device(), ") has ", bytes);
+      out.push_back({generator, &tensor});  // a generator that does not say its state
+      return;
+    }
+    try {
+      generator.set_state(tensor.clone());
     } catch (const c10::Error& e) {
+      generator.set_state(own);
       C10_THROW_ERROR(ValueError, c10::str("[load_rng_state_dict] ", key, " is not a state of its generator (",
                                            generator.device(), "): ", e.what_without_backtrace()));
     }
-    out.push_back({std::move(generator), &tensor});
+    generator.set_state(own);
+    out.push_back({generator, &tensor});
   };
   TORCH_CHECK_VALUE(state.tensors.count("torch_manual_seed"), "[load_rng_state_dict] missing tensor torch_manual_seed");
   take("torch_manual_seed", at::detail::getDefaultCPUGenerator());
