@@ -260,16 +260,25 @@ class SlowWait {
   std::string previous_;  // the last diagnosis, to be confirmed by the next read
 };
 
-// A collective watched through its future, and the future handed to its waiter.
+// The future handed to the waiter of a collective watched through its future, completed or
+// failed by whichever comes first: the collective's own completion or the watch.
+struct Settlement {
+  explicit Settlement(c10::intrusive_ptr<c10::ivalue::Future> r) : result(std::move(r)) {}
+  c10::intrusive_ptr<c10::ivalue::Future> result;
+  std::atomic<bool> settled{false};
+};
+
+// A collective watched through its future. Only the watcher thread holds it: the collective's
+// completion callback, which runs on the process group's own thread, holds the settlement alone,
+// so that it never holds the last reference to the state and its process group (whose
+// destructor joins that very thread).
 struct WatchedFuture {
   explicit WatchedFuture(PartialState s) : state(std::move(s)) {}
   PartialState state;
   CollectiveTicket ticket;
   const char* api;
   Clock::time_point start;
-  c10::intrusive_ptr<c10::ivalue::Future> result;
-  std::atomic<bool> settled{false};  // `result` completed or failed, by whichever came first
-  // The watcher thread's own:
+  std::shared_ptr<Settlement> settlement;
   std::unique_ptr<SlowWait> slow;
   Clock::time_point next_check;
 };
@@ -310,7 +319,7 @@ class FutureWatcher {
       std::vector<std::shared_ptr<WatchedFuture>> finished, oldest;
       std::vector<const PartialStateImpl*> groups;
       for (auto it = pending_.begin(); it != pending_.end();) {
-        if ((*it)->settled.load()) {
+        if ((*it)->settlement->settled.load()) {
           finished.push_back(std::move(*it));
           it = pending_.erase(it);
           continue;
@@ -333,11 +342,11 @@ class FutureWatcher {
         if (!f->slow) f->slow = std::make_unique<SlowWait>(f->ticket, f->api, f->start, delay);
         const auto verdict = f->slow->check(f->state);
         f->next_check = Clock::now() + slice_of(delay, now - f->start);
-        if (verdict.empty() || f->settled.exchange(true)) continue;
+        if (verdict.empty() || f->settlement->settled.exchange(true)) continue;
         try {
           raise_mismatch(f->state, f->api, verdict);
         } catch (const c10::Error&) {
-          f->result->setError(std::current_exception());
+          f->settlement->result->setError(std::current_exception());
         }
       }
       lock.lock();
@@ -411,15 +420,16 @@ c10::intrusive_ptr<c10::ivalue::Future> watch_future(const PartialState& state, 
   watched->ticket = ticket;
   watched->api = api;
   watched->start = Clock::now();
-  watched->result = c10::make_intrusive<c10::ivalue::Future>(future->elementType());
-  auto result = watched->result;
-  FutureWatcher::get().add(watched);
-  future->addCallback([watched](c10::ivalue::Future& done) {
-    if (watched->settled.exchange(true)) return;
+  auto settlement = std::make_shared<Settlement>(c10::make_intrusive<c10::ivalue::Future>(future->elementType()));
+  watched->settlement = settlement;
+  auto result = settlement->result;
+  FutureWatcher::get().add(std::move(watched));
+  future->addCallback([settlement](c10::ivalue::Future& done) {
+    if (settlement->settled.exchange(true)) return;
     if (done.hasError()) {
-      watched->result->setError(done.exception_ptr());
+      settlement->result->setError(done.exception_ptr());
     } else {
-      watched->result->markCompleted(done.value());
+      settlement->result->markCompleted(done.value());
     }
   });
   return result;
