@@ -1,9 +1,9 @@
-// libFuzzer target for the safetensors header parser (src/utils/safetensors_format.*): any input
+// libFuzzer target for the safetensors header parser (src/formats/safetensors.*): any input
 // must either be rejected with std::invalid_argument or be accepted as a file whose tensors tile
 // its data exactly; an accepted file's tensors, laid out again by the writer, must parse back to
 // the same dtypes, shapes and metadata, each tensor aligned to its element size. Any other
 // exception, sanitizer report or broken invariant is a crash.
-#include "utils/safetensors_format.h"
+#include "formats/safetensors.h"
 
 #include <cstddef>
 #include <cstdint>

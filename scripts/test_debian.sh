@@ -2,14 +2,17 @@
 # Runs the project's test command inside a Debian root made with debootstrap, so that the tree is
 # checked against that release's LibTorch, compiler and Open MPI without leaving this machine.
 #
-# Usage: scripts/test_debian.sh SUITE [--cuda] [--prepare | --dev | --main-job | --bench NAME] [-- ARGS...]
+# Usage: scripts/test_debian.sh SUITE [--cuda] [--prepare | --dev | --release-check | --main-job |
+#                                --bench NAME] [-- ARGS...]
 #   SUITE       bookworm (LibTorch 1.13), trixie (2.6) or sid (newest)
 #   --cuda      use the release's CUDA build of LibTorch (libtorch-cuda-dev, in contrib); CUDA code
 #               is compiled and its tests run, those that need a GPU skipping with a reason
 #   --prepare   only make the root and install the packages scripts/setup.sh names (CI does this
 #               while the native build compiles)
-#   --dev       only the dev tier (unit, cli, multiprocess and gpu tests), without the sanitizer
-#               and fuzzer stages of scripts/test.sh
+#   --dev       only the dev tier (unit, cli, multiprocess and gpu tests) and the main job's
+#               targets built in release with warnings as errors, without the sanitizer and
+#               fuzzer stages of scripts/test.sh
+#   --release-check  only the main job's targets built in release with warnings as errors
 #   --main-job  the README's other command instead, scripts/run_main_job.sh (ARGS go to the example)
 #   --bench NAME  a benchmark runner instead, bench/run_NAME, with that release's PyTorch twins
 #               (trixie's PyTorch runs its own FSDP on CPU processes: W9's twin)
@@ -25,7 +28,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '5,16p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '5,19p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 [ $# -ge 1 ] || usage
 suite=$1; shift
 case "$suite" in bookworm|trixie|sid|forky) ;; *) echo "test_debian.sh: unknown suite '$suite'" >&2; usage ;; esac
@@ -36,6 +39,7 @@ while [ $# -gt 0 ]; do
     --prepare) tier=prepare ;;
     --dev) tier=dev ;;
     --main-job) tier=main-job ;;
+    --release-check) tier=release-check ;;
     --bench)
       [ $# -ge 2 ] || usage
       tier=bench; runner=$2; shift
@@ -127,7 +131,9 @@ fi
 if [ $tier = prepare ]; then
   inner='scripts/setup.sh'
 elif [ $tier = dev ]; then
-  inner='scripts/setup.sh && scripts/build.sh dev && ctest --preset dev "$@"'
+  inner='scripts/setup.sh && scripts/build.sh dev && scripts/build.sh release-check accelerate_cli char_gpt && ctest --preset dev "$@"'
+elif [ $tier = release-check ]; then
+  inner='scripts/setup.sh && scripts/build.sh release-check accelerate_cli char_gpt'
 elif [ $tier = main-job ]; then
   inner='scripts/run_main_job.sh "$@"'
 elif [ $tier = bench ]; then

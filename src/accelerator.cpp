@@ -11,6 +11,7 @@
 #include "distributed_impl.h"
 #include "fsdp/engine.h"
 #include "grad_scaler_impl.h"
+#include "detail/collective_watch.h"
 #include "detail/topology.h"
 #include "tracking_impl.h"
 #include "detail/warn.h"
@@ -181,7 +182,7 @@ Accelerator::Accelerator(const AcceleratorOptions& options)
     }
   }
   // Resolved once (refusing bad settings now); prepare and every later question read the result.
-  if (impl_->fsdp) impl_->fsdp_settings = detail::resolve_fsdp_plugin(*impl_->fsdp, state_.device());
+  if (impl_->fsdp) impl_->fsdp_settings = detail::fsdp::resolve_fsdp_plugin(*impl_->fsdp, state_.device());
   if (state_.mixed_precision() == PrecisionType::kFp16 && state_.device().is_cuda()) {
     impl_->scaler = get_grad_scaler(distributed_type(), options.scaler_kwargs);
     if (impl_->fsdp) detail::share_inf_checks(*impl_->scaler, partial());
@@ -260,7 +261,7 @@ bool Accelerator::verify_device_map(const torch::nn::Module& model) const {
   return false;
 }
 
-std::shared_ptr<detail::TensorParallelEngine> Accelerator::apply_tensor_parallelism(
+std::shared_ptr<detail::tensor_parallel::TensorParallelEngine> Accelerator::apply_tensor_parallelism(
     const std::shared_ptr<torch::nn::Module>& module) const {
   auto plan = impl_->options.tp_handler.tp_plan;
   if (plan.empty()) {
@@ -269,8 +270,8 @@ std::shared_ptr<detail::TensorParallelEngine> Accelerator::apply_tensor_parallel
   TORCH_CHECK_VALUE(!plan.empty(), "[Accelerator.prepare_model] tp_size is ", impl_->tp_size, ", but the model has no "
                     "tensor-parallel plan: give one in AcceleratorOptions::tp_handler (TorchTensorParallelConfig::tp_plan) "
                     "or derive the model's class from accelerate::nn::TensorParallelPlanned");
-  return std::make_shared<detail::TensorParallelEngine>(module, impl_->mesh->get_group("tp"),
-                                                        detail::resolve_tp_plan(*module, plan));
+  return std::make_shared<detail::tensor_parallel::TensorParallelEngine>(
+      module, impl_->mesh->get_group("tp"), detail::tensor_parallel::resolve_tp_plan(*module, plan));
 }
 
 DistributedDataParallel Accelerator::prepare_module(const std::shared_ptr<torch::nn::Module>& module,
@@ -278,6 +279,7 @@ DistributedDataParallel Accelerator::prepare_module(const std::shared_ptr<torch:
                                                     bool evaluation_mode) const {
   check_state_current(state_, impl_->standalone, "Accelerator.prepare_model");
   TORCH_CHECK_VALUE(module != nullptr, "[Accelerator.prepare_model] expected a module, got null");
+  detail::CallingApi calling("prepare");
   {
     std::lock_guard<std::mutex> lock(impl_->mutex);
     for (const auto& prepared : impl_->models) {
@@ -306,11 +308,11 @@ DistributedDataParallel Accelerator::prepare_module(const std::shared_ptr<torch:
   ForwardOptions forward{state_.mixed_precision(), impl_->options.autocast_kwargs};
   // Tensor parallelism first (the layers of the plan keep their pieces), then data parallelism
   // over the processes that share a tensor-parallel rank.
-  std::shared_ptr<detail::TensorParallelEngine> tensor_parallel;
+  std::shared_ptr<detail::tensor_parallel::TensorParallelEngine> tensor_parallel;
   if (impl_->tp_size > 1) tensor_parallel = apply_tensor_parallelism(module);
   const PartialState& data = data_parallel_state();
   // Evaluation-only models are not synchronised: a one-process engine does no communication.
-  std::optional<detail::FsdpSettings> fsdp;
+  std::optional<detail::fsdp::FsdpSettings> fsdp;
   if (impl_->fsdp) {
     fsdp = *impl_->fsdp_settings;
     if (tensor_parallel) {  // the size-based policy counts a split parameter whole, as upstream a DTensor
@@ -389,6 +391,7 @@ DataLoader Accelerator::prepare_data_loader(const DataLoader& loader, std::optio
 
 void Accelerator::backward(const at::Tensor& loss, std::optional<bool> retain_graph, bool create_graph) const {
   TORCH_CHECK_VALUE(loss.defined(), "[Accelerator.backward] expected a loss tensor, got an undefined tensor");
+  detail::CallingApi calling("backward");
   // Dividing by 1 would change nothing but add an autograd node to every step.
   const int steps = gradient_accumulation_steps();
   at::Tensor scaled = steps == 1 ? loss : loss / steps;
@@ -436,9 +439,10 @@ void Accelerator::unscale_gradients(const std::optional<AcceleratedOptimizer>& o
 double Accelerator::clip_grad_norm_(const std::vector<at::Tensor>& parameters, double max_norm,
                                     double norm_type) const {
   TORCH_CHECK_VALUE(max_norm >= 0, "[Accelerator.clip_grad_norm_] max_norm must not be negative, got ", max_norm);
+  detail::CallingApi calling("clip_grad_norm_");
   unscale_gradients();
-  detail::FsdpEngine* sharded = nullptr;
-  detail::TensorParallelEngine* split = nullptr;
+  detail::fsdp::FsdpEngine* sharded = nullptr;
+  detail::tensor_parallel::TensorParallelEngine* split = nullptr;
   {
     std::lock_guard<std::mutex> lock(impl_->mutex);
     for (const auto& model : impl_->models) {

@@ -19,7 +19,7 @@ struct AcceleratorImpl {
   bool standalone = false;
   std::optional<GradScaler> scaler;
   std::optional<FullyShardedDataParallelPlugin> fsdp;  // when prepared models are sharded
-  std::optional<FsdpSettings> fsdp_settings;           // `fsdp`, resolved when the Accelerator was built
+  std::optional<fsdp::FsdpSettings> fsdp_settings;     // `fsdp`, resolved when the Accelerator was built
   int dp_shard_size = 0;  // a parallelism_config's shard groups (0: the plugin decides)
   std::optional<DeviceMesh> mesh;  // with a parallelism_config
   int tp_size = 1;  // the mesh's tp size (1 without a mesh)

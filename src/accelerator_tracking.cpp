@@ -77,7 +77,7 @@ void Accelerator::init_trackers(const std::string& project_name, const nlohmann:
     if (t.is_name()) {
       const nlohmann::json kwargs = init_kwargs.value(t.name(), nlohmann::json::object());
       made.push_back(main ? detail::make_tracker(t.name(), project_name, logging_dir, kwargs, api)
-                          : std::make_shared<BlankTracker>(t.name(), t.name() != "dvclive"));
+                          : std::make_shared<BlankTracker>(t.name(), detail::find_tracker_entry(t.name())->needs_logging_dir));
     } else if (main || !t.tracker()->main_process_only()) {
       made.push_back(t.tracker());
     } else {

@@ -5,6 +5,7 @@
 // beside the templates that call it.
 #include "accelerate/hooks.h"
 
+#include "detail/autograd_function.h"
 #include "detail/torch_compat.h"
 
 #include <ATen/ATen.h>
@@ -269,18 +270,7 @@ std::vector<at::Tensor> checkpointed_forward(torch::nn::Module& module, std::vec
   std::vector<at::Tensor> outputs;
   {
     CastCacheOff no_cache;
-    // Note [GCC 14 and autograd::Function::apply]
-    // GCC 14's release build (Debian 13) reports -Warray-bounds and -Wstringop-overflow ("writing
-    // between 9 and ... bytes into a region of size 8") in std::vector<bool>::reserve, which
-    // LibTorch's Function<T>::apply template calls for its inputs, once inlined here: GCC's known
-    // false positive on vector<bool>'s word copy. GCC 12 and 16 see nothing, and the sanitizer
-    // runs of these paths find no access out of bounds. Silenced for this call only (and the FSDP
-    // engine's, src/fsdp/unit_hooks.cpp).
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Warray-bounds"
-#pragma GCC diagnostic ignored "-Wstringop-overflow"
-    outputs = CheckpointNode::apply(at::TensorList(defined), at::TensorList(anchor), recompute);
-#pragma GCC diagnostic pop
+    outputs = apply_function<CheckpointNode>(at::TensorList(defined), at::TensorList(anchor), recompute);
   }
   std::vector<at::Tensor> all(shape.output_count);
   for (size_t k = 0; k < outputs.size(); ++k) all[shape.outputs_at[k]] = std::move(outputs[k]);

@@ -1,7 +1,9 @@
+// Big-model inference (big_modeling.h): building without memory, placing the parts by a device
+// map, and loading a checkpoint straight into that placement.
 #include "accelerate/big_modeling.h"
 
-#include "checkpoint/index.h"
-#include "checkpoint/offload_dtypes.h"
+#include "formats/checkpoint_index.h"
+#include "detail/dtype_names.h"
 #include "detail/module_table.h"
 #include "detail/warn.h"
 
@@ -228,7 +230,7 @@ std::optional<DeviceMap> resolve_device_map(const torch::nn::Module& model, cons
 OffloadIndex load_checkpoint_in_model(torch::nn::Module& model, const std::string& checkpoint,
                                       const DeviceMap& device_map, const BigModelLoadOptions& options) {
   check_device_map(model, device_map);
-  const auto layout = detail::resolve_checkpoint(checkpoint, "load_checkpoint_in_model");
+  const auto layout = detail::checkpoint_index::resolve_checkpoint(checkpoint, "load_checkpoint_in_model");
   bool any_disk = false;
   for (const auto& [name, device] : device_map) any_disk = any_disk || device.is_disk();
   TORCH_CHECK_VALUE(!any_disk || options.offload_folder.has_value(),

@@ -5,6 +5,7 @@
 #include "distributed_impl.h"
 #include "fsdp/engine.h"
 #include "tensor_parallel/engine.h"
+#include "detail/autograd_function.h"
 #include "detail/check.h"
 #include "detail/collective_watch.h"
 #include "detail/state_impl.h"
@@ -36,8 +37,8 @@ struct DistributedDataParallelImpl {
   c10::intrusive_ptr<c10d::ProcessGroup> process_group;
   std::vector<at::Tensor> buffers;
   std::unique_ptr<c10d::Reducer> reducer;
-  std::shared_ptr<FsdpEngine> fsdp;  // instead of the reducer, for fully sharded models
-  std::shared_ptr<TensorParallelEngine> tp;  // the layers split by tensor parallelism, if any
+  std::shared_ptr<fsdp::FsdpEngine> fsdp;  // instead of the reducer, for fully sharded models
+  std::shared_ptr<tensor_parallel::TensorParallelEngine> tp;  // the layers split by tensor parallelism, if any
   bool require_backward_grad_sync = true;
   bool require_forward_param_sync = true;
   int64_t num_iterations = 0;
@@ -388,14 +389,14 @@ DistributedDataParallel DistributedDataParallel::fully_sharded(std::shared_ptr<t
                                                                const PartialState& state,
                                                                const FullyShardedDataParallelPlugin& plugin,
                                                                const ForwardOptions& forward, int dp_shard_size) {
-  return detail::fully_sharded(std::move(module), state, detail::resolve_fsdp_plugin(plugin, state.device()), forward,
+  return detail::fully_sharded(std::move(module), state, detail::fsdp::resolve_fsdp_plugin(plugin, state.device()), forward,
                                dp_shard_size);
 }
 
 namespace detail {
 
 DistributedDataParallel fully_sharded(std::shared_ptr<torch::nn::Module> module, const PartialState& state,
-                                      FsdpSettings settings, const ForwardOptions& forward, int dp_shard_size) {
+                                      fsdp::FsdpSettings settings, const ForwardOptions& forward, int dp_shard_size) {
   TORCH_CHECK_VALUE(module != nullptr, "[FullyShardedDataParallel] expected a module, got null");
   TORCH_CHECK_VALUE(dp_shard_size >= 0, "[FullyShardedDataParallel] dp_shard_size must not be negative, got ",
                     dp_shard_size);
@@ -408,14 +409,14 @@ DistributedDataParallel fully_sharded(std::shared_ptr<torch::nn::Module> module,
     impl->process_group = process_group(state, "FullyShardedDataParallel");
     impl->timeout = state.timeout();
     impl->device = state.device();
-    impl->fsdp = std::make_shared<FsdpEngine>(std::move(module), state, std::move(settings), dp_shard_size);
+    impl->fsdp = std::make_shared<fsdp::FsdpEngine>(std::move(module), state, std::move(settings), dp_shard_size);
   }
   return DistributedDataParallel(std::move(impl));
 }
 
-FsdpEngine* fsdp_engine(const DistributedDataParallel& model) { return model.impl()->fsdp.get(); }
-TensorParallelEngine* tensor_parallel_engine(const DistributedDataParallel& model) { return model.impl()->tp.get(); }
-void attach_tensor_parallel(DistributedDataParallel& model, std::shared_ptr<TensorParallelEngine> engine) {
+fsdp::FsdpEngine* fsdp_engine(const DistributedDataParallel& model) { return model.impl()->fsdp.get(); }
+tensor_parallel::TensorParallelEngine* tensor_parallel_engine(const DistributedDataParallel& model) { return model.impl()->tp.get(); }
+void attach_tensor_parallel(DistributedDataParallel& model, std::shared_ptr<tensor_parallel::TensorParallelEngine> engine) {
   model.impl()->tp = std::move(engine);
 }
 
@@ -611,19 +612,7 @@ std::vector<at::Tensor> DistributedDataParallel::after_forward(const std::vector
     }
     TORCH_CHECK_VALUE(!differentiable.empty(), "[DistributedDataParallel] static_graph needs the first forward pass to "
                                                "return at least one tensor that requires a gradient");
-    // Note [GCC 14 vector<bool> warning]
-    // With -O3, GCC 14 inlines the `reserve` of an empty std::vector<bool> inside LibTorch's
-    // Function::apply and reports a memmove out of bounds that cannot happen (the copy is of
-    // zero words); the false positives are silenced for this one call only.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Warray-bounds"
-#pragma GCC diagnostic ignored "-Wstringop-overflow"
-#endif
-    return StaticGraphSink::apply(at::TensorList(outputs), impl_);
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
+    return detail::apply_function<StaticGraphSink>(at::TensorList(outputs), impl_);
   }
   return {};
 }

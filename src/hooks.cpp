@@ -1,3 +1,5 @@
+// Hooks around a module's forward (hooks.h): weights moved in just before a submodule runs and out
+// after it, inputs and outputs moved between devices.
 #include "accelerate/hooks.h"
 
 #include "accelerate/utils/device_map.h"

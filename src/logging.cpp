@@ -2,6 +2,7 @@
 #include "accelerate/logging.h"
 
 #include "accelerate/utils/environment.h"
+#include "detail/text.h"
 #include "detail/warn.h"
 
 #include <c10/util/Exception.h>
@@ -83,8 +84,7 @@ std::string to_string(LogLevel level) {
 }
 
 LogLevel parse_log_level(std::string_view text) {
-  std::string upper(text);
-  std::transform(upper.begin(), upper.end(), upper.begin(), [](unsigned char c) { return std::toupper(c); });
+  const std::string upper = detail::ascii_upper(text);
   static const std::map<std::string, LogLevel> names = {
       {"DEBUG", LogLevel::kDebug},   {"INFO", LogLevel::kInfo},   {"WARNING", LogLevel::kWarning},
       {"WARN", LogLevel::kWarning},  {"ERROR", LogLevel::kError}, {"CRITICAL", LogLevel::kCritical},

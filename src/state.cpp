@@ -9,7 +9,6 @@
 #include "detail/collectives.h"
 #include "detail/check.h"
 #include "detail/process_group.h"
-#include "detail/process_group_mpi.h"
 #include "detail/state_impl.h"
 #include "detail/warn.h"
 
@@ -331,10 +330,10 @@ bool PartialState::check_trigger() const {
   }
   bool any = mine;
   if (use_distributed()) {
-    auto pg = detail::process_group(*this, "check_trigger");
-    std::vector<at::Tensor> flag{detail::on_collective_device(*this, at::full({1}, mine ? 1 : 0, at::kInt))};
-    pg->allreduce(flag)->wait(impl_->timeout);
-    any = flag[0].item<int>() > 0;
+    // Watched like every library collective (Note [The collective watch]).
+    const auto flag = detail::all_reduce(*this, at::full({1}, mine ? 1 : 0, at::kInt), detail::Reduction::kMax,
+                                         "check_trigger");
+    any = flag.item<int>() > 0;
   }
   if (any) {
     std::lock_guard<std::mutex> lock(impl_->mutex);

@@ -3,6 +3,7 @@
 #include "accelerate/tracking.h"
 
 #include "detail/files.h"
+#include "detail/text.h"
 #include "formats/checksums.h"
 #include "formats/png.h"
 #include "formats/tensorboard.h"
@@ -27,35 +28,18 @@
 namespace accelerate {
 
 namespace fs = std::filesystem;
-using detail::encode_png;
-using detail::hparams_summary;
-using detail::Proto;
-using detail::scalar_summary;
-using detail::summary_value;
-using detail::text_summary;
-using detail::to_yaml;
+using detail::png::encode_png;
+using detail::tensorboard::hparams_summary;
+using detail::tensorboard::Proto;
+using detail::tensorboard::scalar_summary;
+using detail::tensorboard::summary_value;
+using detail::tensorboard::text_summary;
+using detail::yaml::to_yaml;
 
 namespace {
 
 double wall_time() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-}
-
-const std::vector<std::string>& builtin_names() {
-  static const std::vector<std::string> names = {"tensorboard", "dvclive", "jsonl", "csv"};
-  return names;
-}
-
-// Upstream's LoggerType members that need Python or a remote service.
-const std::vector<std::string>& remote_names() {
-  static const std::vector<std::string> names = {"wandb", "comet_ml", "aim", "mlflow", "clearml", "swanlab", "trackio"};
-  return names;
-}
-
-std::string join(const std::vector<std::string>& items) {
-  std::string out;
-  for (const auto& item : items) out += (out.empty() ? "" : ", ") + item;
-  return out;
 }
 
 bool contains(const std::vector<std::string>& items, const std::string& item) {
@@ -192,7 +176,7 @@ void check_option_keys(const nlohmann::json& kwargs, const std::vector<std::stri
   for (const auto& [key, value] : kwargs.items()) {
     (void)value;
     TORCH_CHECK_VALUE(contains(accepted, key), "[", api, "] init_kwargs['", tracker, "']: unknown option '", key, "'; ",
-                      tracker, " accepts ", accepted.empty() ? std::string("none") : join(accepted));
+                      tracker, " accepts ", accepted.empty() ? std::string("none") : detail::join(accepted));
   }
 }
 
@@ -201,7 +185,7 @@ void check_option_keys(const nlohmann::json& kwargs, const std::vector<std::stri
 // ---- CRC32C (the public function; TFRecord framing is in formats/tensorboard.cpp) --------------
 
 uint32_t crc32c(const void* data, size_t size) {
-  return detail::reflected_crc32<0x82F63B78u>(static_cast<const unsigned char*>(data), size);
+  return detail::checksums::reflected_crc32<0x82F63B78u>(static_cast<const unsigned char*>(data), size);
 }
 
 
@@ -216,7 +200,7 @@ class TensorBoardTracker::EventWriter {
                                  std::to_string(::getpid()) + "." + std::to_string(event_file_counter++) + suffix))
                 .string();
     file_ = open_file("TensorBoardTracker", path_, "wb");
-    write(detail::file_version_event(wall_time()));
+    write(detail::tensorboard::file_version_event(wall_time()));
   }
   ~EventWriter() {
     try {
@@ -228,7 +212,7 @@ class TensorBoardTracker::EventWriter {
   EventWriter& operator=(const EventWriter&) = delete;
 
   void write_summary(const Proto& summary, std::optional<int64_t> step, double time) {
-    write(detail::summary_event(summary, step.value_or(0), time));
+    write(detail::tensorboard::summary_event(summary, step.value_or(0), time));
   }
   void close() { close_file("TensorBoardTracker.finish", file_, path_); }
   bool closed() const { return file_ == nullptr; }
@@ -587,6 +571,89 @@ void CSVTracker::log(const nlohmann::json& values, std::optional<int64_t> step) 
 
 void CSVTracker::finish() { close_file("CSVTracker.finish", file_, path_); }
 
+// ---- the registry --------------------------------------------------------------------------
+
+namespace detail {
+
+// Note [The tracker registry]
+// Every tracker name the library knows is one entry here: a built-in one with the options its
+// init_kwargs accept, whether it writes under the logging folder, the checks beyond the keys, and
+// how it is made; or one of upstream's that needs Python or a remote service, with `make` empty,
+// which is refused by name. `available_trackers`, `filter_trackers`, `check_init_kwargs`,
+// `make_tracker` and the Accelerator's stand-ins on other processes all read this table, so a
+// tracker added here is whole; tests/tracking_test.cpp makes and logs through every built-in
+// entry and checks that every `LoggerType` has one.
+const std::vector<TrackerEntry>& tracker_registry() {
+  using Make = TrackerEntry::Make;
+  static const std::vector<TrackerEntry> entries = [] {
+    auto option = [](const nlohmann::json& kwargs, const char* key, std::string fallback) {
+      return kwargs.contains(key) ? kwargs.at(key).get<std::string>() : fallback;
+    };
+    std::vector<TrackerEntry> out;
+    out.push_back({"tensorboard", {"filename_suffix", "flush_secs", "max_queue"}, /*needs_logging_dir=*/true, nullptr,
+                   Make([option](const std::string& run, const std::string& dir, const nlohmann::json& kwargs) {
+                     return std::make_shared<TensorBoardTracker>(
+                         run, dir, TensorBoardTrackerOptions{option(kwargs, "filename_suffix", "")});
+                   })});
+    out.push_back({"dvclive", {"dir", "save_dvc_exp", "dvcyaml"}, /*needs_logging_dir=*/false,
+                   [](const nlohmann::json& kwargs, const std::string& api) {
+                     // dvclive.Live's save_dvc_exp and dvcyaml are accepted with the values that
+                     // describe what this tracker does (no DVC experiment, no dvc.yaml), so
+                     // upstream's documented calls port unchanged.
+                     TORCH_CHECK_VALUE(!kwargs.contains("save_dvc_exp") || kwargs.at("save_dvc_exp") == false, "[",
+                                       api,
+                                       "] init_kwargs['dvclive']['save_dvc_exp']: only false is supported (no DVC "
+                                       "experiment is saved), got ",
+                                       kwargs.at("save_dvc_exp").dump());
+                     TORCH_CHECK_VALUE(
+                         !kwargs.contains("dvcyaml") || kwargs.at("dvcyaml").is_null() || kwargs.at("dvcyaml") == false,
+                         "[", api,
+                         "] init_kwargs['dvclive']['dvcyaml']: only null or false is supported (no dvc.yaml is "
+                         "written), got ",
+                         kwargs.at("dvcyaml").dump());
+                   },
+                   Make([option](const std::string& run, const std::string& dir, const nlohmann::json& kwargs) {
+                     return std::make_shared<DVCLiveTracker>(run, dir, DVCLiveTrackerOptions{option(kwargs, "dir", "")});
+                   })});
+    out.push_back({"jsonl", {"filename"}, /*needs_logging_dir=*/true, nullptr,
+                   Make([option](const std::string& run, const std::string& dir, const nlohmann::json& kwargs) {
+                     return std::make_shared<JSONLTracker>(run, dir,
+                                                           JSONLTrackerOptions{option(kwargs, "filename", "log.jsonl")});
+                   })});
+    out.push_back({"csv", {"filename"}, /*needs_logging_dir=*/true, nullptr,
+                   Make([option](const std::string& run, const std::string& dir, const nlohmann::json& kwargs) {
+                     return std::make_shared<CSVTracker>(run, dir, CSVTrackerOptions{option(kwargs, "filename", "log.csv")});
+                   })});
+    // Upstream's trackers that need Python or a remote service.
+    for (const char* name : {"wandb", "comet_ml", "aim", "mlflow", "clearml", "swanlab", "trackio"}) {
+      out.push_back({name, {}, /*needs_logging_dir=*/false, nullptr, Make()});
+    }
+    return out;
+  }();
+  return entries;
+}
+
+const TrackerEntry* find_tracker_entry(const std::string& name) {
+  for (const auto& entry : tracker_registry()) {
+    if (entry.name == name) return &entry;
+  }
+  return nullptr;
+}
+
+}  // namespace detail
+
+namespace {
+
+std::vector<std::string> builtin_names() {
+  std::vector<std::string> names;
+  for (const auto& entry : detail::tracker_registry()) {
+    if (entry.built_in()) names.push_back(entry.name);
+  }
+  return names;
+}
+
+}  // namespace
+
 // ---- names ------------------------------------------------------------------------------------
 
 Tracker::Tracker(std::shared_ptr<GeneralTracker> tracker) : tracker_(std::move(tracker)) {
@@ -610,7 +677,7 @@ namespace detail {
 
 std::vector<Tracker> filter_trackers(const std::vector<Tracker>& log_with, const std::string& logging_dir,
                                      const std::string& api) {
-  const std::string choices = join(builtin_names()) + ", all";
+  const std::string choices = detail::join(builtin_names()) + ", all";
   std::vector<Tracker> requested;
   bool all = false;
   for (const auto& tracker : log_with) {
@@ -620,10 +687,11 @@ std::vector<Tracker> filter_trackers(const std::vector<Tracker>& log_with, const
       all = true;
       continue;
     }
-    TORCH_CHECK_VALUE(!contains(remote_names(), name), "[", api, "] log_with: '", name,
+    const TrackerEntry* entry = find_tracker_entry(name);
+    TORCH_CHECK_VALUE(entry == nullptr || entry->built_in(), "[", api, "] log_with: '", name,
                       "' needs Python or a remote service and is not available in accelerate-cpp; available trackers: ",
                       choices, " (or implement GeneralTracker and pass your tracker)");
-    TORCH_CHECK_VALUE(contains(builtin_names(), name), "[", api, "] log_with: unsupported logging capability '", name,
+    TORCH_CHECK_VALUE(entry != nullptr, "[", api, "] log_with: unsupported logging capability '", name,
                       "'; choose between ", choices, " (or pass a GeneralTracker of your own)");
   }
   std::vector<Tracker> out;
@@ -632,8 +700,7 @@ std::vector<Tracker> filter_trackers(const std::vector<Tracker>& log_with, const
     if (t.is_name()) {
       if (contains(seen, t.name())) return;
       seen.push_back(t.name());
-      // Every built-in except dvclive writes under the logging folder.
-      TORCH_CHECK_VALUE(t.name() == "dvclive" || !logging_dir.empty(), "[", api, "] log_with: logging with '", t.name(),
+      TORCH_CHECK_VALUE(!find_tracker_entry(t.name())->needs_logging_dir || !logging_dir.empty(), "[", api, "] log_with: logging with '", t.name(),
                         "' requires a logging_dir; set project_dir or project_config.logging_dir");
     } else if (t.tracker()->requires_logging_directory()) {
       TORCH_CHECK_VALUE(!logging_dir.empty(), "[", api, "] log_with: logging with '", t.name(),
@@ -654,24 +721,10 @@ std::vector<Tracker> filter_trackers(const std::vector<Tracker>& log_with, const
 }
 
 void check_init_kwargs(const std::string& name, const nlohmann::json& kwargs, const std::string& api) {
-  if (name == "tensorboard") {
-    check_option_keys(kwargs, {"filename_suffix", "flush_secs", "max_queue"}, api, name);
-  } else if (name == "dvclive") {
-    // dvclive.Live's save_dvc_exp and dvcyaml are accepted with the values that describe what this
-    // tracker does (no DVC experiment, no dvc.yaml), so upstream's documented calls port unchanged.
-    check_option_keys(kwargs, {"dir", "save_dvc_exp", "dvcyaml"}, api, name);
-    TORCH_CHECK_VALUE(!kwargs.contains("save_dvc_exp") || kwargs.at("save_dvc_exp") == false, "[", api,
-                      "] init_kwargs['dvclive']['save_dvc_exp']: only false is supported (no DVC experiment is "
-                      "saved), got ",
-                      kwargs.at("save_dvc_exp").dump());
-    TORCH_CHECK_VALUE(!kwargs.contains("dvcyaml") || kwargs.at("dvcyaml").is_null() || kwargs.at("dvcyaml") == false,
-                      "[", api,
-                      "] init_kwargs['dvclive']['dvcyaml']: only null or false is supported (no dvc.yaml is "
-                      "written), got ",
-                      kwargs.at("dvcyaml").dump());
-  } else if (name == "jsonl" || name == "csv") {
-    check_option_keys(kwargs, {"filename"}, api, name);
-  }
+  const TrackerEntry* entry = find_tracker_entry(name);
+  TORCH_INTERNAL_ASSERT(entry != nullptr && entry->built_in(), "check_init_kwargs: '", name, "' is no built-in tracker");
+  check_option_keys(kwargs, entry->init_keys, api, name);
+  if (entry->check) entry->check(kwargs, api);
   for (const auto& key : {"filename_suffix", "dir", "filename"}) {
     if (kwargs.contains(key)) (void)string_option(kwargs, key, api, name);
   }
@@ -691,23 +744,11 @@ void check_init_kwargs(const std::string& name, const nlohmann::json& kwargs, co
 std::shared_ptr<GeneralTracker> make_tracker(const std::string& name, const std::string& run_name,
                                              const std::string& logging_dir, const nlohmann::json& init_kwargs,
                                              const std::string& api) {
-  TORCH_CHECK_VALUE(contains(builtin_names(), name), "[", api, "] unknown tracker '", name,
-                    "'; available trackers: ", join(builtin_names()));
+  const TrackerEntry* entry = find_tracker_entry(name);
+  TORCH_CHECK_VALUE(entry != nullptr && entry->built_in(), "[", api, "] unknown tracker '", name,
+                    "'; available trackers: ", detail::join(builtin_names()));
   check_init_kwargs(name, init_kwargs, api);
-  auto option = [&](const char* key, std::string fallback) {
-    return init_kwargs.contains(key) ? init_kwargs.at(key).get<std::string>() : fallback;
-  };
-  if (name == "tensorboard") {
-    return std::make_shared<TensorBoardTracker>(run_name, logging_dir,
-                                                TensorBoardTrackerOptions{option("filename_suffix", "")});
-  }
-  if (name == "dvclive") {
-    return std::make_shared<DVCLiveTracker>(run_name, logging_dir, DVCLiveTrackerOptions{option("dir", "")});
-  }
-  if (name == "jsonl") {
-    return std::make_shared<JSONLTracker>(run_name, logging_dir, JSONLTrackerOptions{option("filename", "log.jsonl")});
-  }
-  return std::make_shared<CSVTracker>(run_name, logging_dir, CSVTrackerOptions{option("filename", "log.csv")});
+  return entry->make(run_name, logging_dir, init_kwargs);
 }
 
 void check_hparams(const nlohmann::json& values, const std::string& api) {

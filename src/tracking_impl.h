@@ -3,11 +3,32 @@
 
 #include "accelerate/tracking.h"
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
 namespace accelerate::detail {
+
+/// A tracker name the library knows (Note [The tracker registry] in tracking.cpp): a built-in
+/// tracker, or one of upstream's that is refused by name (`make` empty).
+struct TrackerEntry {
+  using Make = std::function<std::shared_ptr<GeneralTracker>(const std::string& run_name,
+                                                             const std::string& logging_dir,
+                                                             const nlohmann::json& init_kwargs)>;
+  std::string name;
+  std::vector<std::string> init_keys;  // the options its init_kwargs accept
+  bool needs_logging_dir = true;       // whether it writes under the project's logging folder
+  std::function<void(const nlohmann::json& init_kwargs, const std::string& api)> check;  // beyond the keys
+  Make make;
+
+  bool built_in() const { return static_cast<bool>(make); }
+};
+
+/// Every tracker name the library knows, built-in ones first, in `available_trackers`' order.
+const std::vector<TrackerEntry>& tracker_registry();
+/// The entry named `name`, or null.
+const TrackerEntry* find_tracker_entry(const std::string& name);
 
 /// `accelerate::filter_trackers` with errors naming `api`.
 std::vector<Tracker> filter_trackers(const std::vector<Tracker>& log_with, const std::string& logging_dir,

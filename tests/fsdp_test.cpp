@@ -483,8 +483,8 @@ TEST(FullyShardedDataParallel, WrappingPoliciesChooseTheirUnits) {
     (void)rank;
     const auto units = [&](FullyShardedDataParallelPlugin plugin) {
       Tiny net = make_tiny();
-      detail::FsdpEngine engine(net.ptr(), acc.state().partial_state(),
-                                detail::resolve_fsdp_plugin(plugin, torch::kCPU));
+      detail::fsdp::FsdpEngine engine(net.ptr(), acc.state().partial_state(),
+                                detail::fsdp::resolve_fsdp_plugin(plugin, torch::kCPU));
       return engine.unit_names();
     };
     using V = std::vector<std::string>;
@@ -855,13 +855,13 @@ TEST(FullyShardedDataParallel, TheEnvironmentFillsTheFieldsLeftEmpty) {
                                 {"FSDP_AUTO_WRAP_POLICY", "TRANSFORMER_BASED_WRAP"},
                                 {"FSDP_TRANSFORMER_CLS_TO_WRAP", "Block, Other"},
                                 {"FSDP_VERSION", "2"}});
-  auto s = detail::resolve_fsdp_plugin({}, torch::kCPU);
+  auto s = detail::fsdp::resolve_fsdp_plugin({}, torch::kCPU);
   EXPECT_EQ(s.sharding_strategy, FsdpShardingStrategy::kShardGradOp);
   EXPECT_FALSE(s.reshard_after_forward);
   EXPECT_EQ(s.fsdp_version, 2);
   EXPECT_EQ(s.transformer_cls_names_to_wrap, (std::vector<std::string>{"Block", "Other"}));
   // What the user set wins over the environment.
-  auto given = detail::resolve_fsdp_plugin({.reshard_after_forward = true, .auto_wrap_policy = FsdpAutoWrapPolicy::kNoWrap},
+  auto given = detail::fsdp::resolve_fsdp_plugin({.reshard_after_forward = true, .auto_wrap_policy = FsdpAutoWrapPolicy::kNoWrap},
                                            torch::kCPU);
   EXPECT_EQ(given.sharding_strategy, FsdpShardingStrategy::kFullShard);
   EXPECT_EQ(given.auto_wrap_policy, FsdpAutoWrapPolicy::kNoWrap);
@@ -880,7 +880,7 @@ TEST(FullyShardedDataParallel, UseFsdpInTheEnvironmentShardsPreparedModels) {
 
 TEST(FullyShardedDataParallel, UnsupportedOrContradictorySettingsAreRefusedByName) {
   const auto refuse = [](FullyShardedDataParallelPlugin plugin, const std::string& message) {
-    EXPECT_THROWS_WITH(detail::resolve_fsdp_plugin(plugin, torch::kCPU), message);
+    EXPECT_THROWS_WITH(detail::fsdp::resolve_fsdp_plugin(plugin, torch::kCPU), message);
   };
   refuse({.fsdp_version = 3}, "fsdp_version must be 1 or 2, got 3");
   refuse({.sharding_strategy = FsdpShardingStrategy::kFullShard, .reshard_after_forward = false}, "contradict");
@@ -896,7 +896,7 @@ TEST(FullyShardedDataParallel, UnsupportedOrContradictorySettingsAreRefusedByNam
          "give either auto_wrap_policy or auto_wrap_callable, not both");
   // cpu_offload applies on every device (Note [Offloading to the CPU]); on the CPU it moves nothing.
   for (const auto& device : {c10::Device(c10::kCUDA, 0), c10::Device(c10::kCPU)}) {
-    EXPECT_TRUE(detail::resolve_fsdp_plugin({.cpu_offload = true}, device).cpu_offload) << device;
+    EXPECT_TRUE(detail::fsdp::resolve_fsdp_plugin({.cpu_offload = true}, device).cpu_offload) << device;
   }
 }
 

@@ -1,4 +1,4 @@
-// The safetensors reader and writer (utils/safetensors.h, utils/safetensors_format.h): round trips
+// The safetensors reader and writer (utils/safetensors.h, formats/safetensors.h): round trips
 // of every dtype, zero-copy views, golden bytes, every rule a hostile file can break, the
 // writer's refusals, atomic saves, and a cross-check against an independent Python reader and
 // writer (tests/python/safetensors_check.py, standard library only).
@@ -7,7 +7,7 @@
 #include "detail/files.h"
 #include "support/process.h"
 #include "support/test_support.h"
-#include "utils/safetensors_format.h"
+#include "formats/safetensors.h"
 
 #include <ATen/ATen.h>
 #include <gmock/gmock.h>

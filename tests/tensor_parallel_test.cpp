@@ -627,7 +627,7 @@ TEST_P(TensorParallelCheckpoints, SaveStateOnOneMeshResumesOnAnotherEqualToOnePr
       options_of(saved));
   const auto two_steps = reference(2).params;
   // Whole tensors in the files, or pieces that the index places in them (merge-weights joins them).
-  expect_close(sharded ? detail::merge_sharded_state(folder + "/pytorch_model_fsdp_0")
+  expect_close(sharded ? detail::checkpoint::merge_sharded_state(folder + "/pytorch_model_fsdp_0")
                        : SafetensorsFile(folder + "/model.safetensors").read_tensors(),
                two_steps);
   ASSERT_EQ(std::filesystem::exists(folder + "/model.safetensors"), !sharded);
@@ -731,7 +731,7 @@ TEST(TensorParallel, AShardedFolderMissingAPieceOrWithABadSplitIsRefusedNamingIt
   const auto folder = (dir.path() / "ckpt").string();
   save_tp_fsdp_state(folder, FsdpStateDictType::kShardedStateDict);
   const auto model_folder = folder + "/pytorch_model_fsdp_0";
-  ASSERT_EQ(detail::merge_sharded_state(model_folder).at("block0.fc1.weight").sizes(),
+  ASSERT_EQ(detail::checkpoint::merge_sharded_state(model_folder).at("block0.fc1.weight").sizes(),
             (std::vector<int64_t>{kHidden, kDim}));
 
   // The index says fc1's weight is split along a dimension it does not have.
@@ -740,14 +740,14 @@ TEST(TensorParallel, AShardedFolderMissingAPieceOrWithABadSplitIsRefusedNamingIt
   auto bad = index.values;
   bad["split"]["block0.fc1.weight"]["dim"] = 5;
   save_state_dict_file({bad, {}}, index_path);
-  EXPECT_THAT(error_of([&] { detail::merge_sharded_state(model_folder); }),
+  EXPECT_THAT(error_of([&] { detail::checkpoint::merge_sharded_state(model_folder); }),
               ::testing::AllOf(::testing::HasSubstr("block0.fc1.weight cannot be split along dimension 5 of [16, 8]"),
                                ::testing::HasSubstr("index.json")));
   save_state_dict_file(index, index_path);
 
   // A process's file is gone.
   std::filesystem::remove(model_folder + "/shard-1-of-2-tp-1-of-2.safetensors");
-  EXPECT_THAT(error_of([&] { detail::merge_sharded_state(model_folder); }),
+  EXPECT_THAT(error_of([&] { detail::checkpoint::merge_sharded_state(model_folder); }),
               ::testing::HasSubstr("has no shard-1-of-2-tp-1-of-2.safetensors (saved by 4 processes)"));
   run_accelerators(
       2,

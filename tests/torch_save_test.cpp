@@ -134,7 +134,7 @@ obj = {
 torch.save(obj, sys.argv[1])
 )",
          {path});
-  const auto state = detail::read_torch_save(path);
+  const auto state = detail::checkpoint::read_torch_save(path);
   const auto& t = state.tensors;
   EXPECT_TRUE(at::equal(t.at("floats"), at::arange(24, at::kFloat).reshape({4, 6})));
   EXPECT_TRUE(at::equal(t.at("view"), at::arange(24, at::kFloat).reshape({4, 6}).slice(0, 1).slice(1, 0, 6, 2)));
@@ -173,16 +173,16 @@ with zipfile.ZipFile(sys.argv[4], "w") as out:   # the same archive, its storage
 torch.save({"s": {1, 2}}, sys.argv[5])
 )",
          {p("counter.bin"), p("legacy.bin"), p("whole.bin"), p("short.bin"), p("set.bin")});
-  EXPECT_THROWS_WITH(detail::read_torch_save(p("counter.bin")), "an object of collections.Counter, which is not read");
-  EXPECT_THROWS_WITH(detail::read_torch_save(p("legacy.bin")), "the legacy format");
-  EXPECT_THROWS_WITH(detail::read_torch_save(p("short.bin")), "should hold 1000 elements of float32 but its record holds 400 bytes");
-  EXPECT_THROWS_WITH(detail::read_torch_save(p("set.bin")), "\"s\" holds an object of __builtin__.set");
+  EXPECT_THROWS_WITH(detail::checkpoint::read_torch_save(p("counter.bin")), "an object of collections.Counter, which is not read");
+  EXPECT_THROWS_WITH(detail::checkpoint::read_torch_save(p("legacy.bin")), "the legacy format");
+  EXPECT_THROWS_WITH(detail::checkpoint::read_torch_save(p("short.bin")), "should hold 1000 elements of float32 but its record holds 400 bytes");
+  EXPECT_THROWS_WITH(detail::checkpoint::read_torch_save(p("set.bin")), "\"s\" holds an object of __builtin__.set");
   // Cut in the middle: the archive's directory is gone.
   const auto whole = detail::read_file(p("whole.bin"));
   detail::write_file(p("cut.bin"), whole.substr(0, whole.size() / 2));
-  EXPECT_THROWS_WITH(detail::read_torch_save(p("cut.bin")), "cut.bin is not a valid torch.save archive");
+  EXPECT_THROWS_WITH(detail::checkpoint::read_torch_save(p("cut.bin")), "cut.bin is not a valid torch.save archive");
   detail::write_file(p("text.bin"), "not an archive");
-  EXPECT_THROWS_WITH(detail::read_torch_save(p("text.bin")), "is not a zip archive written by torch.save");
+  EXPECT_THROWS_WITH(detail::checkpoint::read_torch_save(p("text.bin")), "is not a zip archive written by torch.save");
   // load_state_dict reads a model's .bin, and only tensors.
   EXPECT_TRUE(at::equal(load_state_dict(p("whole.bin")).at("w"), at::ones(1000)));
   EXPECT_THROWS_WITH(load_state_dict(p("counter.bin")), "[load_state_dict]");
@@ -261,7 +261,7 @@ TEST(TorchSave, CallsNestedDeeperThanValuesAreRefusedWithoutExhaustingTheStack) 
   pkl += ".";
   const auto path = dir.str() + "/optimizer.bin";
   write_archive(path, pkl);
-  const auto [peak, error] = peak_and_error([&] { detail::read_torch_save(path); });
+  const auto [peak, error] = peak_and_error([&] { detail::checkpoint::read_torch_save(path); });
   EXPECT_THAT(error, HasSubstr("values nested deeper than 100"));
   EXPECT_LT(peak, read_bound(path, pkl.size()));
 }
@@ -289,12 +289,12 @@ archive(sys.argv[3], [("data.pkl", b"\x80\x02K\x07."), ("version", b"3" * (1 << 
   EXPECT_LT(fs::file_size(p("storage.bin")), 1u << 20);
   for (const char* name : {"lists.bin", "storage.bin"}) {
     SCOPED_TRACE(name);
-    const auto [peak, error] = peak_and_error([&] { detail::read_torch_save(p(name)); });
+    const auto [peak, error] = peak_and_error([&] { detail::checkpoint::read_torch_save(p(name)); });
     EXPECT_THAT(error, HasSubstr("is compressed (method 8); torch.save stores its records uncompressed"));
     EXPECT_LT(peak, int64_t{16} << 20);
   }
   // A long version record is the archive reader's to judge; it costs no more than the file.
-  const auto [peak, error] = peak_and_error([&] { detail::read_torch_save(p("version.bin")); });
+  const auto [peak, error] = peak_and_error([&] { detail::checkpoint::read_torch_save(p("version.bin")); });
   EXPECT_LT(peak, read_bound(p("version.bin"), 5));
   // A directory that claims more than the file holds.
   auto bytes = detail::read_file(p("version.bin"));
@@ -304,7 +304,7 @@ archive(sys.argv[3], [("data.pkl", b"\x80\x02K\x07."), ("version", b"3" * (1 << 
   bytes[end + 13] = '\xff';
   bytes[end + 14] = '\xff';
   detail::write_file(p("directory.bin"), bytes);
-  EXPECT_THROWS_WITH(detail::read_torch_save(p("directory.bin")), "reaches past the end of the file");
+  EXPECT_THROWS_WITH(detail::checkpoint::read_torch_save(p("directory.bin")), "reaches past the end of the file");
 }
 
 TEST(TorchSave, AKeySharedByEveryLevelOrAStringSharedEverywhereCostsABoundedMultipleOfTheFile) {
@@ -322,7 +322,7 @@ TEST(TorchSave, AKeySharedByEveryLevelOrAStringSharedEverywhereCostsABoundedMult
   nested += "s.";
   write_archive(p("nested.bin"), nested);
   auto [peak, error] = peak_and_error([&] {
-    const auto state = detail::read_torch_save(p("nested.bin"));
+    const auto state = detail::checkpoint::read_torch_save(p("nested.bin"));
     const auto* level = &state.values;
     int depth = 0;
     while (level->is_object()) {
@@ -338,7 +338,7 @@ TEST(TorchSave, AKeySharedByEveryLevelOrAStringSharedEverywhereCostsABoundedMult
   for (int i = 1; i < 100000; ++i) shared += "h\x01"s;
   shared += "e.";
   write_archive(p("shared.bin"), shared);
-  std::tie(peak, error) = peak_and_error([&] { detail::read_torch_save(p("shared.bin")); });
+  std::tie(peak, error) = peak_and_error([&] { detail::checkpoint::read_torch_save(p("shared.bin")); });
   EXPECT_THAT(error, HasSubstr("values that expand to more than"));
   EXPECT_LT(peak, read_bound(p("shared.bin"), shared.size()));
 }
@@ -346,7 +346,7 @@ TEST(TorchSave, AKeySharedByEveryLevelOrAStringSharedEverywhereCostsABoundedMult
 TEST(TorchSave, WrittenFilesAreReadByPyTorchWithWeightsOnly) {
   TempDir dir;
   const auto path = dir.str() + "/written.bin";
-  detail::TorchSaveWriter w;
+  detail::checkpoint::TorchSaveWriter w;
   auto& t = w.tree();
   auto strided = at::arange(12, at::kFloat).reshape({3, 4}).t();  // not contiguous
   const auto* root = t.dict({{t.string("a"), w.tensor(strided)},
@@ -369,7 +369,7 @@ print(json.dumps({"a": o["a"].tolist(), "a_shape": list(o["a"].shape), "h": [str
   EXPECT_EQ(found["k"], -7);
   EXPECT_EQ(found["ordered"], "OrderedDict");
   // And the project reads its own files back.
-  const auto back = detail::read_torch_save(path);
+  const auto back = detail::checkpoint::read_torch_save(path);
   EXPECT_TRUE(at::equal(back.tensors.at("a"), strided));
 }
 
@@ -459,7 +459,7 @@ TEST_P(OptimizerCrossing, PythonsStateContinuesInCppAndCppsInPython) {
     net->named_parameters()[name].copy_(tensor);
   }
   auto opt = make_optimizer(kind, net);
-  load_optimizer_state_dict(*opt, detail::python_layout::read_optimizer(saved, *opt));
+  load_optimizer_state_dict(*opt, detail::checkpoint::python_layout::read_optimizer(saved, *opt));
   gradient_step(net, *opt, 2.0);
   expect_close(python_after, params_of(net));
 
@@ -473,8 +473,8 @@ TEST_P(OptimizerCrossing, PythonsStateContinuesInCppAndCppsInPython) {
   auto cpp_opt = make_optimizer(kind, fresh);
   gradient_step(fresh, *cpp_opt, 1.0);
   const auto written = dir.str() + "/from_cpp.bin";
-  detail::python_layout::write_optimizer(optimizer_state_dict(*cpp_opt), written);
-  detail::TorchSaveWriter model;
+  detail::checkpoint::python_layout::write_optimizer(optimizer_state_dict(*cpp_opt), written);
+  detail::checkpoint::TorchSaveWriter model;
   model.write(model.ordered_dict({{model.tree().string("weight"), model.tensor(fresh->weight)},
                                   {model.tree().string("bias"), model.tensor(fresh->bias)}}),
               written + ".model.bin");
@@ -498,13 +498,13 @@ torch.save(state, sys.argv[2])
          {dir.str() + "/maximize.bin", dir.str() + "/lambda.bin"});
   torch::nn::Linear net(2, 1);
   auto adam = std::make_shared<torch::optim::Adam>(net->parameters(), torch::optim::AdamOptions(1e-3));
-  EXPECT_THROWS_WITH(detail::python_layout::read_optimizer(dir.str() + "/maximize.bin", *adam),
+  EXPECT_THROWS_WITH(detail::checkpoint::python_layout::read_optimizer(dir.str() + "/maximize.bin", *adam),
                      "the optimizer maximizes (maximize=True), which LibTorch's Adam cannot");
   LambdaLR schedule(adam, [](int64_t) { return 1.0; });
-  EXPECT_THROWS_WITH(detail::python_layout::read_scheduler(dir.str() + "/lambda.bin", schedule),
+  EXPECT_THROWS_WITH(detail::checkpoint::python_layout::read_scheduler(dir.str() + "/lambda.bin", schedule),
                      "lr_lambdas[0] holds a callable object's attributes {\"factor\":2}");
   OneCycleLR cycle(adam, {.max_lr = 0.1, .total_steps = 10});
-  EXPECT_THROWS_WITH(detail::python_layout::write_scheduler(cycle, dir.str() + "/cycle.bin"),
+  EXPECT_THROWS_WITH(detail::checkpoint::python_layout::write_scheduler(cycle, dir.str() + "/cycle.bin"),
                      "only LambdaLR schedulers");
 }
 
@@ -577,14 +577,14 @@ print(json.dumps({"count": custom["count"], "rate": custom["rate"], "history": c
   const auto scaler = dir.str() + "/scaler.pt";
   const nlohmann::json state = {{"scale", 1024.0}, {"growth_factor", 2.0}, {"backoff_factor", 0.5},
                                 {"growth_interval", 100}, {"_growth_tracker", 7}};
-  detail::python_layout::write_scaler(state, scaler);
+  detail::checkpoint::python_layout::write_scaler(state, scaler);
   const auto printed = python(R"(
 state = torch.load(sys.argv[1])
 print(json.dumps({k: state[k] for k in sorted(state)}))
 )",
                               {scaler});
   EXPECT_EQ(nlohmann::json::parse(printed), state);
-  EXPECT_EQ(detail::python_layout::read_scaler(scaler), state);
+  EXPECT_EQ(detail::checkpoint::python_layout::read_scaler(scaler), state);
 }
 
 TEST(LoadState, AGeneratorStateThatDoesNotFitIsRefusedNamingItsFileBeforeAnythingChanges) {
@@ -611,7 +611,7 @@ TEST(LoadState, AGeneratorStateThatDoesNotFitIsRefusedNamingItsFileBeforeAnythin
       StateDict generators;
       generators.tensors["torch_manual_seed"] = torch::zeros({10}, torch::kUInt8);
       if (layout == CheckpointLayout::kPython) {
-        detail::python_layout::write_random(generators, acc.step(), random);
+        detail::checkpoint::python_layout::write_random(generators, acc.step(), random);
       } else {
         generators.values["step"] = acc.step();
         save_state_dict_file(generators, random);
@@ -629,7 +629,7 @@ TEST(LoadState, AGeneratorStateThatDoesNotFitIsRefusedNamingItsFileBeforeAnythin
       // Of another dtype: refused the same way.
       generators.tensors["torch_manual_seed"] = rng_state_dict().tensors.at("torch_manual_seed").to(torch::kInt);
       if (layout == CheckpointLayout::kPython) {
-        detail::python_layout::write_random(generators, acc.step(), random);
+        detail::checkpoint::python_layout::write_random(generators, acc.step(), random);
       } else {
         save_state_dict_file(generators, random);
       }

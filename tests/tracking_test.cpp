@@ -148,6 +148,45 @@ TEST(TrackingNames, UnknownAndRemoteTrackersAreRefusedNamingTheAvailableOnes) {
   }
 }
 
+// Note [The tracker registry]: every name of upstream's LoggerType is either a built-in tracker
+// or refused by name, never taken for another tracker; every built-in is made as the tracker of
+// its name, and needs the logging folder exactly when its class says it does.
+TEST(TrackingNames, EveryLoggerTypeIsABuiltInOrRefusedByName) {
+  TempDir dir;
+  int members = 0;
+  for (int i = 0; i < 64; ++i) {
+    std::string name;
+    try {
+      name = to_string(static_cast<LoggerType>(i));
+    } catch (const c10::Error&) {
+      break;
+    }
+    ++members;
+    if (name == "all") continue;
+    const auto available = available_trackers();
+    if (std::find(available.begin(), available.end(), name) == available.end()) {
+      EXPECT_THROWS_WITH(single({.log_with = {name}, .project_dir = dir.str()}),
+                         "' needs Python or a remote service and is not available in accelerate-cpp");
+    } else {
+      EXPECT_NO_THROW(single({.log_with = {name}, .project_dir = dir.str()})) << name;
+    }
+  }
+  EXPECT_EQ(members, 10);  // upstream's LoggerType
+}
+
+TEST(TrackingNames, EveryBuiltInIsMadeAsTheTrackerOfItsName) {
+  TempDir dir;
+  for (const auto& name : available_trackers()) {
+    const nlohmann::json kwargs = name == "dvclive" ? json{{"dir", (dir.path() / "dvc").string()}} : json::object();
+    auto tracker = make_tracker(name, "run", dir.str(), kwargs);
+    ASSERT_NE(tracker, nullptr) << name;
+    EXPECT_EQ(tracker->name(), name);
+    EXPECT_EQ(tracker->requires_logging_directory(), name != "dvclive") << name;
+    tracker->log({{"loss", 0.5}}, 1);
+    tracker->finish();
+  }
+}
+
 TEST(TrackingNames, TrackersThatWriteFilesNeedALoggingDir) {
   for (const char* name : {"tensorboard", "jsonl", "csv", "all"}) {
     EXPECT_THROWS_WITH(single({.log_with = {name}}),

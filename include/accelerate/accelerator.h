@@ -46,7 +46,9 @@ namespace accelerate {
 
 namespace detail {
 struct AcceleratorImpl;
+namespace tensor_parallel {
 class TensorParallelEngine;
+}  // namespace tensor_parallel
 }  // namespace detail
 
 /// Options of an `Accelerator`, upstream's constructor arguments as one aggregate. Upstream's
@@ -709,7 +711,7 @@ class Accelerator {
   DistributedDataParallel prepare_module(const std::shared_ptr<torch::nn::Module>& module,
                                          std::optional<bool> device_placement, bool evaluation_mode) const;
   // Splits the layers of the tensor-parallel plan (the tp_handler's, else the model class's).
-  std::shared_ptr<detail::TensorParallelEngine> apply_tensor_parallelism(
+  std::shared_ptr<detail::tensor_parallel::TensorParallelEngine> apply_tensor_parallelism(
       const std::shared_ptr<torch::nn::Module>& module) const;
   // Stops the job when it was asked to, at a step boundary of a prepared data loader (Note
   // [Preemption] in src/preemption.cpp); registered with the gradient state when built.

@@ -49,10 +49,10 @@
 
 namespace accelerate {
 
-namespace detail {
+namespace detail::data {
 struct DataLoaderImpl;
 struct DataLoaderIteration;
-}  // namespace detail
+}  // namespace detail::data
 
 // ---- samples and batches ---------------------------------------------------------------------
 
@@ -557,11 +557,11 @@ class DataLoader {
   bool use_stateful_dataloader() const;
 
   /// Implementation access for the library itself.
-  const std::shared_ptr<detail::DataLoaderImpl>& impl() const { return impl_; }
-  explicit DataLoader(std::shared_ptr<detail::DataLoaderImpl> impl);
+  const std::shared_ptr<detail::data::DataLoaderImpl>& impl() const { return impl_; }
+  explicit DataLoader(std::shared_ptr<detail::data::DataLoaderImpl> impl);
 
  private:
-  std::shared_ptr<detail::DataLoaderImpl> impl_;
+  std::shared_ptr<detail::data::DataLoaderImpl> impl_;
 };
 
 /// One pass over a `DataLoader` (an input iterator; copies share the pass).
@@ -587,9 +587,9 @@ class DataLoader::Iterator {
 
  private:
   friend class DataLoader;
-  explicit Iterator(std::shared_ptr<detail::DataLoaderIteration> it) : it_(std::move(it)) {}
+  explicit Iterator(std::shared_ptr<detail::data::DataLoaderIteration> it) : it_(std::move(it)) {}
   bool done() const;
-  std::shared_ptr<detail::DataLoaderIteration> it_;
+  std::shared_ptr<detail::data::DataLoaderIteration> it_;
 };
 
 // ---- preparation ----------------------------------------------------------------------------

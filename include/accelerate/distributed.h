@@ -37,9 +37,11 @@ class DistributedDataParallel;
 struct ForwardOptions;
 namespace detail {
 struct DistributedDataParallelImpl;
+namespace fsdp {
 struct FsdpSettings;
+}  // namespace fsdp
 DistributedDataParallel fully_sharded(std::shared_ptr<torch::nn::Module> module, const PartialState& state,
-                                      FsdpSettings settings, const ForwardOptions& forward, int dp_shard_size);
+                                      fsdp::FsdpSettings settings, const ForwardOptions& forward, int dp_shard_size);
 }  // namespace detail
 
 /// How a prepared model runs its forward pass, beyond gradient synchronisation.
@@ -218,7 +220,7 @@ class DistributedDataParallel {
   void join_until_all_finished() const;
 
   friend DistributedDataParallel detail::fully_sharded(std::shared_ptr<torch::nn::Module> module,
-                                                      const PartialState& state, detail::FsdpSettings settings,
+                                                      const PartialState& state, detail::fsdp::FsdpSettings settings,
                                                       const ForwardOptions& forward, int dp_shard_size);
   explicit DistributedDataParallel(std::shared_ptr<detail::DistributedDataParallelImpl> impl) : impl_(std::move(impl)) {}
   std::shared_ptr<detail::DistributedDataParallelImpl> impl_;

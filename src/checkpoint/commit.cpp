@@ -1,3 +1,6 @@
+// The crash-safe commit of a checkpoint folder (see commit.h): a staging folder per save, the
+// processes' agreement that every write succeeded, the rename into place, and the clean-up of the
+// staging folders an earlier crash left behind.
 #include "checkpoint/commit.h"
 
 #include "detail/check.h"
@@ -22,7 +25,7 @@
 
 namespace fs = std::filesystem;
 
-namespace accelerate::detail {
+namespace accelerate::detail::checkpoint {
 
 namespace {
 
@@ -243,4 +246,4 @@ void checkpoint_file_written(const PartialState& state) {
   while (true) ::pause();
 }
 
-}  // namespace accelerate::detail
+}  // namespace accelerate::detail::checkpoint

@@ -17,7 +17,7 @@
 #include <utility>
 #include <vector>
 
-namespace accelerate::detail {
+namespace accelerate::detail::checkpoint {
 
 /// Runs `fn` on every process of `state` and agrees on the outcome: when it throws on any process,
 /// it throws on every process an error that starts with `what` and lists each failed process with
@@ -75,4 +75,4 @@ void prune_checkpoints(const std::filesystem::path& folder, int total_limit,
 /// ACCELERATE_TEST_PAUSE_SAVE_PROCESS set to a process index, only that process stops.
 void checkpoint_file_written(const PartialState& state);
 
-}  // namespace accelerate::detail
+}  // namespace accelerate::detail::checkpoint

@@ -3,14 +3,16 @@
 #include "accelerate/accelerator.h"
 
 #include "accelerator_impl.h"
+#include "checkpoint/checkpointing.h"
 #include "checkpoint/commit.h"
-#include "checkpoint/index.h"
-#include "checkpoint/load_checks.h"
-#include "checkpoint/offload_dtypes.h"
+#include "checkpoint/layout.h"
+#include "formats/checkpoint_index.h"
+#include "detail/dtype_names.h"
 #include "checkpoint/optimizer_state.h"
 #include "checkpoint/python_layout.h"
 #include "checkpoint/sharded_format.h"
 #include "checkpoint/state_objects.h"
+#include "detail/collective_watch.h"
 #include "detail/warn.h"
 #include "tensor_parallel/engine.h"
 
@@ -128,12 +130,12 @@ struct Undo {
 };
 
 
-namespace python = detail::python_layout;
+namespace python = detail::checkpoint::python_layout;
 
-// Where the readers find a checkpoint's files, and whose layout they are in.
+// Where the readers find a checkpoint's files, and the layout they are in.
 struct Source {
   fs::path folder;
-  bool python = false;  // upstream's (Note [Checkpoints from and for Python])
+  const detail::checkpoint::Layout& layout;
   // The path of `name`, which the checkpoint must have.
   fs::path require(const std::string& name) const {
     const auto path = folder / name;
@@ -183,13 +185,10 @@ void check_whole_model(torch::nn::Module& module, const TensorMap& tensors, cons
                     "]");
 }
 
-// The whole state of model `i` in upstream's layout: its one safetensors file (read as the
-// project's is), or the tensors of its pickled file or of its shards, read now.
-void read_python_model(const detail::CheckpointObjects& objects, const Source& from, size_t i, ModelStates& read,
-                       bool convert) {
-  const auto files = python::model_files(from.folder, i);
-  TORCH_CHECK_VALUE(!files.empty(), "the checkpoint has no ", python::model_file(i, true), " nor ",
-                    python::model_file(i, false));
+// The whole state of model `i` in files its layout names (upstream's): its one safetensors file
+// (read as the project's is), or the tensors of its pickled file or of its shards, read now.
+void read_named_model(const detail::checkpoint::CheckpointObjects& objects, const std::vector<fs::path>& files, size_t i,
+                      ModelStates& read, bool convert) {
   auto& module = *objects.models[i].module();
   auto* split = objects.model_splits[i];
   if (files.size() == 1 && files[0].extension() == ".safetensors" && !split) {
@@ -204,7 +203,7 @@ void read_python_model(const detail::CheckpointObjects& objects, const Source& f
   if (files.size() == 1 && files[0].extension() == ".safetensors") {  // whole, to be split
     tensors = SafetensorsFile(files[0].string()).read_tensors();
   } else if (files.size() == 1 && files[0].extension() == ".json") {  // a safetensors index
-    for (const auto& shard : detail::read_checkpoint_index(files[0], "Accelerator::load_state").files) {
+    for (const auto& shard : detail::checkpoint_index::read_checkpoint_index(files[0], "Accelerator::load_state").files) {
       for (auto& [name, tensor] : SafetensorsFile(shard.string()).read_tensors()) tensors.emplace(name, tensor);
     }
   } else {
@@ -216,14 +215,14 @@ void read_python_model(const detail::CheckpointObjects& objects, const Source& f
   read.whole[i] = std::move(tensors);
 }
 
-ModelStates read_models(const detail::CheckpointObjects& objects, const Source& from, bool convert) {
+ModelStates read_models(const detail::checkpoint::CheckpointObjects& objects, const Source& from, bool convert) {
   ModelStates read;
   read.sharded.resize(objects.models.size());
   read.whole.resize(objects.models.size());
   for (size_t i = 0; i < objects.models.size(); ++i) {
     auto* engine = objects.model_engines[i];
-    if (from.python) {
-      read_python_model(objects, from, i, read, convert);
+    if (const auto files = from.layout.model_files(from.folder, i)) {
+      read_named_model(objects, *files, i, read, convert);
       continue;
     }
     const auto sharded_folder = from.folder / ("pytorch_model_fsdp_" + std::to_string(i));
@@ -231,8 +230,8 @@ ModelStates read_models(const detail::CheckpointObjects& objects, const Source& 
     if (fs::is_directory(sharded_folder)) {
       // This process's part, whatever the mesh that saved it (Note [Sharded checkpoint layout]).
       auto state = naming_file(sharded_folder, [&] {
-        return detail::load_sharded_state(
-            detail::shard_place(engine, split), sharded_folder.string(), engine && detail::local_state(engine),
+        return detail::checkpoint::load_sharded_state(
+            detail::checkpoint::shard_place(engine, split), sharded_folder.string(), engine && detail::checkpoint::local_state(engine),
             [split](const std::string& name, const std::vector<int64_t>&) { return split ? split->split_dim_of(name) : -1; });
       });
       read.files.emplace_back();
@@ -249,7 +248,7 @@ ModelStates read_models(const detail::CheckpointObjects& objects, const Source& 
       continue;
     }
     if (split) {  // Note [Checkpoints of split layers]
-      const auto path = from.require(detail::numbered("model", i, ".safetensors"));
+      const auto path = from.require(detail::checkpoint::numbered("model", i, ".safetensors"));
       auto tensors = naming_file(path, [&] {
         auto whole = SafetensorsFile(path.string()).read_tensors();
         split->split_whole(whole);
@@ -261,7 +260,7 @@ ModelStates read_models(const detail::CheckpointObjects& objects, const Source& 
       continue;
     }
     std::map<std::string, c10::ScalarType> stored;
-    read.files.push_back(from.require(detail::numbered("model", i, ".safetensors")).string());
+    read.files.push_back(from.require(detail::checkpoint::numbered("model", i, ".safetensors")).string());
     SafetensorsFile file(read.files.back());
     for (const auto& name : file.keys()) stored.emplace(name, safetensors_dtype(file.entry(name).dtype));
     check_model_dtypes(*objects.models[i].module(), stored, file.path(), convert);
@@ -271,16 +270,16 @@ ModelStates read_models(const detail::CheckpointObjects& objects, const Source& 
 
 // The models' own checks, before any of them changes: they load side by side with the
 // optimizers, and one must not fail after another was loaded.
-void check_models(const detail::CheckpointObjects& objects, const ModelStates& read, bool convert) {
+void check_models(const detail::checkpoint::CheckpointObjects& objects, const ModelStates& read, bool convert) {
   for (size_t i = 0; i < objects.models.size(); ++i) {
     if (!objects.model_engines[i] && !read.whole[i]) {
-      detail::check_checkpoint_in_model(*objects.models[i].module(), read.files[i],
+      modeling_detail::check_checkpoint_in_model(*objects.models[i].module(), read.files[i],
                                         {.strict = true, .convert_dtypes = convert});
     }
   }
 }
 
-void load_models(const detail::CheckpointObjects& objects, const ModelStates& read, bool convert) {
+void load_models(const detail::checkpoint::CheckpointObjects& objects, const ModelStates& read, bool convert) {
   for (size_t i = 0; i < objects.models.size(); ++i) {
     auto* engine = objects.model_engines[i];
     if (read.sharded[i]) {
@@ -312,52 +311,47 @@ struct OptimizerStates {
   std::vector<fs::path> paths;
 };
 
-OptimizerStates read_optimizers(const detail::CheckpointObjects& objects, const Source& from) {
+OptimizerStates read_optimizers(const detail::checkpoint::CheckpointObjects& objects, const Source& from) {
   OptimizerStates read;
   for (size_t i = 0; i < objects.optimizers.size(); ++i) {
     auto* engine = objects.optimizer_engines[i];
     auto* split = objects.optimizer_splits[i];
     const auto sharded_folder = from.folder / ("optimizer_" + std::to_string(i));
-    if (fs::is_directory(sharded_folder) && (engine || !from.python)) {
+    if (fs::is_directory(sharded_folder) && from.layout.reads_sharded_optimizer(/*has_engine=*/engine != nullptr)) {
       // This process's part, whatever the mesh that saved it (Note [Sharded checkpoint layout]):
       // rows of its piece of each state tensor shaped like its split parameter.
-      const auto params = detail::optimizer_params(*objects.optimizers[i].optimizer());
+      const auto params = detail::checkpoint::optimizer_params(*objects.optimizers[i].optimizer());
       const auto split_dim = [&](const std::string& key, const std::vector<int64_t>& whole) -> int64_t {
-        const size_t index = detail::state_param_index(key);
+        const size_t index = detail::checkpoint::state_param_index(key);
         if (!split || index >= params.size() || !split->is_sharded(params[index])) return -1;
         const auto& param = params[index];
-        return detail::whole_tensor_shape(engine, split, param) == whole ? split->split_dim(param) : -1;
+        return detail::checkpoint::whole_tensor_shape(engine, split, param) == whole ? split->split_dim(param) : -1;
       };
       read.paths.push_back(sharded_folder);
       read.states.push_back(naming_file(sharded_folder, [&] {
-        return detail::load_sharded_state(detail::shard_place(engine, split), sharded_folder.string(),
-                                          engine && detail::local_state(engine), split_dim);
+        return detail::checkpoint::load_sharded_state(detail::checkpoint::shard_place(engine, split), sharded_folder.string(),
+                                          engine && detail::checkpoint::local_state(engine), split_dim);
       }));
       read.files.emplace_back();
       continue;
     }
     std::unique_ptr<SafetensorsFile> file;
-    if (from.python) {
-      read.paths.push_back(from.require(python::optimizer_file(i)));
-      read.states.push_back(python::read_optimizer(read.paths.back().string(), *objects.optimizers[i].optimizer()));
-    } else {
-      read.paths.push_back(from.require(detail::numbered("optimizer", i, ".safetensors")));
-      file = std::make_unique<SafetensorsFile>(read.paths.back().string());
-      read.states.push_back(detail::state_dict_views(*file));
-    }
+    read.paths.push_back(from.require(from.layout.optimizer_file(i)));
+    read.states.push_back(
+        from.layout.read_optimizer(read.paths.back().string(), *objects.optimizers[i].optimizer(), file));
     if (engine || split) {
       // A whole state: this process's piece of each split parameter's tensors (Note [Checkpoints
       // of split layers]), then its rows of each sharded parameter's.
       naming_file(read.paths.back(), [&] {
-        const auto params = detail::optimizer_params(*objects.optimizers[i].optimizer());
+        const auto params = detail::checkpoint::optimizer_params(*objects.optimizers[i].optimizer());
         for (auto& [key, tensor] : read.states.back().tensors) {
-          const size_t index = detail::state_param_index(key);
+          const size_t index = detail::checkpoint::state_param_index(key);
           TORCH_CHECK_VALUE(index < params.size(), "the optimizer state names parameter ", index, " of ",
                             params.size());
           const auto& param = params[index];
           const bool rows = engine && engine->is_sharded(param);
           if (split && split->is_sharded(param) &&
-              tensor.sizes().vec() == detail::whole_tensor_shape(engine, split, param)) {
+              tensor.sizes().vec() == detail::checkpoint::whole_tensor_shape(engine, split, param)) {
             tensor = split->piece_of(param, tensor, "\"" + key + "\"").clone();
           }
           if (rows && tensor.sizes().vec() == engine->whole_shape(param)) {
@@ -372,10 +366,10 @@ OptimizerStates read_optimizers(const detail::CheckpointObjects& objects, const 
   return read;
 }
 
-void check_optimizers(const detail::CheckpointObjects& objects, const OptimizerStates& read, bool convert) {
+void check_optimizers(const detail::checkpoint::CheckpointObjects& objects, const OptimizerStates& read, bool convert) {
   for (size_t i = 0; i < objects.optimizers.size(); ++i) {
     const auto check = [&] {
-      detail::check_optimizer_state(*objects.optimizers[i].optimizer(), read.states[i], read.files[i].get(),
+      detail::checkpoint::check_optimizer_state(*objects.optimizers[i].optimizer(), read.states[i], read.files[i].get(),
                                     {.convert_dtypes = convert});
     };
     if (read.files[i]) {
@@ -386,10 +380,10 @@ void check_optimizers(const detail::CheckpointObjects& objects, const OptimizerS
   }
 }
 
-void load_optimizers(const detail::CheckpointObjects& objects, OptimizerStates& read, bool convert) {
+void load_optimizers(const detail::checkpoint::CheckpointObjects& objects, OptimizerStates& read, bool convert) {
   for (size_t i = 0; i < objects.optimizers.size(); ++i) {
     if (read.files[i]) {  // its errors name the file
-      detail::load_optimizer_state_from_file(*objects.optimizers[i].optimizer(), read.states[i], *read.files[i],
+      detail::checkpoint::load_optimizer_state_from_file(*objects.optimizers[i].optimizer(), read.states[i], *read.files[i],
                                              {.convert_dtypes = convert});
       continue;
     }
@@ -407,9 +401,9 @@ void load_optimizers(const detail::CheckpointObjects& objects, OptimizerStates& 
 // cannot meet: no sharded engine (its loads may run collectives, which must keep one order
 // on every process), and no model tensor on the meta device (loading materialises it,
 // changing the parameter the optimizer's load reads).
-void load_models_and_optimizers(const detail::CheckpointObjects& objects, const ModelStates& models,
+void load_models_and_optimizers(const detail::checkpoint::CheckpointObjects& objects, const ModelStates& models,
                                 OptimizerStates& optimizers, bool convert) {
-  const auto engine = [](const detail::FsdpEngine* e) { return e != nullptr; };
+  const auto engine = [](const detail::fsdp::FsdpEngine* e) { return e != nullptr; };
   const auto on_meta = [&] {
     for (const auto& model : objects.models) {
       for (const auto& t : model.module()->parameters()) {
@@ -454,21 +448,16 @@ struct SmallStates {
   std::vector<StateDict> states;
 };
 
-SmallStates read_schedulers(const detail::CheckpointObjects& objects, const Source& from) {
+SmallStates read_schedulers(const detail::checkpoint::CheckpointObjects& objects, const Source& from) {
   SmallStates read;
   for (size_t i = 0; i < objects.schedulers.size(); ++i) {
-    if (from.python) {
-      read.paths.push_back(from.require(python::scheduler_file(i)));
-      read.states.push_back({python::read_scheduler(read.paths.back().string(), *objects.schedulers[i].scheduler()), {}});
-      continue;
-    }
-    read.paths.push_back(from.require(detail::numbered("scheduler", i, ".json")));
-    read.states.push_back(load_state_dict_file(read.paths.back().string()));
+    read.paths.push_back(from.require(from.layout.scheduler_file(i)));
+    read.states.push_back(from.layout.read_scheduler(read.paths.back().string(), *objects.schedulers[i].scheduler()));
   }
   return read;
 }
 
-void load_schedulers(const detail::CheckpointObjects& objects, const SmallStates& read, Undo& undo) {
+void load_schedulers(const detail::checkpoint::CheckpointObjects& objects, const SmallStates& read, Undo& undo) {
   for (size_t i = 0; i < objects.schedulers.size(); ++i) {
     auto scheduler = objects.schedulers[i].scheduler();
     undo.steps.push_back([scheduler, before = scheduler->state_dict()] { scheduler->load_state_dict(before); });
@@ -481,11 +470,11 @@ struct LoaderStates {
   std::vector<DataLoaderState> positions;
 };
 
-LoaderStates read_data_loaders(const detail::CheckpointObjects& objects, const Source& from) {
+LoaderStates read_data_loaders(const detail::checkpoint::CheckpointObjects& objects, const Source& from) {
   LoaderStates read;
-  if (from.python) return read;  // upstream's samplers are pickled Python objects: skipped, and named
+  if (!from.layout.keeps_data_loaders()) return read;  // skipped, and named (Layout::warn_skipped)
   for (size_t i = 0; i < objects.loaders.size(); ++i) {
-    read.paths.push_back(from.require(detail::loader_file(objects.loaders[i], i)));
+    read.paths.push_back(from.require(detail::checkpoint::loader_file(objects.loaders[i], i)));
     read.positions.push_back(naming_file(read.paths.back(), [&] {
       return DataLoaderState::from_json(load_state_dict_file(read.paths.back().string()).values.dump());
     }));
@@ -493,7 +482,7 @@ LoaderStates read_data_loaders(const detail::CheckpointObjects& objects, const S
   return read;
 }
 
-void load_data_loaders(const detail::CheckpointObjects& objects, const LoaderStates& read, Undo& undo) {
+void load_data_loaders(const detail::checkpoint::CheckpointObjects& objects, const LoaderStates& read, Undo& undo) {
   for (size_t i = 0; i < read.positions.size(); ++i) {
     const auto& loader = objects.loaders[i];
     undo.steps.push_back([loader, before = loader.state_dict()] { loader.load_state_dict(before); });
@@ -503,13 +492,12 @@ void load_data_loaders(const detail::CheckpointObjects& objects, const LoaderSta
 
 std::optional<StateDict> read_scaler(const std::optional<GradScaler>& scaler, const Source& from) {
   if (!scaler) return std::nullopt;
-  if (from.python) return StateDict{python::read_scaler(from.require(python::kScalerFile).string()), {}};
-  return load_state_dict_file(from.require("scaler.json").string());
+  return from.layout.read_scaler(from.require(from.layout.scaler_file()).string());
 }
 
 void load_scaler(const GradScaler& scaler, const StateDict& state, const Source& from, Undo& undo) {
   undo.steps.push_back([scaler, before = scaler.state_dict()] { scaler.load_state_dict(before); });
-  naming_file(from.folder / (from.python ? python::kScalerFile : "scaler.json"),
+  naming_file(from.folder / from.layout.scaler_file(),
               [&] { scaler.load_state_dict(state.values); });
 }
 
@@ -520,9 +508,9 @@ struct CustomStates {
   std::vector<StateDict> states;
 };
 
-CustomStates read_custom_objects(const detail::CheckpointObjects& objects, const Source& from, bool convert) {
+CustomStates read_custom_objects(const detail::checkpoint::CheckpointObjects& objects, const Source& from, bool convert) {
   CustomStates read;
-  read.files = detail::custom_checkpoint_files(from.folder);
+  read.files = detail::checkpoint::custom_checkpoint_files(from.folder);
   TORCH_CHECK_VALUE(read.files.size() == objects.custom.size(), "the number of custom checkpoints in ",
                     from.folder.string(), " does not match the number of registered objects: found ",
                     read.files.size(), " checkpoints, ", objects.custom.size(),
@@ -540,7 +528,7 @@ CustomStates read_custom_objects(const detail::CheckpointObjects& objects, const
 
 // Registered objects without tensors first (their current state kept for `undo`), and those with
 // tensors (which may be modules, too large to keep) once everything else is loaded.
-void load_custom_objects(const detail::CheckpointObjects& objects, const CustomStates& read, bool with_tensors,
+void load_custom_objects(const detail::checkpoint::CheckpointObjects& objects, const CustomStates& read, bool with_tensors,
                          Undo* undo) {
   for (size_t i = 0; i < objects.custom.size(); ++i) {
     if (read.states[i].tensors.empty() == with_tensors) continue;
@@ -553,9 +541,7 @@ void load_custom_objects(const detail::CheckpointObjects& objects, const CustomS
 // ---- Random generators and the step
 
 std::optional<StateDict> read_random_states(const Source& from, int process_index, const PartialState& state) {
-  const auto random_file =
-      from.folder / (from.python ? python::random_file(process_index)
-                                 : "random_states_" + std::to_string(process_index) + ".safetensors");
+  const auto random_file = from.folder / from.layout.random_file(process_index);
   if (!fs::is_regular_file(random_file)) {
     detail::warn("accelerate.checkpointing",
                  c10::str("[Accelerator::load_state] ", random_file.string(),
@@ -564,45 +550,15 @@ std::optional<StateDict> read_random_states(const Source& from, int process_inde
                  {.every_process = true, .state = state});
     return std::nullopt;
   }
-  if (from.python) {
-    std::vector<std::string> skipped;
-    auto random = python::read_random(random_file.string(), skipped);
-    if (!skipped.empty()) {
-      detail::warn("accelerate.checkpointing",
-                   c10::str("[Accelerator::load_state] ", random_file.filename().string(), " holds ",
-                            c10::Join(", ", skipped),
-                            ", which have no C++ counterpart (Python's random and numpy generators) and are skipped"),
-                   {.once = true, .state = state});
-    }
-    naming_file(random_file, [&] { checkpoint_detail::check_rng_state_dict(random); });
-    return random;
-  }
-  auto random = load_state_dict_file(random_file.string());
-  TORCH_CHECK_VALUE(random.values.contains("step") && random.values.at("step").is_number_integer(),
-                    random_file.string(), " has no integer \"step\"");
+  auto random = from.layout.read_random(random_file, state);
   naming_file(random_file, [&] { checkpoint_detail::check_rng_state_dict(random); });
   return random;
-}
-
-// The data loaders' files of upstream's layout, which hold pickled Python objects (the sampler).
-void warn_python_skips(const detail::CheckpointObjects& objects, const Source& from, const PartialState& state) {
-  std::vector<std::string> skipped;
-  for (size_t i = 0; i < objects.loaders.size(); ++i) {
-    for (const auto& name : {python::sampler_file(i), python::loader_state_file(i)}) {
-      if (fs::is_regular_file(from.folder / name)) skipped.push_back(name);
-    }
-  }
-  if (skipped.empty() && objects.loaders.empty()) return;
-  detail::warn("accelerate.checkpointing",
-               c10::str("[Accelerator::load_state] ", from.folder.string(), " is in Python Accelerate's layout; the ",
-                        "data loaders keep their state (", skipped.empty() ? "none saved" : c10::Join(", ", skipped),
-                        ": pickled Python samplers, which are not read)"),
-               {.once = true, .state = state});
 }
 
 }  // namespace
 
 void Accelerator::load_state(const std::string& input_dir, const LoadStateOptions& options) const {
+  detail::CallingApi calling("load_state");
   const auto project = project_configuration();
   fs::path folder;
   if (!input_dir.empty()) {
@@ -614,7 +570,7 @@ void Accelerator::load_state(const std::string& input_dir, const LoadStateOption
                       "[Accelerator::load_state] no input_dir provided and automatic checkpoint naming is disabled");
     const auto root = fs::path(project.project_dir) / "checkpoints";
     std::vector<std::pair<int64_t, fs::path>> incomplete;
-    const auto checkpoints = detail::list_checkpoints(root, &incomplete);
+    const auto checkpoints = detail::checkpoint::list_checkpoints(root, &incomplete);
     std::vector<std::string> skipped;  // incomplete folders numbered after the one taken
     for (const auto& [number, path] : incomplete) {
       if (checkpoints.empty() || number > checkpoints.back().first) skipped.push_back(path.filename().string());
@@ -631,15 +587,13 @@ void Accelerator::load_state(const std::string& input_dir, const LoadStateOption
     }
   }
 
-  auto objects = detail::checkpoint_objects(*impl_);  // not const: the hooks may change the models
+  auto objects = detail::checkpoint::checkpoint_objects(*impl_);  // not const: the hooks may change the models
   const bool convert = options.convert_dtypes;
-  detail::run_agreed(partial(), "[Accelerator::load_state] loading " + folder.string(), [&] {
+  detail::checkpoint::run_agreed(partial(), "[Accelerator::load_state] loading " + folder.string(), [&] {
     for (const auto& hook : objects.load_hooks) hook(objects.models, folder.string());
     // Everything is read and checked first, then applied (Note [Loading changes nothing or all]).
-    const bool python = options.layout == CheckpointLayout::kPython ||
-                        (options.layout == CheckpointLayout::kDetect && python::is_python_folder(folder));
-    const Source from{folder, python};
-    if (python) warn_python_skips(objects, from, partial());
+    const Source from{folder, detail::checkpoint::layout_to_load(options.layout, folder)};
+    from.layout.warn_skipped(objects, folder, partial());
     const auto models = read_models(objects, from, convert);
     auto optimizers = read_optimizers(objects, from);
     const auto schedulers = read_schedulers(objects, from);

@@ -1,7 +1,7 @@
 // Upstream's save_state folder (see python_layout.h).
 #include "checkpoint/python_layout.h"
 
-#include "checkpoint/index.h"
+#include "formats/checkpoint_index.h"
 #include "checkpoint/state_objects.h"
 #include "checkpoint/torch_save.h"
 
@@ -14,7 +14,7 @@
 
 namespace fs = std::filesystem;
 
-namespace accelerate::detail::python_layout {
+namespace accelerate::detail::checkpoint::python_layout {
 
 // Note [Checkpoints from and for Python]
 // Upstream's save_state writes each object with torch.save under fixed names (model weights as
@@ -60,7 +60,7 @@ std::vector<fs::path> model_files(const fs::path& folder, size_t i) {
     const auto index = folder / (model_file(i, safetensors) + ".index.json");
     if (fs::is_regular_file(index)) {
       if (safetensors) return {index};  // the safetensors loaders read the index themselves
-      return read_checkpoint_index(index, "Accelerator::load_state").files;
+      return checkpoint_index::read_checkpoint_index(index, "Accelerator::load_state").files;
     }
   }
   return {};
@@ -309,4 +309,4 @@ void write_custom(const StateDict& state, const std::string& path) {
   w.write(state.values.empty() ? w.ordered_dict(std::move(entries)) : tr.dict(std::move(entries)), path);
 }
 
-}  // namespace accelerate::detail::python_layout
+}  // namespace accelerate::detail::checkpoint::python_layout

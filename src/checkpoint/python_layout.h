@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-namespace accelerate::detail::python_layout {
+namespace accelerate::detail::checkpoint::python_layout {
 
 /// Upstream's file names: `model.safetensors` / `model_1.safetensors` (or `pytorch_model.bin` /
 /// `pytorch_model_1.bin`), `optimizer.bin`, `scheduler.bin`, `scaler.pt`, `random_states_<p>.pkl`,
@@ -66,4 +66,4 @@ void write_random(const StateDict& generators, int64_t step, const std::string& 
 StateDict read_custom(const std::string& path);
 void write_custom(const StateDict& state, const std::string& path);
 
-}  // namespace accelerate::detail::python_layout
+}  // namespace accelerate::detail::checkpoint::python_layout

@@ -5,9 +5,10 @@
 
 #include "accelerator_impl.h"
 #include "checkpoint/commit.h"
-#include "checkpoint/python_layout.h"
+#include "checkpoint/layout.h"
 #include "checkpoint/sharded_format.h"
 #include "checkpoint/state_objects.h"
+#include "detail/collective_watch.h"
 #include "detail/collectives.h"
 #include "detail/files.h"
 #include "detail/warn.h"
@@ -44,6 +45,7 @@ void Accelerator::save(const nlohmann::json& values, const std::string& path) co
 }
 
 StateDictMap Accelerator::model_state_dict(const std::shared_ptr<torch::nn::Module>& module) const {
+  detail::CallingApi calling("get_state_dict");
   std::optional<DistributedDataParallel> prepared;
   {
     std::lock_guard<std::mutex> lock(impl_->mutex);
@@ -67,6 +69,7 @@ StateDictMap Accelerator::model_state_dict(const std::shared_ptr<torch::nn::Modu
 
 void Accelerator::save_module(const std::shared_ptr<torch::nn::Module>& module, const std::string& save_directory,
                               const std::string& max_shard_size) const {
+  detail::CallingApi calling("save_model");
   TORCH_CHECK_VALUE(!fs::is_regular_file(save_directory), "[Accelerator::save_model] provided path (", save_directory,
                     ") should be a directory, not a file");
   auto weights = model_state_dict(module);
@@ -135,7 +138,7 @@ void Accelerator::number_after_earlier_run(ProjectConfiguration& project) const 
   int64_t highest = -1;
   if (is_main_process()) {
     std::vector<std::pair<int64_t, fs::path>> incomplete;
-    for (const auto& [number, path] : detail::list_checkpoints(root, &incomplete)) highest = std::max(highest, number);
+    for (const auto& [number, path] : detail::checkpoint::list_checkpoints(root, &incomplete)) highest = std::max(highest, number);
     for (const auto& [number, path] : incomplete) highest = std::max(highest, number);
   }
   if (num_processes() > 1) {
@@ -165,7 +168,7 @@ struct Destination {
   fs::path folder;
   PartialState state;
   std::string operator/(const std::string& name) const { return (folder / name).string(); }
-  void written() const { detail::checkpoint_file_written(state); }
+  void written() const { detail::checkpoint::checkpoint_file_written(state); }
 };
 
 // Note [Checkpoints of split layers]
@@ -182,7 +185,7 @@ struct Destination {
 
 // Each model's state dict, as its checkpoint holds it: a sharded model's own shards (sharded
 // states), or its whole tensors gathered from every process (a collective).
-std::vector<StateDictMap> model_states(const detail::CheckpointObjects& objects) {
+std::vector<StateDictMap> model_states(const detail::checkpoint::CheckpointObjects& objects) {
   std::vector<StateDictMap> weights;
   for (size_t i = 0; i < objects.models.size(); ++i) {
     auto* engine = objects.model_engines[i];
@@ -193,13 +196,13 @@ std::vector<StateDictMap> model_states(const detail::CheckpointObjects& objects)
     }
     std::vector<std::pair<std::string, at::Tensor>> values;
     if (engine) {
-      values = detail::sharded_state(engine) ? engine->local_state_dict() : engine->full_state_dict();
+      values = detail::checkpoint::sharded_state(engine) ? engine->local_state_dict() : engine->full_state_dict();
     } else {
       for (const auto& item : accelerate::get_state_dict(*objects.models[i].module())) {
         values.emplace_back(item.key(), item.value());
       }
     }
-    if (split && !(engine && detail::sharded_state(engine))) split->gather_whole(values);  // Note [Checkpoints of split layers]
+    if (split && !(engine && detail::checkpoint::sharded_state(engine))) split->gather_whole(values);  // Note [Checkpoints of split layers]
     StateDictMap state;
     for (auto& [name, tensor] : values) state.insert(name, tensor);
     weights.push_back(std::move(state));
@@ -209,11 +212,11 @@ std::vector<StateDictMap> model_states(const detail::CheckpointObjects& objects)
 
 // The models with sharded states: every process writes its own part, in
 // `pytorch_model_fsdp_<i>` (Note [Sharded checkpoint layout]).
-void write_sharded_models(const detail::CheckpointObjects& objects, const std::vector<StateDictMap>& weights,
+void write_sharded_models(const detail::checkpoint::CheckpointObjects& objects, const std::vector<StateDictMap>& weights,
                           const Destination& to) {
   for (size_t i = 0; i < weights.size() && i < objects.models.size(); ++i) {
     auto* engine = objects.model_engines[i];
-    if (!engine || !detail::sharded_state(engine)) continue;
+    if (!engine || !detail::checkpoint::sharded_state(engine)) continue;
     auto* split = objects.model_splits[i];
     std::map<std::string, at::Tensor> tensors;
     std::map<std::string, std::vector<int64_t>> whole;
@@ -224,12 +227,12 @@ void write_sharded_models(const detail::CheckpointObjects& objects, const std::v
       tensors.emplace(item.key(), item.value());
       auto it = params.find(item.key());
       if (it == params.end()) continue;
-      const auto shape = detail::whole_tensor_shape(engine, split, it->second);
+      const auto shape = detail::checkpoint::whole_tensor_shape(engine, split, it->second);
       if (split && split->is_sharded(it->second)) pieces[item.key()] = {split->split_dim(it->second), shape};
       if (engine->is_sharded(it->second)) whole[item.key()] = shape;
     }
     if (engine->replica_index() != 0) continue;  // hybrid sharding: the first replica writes the shards
-    detail::save_sharded_state(detail::shard_place(engine, split), to / ("pytorch_model_fsdp_" + std::to_string(i)),
+    detail::checkpoint::save_sharded_state(detail::checkpoint::shard_place(engine, split), to / ("pytorch_model_fsdp_" + std::to_string(i)),
                                {{"model", i}}, tensors, whole, pieces);
     to.written();
   }
@@ -238,7 +241,7 @@ void write_sharded_models(const detail::CheckpointObjects& objects, const std::v
 // The optimizers over sharded or split parameters: sharded states are written here by every
 // process (`optimizer_<i>`); whole ones are gathered (a collective, in the same order everywhere)
 // and returned for the shared files. Nothing for the other optimizers.
-std::vector<std::optional<StateDict>> sharded_optimizer_states(const detail::CheckpointObjects& objects,
+std::vector<std::optional<StateDict>> sharded_optimizer_states(const detail::checkpoint::CheckpointObjects& objects,
                                                                const Destination& to) {
   std::vector<std::optional<StateDict>> states(objects.optimizers.size());
   for (size_t i = 0; i < objects.optimizers.size(); ++i) {
@@ -246,18 +249,18 @@ std::vector<std::optional<StateDict>> sharded_optimizer_states(const detail::Che
     auto* split = objects.optimizer_splits[i];
     if (!engine && !split) continue;
     StateDict state = optimizer_state_dict(*objects.optimizers[i].optimizer());
-    const auto params = detail::optimizer_params(*objects.optimizers[i].optimizer());
-    const bool sharded = engine && detail::sharded_state(engine);
+    const auto params = detail::checkpoint::optimizer_params(*objects.optimizers[i].optimizer());
+    const bool sharded = engine && detail::checkpoint::sharded_state(engine);
     std::map<std::string, std::vector<int64_t>> whole;
     std::map<std::string, std::pair<int64_t, std::vector<int64_t>>> pieces;
     for (auto& [key, tensor] : state.tensors) {
-      const auto& param = params.at(detail::state_param_index(key));
+      const auto& param = params.at(detail::checkpoint::state_param_index(key));
       const bool rows = engine && engine->is_sharded(param);
       const bool like_param = tensor.sizes() == param.sizes();
       const bool piece = split && split->is_sharded(param) && like_param;
       if (sharded) {  // this process's part, placed in the whole tensor by the index
         if (!like_param) continue;
-        const auto shape = detail::whole_tensor_shape(engine, split, param);
+        const auto shape = detail::checkpoint::whole_tensor_shape(engine, split, param);
         if (piece) pieces[key] = {split->split_dim(param), shape};
         if (rows) whole[key] = shape;
         continue;
@@ -270,9 +273,9 @@ std::vector<std::optional<StateDict>> sharded_optimizer_states(const detail::Che
       states[i] = std::move(state);
       continue;
     }
-    if (detail::sharded_state(engine)) {
+    if (detail::checkpoint::sharded_state(engine)) {
       if (engine->replica_index() != 0) continue;
-      detail::save_sharded_state(detail::shard_place(engine, split), to / ("optimizer_" + std::to_string(i)),
+      detail::checkpoint::save_sharded_state(detail::checkpoint::shard_place(engine, split), to / ("optimizer_" + std::to_string(i)),
                                  state.values, state.tensors, whole, pieces);
       to.written();
     } else {
@@ -284,117 +287,75 @@ std::vector<std::optional<StateDict>> sharded_optimizer_states(const detail::Che
 
 // The shared files, written by one process (per machine with save_on_each_node).
 
-void write_models(const detail::CheckpointObjects& objects, const std::vector<StateDictMap>& weights,
+void write_models(const detail::checkpoint::CheckpointObjects& objects, const std::vector<StateDictMap>& weights,
                   const Destination& to) {
   for (size_t i = 0; i < weights.size(); ++i) {
-    if (i < objects.models.size() && objects.model_engines[i] && detail::sharded_state(objects.model_engines[i])) {
+    if (i < objects.models.size() && objects.model_engines[i] && detail::checkpoint::sharded_state(objects.model_engines[i])) {
       continue;
     }
     TensorMap tensors;
     for (const auto& item : clean_state_dict_for_safetensors(weights[i])) tensors.emplace(item.key(), item.value());
-    save_file(tensors, to / detail::numbered("model", i, ".safetensors"), {{"format", "pt"}});
+    save_file(tensors, to / detail::checkpoint::numbered("model", i, ".safetensors"), {{"format", "pt"}});
     to.written();
   }
 }
 
-void write_optimizers(const detail::CheckpointObjects& objects, const std::vector<std::optional<StateDict>>& states,
-                      const Destination& to, bool python) {
+void write_optimizers(const detail::checkpoint::CheckpointObjects& objects, const std::vector<std::optional<StateDict>>& states,
+                      const Destination& to, const detail::checkpoint::Layout& layout) {
   for (size_t i = 0; i < objects.optimizers.size(); ++i) {
     if ((objects.optimizer_engines[i] || objects.optimizer_splits[i]) && !states[i]) continue;  // sharded, written already
     const auto state = states[i] ? *states[i] : optimizer_state_dict(*objects.optimizers[i].optimizer());
-    if (python) {
-      detail::python_layout::write_optimizer(state, to / detail::python_layout::optimizer_file(i));
-    } else {
-      save_state_dict_file(state, to / detail::numbered("optimizer", i, ".safetensors"));
-    }
+    layout.write_optimizer(state, to / layout.optimizer_file(i));
     to.written();
   }
 }
 
-void write_schedulers(const detail::CheckpointObjects& objects, const Destination& to, bool python) {
+void write_schedulers(const detail::checkpoint::CheckpointObjects& objects, const Destination& to,
+                      const detail::checkpoint::Layout& layout) {
   for (size_t i = 0; i < objects.schedulers.size(); ++i) {
-    const auto& scheduler = *objects.schedulers[i].scheduler();
-    if (python) {
-      detail::python_layout::write_scheduler(scheduler, to / detail::python_layout::scheduler_file(i));
-    } else {
-      save_state_dict_file({scheduler.state_dict(), {}}, to / detail::numbered("scheduler", i, ".json"));
-    }
+    layout.write_scheduler(*objects.schedulers[i].scheduler(), to / layout.scheduler_file(i));
     to.written();
   }
 }
 
-void write_data_loaders(const detail::CheckpointObjects& objects, const Destination& to) {
+void write_data_loaders(const detail::checkpoint::CheckpointObjects& objects, const Destination& to) {
   for (size_t i = 0; i < objects.loaders.size(); ++i) {
-    save_state_dict_file({nlohmann::json::parse(detail::sampler_state(objects.loaders[i]).to_json()), {}},
-                         to / detail::loader_file(objects.loaders[i], i));
+    save_state_dict_file({nlohmann::json::parse(detail::checkpoint::sampler_state(objects.loaders[i]).to_json()), {}},
+                         to / detail::checkpoint::loader_file(objects.loaders[i], i));
     to.written();
   }
 }
 
-void write_scaler(const std::optional<GradScaler>& scaler, const Destination& to, bool python) {
+void write_scaler(const std::optional<GradScaler>& scaler, const Destination& to,
+                  const detail::checkpoint::Layout& layout) {
   if (!scaler) return;
-  if (python) {
-    detail::python_layout::write_scaler(scaler->state_dict(), to / detail::python_layout::kScalerFile);
-  } else {
-    save_state_dict_file({scaler->state_dict(), {}}, to / "scaler.json");
-  }
+  layout.write_scaler(scaler->state_dict(), to / layout.scaler_file());
   to.written();
 }
 
-void write_custom_objects(const detail::CheckpointObjects& objects, const Destination& to, bool python) {
+void write_custom_objects(const detail::checkpoint::CheckpointObjects& objects, const Destination& to,
+                          const detail::checkpoint::Layout& layout) {
   for (size_t i = 0; i < objects.custom.size(); ++i) {
     const auto state = objects.custom[i].state_dict();
-    if (python) {
-      detail::python_layout::write_custom(state, to / detail::python_layout::custom_file(i));
-    } else {
-      const auto ext = state.tensors.empty() ? ".json" : ".safetensors";
-      save_state_dict_file(state, to / ("custom_checkpoint_" + std::to_string(i) + ext));
-    }
+    layout.write_custom(state, to / layout.custom_file(i, state));
     to.written();
   }
 }
 
 // Every process's random generators and the step: its last file, whose presence marks the
 // checkpoint complete.
-void write_random_states(int64_t step, int process_index, const Destination& to, bool python) {
-  auto random = rng_state_dict();
-  if (python) {
-    detail::python_layout::write_random(random, step, to / detail::python_layout::random_file(process_index));
-  } else {
-    random.values["step"] = step;
-    save_state_dict_file(random, to / ("random_states_" + std::to_string(process_index) + ".safetensors"));
-  }
+void write_random_states(int64_t step, int process_index, const Destination& to,
+                         const detail::checkpoint::Layout& layout) {
+  layout.write_random(rng_state_dict(), step, to / layout.random_file(process_index));
   to.written();
-}
-
-// What upstream's layout cannot hold, refused on every process before anything is written.
-void check_python_layout(const detail::CheckpointObjects& objects) {
-  for (size_t i = 0; i < objects.models.size(); ++i) {
-    TORCH_CHECK_VALUE(!objects.model_engines[i] || !detail::sharded_state(objects.model_engines[i]),
-                      "[Accelerator::save_state] model ", i, " saves sharded states (SHARDED_STATE_DICT or "
-                      "LOCAL_STATE_DICT), which Python's layout keeps in torch.distributed.checkpoint's format; "
-                      "use FULL_STATE_DICT or the project's layout");
-  }
-  for (size_t i = 0; i < objects.optimizers.size(); ++i) {
-    TORCH_CHECK_VALUE(!objects.optimizer_engines[i] || !detail::sharded_state(objects.optimizer_engines[i]),
-                      "[Accelerator::save_state] optimizer ", i, " is over sharded parameters with sharded states, "
-                      "which Python's layout cannot hold; use FULL_STATE_DICT or the project's layout");
-  }
-  for (size_t i = 0; i < objects.schedulers.size(); ++i) {
-    TORCH_CHECK_VALUE(dynamic_cast<const LambdaLR*>(objects.schedulers[i].scheduler().get()) != nullptr,
-                      "[Accelerator::save_state] scheduler ", i, " is not a LambdaLR: only LambdaLR schedulers (and "
-                      "transformers' schedules) are written in Python's layout");
-  }
 }
 
 }  // namespace
 
 std::string Accelerator::save_state(const std::string& output_dir, const SaveStateOptions& options) const {
+  detail::CallingApi calling("save_state");
   auto project = project_configuration();
-  const auto layout = options.layout.value_or(project.checkpoint_layout);
-  TORCH_CHECK_VALUE(layout != CheckpointLayout::kDetect, "[Accelerator::save_state] CheckpointLayout::kDetect is for "
-                                                         "loading; save with kCpp or kPython");
-  const bool python = layout == CheckpointLayout::kPython;
+  const auto& layout = detail::checkpoint::layout_to_save(options.layout.value_or(project.checkpoint_layout));
   fs::path target;
   if (project.automatic_checkpoint_naming) {
     TORCH_CHECK_VALUE(output_dir.empty(), "[Accelerator::save_state] automatic_checkpoint_naming chooses the folder; "
@@ -409,15 +370,15 @@ std::string Accelerator::save_state(const std::string& output_dir, const SaveSta
     target = output_dir;
   }
   // Every process decides alike: process 0's view of the folder is what counts.
-  detail::run_agreed(partial(), "[Accelerator::save_state]", [&] {
+  detail::checkpoint::run_agreed(partial(), "[Accelerator::save_state]", [&] {
     TORCH_CHECK_VALUE(!project.automatic_checkpoint_naming || !is_main_process() || !fs::exists(target),
                       "checkpoint directory ", target.string(), " (", project.iteration,
                       ") already exists; call set_save_iteration with the iteration to start with");
   });
 
-  auto objects = detail::checkpoint_objects(*impl_);  // not const: the hooks may change the models
-  if (python) check_python_layout(objects);
-  detail::CheckpointCommit commit(partial(), target, project.save_on_each_node, project.automatic_checkpoint_naming);
+  auto objects = detail::checkpoint::checkpoint_objects(*impl_);  // not const: the hooks may change the models
+  layout.check_savable(objects);
+  detail::checkpoint::CheckpointCommit commit(partial(), target, project.save_on_each_node, project.automatic_checkpoint_naming);
   const Destination to{commit.staging(), partial()};
   const auto path = commit.commit([&] {
     auto weights = model_states(objects);
@@ -426,13 +387,13 @@ std::string Accelerator::save_state(const std::string& output_dir, const SaveSta
     const auto optimizer_states = sharded_optimizer_states(objects, to);
     if (commit.writes_shared_files()) {
       write_models(objects, weights, to);
-      write_optimizers(objects, optimizer_states, to, python);
-      write_schedulers(objects, to, python);
-      if (!python) write_data_loaders(objects, to);  // upstream's are pickled Python objects
-      write_scaler(impl_->scaler, to, python);
-      write_custom_objects(objects, to, python);
+      write_optimizers(objects, optimizer_states, to, layout);
+      write_schedulers(objects, to, layout);
+      if (layout.keeps_data_loaders()) write_data_loaders(objects, to);
+      write_scaler(impl_->scaler, to, layout);
+      write_custom_objects(objects, to, layout);
     }
-    write_random_states(objects.step, process_index(), to, python);
+    write_random_states(objects.step, process_index(), to, layout);
   });
 
   std::set<int64_t> written_here;
@@ -441,9 +402,9 @@ std::string Accelerator::save_state(const std::string& output_dir, const SaveSta
     impl_->checkpoints_written.insert(project.iteration);
     written_here = impl_->checkpoints_written;
   }
-  detail::run_agreed(partial(), "[Accelerator::save_state] removing old checkpoints", [&] {
+  detail::checkpoint::run_agreed(partial(), "[Accelerator::save_state] removing old checkpoints", [&] {
     if (project.automatic_checkpoint_naming && project.total_limit > 0 && commit.writes_shared_files()) {
-      detail::prune_checkpoints(target.parent_path(), project.total_limit, written_here, project.iteration);
+      detail::checkpoint::prune_checkpoints(target.parent_path(), project.total_limit, written_here, project.iteration);
     }
   });
   {

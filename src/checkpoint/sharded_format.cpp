@@ -10,14 +10,14 @@
 #include <memory>
 #include <utility>
 
-namespace accelerate::detail {
+namespace accelerate::detail::checkpoint {
 
 // Note [Sharded checkpoint layout]
 // A sharded state (SHARDED_STATE_DICT or LOCAL_STATE_DICT) is a folder of its own inside the
 // checkpoint: `pytorch_model_fsdp_<i>` for the i-th model, `optimizer_<i>` for the i-th optimizer
 // (upstream's names for its sharded folders). In it:
 // - `shard-<r>-of-<n>.safetensors`, one per process r of the n that saved: that process's tensors
-//   under their global names (for a row-sharded tensor, its rows, as `rows_held` says: pieces of
+//   under their global names (for a row-sharded tensor, its rows, as `fsdp::rows_held` says: pieces of
 //   ceil(rows / n) rows, the last ones shorter or empty), and the state's JSON values in the
 //   metadata (as `save_state_dict_file` writes them);
 // - `index.json`: {"format": "accelerate-cpp sharded state", "version": 1, "world_size": n,
@@ -74,7 +74,7 @@ Box box_of(const Layout& layout, const ShardPlace& place) {
     b.offset[layout.split] = b.length[layout.split] * place.tp_rank;
   }
   if (layout.rows) {
-    const auto [first, count] = rows_held(b.length[0], place.world, place.rank);
+    const auto [first, count] = fsdp::rows_held(b.length[0], place.world, place.rank);
     b.offset[0] += first;
     b.length[0] = count;
   }
@@ -277,4 +277,4 @@ StateDict load_sharded_state(const ShardPlace& place, const std::string& folder,
   return own;
 }
 
-}  // namespace accelerate::detail
+}  // namespace accelerate::detail::checkpoint

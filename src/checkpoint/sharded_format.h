@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-namespace accelerate::detail {
+namespace accelerate::detail::checkpoint {
 
 /// Where a process's part of each tensor lies: rows of the fully sharded engine's group, of its
 /// piece of the tensor-parallel group (Note [Sharded checkpoint layout]).
@@ -50,4 +50,4 @@ StateDict load_sharded_state(const ShardPlace& place, const std::string& folder,
 /// merge-weights` writes); raises naming a missing file or a tensor of the wrong size.
 TensorMap merge_sharded_state(const std::string& folder);
 
-}  // namespace accelerate::detail
+}  // namespace accelerate::detail::checkpoint

@@ -11,13 +11,13 @@
 #include <mutex>
 #include <regex>
 
-namespace accelerate::detail {
+namespace accelerate::detail::checkpoint {
 namespace {
 
 namespace fs = std::filesystem;
 
 // The fully sharded engine that holds the parameters of `optimizer`, if any.
-FsdpEngine* sharding_engine(const std::vector<DistributedDataParallel>& models,
+fsdp::FsdpEngine* sharding_engine(const std::vector<DistributedDataParallel>& models,
                                     const torch::optim::Optimizer& optimizer) {
   for (const auto& model : models) {
     auto* engine = fsdp_engine(model);
@@ -32,8 +32,8 @@ FsdpEngine* sharding_engine(const std::vector<DistributedDataParallel>& models,
 }
 
 // The tensor-parallel engine that split parameters of `optimizer`, if any.
-TensorParallelEngine* splitting_engine(const std::vector<DistributedDataParallel>& models,
-                                       const torch::optim::Optimizer& optimizer) {
+tensor_parallel::TensorParallelEngine* splitting_engine(const std::vector<DistributedDataParallel>& models,
+                                                        const torch::optim::Optimizer& optimizer) {
   for (const auto& model : models) {
     auto* engine = tensor_parallel_engine(model);
     if (!engine) continue;
@@ -80,10 +80,10 @@ DataLoaderState sampler_state(const DataLoader& loader) {
   return state;
 }
 
-bool sharded_state(FsdpEngine* engine) {
+bool sharded_state(fsdp::FsdpEngine* engine) {
   return engine->settings().state_dict_type != FsdpStateDictType::kFullStateDict;
 }
-bool local_state(FsdpEngine* engine) {
+bool local_state(fsdp::FsdpEngine* engine) {
   return engine->settings().state_dict_type == FsdpStateDictType::kLocalStateDict;
 }
 
@@ -119,17 +119,18 @@ std::map<size_t, fs::path> custom_checkpoint_files(const fs::path& folder) {
   return files;
 }
 
-ShardPlace shard_place(FsdpEngine* engine, TensorParallelEngine* split) {
+ShardPlace shard_place(fsdp::FsdpEngine* engine, tensor_parallel::TensorParallelEngine* split) {
   ShardPlace place;
   if (engine) place.world = engine->shard_group().num_processes(), place.rank = engine->shard_group().process_index();
   if (split) place.tp_size = split->group().num_processes(), place.tp_rank = split->group().process_index();
   return place;
 }
 
-std::vector<int64_t> whole_tensor_shape(FsdpEngine* engine, TensorParallelEngine* split, const at::Tensor& param) {
+std::vector<int64_t> whole_tensor_shape(fsdp::FsdpEngine* engine, tensor_parallel::TensorParallelEngine* split,
+                                        const at::Tensor& param) {
   auto shape = engine && engine->is_sharded(param) ? engine->whole_shape(param) : param.sizes().vec();
   if (split && split->is_sharded(param)) shape[split->split_dim(param)] *= split->group().num_processes();
   return shape;
 }
 
-}  // namespace accelerate::detail
+}  // namespace accelerate::detail::checkpoint

@@ -14,9 +14,11 @@
 #include <string>
 #include <vector>
 
-namespace accelerate::detail {
-
+namespace accelerate::detail::tensor_parallel {
 class TensorParallelEngine;
+}  // namespace accelerate::detail::tensor_parallel
+
+namespace accelerate::detail::checkpoint {
 
 /// The objects of a checkpoint, copied under the accelerator's lock.
 struct CheckpointObjects {
@@ -30,12 +32,12 @@ struct CheckpointObjects {
   int64_t step = 0;
   /// The fully sharded engine of each model, and of each optimizer's parameters (null: none;
   /// Note [Sharded checkpoint layout]).
-  std::vector<FsdpEngine*> model_engines;
-  std::vector<FsdpEngine*> optimizer_engines;
+  std::vector<fsdp::FsdpEngine*> model_engines;
+  std::vector<fsdp::FsdpEngine*> optimizer_engines;
   /// The tensor-parallel engine of each model, and of each optimizer's parameters (null: none;
   /// Note [Checkpoints of split layers]).
-  std::vector<TensorParallelEngine*> model_splits;
-  std::vector<TensorParallelEngine*> optimizer_splits;
+  std::vector<tensor_parallel::TensorParallelEngine*> model_splits;
+  std::vector<tensor_parallel::TensorParallelEngine*> optimizer_splits;
 };
 
 /// The accelerator's objects now.
@@ -53,18 +55,19 @@ std::map<size_t, std::filesystem::path> custom_checkpoint_files(const std::files
 
 /// Whether `engine` saves sharded states (SHARDED_STATE_DICT or LOCAL_STATE_DICT), and whether
 /// they only load at the same number of processes (LOCAL_STATE_DICT).
-bool sharded_state(FsdpEngine* engine);
-bool local_state(FsdpEngine* engine);
+bool sharded_state(fsdp::FsdpEngine* engine);
+bool local_state(fsdp::FsdpEngine* engine);
 /// Where this process's part of a sharded state lies (Note [Sharded checkpoint layout]): rows of
 /// `engine`'s shard group, of its piece of `split`'s group (either may be null).
-ShardPlace shard_place(FsdpEngine* engine, TensorParallelEngine* split);
+ShardPlace shard_place(fsdp::FsdpEngine* engine, tensor_parallel::TensorParallelEngine* split);
 /// The shape of the whole tensor of which `param` holds this process's part: all of `engine`'s
 /// rows (when it shards `param`), and all of `split`'s pieces joined on its dimension (when it
 /// splits `param`). Either may be null.
-std::vector<int64_t> whole_tensor_shape(FsdpEngine* engine, TensorParallelEngine* split, const at::Tensor& param);
+std::vector<int64_t> whole_tensor_shape(fsdp::FsdpEngine* engine, tensor_parallel::TensorParallelEngine* split,
+                                        const at::Tensor& param);
 /// The parameters of an optimizer in the numbering of `optimizer_state_dict`.
 std::vector<at::Tensor> optimizer_params(const torch::optim::Optimizer& optimizer);
 /// The parameter number in an optimizer state tensor's name, "state.<index>.<name>".
 size_t state_param_index(const std::string& key);
 
-}  // namespace accelerate::detail
+}  // namespace accelerate::detail::checkpoint

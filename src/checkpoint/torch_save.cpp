@@ -1,8 +1,9 @@
 // torch.save's file format (see torch_save.h).
 #include "checkpoint/torch_save.h"
 
-#include "checkpoint/offload_dtypes.h"
+#include "detail/dtype_names.h"
 #include "detail/files.h"
+#include "formats/torch_save.h"
 #include "formats/zip.h"
 
 #include <c10/util/Exception.h>
@@ -10,11 +11,10 @@
 #include <torch/torch.h>
 
 #include <filesystem>
-#include <fstream>
 #include <limits>
 #include <stdexcept>
 
-namespace accelerate::detail {
+namespace accelerate::detail::checkpoint {
 
 namespace {
 
@@ -346,26 +346,14 @@ void check_records(const std::string& path) {
   } catch (const std::invalid_argument& e) {
     TORCH_CHECK(false, e.what());  // reported as an archive that is not valid
   }
-  for (const auto& r : records) {
-    TORCH_CHECK_VALUE(r.method == 0, "the record ", r.name, " is compressed (method ", r.method,
-                      "); torch.save stores its records uncompressed, and compressed ones are not read");
-    TORCH_CHECK_VALUE(r.compressed_size == r.size && r.size <= file_size - r.header_offset, "the record ", r.name,
-                      " claims ", r.size, " bytes, more than the file holds after its start");
-  }
+  torch_save::check_records(records, file_size);
 }
 
 }  // namespace
 
-bool is_zip_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  char magic[4] = {};
-  in.read(magic, 4);
-  return in.gcount() == 4 && magic[0] == 'P' && magic[1] == 'K' && magic[2] == 3 && magic[3] == 4;
-}
-
 StateDict read_torch_save(const std::string& path, const TorchReadOptions& options) {
   TORCH_CHECK_VALUE(std::filesystem::is_regular_file(path), path, " does not exist");
-  TORCH_CHECK_VALUE(is_zip_file(path), path,
+  TORCH_CHECK_VALUE(torch_save::is_zip_file(path), path,
                     " is not a zip archive written by torch.save (files of the legacy format, "
                     "torch.save(..., _use_new_zipfile_serialization=False), are not read: load and save it again in "
                     "Python)");
@@ -392,56 +380,23 @@ StateDict read_torch_save(const std::string& path, const TorchReadOptions& optio
 // ---- writing -----------------------------------------------------------------------------------
 
 const pickle::Value* TorchSaveWriter::tensor(const at::Tensor& t) {
-  auto& tr = tree_;
   auto cpu = t.detach().to(at::kCPU).contiguous();
   if (cpu.storage_offset() != 0 || cpu.numel() * cpu.element_size() != static_cast<int64_t>(cpu.storage().nbytes())) {
     cpu = cpu.clone();
   }
   const auto key = std::to_string(storages_.size());
   storages_.push_back(cpu);
-  const auto* id = tr.tuple({tr.string("storage"), tr.global("torch", storage_name(cpu.scalar_type())), tr.string(key),
-                             tr.string("cpu"), tr.integer(cpu.numel())});
-  std::vector<const pickle::Value*> sizes, strides;
-  for (auto s : cpu.sizes()) sizes.push_back(tr.integer(s));
-  for (auto s : cpu.strides()) strides.push_back(tr.integer(s));
-  return tr.call(tr.global("torch._utils", "_rebuild_tensor_v2"),
-                 tr.tuple({tr.persistent(id), tr.integer(0), tr.tuple(sizes), tr.tuple(strides), tr.boolean(false),
-                           ordered_dict({})}));
+  return torch_save::rebuild_tensor(tree_, storage_name(cpu.scalar_type()), key, cpu.numel(), cpu.sizes().vec(),
+                                    cpu.strides().vec());
 }
 
 const pickle::Value* TorchSaveWriter::ordered_dict(
     std::vector<std::pair<const pickle::Value*, const pickle::Value*>> entries) {
-  auto* v = tree_.add(pickle::Value::Kind::kCall);
-  v->callable = tree_.global("collections", "OrderedDict");
-  v->args = tree_.tuple({});
-  v->entries = std::move(entries);
-  return v;
+  return torch_save::ordered_dict(tree_, std::move(entries));
 }
 
 const pickle::Value* TorchSaveWriter::from_json(const nlohmann::json& value) {
-  auto& tr = tree_;
-  switch (value.type()) {
-    case nlohmann::json::value_t::null: return tr.none();
-    case nlohmann::json::value_t::boolean: return tr.boolean(value.get<bool>());
-    case nlohmann::json::value_t::number_integer: return tr.integer(value.get<int64_t>());
-    case nlohmann::json::value_t::number_unsigned:
-      TORCH_CHECK_VALUE(value.get<uint64_t>() <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max()),
-                        "an integer beyond 64 bits cannot be pickled here");
-      return tr.integer(value.get<int64_t>());
-    case nlohmann::json::value_t::number_float: return tr.number(value.get<double>());
-    case nlohmann::json::value_t::string: return tr.string(value.get<std::string>());
-    case nlohmann::json::value_t::array: {
-      std::vector<const pickle::Value*> items;
-      for (const auto& item : value) items.push_back(from_json(item));
-      return tr.list(std::move(items));
-    }
-    case nlohmann::json::value_t::object: {
-      std::vector<std::pair<const pickle::Value*, const pickle::Value*>> entries;
-      for (const auto& [k, v] : value.items()) entries.emplace_back(tr.string(k), from_json(v));
-      return tr.dict(std::move(entries));
-    }
-    default: TORCH_CHECK_VALUE(false, "a JSON value of type ", value.type_name(), " cannot be pickled");
-  }
+  return torch_save::from_json(tree_, value);
 }
 
 void TorchSaveWriter::write(const pickle::Value* root, const std::string& path) {
@@ -468,4 +423,4 @@ void TorchSaveWriter::write(const pickle::Value* root, const std::string& path) 
   });
 }
 
-}  // namespace accelerate::detail
+}  // namespace accelerate::detail::checkpoint

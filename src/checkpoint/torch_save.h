@@ -1,6 +1,7 @@
 // Files in torch.save's format (a zip archive holding `data.pkl` and one record per storage):
 // read into a StateDict without running any Python, and written so that Python's `torch.load`
-// (weights_only included) reads them. See Note [torch.save files] in torch_save.cpp.
+// (weights_only included) reads them: the tensors' side, over the torch-free container of
+// formats/torch_save.h. See Note [torch.save files] in torch_save.cpp.
 #pragma once
 
 #include "accelerate/checkpointing.h"
@@ -12,7 +13,7 @@
 #include <string>
 #include <vector>
 
-namespace accelerate::detail {
+namespace accelerate::detail::checkpoint {
 
 /// Options of `read_torch_save`.
 struct TorchReadOptions {
@@ -48,7 +49,4 @@ class TorchSaveWriter {
   std::vector<at::Tensor> storages_;
 };
 
-/// Whether `path` starts like a zip archive (torch.save's format since PyTorch 1.6).
-bool is_zip_file(const std::string& path);
-
-}  // namespace accelerate::detail
+}  // namespace accelerate::detail::checkpoint

@@ -4,6 +4,7 @@
 #include "accelerate/utils/environment.h"
 #include "detail/check.h"
 #include "detail/files.h"
+#include "detail/text.h"
 
 #include <nlohmann/json.hpp>
 #include <yaml-cpp/yaml.h>
@@ -170,8 +171,7 @@ struct Reader {
 
 // Whether PyYAML (YAML 1.1) would read `value` as something other than a string when unquoted.
 bool needs_quotes(const std::string& value) {
-  std::string lower(value);
-  std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char c) { return std::tolower(c); });
+  const std::string lower = detail::ascii_lower(value);
   static const std::set<std::string> special = {"yes", "no", "true", "false", "on", "off", "y", "n", "null", "~"};
   return value.empty() || special.count(lower) > 0 ||
          std::all_of(value.begin(), value.end(), [](char c) { return (c >= '0' && c <= '9') || c == ','; });

@@ -2,6 +2,7 @@
 // include/accelerate/commands/config.h. Reading and writing the files is in config.cpp.
 #include "accelerate/commands/config.h"
 #include "accelerate/utils/environment.h"
+#include "detail/text.h"
 #include "commands/cli.h"
 
 #include <c10/util/Exception.h>
@@ -28,11 +29,6 @@ std::string trim(const std::string& text) {
   const auto begin = text.find_first_not_of(" \t\r\n");
   if (begin == std::string::npos) return "";
   return text.substr(begin, text.find_last_not_of(" \t\r\n") - begin + 1);
-}
-
-std::string lower(std::string text) {
-  std::transform(text.begin(), text.end(), text.begin(), [](unsigned char c) { return std::tolower(c); });
-  return text;
 }
 
 // An answer that cannot be used; its message is shown before the question is asked again.
@@ -75,7 +71,7 @@ class Prompter {
           for (size_t i = 0; i < choices.size(); ++i) {
             if (answer == std::to_string(i)) return static_cast<int>(i);
             for (const auto& name : choices[i]) {
-              if (lower(answer) == lower(name)) return static_cast<int>(i);
+              if (detail::ascii_lower(answer) == detail::ascii_lower(name)) return static_cast<int>(i);
             }
           }
           std::string names;
@@ -90,7 +86,7 @@ class Prompter {
     return ask<bool>(
         question,
         [](const std::string& answer) {
-          const std::string a = lower(answer);
+          const std::string a = detail::ascii_lower(answer);
           if (a == "yes" || a == "y") return true;
           if (a == "no" || a == "n") return false;
           throw InvalidAnswer{"Please enter yes or no."};
@@ -327,7 +323,7 @@ ClusterConfig get_user_input(std::istream& in, std::ostream& out, const Question
 }
 
 std::optional<std::string> write_basic_config(const std::string& mixed_precision, const std::string& save_location) {
-  const std::string precision = lower(mixed_precision);
+  const std::string precision = detail::ascii_lower(mixed_precision);
   TORCH_CHECK_VALUE(precision == "no" || precision == "fp16" || precision == "bf16",
                     "[write_basic_config] `mixed_precision` should be one of 'no', 'fp16' or 'bf16', got '",
                     mixed_precision, "'");

@@ -97,7 +97,10 @@ std::string self_executable() {
 
 }  // namespace
 
-BlasInfo detect_blas() { return detail::detect_blas(); }
+BlasInfo detect_blas() {
+  auto found = detail::detect_blas();
+  return {std::move(found.name), std::move(found.library), std::move(found.loaded), std::move(found.config)};
+}
 
 std::vector<std::pair<std::string, std::string>> environment_info() {
   const bool cuda = is_cuda_available();

@@ -2,7 +2,7 @@
 #include "accelerate/commands/estimate.h"
 
 #include "accelerate/utils/safetensors.h"
-#include "checkpoint/index.h"
+#include "formats/checkpoint_index.h"
 #include "commands/cli.h"
 
 #include <c10/util/Exception.h>
@@ -53,7 +53,7 @@ std::string layer_of(const std::string& tensor) {
 }  // namespace
 
 CheckpointSizes calculate_checkpoint_sizes(const std::string& checkpoint) {
-  const auto layout = detail::resolve_checkpoint(checkpoint, "estimate_memory");
+  const auto layout = detail::checkpoint_index::resolve_checkpoint(checkpoint, "estimate_memory");
   CheckpointSizes sizes;
   std::map<std::string, std::string> owner;                   // tensor -> file holding it
   std::map<std::string, std::pair<int64_t, int64_t>> layers;  // layer -> parameters, float32 bytes

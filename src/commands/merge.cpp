@@ -2,7 +2,7 @@
 #include "accelerate/commands/merge.h"
 
 #include "accelerate/utils/safetensors.h"
-#include "checkpoint/index.h"
+#include "formats/checkpoint_index.h"
 #include "checkpoint/sharded_format.h"
 #include "commands/cli.h"
 #include "detail/files.h"
@@ -44,7 +44,7 @@ std::string merge_weights(const std::string& checkpoint_directory, const std::st
   for (const auto& candidate : {input, input / "pytorch_model_fsdp_0"}) {
     if (!sharded && fs::is_regular_file(candidate / "index.json")) sharded = candidate;
   }
-  const auto index = sharded ? std::nullopt : detail::find_checkpoint_index(input, "merge_weights");
+  const auto index = sharded ? std::nullopt : detail::checkpoint_index::find_checkpoint_index(input, "merge_weights");
   TORCH_CHECK_VALUE(sharded || index.has_value(), "[merge_weights] ", checkpoint_directory,
                     " holds no `.index.json` file, so it is not a sharded safetensors checkpoint (nor a fully "
                     "sharded model's folder with an index.json)",
@@ -59,7 +59,7 @@ std::string merge_weights(const std::string& checkpoint_directory, const std::st
                     " exists and is not a folder");
 
   if (sharded) {
-    TensorMap merged = detail::merge_sharded_state(sharded->string());
+    TensorMap merged = detail::checkpoint::merge_sharded_state(sharded->string());
     fs::create_directories(output);
     const std::string target = (output / "model.safetensors").string();
     save_file(merged, target, {{"format", "pt"}});
@@ -69,7 +69,7 @@ std::string merge_weights(const std::string& checkpoint_directory, const std::st
     }
     return target;
   }
-  const auto layout = detail::read_checkpoint_index(*index, "merge_weights");
+  const auto layout = detail::checkpoint_index::read_checkpoint_index(*index, "merge_weights");
   TORCH_CHECK_VALUE(!layout.weight_map.empty(), "[merge_weights] the index ", index->string(), " lists no tensors");
   std::vector<std::string> missing;
   for (const auto& file : layout.files) {

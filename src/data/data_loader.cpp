@@ -17,7 +17,7 @@
 #include <mutex>
 
 namespace accelerate {
-namespace detail {
+namespace detail::data {
 
 void reset_progress(DataLoaderImpl& impl) {
   impl.position = 0;
@@ -218,7 +218,7 @@ struct DataLoaderIteration {
   }
 };
 
-}  // namespace detail
+}  // namespace detail::data
 
 // ---- DataLoader -----------------------------------------------------------------------------
 
@@ -232,12 +232,12 @@ void check_common_options(const DataLoaderOptions& options) {
 
 }  // namespace
 
-DataLoader::DataLoader(std::shared_ptr<detail::DataLoaderImpl> impl) : impl_(std::move(impl)) {
+DataLoader::DataLoader(std::shared_ptr<detail::data::DataLoaderImpl> impl) : impl_(std::move(impl)) {
   TORCH_INTERNAL_ASSERT(impl_ != nullptr);
 }
 
 DataLoader::DataLoader(std::shared_ptr<Dataset> dataset, DataLoaderOptions options)
-    : impl_(std::make_shared<detail::DataLoaderImpl>()) {
+    : impl_(std::make_shared<detail::data::DataLoaderImpl>()) {
   TORCH_CHECK_VALUE(dataset != nullptr, "[DataLoader] expected a dataset, got null");
   check_common_options(options);
   auto& L = *impl_;
@@ -273,7 +273,7 @@ DataLoader::DataLoader(std::shared_ptr<Dataset> dataset, DataLoaderOptions optio
 }
 
 DataLoader::DataLoader(std::shared_ptr<IterableDataset> dataset, DataLoaderOptions options)
-    : impl_(std::make_shared<detail::DataLoaderImpl>()) {
+    : impl_(std::make_shared<detail::data::DataLoaderImpl>()) {
   TORCH_CHECK_VALUE(dataset != nullptr, "[DataLoader] expected a dataset, got null");
   check_common_options(options);
   TORCH_CHECK_VALUE(!options.shuffle && !options.sampler && !options.batch_sampler,
@@ -295,7 +295,7 @@ DataLoader::DataLoader(std::shared_ptr<IterableDataset> dataset, DataLoaderOptio
 }
 
 DataLoader::Iterator DataLoader::begin() const {
-  auto iteration = std::make_shared<detail::DataLoaderIteration>();
+  auto iteration = std::make_shared<detail::data::DataLoaderIteration>();
   iteration->impl = impl_;
   iteration->start();
   return Iterator(std::move(iteration));
@@ -316,17 +316,17 @@ DataLoader::Iterator& DataLoader::Iterator::operator++() {
   return *this;
 }
 
-int64_t DataLoader::size() const { return detail::loader_size(*impl_); }
+int64_t DataLoader::size() const { return detail::data::loader_size(*impl_); }
 std::optional<int64_t> DataLoader::batch_size() const { return impl_->batch_size; }
 std::optional<int64_t> DataLoader::total_batch_size() const { return impl_->total_batch_size; }
-int64_t DataLoader::total_dataset_length() const { return detail::dataset_length(*impl_); }
+int64_t DataLoader::total_dataset_length() const { return detail::data::dataset_length(*impl_); }
 bool DataLoader::drop_last() const { return impl_->drop_last; }
 int DataLoader::num_workers() const { return impl_->num_workers; }
 
 void DataLoader::set_epoch(int64_t epoch) const {
   TORCH_CHECK_VALUE(epoch >= 0, "[DataLoader] set_epoch expects an epoch >= 0, got ", epoch);
   impl_->iteration = epoch;
-  detail::set_epoch_everywhere(*impl_, epoch);
+  detail::data::set_epoch_everywhere(*impl_, epoch);
 }
 
 int64_t DataLoader::iteration() const { return impl_->iteration; }
@@ -339,8 +339,8 @@ std::shared_ptr<BatchSampler> DataLoader::batch_sampler() const { return impl_->
 std::shared_ptr<Sampler> DataLoader::sampler() const {
   return impl_->batch_sampler ? impl_->batch_sampler->sampler() : nullptr;
 }
-bool DataLoader::prepared() const { return impl_->kind != detail::LoaderKind::kPlain; }
-bool DataLoader::dispatch_batches() const { return impl_->kind == detail::LoaderKind::kDispatcher; }
+bool DataLoader::prepared() const { return impl_->kind != detail::data::LoaderKind::kPlain; }
+bool DataLoader::dispatch_batches() const { return impl_->kind == detail::data::LoaderKind::kDispatcher; }
 bool DataLoader::split_batches() const { return impl_->split_batches; }
 bool DataLoader::use_stateful_dataloader() const { return impl_->use_stateful; }
 

@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-namespace accelerate::detail {
+namespace accelerate::detail::data {
 
 enum class LoaderKind { kPlain, kShard, kDispatcher };
 
@@ -71,4 +71,4 @@ int64_t dataset_length(const DataLoaderImpl& impl);
 /// The number of batches of one pass.
 int64_t loader_size(const DataLoaderImpl& impl);
 
-}  // namespace accelerate::detail
+}  // namespace accelerate::detail::data

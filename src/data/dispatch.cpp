@@ -9,7 +9,7 @@
 
 #include <algorithm>
 
-namespace accelerate::detail {
+namespace accelerate::detail::data {
 namespace {
 
 // Reads one batch ahead, to know when the current one is the last.
@@ -228,4 +228,4 @@ std::unique_ptr<StepSource> dispatch_from_main(const DataLoaderImpl& impl, int64
   return std::make_unique<DispatchSource>(impl, skip);
 }
 
-}  // namespace accelerate::detail
+}  // namespace accelerate::detail::data

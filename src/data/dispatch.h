@@ -8,7 +8,7 @@
 #include <memory>
 #include <optional>
 
-namespace accelerate::detail {
+namespace accelerate::detail::data {
 
 struct Step {
   Example batch;
@@ -28,4 +28,4 @@ std::unique_ptr<StepSource> look_ahead(std::unique_ptr<BatchStream> stream);
 /// after `skip` batches.
 std::unique_ptr<StepSource> dispatch_from_main(const DataLoaderImpl& impl, int64_t skip);
 
-}  // namespace accelerate::detail
+}  // namespace accelerate::detail::data

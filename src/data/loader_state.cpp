@@ -12,7 +12,7 @@
 #include <nlohmann/json.hpp>
 
 namespace accelerate {
-namespace detail {
+namespace detail::data {
 namespace {
 
 int hex_digit(char c) {
@@ -71,14 +71,14 @@ int64_t position_shards(const DataLoaderImpl& L) {
   return L.state ? L.state->num_processes() : L.num_processes;
 }
 
-}  // namespace detail
+}  // namespace detail::data
 
 DataLoaderState DataLoader::state_dict() const {
   const auto& L = *impl_;
-  const auto generator = detail::generator_of(L);
-  const auto current_generator = [&] { return generator ? detail::generator_state_hex(*generator) : std::string(); };
+  const auto generator = detail::data::generator_of(L);
+  const auto current_generator = [&] { return generator ? detail::data::generator_state_hex(*generator) : std::string(); };
   DataLoaderState state;
-  state.num_processes = detail::position_shards(L);
+  state.num_processes = detail::data::position_shards(L);
   if (L.in_pass && !L.end_of_dataloader) {
     // Mid-pass: the order is replayed from the generator as it was when the pass started.
     state.epoch = L.iteration;
@@ -103,17 +103,17 @@ void DataLoader::load_state_dict(const DataLoaderState& state) const {
   TORCH_CHECK_VALUE(state.epoch >= 0 && state.batches_yielded >= 0,
                     "[DataLoader::load_state_dict] expected a non-negative epoch and batch count, got epoch ",
                     state.epoch, " and batches_yielded ", state.batches_yielded);
-  const auto generator = detail::generator_of(L);
+  const auto generator = detail::data::generator_of(L);
   TORCH_CHECK_VALUE(state.generator_state.empty() || generator.has_value(),
                     "[DataLoader::load_state_dict] the state holds a generator state, but this loader's sampler has "
                     "no generator (was the state saved from a loader that shuffles?)");
   TORCH_CHECK_VALUE(!state.generator_state.empty() || !generator.has_value(),
                     "[DataLoader::load_state_dict] this loader's sampler draws from a generator, but the state holds "
                     "no generator state (was the state saved from a loader that does not shuffle?)");
-  if (generator) detail::set_generator_state_hex(*generator, state.generator_state, "DataLoader::load_state_dict");
+  if (generator) detail::data::set_generator_state_hex(*generator, state.generator_state, "DataLoader::load_state_dict");
   // A position saved by another number of processes: the same place in the whole order.
   int64_t position = state.batches_yielded;
-  const int64_t shards = detail::position_shards(L);
+  const int64_t shards = detail::data::position_shards(L);
   if (state.num_processes > 0 && state.num_processes != shards && position > 0) {
     const int64_t whole = position * state.num_processes;
     TORCH_CHECK_VALUE(whole % shards == 0, "[DataLoader::load_state_dict] the state stands at batch ", position,
@@ -168,7 +168,7 @@ DataLoaderState DataLoaderState::from_json(const std::string& text) {
   state.generator_state = j.at("generator_state").get<std::string>();
   if (j.contains("num_processes")) state.num_processes = integer("num_processes");
   TORCH_CHECK_VALUE(
-      detail::is_hex(state.generator_state),
+      detail::data::is_hex(state.generator_state),
       "[DataLoaderState::from_json] expected \"generator_state\" to be an even number of hex digits, got ",
       state.generator_state.size(), " characters that are not");
   return state;

@@ -27,7 +27,7 @@ PrepareDataLoaderOptions PrepareDataLoaderOptions::from_config(const DataLoaderC
 
 DataLoader prepare_data_loader(const DataLoader& loader, const PartialState& state, const GradientState& gradient_state,
                                const PrepareDataLoaderOptions& options) {
-  using detail::LoaderKind;
+  using detail::data::LoaderKind;
   const auto& src = *loader.impl();
   TORCH_CHECK_VALUE(src.kind == LoaderKind::kPlain,
                     "[prepare_data_loader] expected a data loader that is not prepared "
@@ -56,8 +56,8 @@ DataLoader prepare_data_loader(const DataLoader& loader, const PartialState& sta
                       shards, "), got ", *batch_size);
   }
 
-  auto impl = std::make_shared<detail::DataLoaderImpl>(src);
-  detail::reset_progress(*impl);
+  auto impl = std::make_shared<detail::data::DataLoaderImpl>(src);
+  detail::data::reset_progress(*impl);
   impl->iteration = 0;
   impl->skip_batches = 0;
   impl->kind = dispatch ? LoaderKind::kDispatcher : LoaderKind::kShard;
@@ -88,8 +88,8 @@ DataLoader prepare_data_loader(const DataLoader& loader, const PartialState& sta
   impl->batch_sampler = batch_sampler;
 
   if (dispatch) {
-    auto base = std::make_shared<detail::DataLoaderImpl>(src);
-    detail::reset_progress(*base);
+    auto base = std::make_shared<detail::data::DataLoaderImpl>(src);
+    detail::data::reset_progress(*base);
     base->batch_sampler = batch_sampler;
     impl->base = std::move(base);
     impl->slice_fn = options.slice_fn_for_dispatch;
@@ -119,8 +119,8 @@ DataLoader prepare_data_loader(const DataLoader& loader, const PrepareDataLoader
 
 DataLoader skip_first_batches(const DataLoader& loader, int64_t num_batches) {
   TORCH_CHECK_VALUE(num_batches >= 0, "[skip_first_batches] num_batches must be >= 0, got ", num_batches);
-  auto impl = std::make_shared<detail::DataLoaderImpl>(*loader.impl());
-  detail::reset_progress(*impl);
+  auto impl = std::make_shared<detail::data::DataLoaderImpl>(*loader.impl());
+  detail::data::reset_progress(*impl);
   impl->skip_batches = num_batches;
   return DataLoader(std::move(impl));
 }

@@ -14,7 +14,7 @@
 #include <mutex>
 #include <thread>
 
-namespace accelerate::detail {
+namespace accelerate::detail::data {
 namespace {
 
 // Note [Ordered prefetching]
@@ -219,4 +219,4 @@ std::unique_ptr<BatchStream> open_stream(const DataLoaderImpl& impl, SkipPlan pl
   return std::make_unique<OrderedPrefetcher>(std::move(source), impl.num_workers, impl.prefetch_factor);
 }
 
-}  // namespace accelerate::detail
+}  // namespace accelerate::detail::data

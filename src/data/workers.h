@@ -8,7 +8,7 @@
 #include <memory>
 #include <optional>
 
-namespace accelerate::detail {
+namespace accelerate::detail::data {
 
 using Task = std::function<Example()>;
 using TaskSource = std::function<std::optional<Task>()>;
@@ -31,4 +31,4 @@ class BatchStream {
 /// The batches of a pass of `impl` (its sampler's or its iterable dataset's), skipping as `plan` says.
 std::unique_ptr<BatchStream> open_stream(const DataLoaderImpl& impl, SkipPlan plan);
 
-}  // namespace accelerate::detail
+}  // namespace accelerate::detail::data

@@ -1,5 +1,6 @@
 // BLAS detection; see src/detail/blas.h.
 #include "detail/blas.h"
+#include "detail/text.h"
 #include "detail/warn.h"
 
 #include <ATen/ATen.h>
@@ -17,15 +18,10 @@ namespace {
 
 namespace fs = std::filesystem;
 
-std::string lower(std::string text) {
-  std::transform(text.begin(), text.end(), text.begin(), [](unsigned char c) { return std::tolower(c); });
-  return text;
-}
-
 }  // namespace
 
 std::string blas_family(const std::string& path) {
-  const std::string name = lower(path);
+  const std::string name = ascii_lower(path);
   if (name.find("mkl") != std::string::npos) return "Intel MKL";
   if (name.find("openblas") != std::string::npos) return "OpenBLAS";
   if (name.find("blis") != std::string::npos) return "BLIS";
@@ -37,19 +33,19 @@ std::string blas_family(const std::string& path) {
 
 bool is_reference_blas(const std::string& family) { return family == "reference BLAS (Netlib)"; }
 
-commands::BlasInfo detect_blas() {
+BlasInfo detect_blas() {
   {
     // Make sure the BLAS library is loaded and bound, as it is in a training step.
     const at::Tensor a = at::ones({64, 64}, at::kFloat);
     (void)at::mm(a, a).sum().item<float>();
   }
-  commands::BlasInfo info;
+  BlasInfo info;
   std::ifstream maps("/proc/self/maps");
   for (std::string line; std::getline(maps, line);) {
     const auto slash = line.find('/');
     if (slash == std::string::npos) continue;
     const std::string path = line.substr(slash);
-    const std::string file = lower(fs::path(path).filename().string());
+    const std::string file = ascii_lower(fs::path(path).filename().string());
     const bool blas_like = !blas_family(file).empty() || file.find("lapack") != std::string::npos;
     if (blas_like && file.find(".so") != std::string::npos &&
         std::find(info.loaded.begin(), info.loaded.end(), path) == info.loaded.end()) {
@@ -84,7 +80,7 @@ commands::BlasInfo detect_blas() {
   return info;
 }
 
-std::string reference_blas_warning(const commands::BlasInfo& info) {
+std::string reference_blas_warning(const BlasInfo& info) {
   if (!is_reference_blas(info.name)) return "";
   return "[PartialState] float32 matrix products run on the unoptimised reference BLAS (" + info.library +
          "), often more than 10x slower than an optimised one. Install OpenBLAS (Debian: apt-get install "

@@ -163,7 +163,7 @@ at::DataPtr mapped_host_buffer(size_t bytes) {
 // spread, while the peak of W9's SHARD_GRAD_OP at 2 processes rose by 20-70 MiB, the heap keeping
 // what it no longer used. The one library temporary that glibc could not keep, Open MPI's
 // allreduce of more than 32 MiB, is gone with the MPI group's ring allreduce (Note [A ring
-// allreduce] in process_group_mpi.cpp). ACCELERATE_CPU_BUFFER_POOL=0 leaves LibTorch's
+// allreduce] in mpi_ring.cpp). ACCELERATE_CPU_BUFFER_POOL=0 leaves LibTorch's
 // allocator as it was.
 namespace {
 

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <sstream>
@@ -39,11 +40,20 @@ namespace accelerate::detail {
 //   closed connection) publishes "failed" and waits, at most the check delay and a slice, for
 //   every process's record: if they show a mismatch or an ended process, that is the error;
 //   otherwise the failure is a death, and reported as before.
+// - Names. A record's API is the library call the collective came from: the outermost
+//   `CallingApi` scope of the thread (`get_state_dict`, `backward`, …), then the engine's own
+//   name in brackets; only the slow path reads it.
 // Waits that never block on the host are not watched: NCCL's wait only orders streams.
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
+thread_local const char* calling_api = nullptr;
+
+// `api` inside the library call `context` (null outside any `CallingApi` scope).
+std::string named_api(const char* context, const char* api) {
+  if (context == nullptr || std::strcmp(context, api) == 0) return api;
+  return c10::str(context, " (", api, ")");
+}
 
 enum class Kind { kNone, kDone, kWaiting, kFailed, kEnded };
 
@@ -164,14 +174,15 @@ std::chrono::milliseconds slice_of(std::chrono::milliseconds delay, Clock::durat
 }
 
 // A failed collective: the records explain it, or it is reported as `failure` reports it.
-[[noreturn]] void explain_failure(const PartialState& state, const CollectiveTicket& ticket, const char* api,
-                                  FailureMessage failure, const std::exception& e) {
+// `named` is the API as the records name it, `api` as the failure's own message does.
+[[noreturn]] void explain_failure(const PartialState& state, const CollectiveTicket& ticket, const char* named,
+                                  const char* api, FailureMessage failure, const std::exception& e) {
   const auto& impl = *state.impl();
   const auto delay = impl.check_delay;
   if (impl.store && delay.count() > 0) {
     std::string verdict;
     try {
-      Record mine = decode(encode(Kind::kFailed, ticket, api));
+      Record mine = decode(encode(Kind::kFailed, ticket, named));
       publish(impl, mine.text);
       // A peer in a collective publishes its record at the latest one delay after it began.
       const auto give_up = Clock::now() + delay + slice_of(delay, {});
@@ -185,7 +196,7 @@ std::chrono::milliseconds slice_of(std::chrono::milliseconds delay, Clock::durat
     } catch (const std::exception&) {
       // The store is gone too (its process ended): nothing more to compare.
     }
-    if (!verdict.empty()) raise_mismatch(state, api, verdict);
+    if (!verdict.empty()) raise_mismatch(state, named, verdict);
   }
   C10_THROW_ERROR(Error, failure(state, api, e));
 }
@@ -277,6 +288,8 @@ struct WatchedFuture {
   PartialState state;
   CollectiveTicket ticket;
   const char* api;
+  const char* context;  // the calling API of the thread that entered it, or null
+  std::string named;    // the two together, once the slow path needs them
   Clock::time_point start;
   std::shared_ptr<Settlement> settlement;
   std::unique_ptr<SlowWait> slow;
@@ -339,12 +352,15 @@ class FutureWatcher {
       for (auto& f : oldest) {
         const auto delay = f->state.impl()->check_delay;
         if (now - f->start < delay || now < f->next_check) continue;
-        if (!f->slow) f->slow = std::make_unique<SlowWait>(f->ticket, f->api, f->start, delay);
+        if (!f->slow) {
+          f->named = named_api(f->context, f->api);
+          f->slow = std::make_unique<SlowWait>(f->ticket, f->named.c_str(), f->start, delay);
+        }
         const auto verdict = f->slow->check(f->state);
         f->next_check = Clock::now() + slice_of(delay, now - f->start);
         if (verdict.empty() || f->settlement->settled.exchange(true)) continue;
         try {
-          raise_mismatch(f->state, f->api, verdict);
+          raise_mismatch(f->state, f->named.c_str(), verdict);
         } catch (const c10::Error&) {
           f->settlement->result->setError(std::current_exception());
         }
@@ -361,6 +377,16 @@ class FutureWatcher {
 };
 
 }  // namespace
+
+CallingApi::CallingApi(const char* name) noexcept : outermost_(calling_api == nullptr) {
+  if (outermost_) calling_api = name;
+}
+
+CallingApi::~CallingApi() {
+  if (outermost_) calling_api = nullptr;
+}
+
+std::string api_in_context(const char* api) { return named_api(calling_api, api); }
 
 CollectiveTicket enter_collective(const PartialState& state, const char* operation) noexcept {
   auto& impl = *state.impl();
@@ -386,15 +412,16 @@ void watch_wait(const PartialState& state, const CollectiveTicket& ticket, const
     work->wait(delay);
     return;
   } catch (const std::exception& e) {
-    if (work->isCompleted()) explain_failure(state, ticket, api, failure, e);
+    if (work->isCompleted()) explain_failure(state, ticket, api_in_context(api).c_str(), api, failure, e);
   }
 
   // The slow path (Note [The collective watch]).
   const auto deadline = start + timeout;
-  SlowWait slow(ticket, api, start, delay);
+  const std::string named = api_in_context(api);
+  SlowWait slow(ticket, named.c_str(), start, delay);
   while (true) {
     const std::string verdict = slow.check(state);
-    if (!verdict.empty()) raise_mismatch(state, api, verdict);
+    if (!verdict.empty()) raise_mismatch(state, named.c_str(), verdict);
     const auto now = Clock::now();
     const auto remaining = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now);
     const auto slice = std::max(std::min(slice_of(delay, now - start), remaining), std::chrono::milliseconds(1));
@@ -403,7 +430,7 @@ void watch_wait(const PartialState& state, const CollectiveTicket& ticket, const
       break;
     } catch (const std::exception& e) {
       if (work->isCompleted() || remaining <= slice) {
-        if (work->isCompleted()) explain_failure(state, ticket, api, failure, e);
+        if (work->isCompleted()) explain_failure(state, ticket, named.c_str(), api, failure, e);
         C10_THROW_ERROR(Error, failure(state, api, e));
       }
     }
@@ -419,6 +446,7 @@ c10::intrusive_ptr<c10::ivalue::Future> watch_future(const PartialState& state, 
   auto watched = std::make_shared<WatchedFuture>(state);
   watched->ticket = ticket;
   watched->api = api;
+  watched->context = calling_api;
   watched->start = Clock::now();
   auto settlement = std::make_shared<Settlement>(c10::make_intrusive<c10::ivalue::Future>(future->elementType()));
   watched->settlement = settlement;

@@ -27,6 +27,25 @@ struct CollectiveTicket {
   const char* operation = "";
 };
 
+/// Names the library call a thread is in (`get_state_dict`, `save_state`, `backward`, …) for the
+/// collectives it issues underneath: their records, and debug mode's check, read "from
+/// get_state_dict (FullyShardedDataParallel)" instead of the engine's name alone. The outermost
+/// scope of a thread wins; one thread-local store on entry and one on exit.
+class CallingApi {
+ public:
+  explicit CallingApi(const char* name) noexcept;
+  ~CallingApi();
+  CallingApi(const CallingApi&) = delete;
+  CallingApi& operator=(const CallingApi&) = delete;
+
+ private:
+  bool outermost_;
+};
+
+/// `api` as the records name it: "<calling API> (<api>)" inside a `CallingApi` scope of another
+/// name, `api` itself otherwise.
+std::string api_in_context(const char* api);
+
 /// Records that this process enters `operation` on `state`'s process group: one relaxed atomic
 /// increment, nothing else.
 CollectiveTicket enter_collective(const PartialState& state, const char* operation) noexcept;

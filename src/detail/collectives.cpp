@@ -116,7 +116,7 @@ void verify_signature(const PartialState& state, const char* api, const std::str
                       const char* must_agree) {
   if (!state.debug() || !state.use_distributed()) return;
   // The calling API is part of it, so that two different operations on alike tensors disagree.
-  const std::string line = signature + ", from " + api;
+  const std::string line = signature + ", from " + api_in_context(api);
   auto all = raw_all_gather_bytes(state, std::vector<char>(line.begin(), line.end()), api);
   bool same = true;
   for (const auto& s : all) same = same && std::string(s.begin(), s.end()) == line;

@@ -1,4 +1,5 @@
-// Durations as the project's messages write them: "0.5s", "30s", "1800s".
+// Durations: the clock every deadline of the library and the launcher is measured on, and
+// durations as the project's messages write them: "0.5s", "30s", "1800s".
 #pragma once
 
 #include <chrono>
@@ -6,6 +7,9 @@
 #include <string>
 
 namespace accelerate::detail {
+
+/// The clock of every deadline and wait (never the wall clock, which may jump).
+using Clock = std::chrono::steady_clock;
 
 inline std::string seconds_text(double seconds) {
   std::ostringstream out;

@@ -1,3 +1,4 @@
+// Durable file operations (files.h): whole-file reads, flushed writes renamed into place, folder flushes.
 #include "detail/files.h"
 
 #include "detail/check.h"

@@ -60,4 +60,12 @@ std::string name_lost_machines(const std::vector<std::string>& addresses, const 
 /// the processes joined before the timeout.
 Rendezvous rendezvous(const RendezvousConfig& config);
 
+/// Whether this process was started by an MPI launcher whose process-management server MPI can
+/// reach (Open MPI's `mpirun` through PMIx, or an MPICH-style PMI one).
+bool started_by_mpirun();
+
+/// Refuses, naming the launchers to use, when this process was not started by an MPI launcher.
+/// Called before any rendezvous, so that it is the error such a job sees, whatever else fails.
+void require_started_by_mpirun();
+
 }  // namespace accelerate::detail

@@ -1,280 +1,30 @@
-// The MPI process group; see process_group_mpi.h and Note [One MPI thread].
+// The MPI process group: c10d's collectives as the operations MPI's one thread runs (Note [One
+// MPI thread] in mpi_runtime.h), their tensors checked, staged in buffers MPI can use and written
+// back; large sums go around the ring of mpi_ring.h. See process_group_mpi.h.
 #include "detail/process_group_mpi.h"
 
-#include "detail/durations.h"
+#include "detail/mpi_ring.h"
+#include "detail/mpi_runtime.h"
+#include "detail/process_group.h"
 #include "detail/torch_compat.h"
 
-#include <ATen/core/ivalue.h>
-#include <ATen/core/jit_type.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
-// MPI's C interface only; the deprecated C++ bindings do not compile cleanly with our warnings.
-#define OMPI_SKIP_MPICXX 1
-#define MPICH_SKIP_MPICXX 1
-#include <mpi.h>
-
-#include <climits>
-#include <condition_variable>
-#include <cstdlib>
-#include <deque>
 #include <functional>
 #include <memory>
-#include <future>
-#include <mutex>
-#include <sched.h>
-#include <thread>
 
 namespace accelerate::detail {
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
-std::string mpi_error_text(int code) {
-  char text[MPI_MAX_ERROR_STRING];
-  int length = 0;
-  if (MPI_Error_string(code, text, &length) != MPI_SUCCESS) return "MPI error " + std::to_string(code);
-  return std::string(text, static_cast<size_t>(length));
-}
-
-// Throws an error naming the operation when an MPI call did not succeed.
-void check_mpi(int code, const char* op, const char* call) {
-  if (code == MPI_SUCCESS) return;
-  C10_THROW_ERROR(Error, c10::str("[mpi] ", op, ": ", call, " failed: ", mpi_error_text(code)));
-}
-
-// ---- Work -----------------------------------------------------------------------------------
-
-class MpiWork : public c10d::Work {
- public:
-  MpiWork(int rank, c10d::OpType type, const char* name, std::vector<at::Tensor> outputs)
-      : c10d::Work(rank, type), name_(name), outputs_(std::move(outputs)),
-        future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
-
-  bool wait(std::chrono::milliseconds timeout) override {
-    std::unique_lock<std::mutex> lock(mutex_);
-    if (timeout == kNoTimeout) {
-      cv_.wait(lock, [&] { return completed_; });
-    } else if (!cv_.wait_for(lock, timeout, [&] { return completed_; })) {
-      C10_THROW_ERROR(Error, c10::str("[mpi] ", name_, " did not complete within ", seconds_text(timeout),
-                                      " (a process skipped it, or is stuck or dead)"));
-    }
-    if (exception_) std::rethrow_exception(exception_);
-    return true;
-  }
-
-  std::vector<at::Tensor> result() override { return outputs_; }
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
-
-  void complete(std::exception_ptr error) {
-    finish(error);
-    if (error) {
-      future_->setError(error);
-    } else {
-      future_->markCompleted(c10::IValue(outputs_));
-    }
-  }
-
-  const char* name() const { return name_; }
-
- private:
-  const char* name_;
-  std::vector<at::Tensor> outputs_;
-  c10::intrusive_ptr<c10::ivalue::Future> future_;
-};
-
-// One queued collective: `start` issues its non-blocking MPI calls, `done` copies results back.
-struct Op {
-  const char* name = "";
-  std::function<void(MPI_Comm, std::vector<MPI_Request>&)> start;
-  // Large payloads run the blocking form instead, once every rank has arrived (see execute).
-  std::function<void(MPI_Comm)> blocking;
-  std::function<void()> done;
-  c10::intrusive_ptr<MpiWork> work;
-  std::chrono::milliseconds timeout{0};
-  MPI_Comm* comm = nullptr;
-  std::vector<at::Tensor> keep_alive;  // buffers MPI may still touch after a timeout
-};
-
-// ---- The runtime: MPI's one thread ----------------------------------------------------------
-
-class MpiRuntime {
- public:
-  // MPI starts once per process; the runtime lives until exit, where MPI_Finalize runs (see
-  // shutdown) before static destructors.
-  static std::shared_ptr<MpiRuntime> get() {
-    static std::mutex mutex;
-    static std::shared_ptr<MpiRuntime> instance;
-    std::lock_guard<std::mutex> lock(mutex);
-    if (instance) return instance;
-    instance = std::shared_ptr<MpiRuntime>(new MpiRuntime());
-    std::atexit([] { instance->shutdown(); });
-    return instance;
-  }
-
-  ~MpiRuntime() { shutdown(); }
-
-  int world_rank() const { return world_rank_; }
-  int world_size() const { return world_size_; }
-
-  void enqueue(std::unique_ptr<Op> op) {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (!stopping_) {
-        queue_.push_back(std::move(op));
-        cv_.notify_one();
-        return;
-      }
-    }
-    op->work->complete(std::make_exception_ptr(
-        compat::make_error(c10::str("[mpi] ", op->name, ": MPI has already been shut down in this process"))));
-  }
-
-  // Stops the thread after the queued operations, then finalises MPI (unless a collective was
-  // abandoned: MPI_Finalize would wait for it forever).
-  void shutdown() {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (stopping_) return;
-      stopping_ = true;
-      cv_.notify_one();
-    }
-    if (thread_.joinable()) thread_.join();
-  }
-
- private:
-  MpiRuntime() {
-    std::promise<std::string> started;
-    auto result = started.get_future();
-    thread_ = std::thread([this, &started] { run(started); });
-    const std::string error = result.get();
-    if (!error.empty()) {
-      thread_.join();
-      C10_THROW_ERROR(Error, error);
-    }
-  }
-
-  void run(std::promise<std::string>& started) {
-    int provided = 0;
-    int code = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided);
-    if (code != MPI_SUCCESS) {
-      started.set_value("[mpi] MPI_Init_thread failed: " + mpi_error_text(code));
-      return;
-    }
-    MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
-    MPI_Comm_rank(MPI_COMM_WORLD, &world_rank_);
-    MPI_Comm_size(MPI_COMM_WORLD, &world_size_);
-    started.set_value("");
-
-    bool abandoned = false;
-    while (true) {
-      std::unique_ptr<Op> op;
-      {
-        std::unique_lock<std::mutex> lock(mutex_);
-        cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-        if (queue_.empty()) break;
-        op = std::move(queue_.front());
-        queue_.pop_front();
-      }
-      if (!broken_.empty()) {
-        op->work->complete(std::make_exception_ptr(compat::make_error(
-            c10::str("[mpi] ", op->name, ": the process group is unusable since an earlier failure: ", broken_))));
-        continue;
-      }
-      if (!execute(*op)) {
-        abandoned = true;
-        abandoned_.push_back(std::move(op));  // MPI may still write into its buffers
-      }
-    }
-    if (!abandoned) MPI_Finalize();
-  }
-
-  // Runs one operation to completion; false when it was abandoned at its timeout.
-  //
-  // Note [Large collectives block]
-  // Open MPI's non-blocking collectives use generic algorithms that are 1.6-1.8x slower here
-  // for large payloads than its tuned blocking ones (6 MiB allreduce: 2.1 ms against 1.1 ms on
-  // two processes). A blocking call cannot be timed out, though, so a large operation first
-  // waits, polled and bounded by the timeout like any other, in a non-blocking barrier: once
-  // every rank has arrived, the blocking call can only stall if a peer dies, and then mpirun
-  // ends the job.
-  bool execute(Op& op) {
-    std::vector<MPI_Request> requests;
-    try {
-      if (op.blocking) {
-        requests.emplace_back();
-        check_mpi(MPI_Ibarrier(*op.comm, &requests.back()), op.name, "MPI_Ibarrier");
-      } else {
-        op.start(*op.comm, requests);
-      }
-    } catch (...) {
-      for (auto& request : requests) MPI_Wait(&request, MPI_STATUS_IGNORE);
-      op.work->complete(std::current_exception());
-      return true;
-    }
-    if (!wait_all(op, requests)) return false;
-    try {
-      if (op.blocking) op.blocking(*op.comm);
-      if (op.done) op.done();
-      op.work->complete(nullptr);
-    } catch (...) {
-      op.work->complete(std::current_exception());
-    }
-    return true;
-  }
-
-  // Polls `requests` to completion; false (the operation failed and the group is broken) on an
-  // MPI error or at the operation's timeout.
-  bool wait_all(Op& op, std::vector<MPI_Request>& requests) {
-    const auto begin = Clock::now();
-    const auto deadline = op.timeout.count() > 0 ? begin + op.timeout : Clock::time_point::max();
-    auto sleep_for = std::chrono::microseconds(10);
-    while (!requests.empty()) {
-      int flag = 0;
-      const int code = MPI_Testall(static_cast<int>(requests.size()), requests.data(), &flag, MPI_STATUSES_IGNORE);
-      if (code != MPI_SUCCESS) {
-        broken_ = c10::str(op.name, " failed: ", mpi_error_text(code));
-        op.work->complete(std::make_exception_ptr(compat::make_error(c10::str("[mpi] ", broken_))));
-        return false;
-      }
-      if (flag) return true;
-      const auto now = Clock::now();
-      if (now >= deadline) {
-        broken_ = c10::str(op.name, " timed out after ", seconds_text(op.timeout));
-        op.work->complete(std::make_exception_ptr(compat::make_error(
-            c10::str("[mpi] ", op.name, " did not complete within the process group's timeout of ",
-                     seconds_text(op.timeout), " (a process skipped it, or is stuck or dead)"))));
-        return false;
-      }
-      // Spin briefly for small messages, then yield for a while, then sleep ever longer (capped).
-      // Note [Waiting by yielding]: a peer that arrives a few milliseconds later (it is still
-      // finishing its backward pass) is met at once instead of after a sleep of up to 0.5 ms.
-      // Yielding costs nothing when the caller waits for this collective (the reducer's last
-      // bucket, at the end of the backward pass) and gives the core away whenever another thread
-      // wants it. On W1 (2 processes, MPI) it raised the step rate by ~8%.
-      const auto waited = now - begin;
-      if (waited < std::chrono::microseconds(50)) continue;
-      if (waited < std::chrono::milliseconds(5)) {
-        sched_yield();
-        continue;
-      }
-      std::this_thread::sleep_for(sleep_for);
-      sleep_for = std::min<std::chrono::microseconds>(sleep_for * 2, std::chrono::microseconds(500));
-    }
-    return true;
-  }
-
-  int world_rank_ = 0;
-  int world_size_ = 1;
-  std::thread thread_;
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  std::deque<std::unique_ptr<Op>> queue_;
-  bool stopping_ = false;
-  std::string broken_;  // only touched by the MPI thread
-  std::vector<std::unique_ptr<Op>> abandoned_;
-};
+using mpi::check_mpi;
+using mpi::count_of;
+using mpi::MpiRuntime;
+using mpi::MpiWork;
+using mpi::Op;
+using mpi::ring_allreduce_sum;
+using mpi::ring_reduce_scatter_sum;
 
 // ---- Types and buffers ----------------------------------------------------------------------
 
@@ -327,12 +77,6 @@ MPI_Op mpi_op(c10d::ReduceOp::RedOpType op, at::ScalarType type, const char* nam
   }
 }
 
-int count_of(int64_t elements, const char* op) {
-  TORCH_CHECK_VALUE(elements <= INT_MAX, "[mpi] ", op, ": ", elements,
-                    " elements exceed MPI's per-call limit of 2^31-1; split the tensor");
-  return static_cast<int>(elements);
-}
-
 // A contiguous buffer MPI can use for `t`: `t` itself when possible, else a copy (converted to
 // float for 16-bit reductions). `write_back` puts the buffer's contents into `t`.
 struct Staged {
@@ -383,121 +127,6 @@ void finish_average(const at::Tensor& t, c10d::ReduceOp::RedOpType op, int size)
     t.div_(size);
   } else {
     t.div_(size, "trunc");
-  }
-}
-
-// Note [A ring reduce-scatter]
-// Open MPI's blocking reduce-scatter algorithms allocate temporaries of the whole input, or
-// twice it (a fully sharded unit's gradients: 36 MiB for an 18 MiB unit), on every call; on a
-// process that holds little else this is a good part of its peak memory. A sum is reduced
-// around a ring instead, with the same bytes on the wire ((N-1)/N of the input per process):
-// in step k every process sends the partial sum of one block to the next process and receives
-// another block's from the one before, adding its own rows to it; after N-1 steps each holds
-// its own block's sum. The output holds the partial sum being passed on. Each step goes segment
-// by segment: once a segment has been sent, its place in the output takes the next partial sum's
-// segment (the one received plus this process's rows), so the only temporary is one segment,
-// whatever the size of the blocks (the MPI thread's own heap would otherwise keep blocks of
-// them). The ring runs on a communicator of its own, so its messages never meet users'
-// point-to-point messages; groups that never reduce-scatter this way never make it.
-// `ring` is the group's communicator for it, made from `group` on first use: every process of the
-// group runs the same collectives in the same order, and this one only once all have arrived
-// (Note [Large collectives block]), so they all make it together.
-MPI_Comm ring_comm(MPI_Comm group, MPI_Comm& ring, const char* name) {
-  if (ring == MPI_COMM_NULL) {
-    check_mpi(MPI_Comm_dup(group, &ring), name, "MPI_Comm_dup");
-    MPI_Comm_set_errhandler(ring, MPI_ERRORS_RETURN);
-  }
-  return ring;
-}
-
-constexpr int64_t kRingSegmentBytes = int64_t{1} << 20;
-
-void ring_reduce_scatter_sum(MPI_Comm group, MPI_Comm& ring, const at::Tensor& in, const at::Tensor& out,
-                             MPI_Datatype datatype, const char* name) {
-  const MPI_Comm comm = ring_comm(group, ring, name);
-  int rank = 0, size = 1;
-  MPI_Comm_rank(comm, &rank);
-  MPI_Comm_size(comm, &size);
-  const int64_t n = out.numel();
-  const auto block = [&](int b) { return in.narrow(0, ((b % size) + size) % size * n, n); };
-  at::NoGradGuard no_grad;
-  if (size == 1 || n == 0) {
-    out.copy_(block(0));
-    return;
-  }
-  const int64_t segment = std::min<int64_t>(n, std::max<int64_t>(1, kRingSegmentBytes / out.element_size()));
-  const at::Tensor received = at::empty({segment}, out.options());
-  const int next = (rank + 1) % size, before = (rank + size - 1) % size;
-  for (int step = 0; step + 1 < size; ++step) {
-    // Step 0 sends this process's own rows of the block before its own; later steps the partial
-    // sum that the step before left in `out`.
-    const at::Tensor sent = step == 0 ? block(rank - 1) : out;
-    const at::Tensor own = block(rank - step - 2);
-    for (int64_t first = 0; first < n; first += segment) {
-      const int64_t length = std::min(segment, n - first);
-      const int count = count_of(length, name);
-      check_mpi(MPI_Sendrecv(sent.narrow(0, first, length).data_ptr(), count, datatype, next, 0,
-                             received.data_ptr(), count, datatype, before, 0, comm, MPI_STATUS_IGNORE),
-                name, "MPI_Sendrecv");
-      at::Tensor place = out.narrow(0, first, length);
-      at::add_out(place, received.narrow(0, 0, length), own.narrow(0, first, length));
-    }
-  }
-}
-
-// Note [A ring allreduce]
-// Open MPI's allreduce of a large payload allocates temporaries as large as the payload on every
-// call (strace of W4 on two processes: a 64 MiB mapping per 64 MiB allreduce); above glibc's
-// largest mmap threshold (32 MiB) that is fresh memory from the kernel each time, which on a
-// virtual machine costs more than the reduction (Note [One pool for the process's large CPU
-// buffers] in buffer_pool.cpp). A large sum goes around the ring of Note [A ring reduce-scatter]
-// instead, in place: in step k every process sends block r-k-1 of the buffer, which holds a
-// partial sum, and adds the block it receives, segment by segment, into block r-k-2; after N-1
-// steps block r holds its whole sum, and an in-place all-gather gives every process every block.
-// The only temporary is one segment. Blocks differ by at most one element when N does not
-// divide the payload; every process runs the same number of segments (the largest block's), an
-// empty message where its block is shorter, so the messages of neighbours always pair up.
-void ring_allreduce_sum(MPI_Comm group, MPI_Comm& ring, const at::Tensor& buffer, MPI_Datatype datatype,
-                        const char* name) {
-  const MPI_Comm comm = ring_comm(group, ring, name);
-  int rank = 0, size = 1;
-  MPI_Comm_rank(comm, &rank);
-  MPI_Comm_size(comm, &size);
-  if (size == 1) return;
-  at::NoGradGuard no_grad;
-  const at::Tensor flat = buffer.view({-1});
-  const int64_t total = flat.numel();
-  const int64_t base = total / size, extra = total % size;
-  const auto begin = [&](int b) { return b * base + std::min<int64_t>(b, extra); };
-  const auto length = [&](int b) { return base + (b < extra ? 1 : 0); };
-  const auto wrap = [&](int b) { return ((b % size) + size) % size; };
-  const int64_t longest = base + (extra > 0 ? 1 : 0);
-  const int64_t segment = std::max<int64_t>(1, kRingSegmentBytes / flat.element_size());
-  const at::Tensor received = at::empty({std::min(segment, std::max<int64_t>(longest, 1))}, flat.options());
-  const int next = (rank + 1) % size, before = (rank + size - 1) % size;
-  for (int step = 0; step + 1 < size; ++step) {
-    const int sent = wrap(rank - step - 1), added = wrap(rank - step - 2);
-    for (int64_t first = 0; first < longest; first += segment) {
-      const int64_t send_count = std::clamp<int64_t>(length(sent) - first, 0, segment);
-      const int64_t add_count = std::clamp<int64_t>(length(added) - first, 0, segment);
-      check_mpi(MPI_Sendrecv(static_cast<char*>(flat.data_ptr()) + (begin(sent) + first) * flat.element_size(),
-                             count_of(send_count, name), datatype, next, 0, received.data_ptr(),
-                             count_of(add_count, name), datatype, before, 0, comm, MPI_STATUS_IGNORE),
-                name, "MPI_Sendrecv");
-      if (add_count == 0) continue;
-      at::Tensor place = flat.narrow(0, begin(added) + first, add_count);
-      place.add_(received.narrow(0, 0, add_count));
-    }
-  }
-  // The same ring passes the sums on: in step k block r-k goes to the next process and block
-  // r-k-1 arrives in its place.
-  char* data = static_cast<char*>(flat.data_ptr());
-  for (int step = 0; step + 1 < size; ++step) {
-    const int sent = wrap(rank - step), arrived = wrap(rank - step - 1);
-    check_mpi(MPI_Sendrecv(data + begin(sent) * flat.element_size(), count_of(length(sent), name), datatype, next, 1,
-                           data + begin(arrived) * flat.element_size(), count_of(length(arrived), name), datatype,
-                           before, 1, comm, MPI_STATUS_IGNORE),
-              name, "MPI_Sendrecv");
   }
 }
 

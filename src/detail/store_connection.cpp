@@ -19,7 +19,6 @@
 namespace accelerate::detail {
 namespace {
 
-using Clock = std::chrono::steady_clock;
 namespace proto = store_protocol;
 
 // Waits until `fd` is ready for `events` or `deadline` passes (max(): forever).

@@ -1,6 +1,6 @@
 // One connection to the job's store (Note [The job's store] in store_server.cpp), torch-free: the
 // workers' c10d::Store (store_client.h) and the launchers (Note [A machine that comes back] in
-// src/launch/launch.cpp) both talk through it. Not thread-safe: one request at a time.
+// src/launch/restarts.cpp) both talk through it. Not thread-safe: one request at a time.
 #pragma once
 
 #include "detail/store_protocol.h"

@@ -1,8 +1,11 @@
 // The job's rendezvous store; see store_server.h and store_protocol.h.
 #include "detail/store_server.h"
 
+#include "detail/byte_sizes.h"
 #include "detail/durations.h"
 #include "detail/store_protocol.h"
+#include "detail/store_refusals.h"
+#include "detail/store_table.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -15,7 +18,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <array>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -23,7 +25,6 @@
 #include <list>
 #include <sstream>
 #include <unordered_map>
-#include <unordered_set>
 #include <vector>
 
 namespace accelerate::detail {
@@ -36,8 +37,9 @@ namespace accelerate::detail {
 // its keys. This server listens only on the address it is given (loopback for a job on one
 // machine) and lets a client in only after a greeting that carries the job's secret, compared in
 // constant time; a client without it gets a refusal it can name, and the server reports it
-// (Note [Reporting refusals]). Connections that have not greeted yet are bounded (Note [Strangers]),
-// and so is what those that have may hold (Note [What a client may hold]).
+// (Note [Reporting refusals] in store_refusals.cpp). Connections that have not greeted yet are
+// bounded (Note [Strangers]), and so is what those that have may hold (Note [What a client may
+// hold]).
 // It speaks a protocol of its own (store_protocol.h) to `JobStoreClient`, a c10d::Store, so
 // Gloo, NCCL and the MPI group use it like any store. One thread serves every connection with
 // poll(); a request for a key that does not exist yet (get, wait) is answered when a later write
@@ -46,11 +48,9 @@ namespace accelerate::detail {
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
 namespace proto = store_protocol;
 
 constexpr auto kGreetingTime = std::chrono::seconds(10);
-constexpr auto kReportInterval = std::chrono::seconds(1);
 constexpr auto kShortageReportInterval = std::chrono::seconds(10);
 
 // Note [Strangers]
@@ -78,14 +78,6 @@ constexpr int kAcceptBatch = 16;
 // descriptors are free, and strangers hold few of them (Note [Strangers]).
 constexpr auto kAcceptPause = std::chrono::milliseconds(200);
 
-// Note [Reporting refusals]
-// The first refusal after a quiet second is reported at once, naming the peer and why; later
-// ones are counted, with their reasons and addresses, and the server's loop reports them
-// together once a second has passed since the last line, whether or not another refusal comes.
-// A line names at most kNamedAddresses addresses.
-constexpr size_t kNamedAddresses = 8;
-constexpr size_t kCountedAddresses = 1024;
-
 // Note [What a client may hold]
 // The secret keeps strangers out, but every worker of the job has it in its environment, and a
 // program of the job that misbehaves must not make the store's process (the launcher, or process
@@ -101,7 +93,7 @@ constexpr size_t kCountedAddresses = 1024;
 //    greeting (kGreetingTooManyClients). A process of a job holds one connection, two where
 //    LibTorch clones the store, and each launcher one or two: a job of 8192 GPUs holds about 20000.
 //  - Keys and values take at most `max_stored_bytes` (1 GiB), each key counted with
-//    kEntryOverhead more for what the map spends on it, so that many small keys are paid for too.
+//    kEntryOverhead (store_table.cpp) more for what the map spends on it, so that many small keys are paid for too.
 //    A set, add or compare-set beyond it is refused with an error its client reports, and changes
 //    nothing. The largest user is Gloo: a group of N processes stores, per process, the addresses
 //    of its N-1 peers, 136 bytes each on LibTorch 1.13 (newer Gloo stores 8 bytes a peer), so
@@ -119,63 +111,12 @@ constexpr size_t kCountedAddresses = 1024;
 // further than a greeting. In all, the store holds at most max_stored_bytes + max_buffered_bytes
 // and a few hundred bytes a connection. (Before these bounds, one client could keep 257 MiB of an
 // unfinished request for ever, and the values had no bound at all.)
-constexpr size_t kEntryOverhead = 128;  // a map node with its two strings, malloc's headers, a bucket
 constexpr size_t kReplyBacklog = size_t{64} << 10;
 constexpr size_t kKeptCapacity = size_t{64} << 10;  // an emptied buffer keeps at most this
 constexpr size_t kMaxGreetingBytes = 16 + proto::kMaxSecretBytes;
 constexpr size_t kMaxRequestBytes = proto::kMaxStringBytes + (size_t{1} << 20);
 
-enum class Refusal {
-  kNotTheProtocol,
-  kOtherVersion,
-  kWrongSecret,
-  kMalformedGreeting,
-  kCrowdedOut,
-  kSilent,
-  // Clients that know the secret (Note [What a client may hold]).
-  kTooManyClients,
-  kStalled,
-  kOverBudget,
-  kTooLarge,
-  kValuesFull,
-};
-constexpr size_t kRefusalKinds = 11;
-constexpr size_t kStrangerKinds = 6;  // the kinds before kTooManyClients
-
-// How the summary of Note [Reporting refusals] counts a kind: "3 without the job's secret".
-const char* counted_as(Refusal kind) {
-  switch (kind) {
-    case Refusal::kNotTheProtocol: return "not speaking the store's protocol";
-    case Refusal::kOtherVersion: return "speaking another version of the store's protocol";
-    case Refusal::kWrongSecret: return "without the job's secret (ACCELERATE_RDZV_SECRET)";
-    case Refusal::kMalformedGreeting: return "with a malformed greeting";
-    case Refusal::kCrowdedOut: return "crowded out by newer connections without a greeting";
-    case Refusal::kSilent: return "without a greeting within 10s";
-    case Refusal::kTooManyClients: return "turned away at the cap on connections that know the secret";
-    case Refusal::kStalled: return "dropped for stalling mid-request or mid-reply";
-    case Refusal::kOverBudget: return "dropped for holding the most when the store's buffers were full";
-    case Refusal::kTooLarge: return "dropped for requests larger than the store takes";
-    case Refusal::kValuesFull: return "requests refused at the cap on the store's keys and values";
-  }
-  return "refused";
-}
-
 std::string errno_text(int e) { return std::strerror(e); }
-
-// "1 GiB", "512 MiB", "64 KiB", else the number of bytes.
-std::string bytes_text(size_t bytes) {
-  if (bytes >= (size_t{1} << 30) && bytes % (size_t{1} << 30) == 0) return std::to_string(bytes >> 30) + " GiB";
-  if (bytes >= (size_t{1} << 20) && bytes % (size_t{1} << 20) == 0) return std::to_string(bytes >> 20) + " MiB";
-  if (bytes >= (size_t{1} << 10) && bytes % (size_t{1} << 10) == 0) return std::to_string(bytes >> 10) + " KiB";
-  return std::to_string(bytes) + " bytes";
-}
-
-// A key as a message names it: quoted, its first 64 bytes.
-std::string quoted(const std::string& key) {
-  return key.size() <= 64 ? "'" + key + "'" : "'" + key.substr(0, 64) + "...'";
-}
-
-size_t entry_bytes(const std::string& key, size_t value_bytes) { return key.size() + value_bytes + kEntryOverhead; }
 
 // The bytes a string holds outside itself.
 size_t heap_bytes(const std::string& s) {
@@ -229,36 +170,26 @@ bool same_secret(const std::string& a, const std::string& b) {
   return diff == 0;
 }
 
-bool parse_integer(const std::string& text, long long& value) {
-  if (text.empty()) return false;
-  char* end = nullptr;
-  errno = 0;
-  value = std::strtoll(text.c_str(), &end, 10);
-  return errno == 0 && end == text.c_str() + text.size();
-}
-
 }  // namespace
 
 struct StoreServer::State {
+  State(std::string job_secret, std::function<void(const std::string&)> reporter, StoreLimits store_limits)
+      : secret(std::move(job_secret)), report(reporter), limits(store_limits), table(store_limits.max_stored_bytes),
+        reports(std::move(reporter)) {}
+
   int listen_fd = -1;
   int wake_fd = -1;
   std::string secret;
   std::function<void(const std::string&)> report;
   StoreLimits limits;
-  std::unordered_map<std::string, std::string> data;
-  size_t stored = 0;    // `data`'s keys and values, each with kEntryOverhead
+  StoreTable table;
   size_t buffered = 0;  // every connection's buffers and waiting keys (Note [What a client may hold])
   std::list<Client> clients;  // greeted, in the order they came
   std::list<Client> strangers;  // not yet greeted, oldest first (Note [Strangers])
   std::unordered_map<std::string, size_t> strangers_from;  // how many per address
   Clock::time_point accept_paused_until{};
   Clock::time_point last_shortage_report{};
-  // Refusals not reported yet (Note [Reporting refusals]).
-  Clock::time_point last_report{};
-  size_t unreported = 0;
-  std::array<size_t, kRefusalKinds> unreported_kinds{};
-  std::vector<std::string> unreported_named;  // the first kNamedAddresses addresses
-  std::unordered_set<std::string> unreported_from;
+  RefusalReport reports;  // Note [Reporting refusals] in store_refusals.cpp
   bool maybe_written = false;  // a client may have written a key since waiting requests were tried
 
   ~State() {
@@ -271,47 +202,7 @@ struct StoreServer::State {
   // Reports a refusal, `what` naming what was refused: "refused a rendezvous connection from ".
   void refused(const Client& c, Refusal kind, const std::string& why,
                const char* what = "refused a rendezvous connection from ") {
-    if (!report) return;
-    const auto now = Clock::now();
-    if (unreported == 0 && now - last_report >= kReportInterval) {
-      last_report = now;
-      report(what + c.peer + ": " + why);
-      return;
-    }
-    ++unreported;
-    ++unreported_kinds[static_cast<size_t>(kind)];
-    if (unreported_from.size() < kCountedAddresses && unreported_from.insert(c.host).second &&
-        unreported_named.size() < kNamedAddresses) {
-      unreported_named.push_back(c.host);
-    }
-    report_refusals(now);
-  }
-
-  // Reports the refusals counted since the last line, once a second has passed since it.
-  void report_refusals(Clock::time_point now) {
-    if (unreported == 0 || now - last_report < kReportInterval) return;
-    const bool only_strangers = std::all_of(unreported_kinds.begin() + kStrangerKinds, unreported_kinds.end(),
-                                            [](size_t n) { return n == 0; });
-    std::string line = (only_strangers ? "refused " : "refused or dropped ") + std::to_string(unreported) +
-                       " more rendezvous connection" + (unreported == 1 ? "" : "s") +
-                       (only_strangers ? "" : " or requests") + " since the last report, from ";
-    for (size_t i = 0; i < unreported_named.size(); ++i) line += (i == 0 ? "" : ", ") + unreported_named[i];
-    if (unreported_from.size() > unreported_named.size()) {
-      line += " and " + std::string(unreported_from.size() >= kCountedAddresses ? "over " : "") +
-              std::to_string(unreported_from.size() - unreported_named.size()) + " more addresses";
-    }
-    const char* separator = ": ";
-    for (size_t k = 0; k < kRefusalKinds; ++k) {
-      if (unreported_kinds[k] == 0) continue;
-      line += separator + std::to_string(unreported_kinds[k]) + " " + counted_as(static_cast<Refusal>(k));
-      separator = ", ";
-    }
-    unreported = 0;
-    unreported_kinds.fill(0);
-    unreported_named.clear();
-    unreported_from.clear();
-    last_report = now;
-    report(line);
+    reports.refused(c.host, c.peer, kind, why, what);
   }
 
   // Changes a buffer of a connection with `change`, keeping `buffered` up to date; an emptied
@@ -372,111 +263,17 @@ struct StoreServer::State {
     });
   }
 
-  // Whether `key` may take `value_bytes` within the cap on keys and values; if not, refuses the
-  // request, naming the client (Note [What a client may hold]).
-  bool room_for(Client& c, const std::string& key, size_t value_bytes) {
-    const auto it = data.find(key);
-    const size_t now_held = it == data.end() ? 0 : entry_bytes(key, it->second.size());
-    const size_t after = stored - now_held + entry_bytes(key, value_bytes);
-    if (after <= limits.max_stored_bytes) return true;
-    const std::string why = "storing " + quoted(key) + " (" + std::to_string(value_bytes) +
-                            " bytes) would take the store's keys and values to " + std::to_string(after) +
-                            " bytes, over their cap of " + bytes_text(limits.max_stored_bytes) + " (" +
-                            std::to_string(data.size()) + (data.size() == 1 ? " key" : " keys") + " stored)";
-    reply(c, proto::kReplyError, {"refused a request from " + c.peer + ": " + why});
-    refused(c, Refusal::kValuesFull, why, "refused a request from ");
-    return false;
-  }
-
-  void put(const std::string& key, std::string value) {
-    auto [it, inserted] = data.try_emplace(key);
-    stored = stored - (inserted ? 0 : entry_bytes(key, it->second.size())) + entry_bytes(key, value.size());
-    it->second = std::move(value);
-    maybe_written = true;
-  }
-
   // Answers the client's request if it can be answered now; returns false when it must wait.
   bool execute(Client& c) {
-    auto& a = c.args;
-    auto arity = [&](size_t n) {
-      if (a.size() == n) return true;
-      reply(c, proto::kReplyError, {"malformed request"});
-      return false;
-    };
-    switch (c.op) {
-      case proto::Op::kSet:
-        if (!arity(2)) return true;
-        if (!room_for(c, a[0], a[1].size())) return true;
-        put(a[0], std::move(a[1]));
-        reply(c, proto::kReplyOk, {});
-        return true;
-      case proto::Op::kGet: {
-        if (!arity(1)) return true;
-        auto it = data.find(a[0]);
-        if (it == data.end()) return false;
-        reply(c, proto::kReplyOk, {it->second});
-        return true;
-      }
-      case proto::Op::kAdd: {
-        if (!arity(2)) return true;
-        long long delta = 0, current = 0;
-        auto it = data.find(a[0]);
-        if (!parse_integer(a[1], delta) || (it != data.end() && !parse_integer(it->second, current))) {
-          reply(c, proto::kReplyError, {"add: the key '" + a[0] + "' does not hold an integer"});
-          return true;
-        }
-        current += delta;
-        std::string sum = std::to_string(current);
-        if (!room_for(c, a[0], sum.size())) return true;
-        put(a[0], sum);
-        reply(c, proto::kReplyOk, {std::move(sum)});
-        return true;
-      }
-      case proto::Op::kCheck: {
-        const bool all = std::all_of(a.begin(), a.end(), [&](const std::string& k) { return data.count(k) > 0; });
-        reply(c, proto::kReplyOk, {all ? "1" : "0"});
-        return true;
-      }
-      case proto::Op::kWait: {
-        const bool all = std::all_of(a.begin(), a.end(), [&](const std::string& k) { return data.count(k) > 0; });
-        if (!all) return false;
-        reply(c, proto::kReplyOk, {});
-        return true;
-      }
-      case proto::Op::kCompareSet: {
-        if (!arity(3)) return true;
-        auto it = data.find(a[0]);
-        if (it == data.end()) {
-          if (a[1].empty()) {
-            if (!room_for(c, a[0], a[2].size())) return true;
-            put(a[0], a[2]);
-          }
-          reply(c, proto::kReplyOk, {a[1].empty() ? a[2] : a[1]});
-        } else {
-          if (it->second == a[1]) {
-            if (!room_for(c, a[0], a[2].size())) return true;
-            put(a[0], a[2]);
-          }
-          reply(c, proto::kReplyOk, {data.at(a[0])});
-        }
-        return true;
-      }
-      case proto::Op::kDelete: {
-        if (!arity(1)) return true;
-        const auto it = data.find(a[0]);
-        const bool existed = it != data.end();
-        if (existed) {
-          stored -= entry_bytes(it->first, it->second.size());
-          data.erase(it);
-        }
-        reply(c, proto::kReplyOk, {existed ? "1" : "0"});
-        return true;
-      }
-      case proto::Op::kNumKeys:
-        reply(c, proto::kReplyOk, {std::to_string(data.size())});
-        return true;
+    auto answer = table.execute(c.op, c.args);
+    if (!answer) return false;
+    if (answer->wrote) maybe_written = true;
+    if (!answer->over_cap.empty()) {  // Note [What a client may hold]
+      reply(c, proto::kReplyError, {"refused a request from " + c.peer + ": " + answer->over_cap});
+      refused(c, Refusal::kValuesFull, answer->over_cap, "refused a request from ");
+      return true;
     }
-    reply(c, proto::kReplyError, {"unknown operation"});
+    reply(c, answer->status, answer->strings);
     return true;
   }
 
@@ -561,14 +358,14 @@ struct StoreServer::State {
     std::vector<pollfd> fds;
     while (true) {
       auto now = Clock::now();
-      report_refusals(now);
+      reports.report_counted(now);
       const bool accepting = now >= accept_paused_until;
       auto timeout = std::chrono::milliseconds(1000);
       if (!strangers.empty()) timeout = std::min(timeout, until(strangers.front().greeting_deadline, now));
       for (const auto& c : clients) {
         if (stalls(c)) timeout = std::min(timeout, until(c.last_progress + limits.stall_timeout, now));
       }
-      if (unreported > 0) timeout = std::min(timeout, until(last_report + kReportInterval, now));
+      if (reports.counting()) timeout = std::min(timeout, until(reports.due(), now));
       if (!accepting) timeout = std::min(timeout, until(accept_paused_until, now));
       fds.clear();
       fds.push_back({wake_fd, POLLIN, 0});
@@ -865,13 +662,10 @@ std::string new_job_secret() {
 
 StoreServer::StoreServer(const std::string& host, int port, std::string secret,
                          std::function<void(const std::string&)> report, StoreLimits limits)
-    : state_(std::make_unique<State>()), host_(host) {
+    : state_(std::make_unique<State>(std::move(secret), std::move(report), limits)), host_(host) {
   if (port < 0 || port > 65535) {
     throw StoreError("[rendezvous] expected a TCP port in 0-65535, got " + std::to_string(port));
   }
-  state_->secret = std::move(secret);
-  state_->report = std::move(report);
-  state_->limits = limits;
 
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;

@@ -52,7 +52,7 @@ class StoreServer {
   /// Listens on `host`:`port` ("" for every interface; port 0 picks a free one) and serves until destroyed, on a thread
   /// of its own. `report` receives a line naming a refused client, then at most one a second
   /// counting those refused since, and a line when the server cannot accept connections for want
-  /// of descriptors (Note [Reporting refusals] in store_server.cpp); also the clients dropped or
+  /// of descriptors (Note [Reporting refusals] in store_refusals.cpp); also the clients dropped or
   /// refused at `limits`.
   StoreServer(const std::string& host, int port, std::string secret,
               std::function<void(const std::string&)> report = {}, StoreLimits limits = {});

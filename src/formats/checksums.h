@@ -5,7 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 
-namespace accelerate::detail {
+namespace accelerate::detail::checksums {
 
 // A table-driven CRC-32 over the reflected polynomial `Poly`, starting from all ones and inverted at
 // the end: 0xEDB88320 is zlib's CRC-32 (PNG chunks), 0x82F63B78 is CRC-32C (TFRecord framing).
@@ -25,4 +25,4 @@ inline uint32_t reflected_crc32(const unsigned char* data, size_t size) {
   return c ^ 0xffffffffu;
 }
 
-}  // namespace accelerate::detail
+}  // namespace accelerate::detail::checksums

@@ -5,11 +5,11 @@
 
 #include <algorithm>
 
-namespace accelerate::detail {
+namespace accelerate::detail::png {
 namespace {
 
 uint32_t crc32_png(const std::string& bytes) {
-  return reflected_crc32<0xEDB88320u>(reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size());
+  return checksums::reflected_crc32<0xEDB88320u>(reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size());
 }
 
 void put_be32(std::string& out, uint32_t v) {
@@ -65,4 +65,4 @@ std::string encode_png(const std::string& pixels, int64_t height, int64_t width,
   return png;
 }
 
-}  // namespace accelerate::detail
+}  // namespace accelerate::detail::png

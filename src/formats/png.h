@@ -5,9 +5,9 @@
 #include <cstdint>
 #include <string>
 
-namespace accelerate::detail {
+namespace accelerate::detail::png {
 
 /// An 8-bit RGB or RGBA PNG of `pixels` (rows of width * channels bytes).
 std::string encode_png(const std::string& pixels, int64_t height, int64_t width, int64_t channels);
 
-}  // namespace accelerate::detail
+}  // namespace accelerate::detail::png

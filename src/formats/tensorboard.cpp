@@ -3,12 +3,12 @@
 
 #include "formats/checksums.h"
 
-namespace accelerate::detail {
+namespace accelerate::detail::tensorboard {
 namespace {
 
 // TFRecord's masked CRC: rotate right by 15 bits and add a constant.
 uint32_t masked_crc32c(const std::string& bytes) {
-  const uint32_t crc = reflected_crc32<0x82F63B78u>(reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size());
+  const uint32_t crc = checksums::reflected_crc32<0x82F63B78u>(reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size());
   return ((crc >> 15) | (crc << 17)) + 0xa282ead8u;
 }
 
@@ -64,4 +64,4 @@ std::string summary_event(const Proto& summary, int64_t step, double wall_time) 
   return tfrecord(Proto().fixed64(1, wall_time).varint(2, static_cast<uint64_t>(step)).message(5, summary).str());
 }
 
-}  // namespace accelerate::detail
+}  // namespace accelerate::detail::tensorboard

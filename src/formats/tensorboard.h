@@ -8,7 +8,7 @@
 #include <cstring>
 #include <string>
 
-namespace accelerate::detail {
+namespace accelerate::detail::tensorboard {
 
 // Only the encodings the Event, Summary and HParams messages need: varints, fixed 32/64-bit
 // numbers and length-delimited fields. Fields at their proto3 default are left out, as protobuf
@@ -85,4 +85,4 @@ std::string summary_event(const Proto& summary, int64_t step, double wall_time);
 /// and the masked CRC-32C of the data (the records of a TensorBoard event file).
 std::string tfrecord(const std::string& data);
 
-}  // namespace accelerate::detail
+}  // namespace accelerate::detail::tensorboard

@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-namespace accelerate::detail {
+namespace accelerate::detail::yaml {
 namespace {
 
 bool plain_yaml(const std::string& s) {
@@ -66,4 +66,4 @@ std::string to_yaml(const nlohmann::json& value) {
   return out.str();
 }
 
-}  // namespace accelerate::detail
+}  // namespace accelerate::detail::yaml

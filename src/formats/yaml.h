@@ -6,9 +6,9 @@
 
 #include <string>
 
-namespace accelerate::detail {
+namespace accelerate::detail::yaml {
 
 /// `value` as a YAML document.
 std::string to_yaml(const nlohmann::json& value);
 
-}  // namespace accelerate::detail
+}  // namespace accelerate::detail::yaml

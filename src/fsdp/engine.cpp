@@ -16,7 +16,7 @@
 #include <sstream>
 #include <unordered_set>
 
-namespace accelerate::detail {
+namespace accelerate::detail::fsdp {
 namespace {
 
 // The processes one replica is sharded over (Note [Hybrid sharding]).
@@ -601,4 +601,4 @@ double FsdpEngine::total_grad_norm(const std::vector<at::Tensor>& params, double
   return std::pow(over_processes + here, 1.0 / norm_type);
 }
 
-}  // namespace accelerate::detail
+}  // namespace accelerate::detail::fsdp

@@ -4,7 +4,6 @@
 // for how a parameter moves between its shard and its full form.
 #pragma once
 
-#include "accelerate/checkpointing.h"
 #include "accelerate/state.h"
 #include "fsdp/settings.h"
 
@@ -17,7 +16,7 @@
 #include <utility>
 #include <vector>
 
-namespace accelerate::detail {
+namespace accelerate::detail::fsdp {
 
 struct FsdpEngineImpl;
 
@@ -93,4 +92,4 @@ class FsdpEngine {
   std::shared_ptr<FsdpEngineImpl> impl_;  // shared with the hooks, which hold it weakly
 };
 
-}  // namespace accelerate::detail
+}  // namespace accelerate::detail::fsdp

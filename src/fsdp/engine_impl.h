@@ -17,7 +17,7 @@
 #include <unordered_map>
 #include <vector>
 
-namespace accelerate::detail {
+namespace accelerate::detail::fsdp {
 
 // Note [Fully sharded engine]
 // Every parameter of a unit is split on dimension 0 into `num_processes` pieces of
@@ -220,4 +220,4 @@ void arm_outputs(const std::shared_ptr<FsdpEngineImpl>& impl, size_t unit, const
 /// The hook that runs around the forward of unit `unit` (not the root).
 std::shared_ptr<ModelHook> unit_hook(std::weak_ptr<FsdpEngineImpl> engine, size_t unit);
 
-}  // namespace accelerate::detail
+}  // namespace accelerate::detail::fsdp

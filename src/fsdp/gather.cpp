@@ -3,7 +3,7 @@
 
 #include <torch/csrc/autograd/engine.h>
 
-namespace accelerate::detail {
+namespace accelerate::detail::fsdp {
 
 // Note [Prefetching]
 // Without prefetching a unit's gather starts when its forward (or backward) does, and the
@@ -150,4 +150,4 @@ void FsdpEngineImpl::reshard(Unit& unit) {
   }
 }
 
-}  // namespace accelerate::detail
+}  // namespace accelerate::detail::fsdp

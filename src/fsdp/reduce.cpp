@@ -3,7 +3,7 @@
 
 #include <torch/csrc/autograd/engine.h>
 
-namespace accelerate::detail {
+namespace accelerate::detail::fsdp {
 
 void FsdpEngineImpl::pre_backward(size_t index) {
   auto& unit = units[index];
@@ -395,4 +395,4 @@ at::Tensor FsdpEngineImpl::whole_value(const ShardedParam& p) {
       .to(p.shard.device(), p.shard.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
 }
 
-}  // namespace accelerate::detail
+}  // namespace accelerate::detail::fsdp

@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <utility>
 
-namespace accelerate::detail {
+namespace accelerate::detail::fsdp {
 
 /// The first of the rows (of `rows`) that process `rank` of `world` holds, and how many.
 inline std::pair<int64_t, int64_t> rows_held(int64_t rows, int world, int rank) {
@@ -16,4 +16,4 @@ inline std::pair<int64_t, int64_t> rows_held(int64_t rows, int world, int rank) 
   return {first, std::clamp<int64_t>(rows - rank * each, 0, each)};
 }
 
-}  // namespace accelerate::detail
+}  // namespace accelerate::detail::fsdp

@@ -6,7 +6,7 @@
 
 #include <c10/util/Exception.h>
 
-namespace accelerate::detail {
+namespace accelerate::detail::fsdp {
 
 namespace {
 
@@ -141,4 +141,4 @@ FsdpSettings resolve_fsdp_plugin(const FullyShardedDataParallelPlugin& plugin, c
   return s;
 }
 
-}  // namespace accelerate::detail
+}  // namespace accelerate::detail::fsdp

@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-namespace accelerate::detail {
+namespace accelerate::detail::fsdp {
 
 
 /// The plugin with every field decided (from the user's struct, the environment, the defaults).
@@ -49,4 +49,4 @@ struct FsdpSettings {
 /// defaults, and refuses what cannot apply, naming the field.
 FsdpSettings resolve_fsdp_plugin(const FullyShardedDataParallelPlugin& plugin, c10::Device device);
 
-}  // namespace accelerate::detail
+}  // namespace accelerate::detail::fsdp

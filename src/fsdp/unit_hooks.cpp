@@ -2,9 +2,11 @@
 // that marks the end of its backward, and the hooks on its outputs' gradients.
 #include "fsdp/engine_impl.h"
 
+#include "detail/autograd_function.h"
+
 #include <torch/csrc/autograd/custom_function.h>
 
-namespace accelerate::detail {
+namespace accelerate::detail::fsdp {
 namespace {
 
 // Marks the backward end of a unit: an identity on its inputs whose backward runs once the
@@ -61,14 +63,9 @@ class UnitHook final : public ModelHook {
       }
     }
     if (differentiable.empty()) return;  // the end of the backward pass reduces this unit
-    // See Note [GCC 14 and autograd::Function::apply] in src/activation_checkpointing.cpp.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Warray-bounds"
-#pragma GCC diagnostic ignored "-Wstringop-overflow"
-    auto routed = UnitInputNode::apply(at::TensorList(differentiable),
-                                       static_cast<int64_t>(reinterpret_cast<intptr_t>(e.get())),
-                                       static_cast<int64_t>(unit_));
-#pragma GCC diagnostic pop
+    auto routed = apply_function<UnitInputNode>(at::TensorList(differentiable),
+                                                static_cast<int64_t>(reinterpret_cast<intptr_t>(e.get())),
+                                                static_cast<int64_t>(unit_));
     for (size_t i = 0; i < positions.size(); ++i) inputs[positions[i]] = routed[i];
     ++u.pending_input_nodes;
   }
@@ -112,4 +109,4 @@ std::shared_ptr<ModelHook> unit_hook(std::weak_ptr<FsdpEngineImpl> engine, size_
   return std::make_shared<UnitHook>(std::move(engine), unit);
 }
 
-}  // namespace accelerate::detail
+}  // namespace accelerate::detail::fsdp

@@ -1,7 +1,7 @@
 // The auto-wrap policies; see wrap_policy.h.
 #include "fsdp/wrap_policy.h"
 
-namespace accelerate::detail {
+namespace accelerate::detail::fsdp {
 namespace {
 
 int64_t count_params(const FsdpSettings& s, const torch::nn::Module& m) {
@@ -59,4 +59,4 @@ std::vector<std::pair<std::string, torch::nn::Module*>> choose_units(const FsdpS
   return chosen;
 }
 
-}  // namespace accelerate::detail
+}  // namespace accelerate::detail::fsdp

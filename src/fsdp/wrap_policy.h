@@ -11,7 +11,7 @@
 #include <utility>
 #include <vector>
 
-namespace accelerate::detail {
+namespace accelerate::detail::fsdp {
 
 /// The submodules of `root` (by dotted name) that the policy of `settings` wraps, children before
 /// their parents as PyTorch's recursive wrapping visits them; nothing inside `ignored`.
@@ -19,4 +19,4 @@ std::vector<std::pair<std::string, torch::nn::Module*>> choose_units(const FsdpS
                                                                      torch::nn::Module& root,
                                                                      const std::set<std::string>& ignored);
 
-}  // namespace accelerate::detail
+}  // namespace accelerate::detail::fsdp

@@ -13,7 +13,7 @@
 #include <cstdlib>
 #include <functional>
 
-namespace accelerate::commands {
+namespace accelerate::detail::launch {
 
 std::optional<int> parse_int(const std::string& text, int min, int max) {
   const size_t sign = !text.empty() && (text[0] == '-' || text[0] == '+') ? 1 : 0;
@@ -34,6 +34,9 @@ int int_value(const std::string& name, const std::string& text) {
   return *value;
 }
 
+}  // namespace accelerate::detail::launch
+
+namespace accelerate::commands {
 namespace {
 
 // Registers "--name" together with its hyphenated spelling "--na-me".
@@ -52,7 +55,10 @@ void add_int(CLI::App& app, std::function<void(int)> set, const std::string& nam
              const std::string& short_name = "") {
   app.add_option_function<std::string>(
          spellings(name, short_name),
-         [set = std::move(set), flag = "--" + name](const std::string& text) { set(int_value(flag, text)); }, help)
+         [set = std::move(set), flag = "--" + name](const std::string& text) {
+           set(detail::launch::int_value(flag, text));
+         },
+         help)
       ->type_name("INT");
 }
 

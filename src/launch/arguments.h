@@ -7,7 +7,7 @@
 #include <optional>
 #include <string>
 
-namespace accelerate::commands {
+namespace accelerate::detail::launch {
 
 /// `text` as an int when all of it is a decimal integer from `min` to `max`, else nullopt.
 std::optional<int> parse_int(const std::string& text, int min = INT_MIN, int max = INT_MAX);
@@ -16,4 +16,4 @@ std::optional<int> parse_int(const std::string& text, int min = INT_MIN, int max
 /// as an int; throws `c10::ValueError` naming both when it is not an integer within int's range.
 int int_value(const std::string& name, const std::string& text);
 
-}  // namespace accelerate::commands
+}  // namespace accelerate::detail::launch

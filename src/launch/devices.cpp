@@ -5,7 +5,7 @@
 
 #include <dlfcn.h>
 
-namespace accelerate::detail {
+namespace accelerate::detail::launch {
 
 int cuda_driver_device_count() {
   // The driver library stays loaded once opened: unloading it is not supported by CUDA, and a
@@ -27,4 +27,4 @@ int cuda_driver_device_count() {
 
 int visible_cuda_devices() { return ACCELERATE_HAVE_CUDA ? cuda_driver_device_count() : 0; }
 
-}  // namespace accelerate::detail
+}  // namespace accelerate::detail::launch

@@ -2,7 +2,7 @@
 // launcher decides with it whether a job runs on GPUs (Note [The launcher without LibTorch]).
 #pragma once
 
-namespace accelerate::detail {
+namespace accelerate::detail::launch {
 
 /// How many CUDA devices the driver (libcuda.so.1, loaded on first use) lets this process see,
 /// after CUDA_VISIBLE_DEVICES; 0 when the driver is missing or fails to start.
@@ -12,4 +12,4 @@ int cuda_driver_device_count();
 /// else 0.
 int visible_cuda_devices();
 
-}  // namespace accelerate::detail
+}  // namespace accelerate::detail::launch

@@ -2,7 +2,9 @@
 #include "launch/elastic.h"
 
 #include "detail/check.h"
+#include "detail/durations.h"
 #include "detail/store_connection.h"
+#include "launch/restarts.h"
 
 #include <chrono>
 #include <csignal>
@@ -12,12 +14,12 @@
 #include <memory>
 #include <thread>
 
-namespace accelerate::commands {
+namespace accelerate::detail::launch {
 namespace {
 
 namespace fs = std::filesystem;
+using commands::LaunchPlan;
 namespace proto = detail::store_protocol;
-using Clock = std::chrono::steady_clock;
 
 // Note [Elastic membership]
 // An elastic job (--nnodes MIN:MAX --rdzv_backend c10d) forms its group in rounds of a rendezvous
@@ -136,7 +138,7 @@ class Rendezvous {
   std::unique_ptr<detail::StoreConnection> store_;
 };
 
-void say(const LaunchPlan& plan, const std::string& line) {
+void say_unless_quiet(const LaunchPlan& plan, const std::string& line) {
   if (!plan.quiet) std::cerr << "accelerate launch: " << line << std::endl;
 }
 
@@ -145,12 +147,12 @@ struct StopRequested {
   int signal;
 };
 
-void check_stop(detail::Supervisor& supervisor) {
+void check_stop(Supervisor& supervisor) {
   if (const int sig = supervisor.stop_requested(); sig != 0) throw StopRequested{sig};
 }
 
 // The host: opens round `round`, joins it as machine 0 and closes it; returns the members.
-int hold_round(const LaunchPlan& plan, Rendezvous& rdzv, detail::Supervisor& supervisor, int round) {
+int hold_round(const LaunchPlan& plan, Rendezvous& rdzv, Supervisor& supervisor, int round) {
   rdzv.add(round_key(round, "joined"), 1);  // before the round is published: the host is machine 0
   rdzv.set(kRoundKey, std::to_string(round));
   const auto opened = Clock::now();
@@ -164,7 +166,7 @@ int hold_round(const LaunchPlan& plan, Rendezvous& rdzv, detail::Supervisor& sup
     if (joined >= plan.num_machines) break;
     if (!said_waiting && joined < plan.min_machines && Clock::now() - opened > std::chrono::seconds(5)) {
       said_waiting = true;
-      say(plan, "round " + std::to_string(round) + " of the rendezvous waits for " +
+      say_unless_quiet(plan, "round " + std::to_string(round) + " of the rendezvous waits for " +
                     std::to_string(plan.min_machines) + " machine(s), " + std::to_string(joined) +
                     " joined so far (up to --rdzv_timeout, " + detail::concat(plan.rdzv_timeout) + "s)");
     }
@@ -194,7 +196,7 @@ int hold_round(const LaunchPlan& plan, Rendezvous& rdzv, detail::Supervisor& sup
 struct Place {
   int round = -1, rank = 0, members = 0;
 };
-Place join_round(const LaunchPlan& plan, Rendezvous& rdzv, detail::Supervisor& supervisor, int tried_round,
+Place join_round(const LaunchPlan& plan, Rendezvous& rdzv, Supervisor& supervisor, int tried_round,
                  int ran_round) {
   int waiter = 0;  // this launcher's number as a waiter; 0: not waiting
   int beat = 0;
@@ -227,7 +229,7 @@ Place join_round(const LaunchPlan& plan, Rendezvous& rdzv, detail::Supervisor& s
       if (waiter == 0) {
         waiter = rdzv.add(kWaitersKey, 1);
         waiting_since = Clock::now();
-        say(plan, "waiting for the running group (round " + std::to_string(published) + ") to take this machine in");
+        say_unless_quiet(plan, "waiting for the running group (round " + std::to_string(published) + ") to take this machine in");
       }
       rdzv.set(waiter_key(waiter), std::to_string(++beat));
       // A job of a fixed size takes a machine in only when one of its own was lost: one that
@@ -286,7 +288,7 @@ void finish_round(const LaunchPlan& plan, Rendezvous& rdzv, int round, int membe
   }
 }
 
-int run(const LaunchPlan& plan, detail::Supervisor& supervisor, const std::map<std::string, std::string>& base,
+int run(const LaunchPlan& plan, Supervisor& supervisor, const std::map<std::string, std::string>& base,
         const fs::path& scratch, int port, bool serves_store) {
   Rendezvous rdzv(plan, port);
   rdzv.connect();
@@ -302,7 +304,7 @@ int run(const LaunchPlan& plan, detail::Supervisor& supervisor, const std::map<s
     } else {
       place = join_round(plan, rdzv, supervisor, tried_round, ran_round);
       if (place.round < 0) {
-        say(plan, "the elastic job finished before this machine could join it");
+        say_unless_quiet(plan, "the elastic job finished before this machine could join it");
         return 0;
       }
     }
@@ -313,10 +315,10 @@ int run(const LaunchPlan& plan, detail::Supervisor& supervisor, const std::map<s
     group.num_machines = members;
     group.num_processes = members * plan.local_num_processes;
     group.machine_rank = rank;
-    say(plan, "round " + std::to_string(round) + " of the rendezvous: this is machine " + std::to_string(rank) +
+    say_unless_quiet(plan, "round " + std::to_string(round) + " of the rendezvous: this is machine " + std::to_string(rank) +
                   " of " + std::to_string(members) + " (" + std::to_string(group.num_processes) + " processes)");
-    const auto specs = detail::worker_specs(group, base, scratch, port, round);
-    auto options = detail::supervise_options(plan, round);
+    const auto specs = worker_specs(group, base, scratch, port, round);
+    auto options = supervise_options(plan, round);
     const auto quick = std::chrono::seconds(2);  // the supervisor must not wait long on the store
     // A job of a fixed size never regroups: it takes a machine in only after losing one.
     if (plan.min_machines < plan.num_machines) options.regroup = [&, round, members, quick] {
@@ -342,16 +344,15 @@ int run(const LaunchPlan& plan, detail::Supervisor& supervisor, const std::map<s
       }
     }
     if (regroup) {
-      say(plan, "a machine is waiting to join: forming the group again");
+      say_unless_quiet(plan, "a machine is waiting to join: forming the group again");
       continue;
     }
-    if (result.preempted) return result.exit_code;
-    if (result.exit_code == 0) {
-      finish_round(plan, rdzv, round, members, serves_store);
-      return 0;
+    if (!restart_after(result, failures, plan.max_restarts)) {
+      if (result.exit_code == 0) finish_round(plan, rdzv, round, members, serves_store);
+      return result.exit_code;
     }
-    if (++failures > plan.max_restarts) return result.exit_code;
-    say(plan, std::string(plan.min_machines < plan.num_machines ? "restarting with the machines that remain"
+    ++failures;
+    say_unless_quiet(plan, std::string(plan.min_machines < plan.num_machines ? "restarting with the machines that remain"
                                                                 : "restarting; a lost machine rejoins when launched again") +
                   " (restart " + std::to_string(failures) + " of " + std::to_string(plan.max_restarts) + ")");
   }
@@ -379,7 +380,7 @@ int machine_rank_at_rendezvous(const LaunchPlan& plan, int port) {
   return rank;
 }
 
-int run_elastic(const LaunchPlan& plan, detail::Supervisor& supervisor, const std::map<std::string, std::string>& base,
+int run_elastic(const LaunchPlan& plan, Supervisor& supervisor, const std::map<std::string, std::string>& base,
                 const fs::path& scratch, int port, bool serves_store) {
   try {
     return run(plan, supervisor, base, scratch, port, serves_store);
@@ -390,4 +391,4 @@ int run_elastic(const LaunchPlan& plan, detail::Supervisor& supervisor, const st
   }
 }
 
-}  // namespace accelerate::commands
+}  // namespace accelerate::detail::launch

@@ -11,17 +11,18 @@
 #include <map>
 #include <string>
 
-namespace accelerate::commands {
+namespace accelerate::detail::launch {
 
 /// This machine's rank, numbered at the rendezvous at --main_process_ip:`port` (a launcher that is
 /// not machine 0, which serves the store). Throws when it cannot be reached within --rdzv_timeout,
 /// or when more launchers than --num_machines joined.
-int machine_rank_at_rendezvous(const LaunchPlan& plan, int port);
+int machine_rank_at_rendezvous(const commands::LaunchPlan& plan, int port);
 
 /// Runs an elastic job on this machine until it succeeds, fails past --max_restarts, or is
 /// stopped; returns the launcher's exit code. `serves_store`: this machine's launcher serves the
 /// rendezvous store at `port` (it has --main_process_ip's address).
-int run_elastic(const LaunchPlan& plan, detail::Supervisor& supervisor, const std::map<std::string, std::string>& base,
-                const std::filesystem::path& scratch, int port, bool serves_store);
+int run_elastic(const commands::LaunchPlan& plan, Supervisor& supervisor,
+                const std::map<std::string, std::string>& base, const std::filesystem::path& scratch, int port,
+                bool serves_store);
 
-}  // namespace accelerate::commands
+}  // namespace accelerate::detail::launch

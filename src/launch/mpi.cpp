@@ -14,9 +14,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-namespace accelerate::commands {
+namespace accelerate::detail::launch {
 
 namespace fs = std::filesystem;
+using commands::LaunchPlan;
 
 // Note [MPI by default]
 // On one machine, CPU processes communicate much faster through MPI's shared memory than through
@@ -27,7 +28,7 @@ namespace fs = std::filesystem;
 bool mpi_is_the_default(const LaunchPlan& plan) {
   if (plan.num_processes < 2 || plan.num_machines != 1 || plan.multi_gpu) return false;
   if (!is_mpi_available()) return false;
-  if (!plan.use_cpu && detail::visible_cuda_devices() > 0) return false;
+  if (!plan.use_cpu && visible_cuda_devices() > 0) return false;
   try {
     (void)detail::resolve_program("mpirun");
     return true;
@@ -122,7 +123,7 @@ constexpr const char* kPerRankVariables[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK",
 
 // The variables every rank of an MPI job gets.
 std::map<std::string, std::string> mpi_job_environment(const LaunchPlan& plan, int master_port, int restart_count) {
-  auto env = worker_environment(plan, 0, master_port, restart_count);
+  auto env = commands::worker_environment(plan, 0, master_port, restart_count);
   for (const char* key : kPerRankVariables) env.erase(key);
   env["ACCELERATE_BACKEND"] = "mpi";
   return env;
@@ -130,19 +131,20 @@ std::map<std::string, std::string> mpi_job_environment(const LaunchPlan& plan, i
 
 }  // namespace
 
-int run_mpi_attempt(const LaunchPlan& plan, detail::Supervisor& supervisor,
-                    const std::map<std::string, std::string>& base, const fs::path& scratch, int port, int attempt) {
+AttemptResult run_mpi_attempt(const LaunchPlan& plan, Supervisor& supervisor,
+                              const std::map<std::string, std::string>& base, const fs::path& scratch, int port,
+                              int attempt) {
   const fs::path dir = scratch / ("attempt_" + std::to_string(attempt));
   fs::create_directories(dir);
   auto make_fifo = [](const fs::path& path) {
     ACCELERATE_CHECK(::mkfifo(path.c_str(), 0600) == 0, "[launch] cannot create the pipe ", path.string(), ": ",
                      std::strerror(errno));
   };
-  detail::CarrierSpec carrier;
+  CarrierSpec carrier;
   carrier.status_pipe = (dir / "status").string();
   carrier.reports_every_worker = !plan.mpirun_hostfile;  // other machines have no status pipe
   make_fifo(carrier.status_pipe);
-  std::vector<detail::WorkerSpec> specs(plan.num_processes);
+  std::vector<WorkerSpec> specs(plan.num_processes);
   for (int rank = 0; rank < plan.num_processes; ++rank) {
     auto& spec = specs[rank];
     spec.rank = rank;
@@ -215,11 +217,7 @@ int run_mpi_attempt(const LaunchPlan& plan, detail::Supervisor& supervisor,
                       {"bash", "-c", kMpiWrapper, "accelerate-worker", dir.string(), std::to_string(::getpid())});
   carrier.argv.insert(carrier.argv.end(), plan.command.begin(), plan.command.end());
 
-  auto result = supervisor.run(specs, detail::supervise_options(plan, attempt), &carrier);
-  if (result.exit_code == 0 || result.interrupted || result.preempted || attempt >= plan.max_restarts) {
-    return result.exit_code;
-  }
-  return -result.exit_code;
+  return supervisor.run(specs, supervise_options(plan, attempt), &carrier);
 }
 
-}  // namespace accelerate::commands
+}  // namespace accelerate::detail::launch

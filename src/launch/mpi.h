@@ -9,16 +9,15 @@
 #include <map>
 #include <string>
 
-namespace accelerate::commands {
+namespace accelerate::detail::launch {
 
 /// Whether a job of `plan` runs on MPI when no back-end was chosen (Note [MPI by default]).
-bool mpi_is_the_default(const LaunchPlan& plan);
+bool mpi_is_the_default(const commands::LaunchPlan& plan);
 /// Checks what the MPI back-end needs and finds mpirun (in `plan.mpirun`).
-void resolve_mpirun(LaunchPlan& plan);
-/// Runs one attempt of an MPI job, its pipes in `scratch`. Returns the exit code when the
-/// launcher is done, or minus the exit code when the job is to be restarted.
-int run_mpi_attempt(const LaunchPlan& plan, detail::Supervisor& supervisor,
+void resolve_mpirun(commands::LaunchPlan& plan);
+/// Runs one attempt of an MPI job, its pipes in `scratch`, and says how it ended.
+AttemptResult run_mpi_attempt(const commands::LaunchPlan& plan, Supervisor& supervisor,
                     const std::map<std::string, std::string>& base, const std::filesystem::path& scratch, int port,
                     int attempt);
 
-}  // namespace accelerate::commands
+}  // namespace accelerate::detail::launch

@@ -23,10 +23,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
 // torchrun's --nnodes (N or MIN:MAX) and --rdzv_conf, over --num_machines.
 void plan_elastic(const LaunchArgs& args, LaunchPlan& plan) {
   if (args.rdzv_conf) {
@@ -49,7 +45,7 @@ void plan_elastic(const LaunchArgs& args, LaunchPlan& plan) {
   const std::string& text = *args.nnodes;
   const auto colon = text.find(':');
   auto number = [&](const std::string& part) {
-    const auto n = parse_int(part, 1);
+    const auto n = detail::launch::parse_int(part, 1);
     ACCELERATE_CHECK_VALUE(n.has_value(), "[launch] --nnodes must be N or MIN:MAX, whole numbers from 1 to ", INT_MAX,
                            ", got '", text, "'");
     return *n;
@@ -170,7 +166,7 @@ void check_rendezvous(const LaunchPlan& plan) {
   const int needed = plan.elastic ? plan.min_machines : plan.num_machines;
   const bool ranged = needed < plan.num_machines;
   if (const auto nodes = get_env("SLURM_JOB_NUM_NODES"); nodes && !nodes->empty() && needed > 1) {
-    const int allocated = int_value("the environment variable SLURM_JOB_NUM_NODES", *nodes);
+    const int allocated = detail::launch::int_value("the environment variable SLURM_JOB_NUM_NODES", *nodes);
     ACCELERATE_CHECK_VALUE(allocated <= 0 || needed <= allocated, "[launch] the job has ",
                            ranged ? "a minimum of --nnodes " : "--num_machines ",
                            ranged ? std::to_string(needed) + ":" + std::to_string(plan.num_machines)
@@ -221,7 +217,7 @@ void check_job_size(LaunchPlan& plan, bool ip_given) {
 // The remaining flags' ranges, and the devices they ask for.
 void check_flags(const LaunchArgs& args, const LaunchPlan& plan) {
   ACCELERATE_CHECK_VALUE(!(args.cpu && args.multi_gpu), "[launch] --cpu and --multi_gpu exclude each other");
-  ACCELERATE_CHECK_VALUE(!plan.multi_gpu || detail::visible_cuda_devices() > 0,
+  ACCELERATE_CHECK_VALUE(!plan.multi_gpu || detail::launch::visible_cuda_devices() > 0,
                          "[launch] --multi_gpu (or distributed_type MULTI_GPU in the config) needs CUDA devices, but ",
                          ACCELERATE_HAVE_CUDA ? "the CUDA driver reports none visible here"
                                               : "this build of accelerate-cpp has no CUDA (its LibTorch is CPU-only)",
@@ -246,8 +242,8 @@ void check_flags(const LaunchArgs& args, const LaunchPlan& plan) {
 void choose_backend(const LaunchArgs& args, const std::optional<ClusterConfig>& config, LaunchPlan& plan) {
   plan.mpirun_hostfile = args.mpirun_hostfile ? args.mpirun_hostfile : (config ? config->mpirun_hostfile : std::nullopt);
   if (plan.mpirun_hostfile && plan.backend.empty()) plan.backend = "mpi";
-  if (plan.backend.empty() && mpi_is_the_default(plan)) plan.backend = "mpi";
-  if (plan.backend == "mpi") resolve_mpirun(plan);
+  if (plan.backend.empty() && detail::launch::mpi_is_the_default(plan)) plan.backend = "mpi";
+  if (plan.backend == "mpi") detail::launch::resolve_mpirun(plan);
 }
 
 // Note [The job's secret]: every process of a job shows the rendezvous store the same
@@ -310,7 +306,7 @@ void plan_output_and_threads(const LaunchArgs& args, LaunchPlan& plan) {
 void plan_command(const LaunchArgs& args, LaunchPlan& plan) {
   ACCELERATE_CHECK_VALUE(!args.training_script.empty(),
                          "[launch] no program to run was given: accelerate launch [options] <program> [args...]");
-  const bool python = !args.no_python && (args.module || ends_with(args.training_script, ".py"));
+  const bool python = !args.no_python && (args.module || args.training_script.ends_with(".py"));
   if (python) {
     plan.command = {detail::resolve_program("python3")};
     if (args.module) plan.command.push_back("-m");

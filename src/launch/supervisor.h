@@ -1,6 +1,9 @@
-// The supervision loop of `accelerate launch`: runs one attempt of a group of workers, relays
-// their output line by line with a rank prefix, reaps them, and on the first failure (or a
-// signal to the launcher) tears the rest down: SIGTERM, a grace period, then SIGKILL.
+// The supervisor of `accelerate launch`: it owns the launcher's signal handling, and runs the
+// attempts of a group of workers (attempt.h: it relays their output line by line with a rank
+// prefix, reaps them, and on the first failure, or a signal to the launcher, tears the rest down:
+// SIGTERM, a grace period, then SIGKILL). Also what an attempt is given: its workers' commands and
+// environments, and the supervision settings of the launch. Whether to run another attempt is the
+// launch's (restarts.h).
 #pragma once
 
 #include "accelerate/commands/launch.h"
@@ -12,7 +15,7 @@
 #include <string>
 #include <vector>
 
-namespace accelerate::detail {
+namespace accelerate::detail::launch {
 
 /// One worker to start.
 struct WorkerSpec {
@@ -100,4 +103,4 @@ class Supervisor {
   bool was_subreaper_ = false;
 };
 
-}  // namespace accelerate::detail
+}  // namespace accelerate::detail::launch

@@ -4,24 +4,18 @@
 #include "accelerate/hooks.h"
 #include "accelerate/utils/random.h"
 #include "detail/collectives.h"
+#include "tensor_parallel/communication.h"
 
-#include <ATen/CPUGeneratorImpl.h>
-#include <ATen/Context.h>
 #include <c10/util/Exception.h>
-#include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
-#include <torch/nn/modules/embedding.h>
-#include <torch/nn/modules/linear.h>
 
 #include <algorithm>
 #include <cmath>
-#include <mutex>
-#include <optional>
 #include <set>
 #include <unordered_map>
 #include <unordered_set>
 
-namespace accelerate::detail {
+namespace accelerate::detail::tensor_parallel {
 
 // Note [Tensor parallelism]
 // A plan names modules and styles (transformers' names). `prepare` first makes every process of
@@ -32,8 +26,9 @@ namespace accelerate::detail {
 //                          Embedding's weight on dimension 1 (embedding features);
 //   rowwise                a Linear's weight split on dimension 1 (input features), its bias
 //                          whole; an Embedding's weight on dimension 0 (the vocabulary).
-// Each split module gets a ModelHook that communicates as Megatron-LM does, through autograd
-// functions over the group:
+// Each split module gets a ModelHook that runs its style's (tensor_parallel/style.cpp), which
+// communicates as Megatron-LM does, through autograd functions over the group
+// (tensor_parallel/communication.h):
 //   colwise     the input passes through "copy" (forward: itself; backward: the gradients summed
 //               over the group, since every process's piece of the output depends on all of it);
 //               the output stays sharded on its last dimension, or is gathered (colwise_rep;
@@ -55,7 +50,7 @@ namespace accelerate::detail {
 //               collective, so the module must give every parameter a gradient on every process,
 //               an empty piece included (norms and dropouts do). In
 //               training, the module draws its random numbers from a stream of this process's
-//               own (Note [Random numbers of a sequence-parallel module]).
+//               own (Note [Random numbers of a sequence-parallel module] in style.cpp).
 // Parameters outside split modules stay whole; every process of the group computes the same
 // values and gradients for them from the same batch. That holds for random operations too: the
 // group's processes also take process 0's default generators at `prepare` (CPU, and the CUDA
@@ -63,183 +58,20 @@ namespace accelerate::detail {
 // each of them and their activations stay equal (the draws keep in step: every process runs the
 // same operations on tensors of the same shapes). Data parallelism (DDP, FSDP) then runs over
 // the processes that share a tensor-parallel rank (the mesh's "dp"), on pieces.
-inline constexpr const char* kTpApi = "TensorParallel";
-
-namespace {
-
-// The groups autograd nodes communicate over, by number. A node outlives nothing it needs: the
-// table keeps the group, and it is never destroyed (the process groups are, by
-// destroy_process_group, which every collective then reports).
-std::mutex registry_mutex;
-std::vector<PartialState>& registry() {
-  static auto* groups = new std::vector<PartialState>();
-  return *groups;
-}
-int64_t register_group(const PartialState& group) {
-  std::lock_guard<std::mutex> lock(registry_mutex);
-  auto& groups = registry();
-  for (size_t i = 0; i < groups.size(); ++i) {
-    if (groups[i].impl() == group.impl()) return static_cast<int64_t>(i);
-  }
-  groups.push_back(group);
-  return static_cast<int64_t>(groups.size() - 1);
-}
-PartialState group_of(const torch::autograd::AutogradContext* ctx) {
-  std::lock_guard<std::mutex> lock(registry_mutex);
-  return registry().at(static_cast<size_t>(ctx->saved_data.at("group").toInt()));
-}
-
-at::Tensor gather_last_dim(const PartialState& group, const at::Tensor& x) {
-  auto pieces = all_gather(group, x.contiguous(), kTpApi);
-  return at::cat(pieces, -1);
-}
-at::Tensor slice_last_dim(const PartialState& group, const at::Tensor& x) {
-  const int64_t piece = x.size(-1) / group.num_processes();
-  return x.narrow(-1, piece * group.process_index(), piece).contiguous();
-}
-
-// Forward: the input; backward: the gradients summed over the group.
-struct CopyToGroup : torch::autograd::Function<CopyToGroup> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, int64_t group) {
-    ctx->saved_data["group"] = group;
-    return x.view_as(x);
-  }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    return {all_reduce(group_of(ctx), grads[0].contiguous(), Reduction::kSum, kTpApi), at::Tensor()};
-  }
-};
-
-// Forward: the sum over the group; backward: the gradient.
-struct SumOverGroup : torch::autograd::Function<SumOverGroup> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, int64_t group) {
-    ctx->saved_data["group"] = group;
-    return all_reduce(group_of(ctx), x.contiguous(), Reduction::kSum, kTpApi);
-  }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    (void)ctx;
-    return {grads[0], at::Tensor()};
-  }
-};
-
-// Forward: every process's pieces joined on the last dimension; backward: this process's slice.
-struct GatherLastDim : torch::autograd::Function<GatherLastDim> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, int64_t group) {
-    ctx->saved_data["group"] = group;
-    return gather_last_dim(group_of(ctx), x);
-  }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    return {slice_last_dim(group_of(ctx), grads[0]), at::Tensor()};
-  }
-};
-
-// Forward: this process's slice of the last dimension; backward: the slices' gradients joined.
-struct SliceLastDim : torch::autograd::Function<SliceLastDim> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, int64_t group) {
-    ctx->saved_data["group"] = group;
-    return slice_last_dim(group_of(ctx), x);
-  }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    return {gather_last_dim(group_of(ctx), grads[0]), at::Tensor()};
-  }
-};
-
-// torch.chunk's pieces of a length along the sequence dimension: ceil(len / n) long each, the last
-// ones shorter or empty.
-struct SequencePiece {
-  int64_t start = 0, length = 0;
-};
-SequencePiece sequence_piece(int64_t len, int n, int rank) {
-  const int64_t size = (len + n - 1) / n;
-  const int64_t start = std::min(len, size * rank);
-  return {start, std::min(len, start + size) - start};
-}
-at::Tensor slice_sequence(const PartialState& group, const at::Tensor& x) {
-  const auto piece = sequence_piece(x.size(1), group.num_processes(), group.process_index());
-  return x.narrow(1, piece.start, piece.length).contiguous();
-}
-// Every process's piece of dimension 1 joined into `len`: the pieces travel padded to the longest,
-// and since only the last pieces are short, the padding lies past `len`.
-at::Tensor gather_sequence(const PartialState& group, const at::Tensor& piece, int64_t len) {
-  const int n = group.num_processes();
-  const int64_t size = (len + n - 1) / n;
-  if (size == 0) return piece.contiguous();
-  at::Tensor padded = piece;
-  if (piece.size(1) < size) {
-    auto shape = piece.sizes().vec();
-    shape[1] = size - piece.size(1);
-    padded = at::cat({piece, at::zeros(shape, piece.options())}, 1);
-  }
-  return at::cat(all_gather(group, padded.contiguous(), kTpApi), 1).narrow(1, 0, len).contiguous();
-}
-
-// Forward: this process's piece of the sequence; backward: the pieces' gradients joined.
-struct SliceSequence : torch::autograd::Function<SliceSequence> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, int64_t group) {
-    ctx->saved_data["group"] = group;
-    ctx->saved_data["len"] = x.size(1);
-    return slice_sequence(group_of(ctx), x);
-  }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    return {gather_sequence(group_of(ctx), grads[0], ctx->saved_data.at("len").toInt()), at::Tensor()};
-  }
-};
-
-// Forward: every process's piece joined into the whole sequence of `len`; backward: this
-// process's piece of the gradient.
-struct GatherSequence : torch::autograd::Function<GatherSequence> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, int64_t group, int64_t len) {
-    ctx->saved_data["group"] = group;
-    return gather_sequence(group_of(ctx), x, len);
-  }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    return {slice_sequence(group_of(ctx), grads[0]), at::Tensor(), at::Tensor()};
-  }
-};
-
-// See Note [GCC 14 and autograd::Function::apply] in src/activation_checkpointing.cpp.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Warray-bounds"
-#pragma GCC diagnostic ignored "-Wstringop-overflow"
-template <typename F>
-at::Tensor apply(const at::Tensor& x, int64_t group) {
-  return F::apply(x, group);
-}
-at::Tensor apply_gather_sequence(const at::Tensor& x, int64_t group, int64_t len) {
-  return GatherSequence::apply(x, group, len);
-}
-#pragma GCC diagnostic pop
-
-}  // namespace
 
 struct TpParam {
   std::string name;  // in the model
   at::Tensor param;  // the module's parameter object, never replaced
   int64_t dim = 0;   // the dimension it is split on
-};
-
-// A default generator set, for one call of a sequence-parallel module, to a stream of this
-// process's own; `state` is what it held before.
-struct ForkedGenerator {
-  at::Generator generator;
-  at::Tensor state;
+  const ParallelStyle* style = nullptr;  // its module's, which cuts and joins it
 };
 
 struct SplitModule {
   std::string name;
   torch::nn::Module* module = nullptr;
-  TpStyle style = TpStyle::kReplicate;
-  bool embedding = false;
+  std::shared_ptr<ParallelStyle> style;
   int64_t hooked_pass = -1;
   bool ever_hooked = false;
-  std::vector<at::Tensor> masks;  // vocabulary-parallel lookups in flight: the indices not held here
-  std::vector<int64_t> lengths;   // sequence-parallel calls in flight: their inputs' sequence lengths
-  std::vector<std::optional<ForkedGenerator>> forks;  // and the generators set aside for them
 };
 
 struct TensorParallelEngineImpl {
@@ -256,39 +88,7 @@ struct TensorParallelEngineImpl {
 
 namespace {
 
-// Note [Random numbers of a sequence-parallel module]
-// The group's processes share their default generators (they took process 0's at `prepare`), so
-// that replicated computations draw alike. A sequence-parallel module computes on a different
-// piece on each process, and a dropout there drawing from the shared stream would give every
-// piece the same mask: position i of each piece dropped together, which one process never does.
-// So, in training, each call first draws a seed from the shared CPU generator (every process
-// draws alike, and the shared stream moves on in step), sets the default generator of the input's
-// device to that seed plus this process's place in the group for the module's forward, and puts
-// the generator's state back after it. A call recomputed by activation checkpointing starts from
-// the restored generators, draws the same seed, and so the same masks. A forward that throws
-// leaves the generator on its own stream until the prepared model's next call, which restores
-// it. Only CPU and CUDA inputs fork: on another device the pieces draw from the shared stream
-// (the same mask for each), and a CUDA module's CPU draws are not forked either.
-std::optional<ForkedGenerator> fork_generator(const at::Tensor& x, int rank) {
-  if (!x.is_cpu() && !x.is_cuda()) return std::nullopt;
-  at::Generator cpu = at::detail::getDefaultCPUGenerator();
-  uint64_t seed = 0;
-  {
-    std::lock_guard<std::mutex> lock(cpu.mutex());
-    seed = cpu.get<at::CPUGeneratorImpl>()->random64();
-  }
-  at::Generator generator = x.is_cpu() ? cpu : at::globalContext().defaultGenerator(x.device());
-  std::lock_guard<std::mutex> lock(generator.mutex());
-  ForkedGenerator fork{generator, generator.get_state()};
-  generator.set_current_seed(seed + static_cast<uint64_t>(rank));
-  return fork;
-}
-void restore_generator(std::optional<ForkedGenerator>& fork) {
-  if (!fork) return;
-  std::lock_guard<std::mutex> lock(fork->generator.mutex());
-  fork->generator.set_state(fork->state);
-}
-
+// Records that the module's hook ran, and runs its style's.
 class SplitHook final : public ModelHook {
  public:
   SplitHook(std::weak_ptr<TensorParallelEngineImpl> engine, size_t index) : engine_(std::move(engine)), index_(index) {}
@@ -299,80 +99,14 @@ class SplitHook final : public ModelHook {
     auto& m = e->modules[index_];
     m.hooked_pass = e->pass;
     m.ever_hooked = true;
-    at::Tensor& x = inputs[0];
-    const int n = e->group.num_processes();
-    switch (m.style) {
-      case TpStyle::kReplicate:
-        return;
-      case TpStyle::kSequenceParallel:
-        TORCH_CHECK_VALUE(x.dim() >= 2, "[", kTpApi, "] module \"", m.name, "\" (sequence_parallel) splits its input "
-                          "along dimension 1, the sequence; got a tensor of ", x.dim(), " dimension(s)");
-        m.lengths.push_back(x.size(1));
-        x = apply<SliceSequence>(x, e->group_id);
-        m.forks.push_back(module.is_training() ? fork_generator(x, e->group.process_index()) : std::nullopt);
-        return;
-      case TpStyle::kColwise:
-      case TpStyle::kColwiseRep:
-        if (!m.embedding && x.requires_grad()) x = apply<CopyToGroup>(x, e->group_id);
-        return;
-      case TpStyle::kRowwise:
-        if (m.embedding) {
-          const auto& weight = dynamic_cast<torch::nn::EmbeddingImpl&>(module).weight;
-          const int64_t rows = weight.size(0), start = rows * e->group.process_index();
-          at::Tensor outside = (x < start).logical_or(x >= start + rows);
-          x = (x - start).masked_fill(outside, 0);
-          m.masks.push_back(outside);
-          return;
-        }
-        const int64_t features = dynamic_cast<torch::nn::LinearImpl&>(module).weight.size(1);
-        if (x.dim() > 0 && x.size(-1) == features * n && n > 1) {
-          x = apply<SliceLastDim>(x, e->group_id);
-        } else {
-          TORCH_CHECK_VALUE(x.dim() > 0 && x.size(-1) == features, "[", kTpApi, "] module \"", m.name,
-                            "\" (rowwise) takes inputs of ", features, " features (this process's) or ",
-                            features * n, " (whole), got a last dimension of ", x.dim() ? x.size(-1) : 0);
-        }
-        return;
-    }
+    m.style->pre_forward(StyleCall{m.name, e->group, e->group_id}, module, inputs[0]);
   }
 
   void post_forward(torch::nn::Module& module, std::vector<at::Tensor>& outputs) override {
     auto e = engine_.lock();
     if (!e || outputs.empty() || !outputs[0].defined()) return;
     auto& m = e->modules[index_];
-    at::Tensor& y = outputs[0];
-    switch (m.style) {
-      case TpStyle::kReplicate:
-      case TpStyle::kColwise:
-        return;
-      case TpStyle::kSequenceParallel: {
-        TORCH_INTERNAL_ASSERT(!m.lengths.empty() && !m.forks.empty());
-        const int64_t len = m.lengths.back();
-        m.lengths.pop_back();
-        restore_generator(m.forks.back());
-        m.forks.pop_back();
-        const auto piece = sequence_piece(len, e->group.num_processes(), e->group.process_index());
-        TORCH_CHECK_VALUE(y.dim() >= 2 && y.size(1) == piece.length, "[", kTpApi, "] module \"", m.name,
-                          "\" (sequence_parallel) must return a tensor whose dimension 1 is its input's (the "
-                          "sequence): given ", piece.length, " of ", len, " positions, it returned shape ", y.sizes());
-        y = apply_gather_sequence(y, e->group_id, len);
-        return;
-      }
-      case TpStyle::kColwiseRep:
-        y = apply<GatherLastDim>(y, e->group_id);
-        return;
-      case TpStyle::kRowwise:
-        if (m.embedding) {
-          TORCH_INTERNAL_ASSERT(!m.masks.empty());
-          y = y.masked_fill(m.masks.back().unsqueeze(-1), 0);
-          m.masks.pop_back();
-          y = apply<SumOverGroup>(y, e->group_id);
-          return;
-        }
-        const auto& bias = dynamic_cast<torch::nn::LinearImpl&>(module).bias;
-        y = bias.defined() ? apply<SumOverGroup>(y - bias, e->group_id) + bias : apply<SumOverGroup>(y, e->group_id);
-        return;
-    }
+    m.style->post_forward(StyleCall{m.name, e->group, e->group_id}, module, outputs[0]);
   }
 
  private:
@@ -380,15 +114,14 @@ class SplitHook final : public ModelHook {
   size_t index_;
 };
 
-// Keeps this process's piece of `param` along `dim` (of `n` equal pieces), in place of the whole.
+// Keeps this process's piece of `param` along `dim` (its style's cut), in place of the whole.
 void keep_piece(const SplitModule& m, const char* what, at::Tensor& param, int64_t dim, const PartialState& group) {
   const int n = group.num_processes();
   const int64_t whole = param.size(dim);
-  TORCH_CHECK_VALUE(whole % n == 0, "[", kTpApi, "] module \"", m.name, "\" (", to_string(m.style), "): its ", what,
-                    " has ", whole, " along dimension ", dim, ", which tp_size ", n, " does not divide");
+  TORCH_CHECK_VALUE(m.style->divides(whole, n), "[", kTpApi, "] module \"", m.name, "\" (", m.style->name(), "): its ",
+                    what, " has ", whole, " along dimension ", dim, ", which tp_size ", n, " does not divide");
   torch::NoGradGuard no_grad;
-  const int64_t piece = whole / n;
-  param.set_data(param.narrow(dim, piece * group.process_index(), piece).clone());
+  param.set_data(m.style->piece_of(param, dim, group.process_index(), n).clone());
 }
 
 // Each process's gradients of a sequence-parallel module's parameters cover its piece of the
@@ -399,7 +132,7 @@ void check_not_shared(torch::nn::Module& root, const std::vector<TpAssignment>& 
   std::unordered_map<const void*, std::string> owner;  // parameter → its sequence-parallel module
   std::vector<std::string> names;
   for (const auto& a : plan) {
-    if (a.style != TpStyle::kSequenceParallel) continue;
+    if (!a.style->runs_on_sequence_piece()) continue;
     names.push_back(a.name);
     for (const auto& p : a.module->parameters()) owner[p.unsafeGetTensorImpl()] = a.name;
   }
@@ -458,39 +191,17 @@ TensorParallelEngine::TensorParallelEngine(std::shared_ptr<torch::nn::Module> mo
     m.name = assignment.name;
     m.module = assignment.module.get();
     m.style = assignment.style;
-    m.embedding = dynamic_cast<torch::nn::EmbeddingImpl*>(m.module) != nullptr;
-    if (m.embedding) {
-      auto& embedding = dynamic_cast<torch::nn::EmbeddingImpl&>(*m.module);
-      TORCH_CHECK_VALUE(m.style == TpStyle::kReplicate || !embedding.options.max_norm(), "[", kTpApi, "] module \"",
-                        m.name, "\": an Embedding with max_norm cannot be split (it renormalises the rows it looks up, "
-                        "and a split lookup reads rows it then discards)");
-      TORCH_CHECK_VALUE(m.style != TpStyle::kRowwise || !embedding.options.padding_idx(), "[", kTpApi, "] module \"",
-                        m.name, "\": a vocabulary-parallel Embedding with padding_idx is not supported yet");
-    }
-    const auto split = [&](const char* name, int64_t dim) {
+    m.style->attach(*m.module, m.name);
+    for (const auto& [name, dim] : m.style->splits(*m.module)) {
       auto named = m.module->named_parameters(/*recurse=*/false);
-      if (!named.contains(name)) return;
+      if (!named.contains(name)) continue;
       at::Tensor& p = named[name];
-      if (!p.defined()) return;
+      if (!p.defined()) continue;
       keep_piece(m, name, p, dim, group);
       e.by_impl[p.unsafeGetTensorImpl()] = e.params.size();
-      e.params.push_back({m.name + "." + name, p, dim});
-    };
-    switch (m.style) {
-      case TpStyle::kReplicate:
-        break;
-      case TpStyle::kColwise:
-      case TpStyle::kColwiseRep:
-        split("weight", m.embedding ? 1 : 0);
-        if (!m.embedding) split("bias", 0);
-        break;
-      case TpStyle::kRowwise:
-        split("weight", m.embedding ? 0 : 1);
-        break;
-      case TpStyle::kSequenceParallel:
-        sum_gradients_over_group(impl_, *m.module);
-        break;
+      e.params.push_back({m.name + "." + name, p, dim, m.style.get()});
     }
+    if (m.style->runs_on_sequence_piece()) sum_gradients_over_group(impl_, *m.module);
     const size_t index = e.modules.size();
     e.modules.push_back(std::move(m));
     add_hook_to_module(*e.modules.back().module, std::make_shared<SplitHook>(impl_, index), /*append=*/true);
@@ -515,11 +226,17 @@ void TensorParallelEngine::gather_whole(std::vector<std::pair<std::string, at::T
   }
 }
 
-int64_t TensorParallelEngine::split_dim(const at::Tensor& param) const {
-  auto it = impl_->by_impl.find(param.unsafeGetTensorImpl());
-  TORCH_INTERNAL_ASSERT(it != impl_->by_impl.end(), "not a split parameter");
-  return impl_->params[it->second].dim;
+namespace {
+
+const TpParam& split_param(const TensorParallelEngineImpl& e, const at::Tensor& param) {
+  auto it = e.by_impl.find(param.unsafeGetTensorImpl());
+  TORCH_INTERNAL_ASSERT(it != e.by_impl.end(), "not a split parameter");
+  return e.params[it->second];
 }
+
+}  // namespace
+
+int64_t TensorParallelEngine::split_dim(const at::Tensor& param) const { return split_param(*impl_, param).dim; }
 
 int64_t TensorParallelEngine::split_dim_of(const std::string& name) const {
   for (const auto& p : impl_->params) {
@@ -529,18 +246,19 @@ int64_t TensorParallelEngine::split_dim_of(const std::string& name) const {
 }
 
 at::Tensor TensorParallelEngine::whole_of(const at::Tensor& param, const at::Tensor& piece) const {
-  return at::cat(all_gather(impl_->group, piece.detach().contiguous(), kTpApi), split_dim(param));
+  const auto& p = split_param(*impl_, param);
+  return p.style->join(all_gather(impl_->group, piece.detach().contiguous(), kTpApi), p.dim);
 }
 
 at::Tensor TensorParallelEngine::piece_of(const at::Tensor& param, const at::Tensor& whole,
                                           const std::string& what) const {
-  const int64_t dim = split_dim(param);
+  const auto& p = split_param(*impl_, param);
+  const int64_t dim = p.dim;
   const int n = impl_->group.num_processes();
-  TORCH_CHECK_VALUE(whole.dim() > dim && whole.size(dim) % n == 0, what, " has shape ", whole.sizes(),
+  TORCH_CHECK_VALUE(whole.dim() > dim && p.style->divides(whole.size(dim), n), what, " has shape ", whole.sizes(),
                     ": it is split over the tensor-parallel group along dimension ", dim, ", which tp_size ", n,
                     " does not divide");
-  const int64_t piece = whole.size(dim) / n;
-  return whole.narrow(dim, piece * impl_->group.process_index(), piece);
+  return p.style->piece_of(whole, dim, impl_->group.process_index(), n);
 }
 
 void TensorParallelEngine::split_whole(std::map<std::string, at::Tensor>& values) const {
@@ -570,20 +288,13 @@ void TensorParallelEngine::begin_pass() {
   // A forward that threw left its calls in flight: the generators they set aside go back (the
   // oldest last: it holds the group's shared stream), so a pass retried after the error draws
   // alike on every process again.
-  for (auto& m : impl_->modules) {
-    while (!m.forks.empty()) {
-      restore_generator(m.forks.back());
-      m.forks.pop_back();
-    }
-    m.lengths.clear();
-    m.masks.clear();
-  }
+  for (auto& m : impl_->modules) m.style->drop_calls();
 }
 
 std::vector<std::string> TensorParallelEngine::modules_without_hook() const {
   std::vector<std::string> names;
   for (const auto& m : impl_->modules) {
-    if (m.style != TpStyle::kReplicate && m.hooked_pass != impl_->pass) names.push_back(m.name);
+    if (!m.style->inert() && m.hooked_pass != impl_->pass) names.push_back(m.name);
   }
   return names;
 }
@@ -600,7 +311,7 @@ std::vector<std::string> TensorParallelEngine::modules_without_hook() const {
 void TensorParallelEngine::check_pass(const std::vector<at::Tensor>& outputs) const {
   // The common case, checked without allocating: every split module ran its hook.
   if (std::all_of(impl_->modules.begin(), impl_->modules.end(), [&](const SplitModule& m) {
-        return m.style == TpStyle::kReplicate || m.hooked_pass == impl_->pass;
+        return m.style->inert() || m.hooked_pass == impl_->pass;
       })) {
     return;
   }
@@ -618,7 +329,7 @@ void TensorParallelEngine::check_pass(const std::vector<at::Tensor>& outputs) co
   std::unordered_map<const void*, size_t> module_of;  // parameter → index of its unhooked module
   for (size_t i = 0; i < impl_->modules.size(); ++i) {
     const auto& m = impl_->modules[i];
-    if (m.style == TpStyle::kReplicate || m.hooked_pass == impl_->pass) continue;
+    if (m.style->inert() || m.hooked_pass == impl_->pass) continue;
     for (const auto& p : m.module->parameters(/*recurse=*/false)) module_of[p.unsafeGetTensorImpl()] = i;
   }
   std::vector<torch::autograd::Node*> stack;
@@ -631,7 +342,7 @@ void TensorParallelEngine::check_pass(const std::vector<at::Tensor>& outputs) co
     // No graph to look in: the modules that never ran their hook, in this pass or any before.
     for (size_t i = 0; i < impl_->modules.size(); ++i) {
       const auto& m = impl_->modules[i];
-      if (m.style != TpStyle::kReplicate && !m.ever_hooked) found.insert(i);
+      if (!m.style->inert() && !m.ever_hooked) found.insert(i);
     }
   }
   while (!stack.empty()) {
@@ -655,4 +366,4 @@ void TensorParallelEngine::check_pass(const std::vector<at::Tensor>& outputs) co
   refuse(names);
 }
 
-}  // namespace accelerate::detail
+}  // namespace accelerate::detail::tensor_parallel

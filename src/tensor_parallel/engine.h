@@ -16,7 +16,7 @@
 #include <utility>
 #include <vector>
 
-namespace accelerate::detail {
+namespace accelerate::detail::tensor_parallel {
 
 struct TensorParallelEngineImpl;
 
@@ -69,4 +69,4 @@ class TensorParallelEngine {
   std::shared_ptr<TensorParallelEngineImpl> impl_;
 };
 
-}  // namespace accelerate::detail
+}  // namespace accelerate::detail::tensor_parallel

@@ -7,7 +7,7 @@
 
 #include <set>
 
-namespace accelerate::detail {
+namespace accelerate::detail::tensor_parallel {
 
 namespace {
 
@@ -25,30 +25,6 @@ std::vector<std::string> components(const std::string& name) {
 
 }  // namespace
 
-TpStyle parse_tp_style(const std::string& name, const std::string& pattern) {
-  if (name == "colwise") return TpStyle::kColwise;
-  if (name == "colwise_rep") return TpStyle::kColwiseRep;
-  if (name == "rowwise") return TpStyle::kRowwise;
-  if (name == "replicate") return TpStyle::kReplicate;
-  if (name == "sequence_parallel") return TpStyle::kSequenceParallel;
-  const bool later = name == "local_colwise" || name == "local_rowwise" ||
-                     name == "gather" || name == "local" || name == "rowwise_rep" || name == "local_packed_rowwise";
-  C10_THROW_ERROR(ValueError, c10::str("[TorchTensorParallelConfig] tp_plan entry \"", pattern, "\": style \"", name,
-                                       "\" is ", later ? "not supported yet" : "unknown",
-                                       "; the styles are colwise, colwise_rep, rowwise, sequence_parallel and replicate"));
-}
-
-const char* to_string(TpStyle style) {
-  switch (style) {
-    case TpStyle::kColwise: return "colwise";
-    case TpStyle::kColwiseRep: return "colwise_rep";
-    case TpStyle::kRowwise: return "rowwise";
-    case TpStyle::kReplicate: return "replicate";
-    case TpStyle::kSequenceParallel: return "sequence_parallel";
-  }
-  return "?";
-}
-
 bool tp_pattern_matches(const std::string& pattern, const std::string& name) {
   const auto want = components(pattern);
   const auto have = components(name);
@@ -65,11 +41,11 @@ bool module_inside(const std::string& outer, const std::string& inner) {
 
 std::vector<TpAssignment> resolve_tp_plan(torch::nn::Module& model,
                                           const std::vector<std::pair<std::string, std::string>>& plan) {
-  std::vector<TpStyle> styles;
+  std::vector<const StyleEntry*> styles;
   for (const auto& [pattern, style] : plan) {
     TORCH_CHECK_VALUE(!pattern.empty(), "[TorchTensorParallelConfig] a tp_plan entry names no module (the model "
                                         "itself cannot be split)");
-    styles.push_back(parse_tp_style(style, pattern));
+    styles.push_back(&find_style(style, pattern));
   }
   std::vector<TpAssignment> out;
   std::set<size_t> used;
@@ -78,13 +54,13 @@ std::vector<TpAssignment> resolve_tp_plan(torch::nn::Module& model,
       if (!tp_pattern_matches(plan[i].first, item.key())) continue;
       used.insert(i);
       const auto& module = item.value();
+      auto style = styles[i]->instance();
       const bool linear = dynamic_cast<torch::nn::LinearImpl*>(module.get()) != nullptr;
       const bool embedding = dynamic_cast<torch::nn::EmbeddingImpl*>(module.get()) != nullptr;
-      const bool any_class = styles[i] == TpStyle::kReplicate || styles[i] == TpStyle::kSequenceParallel;
-      TORCH_CHECK_VALUE(any_class || linear || embedding, "[TorchTensorParallelConfig] module \"",
-                        item.key(), "\" (", module->name(), ") cannot be split \"", to_string(styles[i]),
+      TORCH_CHECK_VALUE(style->any_module() || linear || embedding, "[TorchTensorParallelConfig] module \"",
+                        item.key(), "\" (", module->name(), ") cannot be split \"", style->name(),
                         "\": the split styles apply to torch::nn::Linear and torch::nn::Embedding");
-      out.push_back({item.key(), module, styles[i]});
+      out.push_back({item.key(), module, std::move(style)});
       break;
     }
   }
@@ -96,17 +72,17 @@ std::vector<TpAssignment> resolve_tp_plan(torch::nn::Module& model,
   // split module inside it would see a slice it does not expect, and one around it would slice
   // twice.
   for (const auto& sp : out) {
-    if (sp.style != TpStyle::kSequenceParallel) continue;
+    if (!sp.style->runs_on_sequence_piece()) continue;
     for (const auto& other : out) {
       const bool holds = module_inside(sp.name, other.name);
-      if (other.style == TpStyle::kReplicate || (!holds && !module_inside(other.name, sp.name))) continue;
-      TORCH_CHECK_VALUE(false, "[TorchTensorParallelConfig] module \"", sp.name, "\" (sequence_parallel) ",
+      if (other.style->inert() || (!holds && !module_inside(other.name, sp.name))) continue;
+      TORCH_CHECK_VALUE(false, "[TorchTensorParallelConfig] module \"", sp.name, "\" (", sp.style->name(), ") ",
                         holds ? "holds" : "sits inside", " module \"", other.name, "\" (",
-                        to_string(other.style), "): a sequence_parallel module runs whole on a slice of the sequence, "
+                        other.style->name(), "): a sequence_parallel module runs whole on a slice of the sequence, "
                         "so no other module of the plan may sit inside it or around it");
     }
   }
   return out;
 }
 
-}  // namespace accelerate::detail
+}  // namespace accelerate::detail::tensor_parallel

@@ -1,5 +1,8 @@
-// A tensor-parallel plan resolved against a model: which module gets which style.
+// A tensor-parallel plan resolved against a model: which module gets which style (the styles
+// are tensor_parallel/style.h).
 #pragma once
+
+#include "tensor_parallel/style.h"
 
 #include <torch/nn/module.h>
 
@@ -8,21 +11,7 @@
 #include <utility>
 #include <vector>
 
-namespace accelerate::detail {
-
-/// How a module is split over the tensor-parallel group (transformers' plan names).
-enum class TpStyle {
-  kColwise,     ///< "colwise": output features split; the output stays sharded on its last dimension
-  kColwiseRep,  ///< "colwise_rep": the same, the output gathered whole
-  kRowwise,     ///< "rowwise": input features (a Linear) or the vocabulary (an Embedding) split; outputs summed
-  kReplicate,   ///< "replicate": kept whole
-  kSequenceParallel,  ///< "sequence_parallel": parameters whole, the input split on dimension 1 (the
-                      ///< sequence), the output gathered whole
-};
-
-/// The style named `name`; throws `c10::ValueError` naming the known ones.
-TpStyle parse_tp_style(const std::string& name, const std::string& pattern);
-const char* to_string(TpStyle style);
+namespace accelerate::detail::tensor_parallel {
 
 /// Whether the module name `name` matches `pattern`, where `*` stands for one dot-separated
 /// component ("blocks.*.fc1" matches "blocks.3.fc1").
@@ -31,7 +20,7 @@ bool tp_pattern_matches(const std::string& pattern, const std::string& name);
 struct TpAssignment {
   std::string name;  ///< the module's name in the model
   std::shared_ptr<torch::nn::Module> module;
-  TpStyle style;
+  std::shared_ptr<ParallelStyle> style;  ///< this module's instance of its style
 };
 
 /// Whether the module named `inner` lies inside the one named `outer` (a proper descendant).
@@ -44,4 +33,4 @@ bool module_inside(const std::string& outer, const std::string& inner);
 std::vector<TpAssignment> resolve_tp_plan(torch::nn::Module& model,
                                           const std::vector<std::pair<std::string, std::string>>& plan);
 
-}  // namespace accelerate::detail
+}  // namespace accelerate::detail::tensor_parallel

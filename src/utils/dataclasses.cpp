@@ -2,6 +2,7 @@
 #include "accelerate/utils/dataclasses.h"
 
 #include "detail/check.h"
+#include "detail/text.h"
 
 #include <algorithm>
 #include <array>
@@ -11,12 +12,6 @@
 
 namespace accelerate {
 namespace {
-
-std::string lower(std::string_view text) {
-  std::string out(text);
-  std::transform(out.begin(), out.end(), out.begin(), [](unsigned char c) { return std::tolower(c); });
-  return out;
-}
 
 // An enum's members with upstream's spellings, in upstream's order.
 template <typename E, size_t N>
@@ -175,7 +170,7 @@ std::string to_string(PrecisionType precision) {
 }
 
 PrecisionType parse_precision_type(std::string_view text) {
-  const std::string value = lower(text);
+  const std::string value = detail::ascii_lower(text);
   if (value == "no" || value.empty()) return PrecisionType::kNo;
   if (value == "fp16") return PrecisionType::kFp16;
   if (value == "bf16") return PrecisionType::kBf16;
@@ -196,7 +191,7 @@ std::string to_string(DDPCommunicationHookType hook) {
 }
 
 DDPCommunicationHookType parse_comm_hook_type(std::string_view text) {
-  const std::string value = lower(text);
+  const std::string value = detail::ascii_lower(text);
   if (value == "no" || value.empty()) return DDPCommunicationHookType::kNo;
   if (value == "fp16") return DDPCommunicationHookType::kFp16;
   if (value == "bf16") return DDPCommunicationHookType::kBf16;
@@ -207,7 +202,7 @@ DDPCommunicationHookType parse_comm_hook_type(std::string_view text) {
 }
 
 bool str_to_bool(std::string_view text) {
-  const std::string value = lower(text);
+  const std::string value = detail::ascii_lower(text);
   if (value == "1" || value == "true" || value == "yes" || value == "y" || value == "on" || value == "t") return true;
   if (value == "0" || value == "false" || value == "no" || value == "n" || value == "off" || value == "f") return false;
   detail::raise_value_error(
@@ -233,16 +228,10 @@ constexpr Spellings<FsdpAutoWrapPolicy, 3> kAutoWrapPolicies{
      {FsdpAutoWrapPolicy::kSizeBasedWrap, "SIZE_BASED_WRAP"},
      {FsdpAutoWrapPolicy::kNoWrap, "NO_WRAP"}}};
 
-std::string upper(std::string_view text) {
-  std::string out(text);
-  std::transform(out.begin(), out.end(), out.begin(), [](unsigned char c) { return std::toupper(c); });
-  return out;
-}
-
 // Upstream's FSDP enums take their names in any case, and some their 1-based numbers.
 template <typename E, size_t N>
 E fsdp_member(const Spellings<E, N>& spellings, std::string_view text, const char* api, bool numbered) {
-  const std::string value = upper(text);
+  const std::string value = detail::ascii_upper(text);
   if (numbered && value.size() == 1 && value[0] >= '1' && value[0] < static_cast<char>('1' + N)) {
     return spellings[static_cast<size_t>(value[0] - '1')].first;
   }

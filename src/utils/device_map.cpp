@@ -1,3 +1,4 @@
+// Sizes of a model's parts and where each part goes (device_map.h), from shapes and dtypes only.
 #include "accelerate/utils/device_map.h"
 
 #include "accelerate/utils/modeling.h"

@@ -5,6 +5,7 @@
 #include "accelerate/utils/dataclasses.h"
 #include "build_config.h"
 #include "detail/check.h"
+#include "detail/text.h"
 #include "detail/topology.h"
 
 #include <algorithm>
@@ -16,11 +17,6 @@
 
 namespace accelerate {
 namespace {
-
-std::string upper(std::string text) {
-  std::transform(text.begin(), text.end(), text.begin(), [](unsigned char c) { return std::toupper(c); });
-  return text;
-}
 
 void set_or_unset(const std::string& key, const std::optional<std::string>& value) {
   if (value) {
@@ -89,7 +85,7 @@ int get_int_from_env(const std::vector<std::string>& keys, int default_value) {
 EnvironmentPatch::EnvironmentPatch(const std::map<std::string, std::string>& values) {
   saved_.reserve(values.size());
   for (const auto& [raw_key, value] : values) {
-    std::string key = upper(raw_key);
+    std::string key = detail::ascii_upper(raw_key);
     saved_.emplace_back(key, get_env(key));
     ::setenv(key.c_str(), value.c_str(), /*overwrite=*/1);
   }

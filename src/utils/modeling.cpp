@@ -1,10 +1,12 @@
+// Loading and saving a module's weights (upstream: `accelerate.utils.modeling`): state dicts split
+// into shards and saved, safetensors checkpoints checked and loaded into a module, and module order
+// helpers. `load_state_dict` of a pickled `.bin` file is defined with the state-dict files, in
+// checkpoint/checkpointing.cpp.
 #include "accelerate/utils/modeling.h"
 
-#include "checkpoint/index.h"
+#include "formats/checkpoint_index.h"
 #include "detail/files.h"
-#include "checkpoint/load_checks.h"
-#include "checkpoint/offload_dtypes.h"
-#include "checkpoint/python_layout.h"
+#include "detail/dtype_names.h"
 #include "detail/warn.h"
 
 #include <ATen/ATen.h>
@@ -222,17 +224,6 @@ void save_state_dict_sharded(const StateDictMap& state_dict, const std::string& 
   }
 }
 
-TensorMap load_state_dict(const std::string& checkpoint_file) {
-  if (fs::path(checkpoint_file).extension() == ".bin") {
-    try {
-      return detail::python_layout::read_pickled_model({checkpoint_file});
-    } catch (const c10::ValueError& e) {
-      C10_THROW_ERROR(ValueError, c10::str("[load_state_dict] ", e.what_without_backtrace()));
-    }
-  }
-  return load_file(checkpoint_file);
-}
-
 namespace {
 
 // Refuses loading a tensor stored as `stored` into `target` when that would change its dtype
@@ -330,7 +321,7 @@ struct CheckedCheckpoint {
 
 CheckedCheckpoint check_checkpoint(torch::nn::Module& module, const std::string& checkpoint,
                                    const LoadCheckpointOptions& options) {
-  const auto files = detail::resolve_checkpoint(checkpoint, "load_checkpoint_in_model").files;
+  const auto files = detail::checkpoint_index::resolve_checkpoint(checkpoint, "load_checkpoint_in_model").files;
   // Every file is opened (and so validated) before anything is loaded.
   std::vector<SafetensorsFile> opened;
   std::set<std::string> in_files;
@@ -384,14 +375,14 @@ CheckedCheckpoint check_checkpoint(torch::nn::Module& module, const std::string&
 
 }  // namespace
 
-namespace detail {
+namespace modeling_detail {
 
 void check_checkpoint_in_model(torch::nn::Module& module, const std::string& checkpoint,
                                const LoadCheckpointOptions& options) {
   (void)check_checkpoint(module, checkpoint, options);
 }
 
-}  // namespace detail
+}  // namespace modeling_detail
 
 LoadCheckpointResult load_checkpoint_in_model(torch::nn::Module& module, const std::string& checkpoint,
                                               const LoadCheckpointOptions& options) {

@@ -1,8 +1,11 @@
+// Offload folders (upstream: `accelerate.utils.offload`): weights written as raw files with an
+// `index.json` of their dtypes and shapes, and read back through a map of weights that loads each
+// on access. The dtype names are detail/dtype_names.cpp's.
 #include "accelerate/utils/offload.h"
 
 #include "accelerate/utils/device_map.h"
+#include "detail/dtype_names.h"
 #include "detail/files.h"
-#include "checkpoint/offload_dtypes.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -22,26 +25,6 @@ namespace fs = std::filesystem;
 namespace accelerate {
 
 namespace {
-
-struct OffloadDtypeName {
-  c10::ScalarType type;
-  const char* name;
-};
-
-constexpr OffloadDtypeName kDtypes[] = {
-    {c10::kFloat, "float32"},
-    {c10::kDouble, "float64"},
-    {c10::kHalf, "float16"},
-    {c10::kBFloat16, "bfloat16"},
-    {c10::kLong, "int64"},
-    {c10::kInt, "int32"},
-    {c10::kShort, "int16"},
-    {c10::kChar, "int8"},
-    {c10::kByte, "uint8"},
-    {c10::kBool, "bool"},
-    {c10::kComplexFloat, "complex64"},
-    {c10::kComplexDouble, "complex128"},
-};
 
 void check_weight_name(const std::string& name, const std::string& where) {
   TORCH_CHECK_VALUE(!name.empty() && name.find('/') == std::string::npos && name != "." && name != "..", "[offload] ",
@@ -96,31 +79,6 @@ OffloadIndex parse_index(const std::string& text, const std::string& path) {
 }
 
 }  // namespace
-
-namespace detail {
-
-std::string numpy_dtype_name(c10::ScalarType type) {
-  for (const auto& d : kDtypes) {
-    if (d.type == type) return d.name;
-  }
-  TORCH_CHECK_VALUE(false, "[offload] dtype ", type, " cannot be offloaded");
-}
-
-std::string dtype_name(c10::ScalarType type) {
-  for (const auto& d : kDtypes) {
-    if (d.type == type) return d.name;
-  }
-  return c10::toString(type);
-}
-
-c10::ScalarType numpy_dtype(const std::string& name, const std::string& where) {
-  for (const auto& d : kDtypes) {
-    if (name == d.name) return d.type;
-  }
-  TORCH_CHECK_VALUE(false, "[offload] ", where, ": unknown dtype '", name, "'");
-}
-
-}  // namespace detail
 
 void offload_weight(const at::Tensor& weight, const std::string& weight_name, const std::string& offload_folder,
                     OffloadIndex* index) {

@@ -2,6 +2,7 @@
 #include "accelerate/utils/profiler.h"
 
 #include "accelerate/utils/environment.h"
+#include "detail/text.h"
 #include "detail/torch_compat.h"
 
 #include <c10/util/Exception.h>
@@ -44,15 +45,6 @@ std::set<prof::ActivityType> parse_activities(const std::vector<std::string>& na
   return activities;
 }
 
-std::string join(c10::ArrayRef<std::string> parts, const char* separator) {
-  std::string out;
-  for (const auto& part : parts) {
-    if (!out.empty()) out += separator;
-    out += part;
-  }
-  return out;
-}
-
 // One profiler event in the Chrome trace format, with the argument names Kineto's export uses.
 nlohmann::json trace_event(const prof::KinetoEvent& event, int64_t pid) {
   nlohmann::json out = {{"name", event.name()}, {"pid", pid}, {"tid", event.startThreadId()}, {"ts", detail::compat::event_start_us(event)}};
@@ -73,9 +65,9 @@ nlohmann::json trace_event(const prof::KinetoEvent& event, int64_t pid) {
     if (event.hasShapes()) args["Input Dims"] = event.shapes().vec();
     if (event.hasTypes()) args["Input type"] = event.dtypes().vec();
     if (event.flops() > 0) args["flops"] = event.flops();
-    if (event.hasStack() && !event.stack().empty()) args["Call stack"] = join(event.stack(), ";");
+    if (event.hasStack() && !event.stack().empty()) args["Call stack"] = detail::join(event.stack(), ";");
     if (event.hasModuleHierarchy() && !event.moduleHierarchy().empty()) {
-      args["Module Hierarchy"] = join(event.moduleHierarchy(), ".");
+      args["Module Hierarchy"] = detail::join(event.moduleHierarchy(), ".");
     }
   }
   out["args"] = std::move(args);

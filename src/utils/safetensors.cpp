@@ -1,11 +1,11 @@
 // Reading and writing safetensors files; see include/accelerate/utils/safetensors.h. The format
-// rules live in the LibTorch-free utils/safetensors_format.* (also built by the fuzz target);
+// rules live in the LibTorch-free formats/safetensors.* (also built by the fuzz target);
 // this file maps files, turns byte ranges into tensors and writes files atomically.
 #include "accelerate/utils/safetensors.h"
 
 #include "detail/files.h"
 
-#include "utils/safetensors_format.h"
+#include "formats/safetensors.h"
 
 #include <ATen/Functions.h>
 #include <ATen/core/grad_mode.h>

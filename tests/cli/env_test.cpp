@@ -135,16 +135,16 @@ TEST(BlasFamily, NamesTheFamilyFromALibraryPathAndNothingForOtherLibraries) {
 }
 
 TEST(ReferenceBlasWarning, NamesTheLibraryOnlyForTheReferenceBlas) {
-  commands::BlasInfo reference;
+  detail::BlasInfo reference;
   reference.name = "reference BLAS (Netlib)";
   reference.library = "/x/blas/libblas.so.3.11.0";
   EXPECT_THAT(detail::reference_blas_warning(reference), HasSubstr("reference BLAS (/x/blas/libblas.so.3.11.0)"));
   EXPECT_THAT(detail::reference_blas_warning(reference), HasSubstr("OpenBLAS"));
-  commands::BlasInfo openblas;
+  detail::BlasInfo openblas;
   openblas.name = "OpenBLAS";
   openblas.library = "/x/libopenblasp-r0.3.21.so";
   EXPECT_EQ(detail::reference_blas_warning(openblas), "");
-  commands::BlasInfo none;
+  detail::BlasInfo none;
   none.name = "not found";
   EXPECT_EQ(detail::reference_blas_warning(none), "");
 }

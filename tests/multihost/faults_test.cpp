@@ -184,7 +184,7 @@ TEST_P(MultiHostSaveFault, LeavesThePreviousCheckpointToResumeFrom) {
 INSTANTIATE_TEST_SUITE_P(InTheMiddleOfASave, MultiHostSaveFault, ::testing::Bool(),
                          [](const auto& info) { return std::string(info.param ? "LinkCut" : "HostKilled"); });
 
-// Note [A machine that comes back] in src/launch/launch.cpp. The host comes back once machine 0
+// Note [A machine that comes back] in src/launch/restarts.cpp. The host comes back once machine 0
 // has restarted its workers, or at once, while machine 0 may still be tearing the failed attempt
 // down (its launcher must then wait for the next attempt rather than join the full one).
 class MultiHostRejoin : public ::testing::TestWithParam<bool> {};

@@ -135,4 +135,15 @@ std::vector<std::shared_ptr<torch::nn::Module>> get_module_children_bottom_up(
 std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> get_named_module_children_bottom_up(
     const std::shared_ptr<torch::nn::Module>& model);
 
+namespace modeling_detail {
+
+/// Raises what `load_checkpoint_in_model(module, checkpoint, options)` would raise before its
+/// first copy (files, names, shapes, dtypes), changing nothing. Not part of the API: what
+/// `Accelerator::load_state` runs on every model before it changes any of them (Note [Loading
+/// changes nothing or all]), so that one that fails cannot leave another loaded.
+void check_checkpoint_in_model(torch::nn::Module& module, const std::string& checkpoint,
+                               const LoadCheckpointOptions& options);
+
+}  // namespace modeling_detail
+
 }  // namespace accelerate

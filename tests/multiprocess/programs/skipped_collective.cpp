@@ -13,6 +13,11 @@
 //                                        (the reducer's allreduce); RANK waits for everyone
 //   skipped_collective stopped RANK FILE RANK writes its pid to FILE and stops itself (SIGSTOP)
 //                                        before the barrier; a test continues it
+//   skipped_collective trigger RANK      every process checks the trigger (an all-reduce) but
+//                                        RANK, which waits for everyone
+//   skipped_collective pair RANK         every process sums 4 floats (an all-reduce) but RANK,
+//                                        which broadcasts 4 floats: a pair MPI may match by
+//                                        size; prints what each process got
 #include "accelerate/accelerator.h"
 #include "accelerate/state.h"
 #include "accelerate/utils/operations.h"
@@ -74,6 +79,22 @@ int main(int argc, char** argv) {
     } else {
       acc::gather(state, at::ones({4}));
     }
+    std::cout << "done" << std::endl;
+    return 0;
+  }
+  if (mode == "trigger") {
+    if (rank == std::stoi(arg)) {
+      state.wait_for_everyone();
+    } else {
+      (void)state.check_trigger();
+    }
+    std::cout << "done" << std::endl;
+    return 0;
+  }
+  if (mode == "pair") {
+    const at::Tensor mine = at::full({4}, static_cast<float>(rank + 1));
+    const at::Tensor got = rank == std::stoi(arg) ? acc::broadcast(state, mine, 0) : acc::reduce(state, mine, "sum");
+    std::cout << "got " << got[0].item<float>() << std::endl;
     std::cout << "done" << std::endl;
     return 0;
   }

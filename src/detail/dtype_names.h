@@ -1,5 +1,6 @@
-// The dtype names of offload `index.json` files (NumPy's: "float32", "bfloat16", …), shared by the
-// offload folder code and checkpoint loading into a device map.
+// Dtype names as PyTorch and NumPy spell them ("float32", "bfloat16", …): the dtypes of offload
+// `index.json` files (NumPy's names), and the names messages give a dtype. Shared by the offload
+// folder code (utils/offload.cpp), loading into a module and checkpoint loading.
 #pragma once
 
 #include <c10/core/ScalarType.h>

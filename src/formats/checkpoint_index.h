@@ -9,10 +9,10 @@
 #include <string>
 #include <vector>
 
-namespace accelerate::detail {
+namespace accelerate::detail::checkpoint_index {
 
 /// The files of a checkpoint.
-struct CheckpointLayout {
+struct CheckpointFiles {
   /// The index file; empty for a checkpoint of one file.
   std::filesystem::path index;
   /// Tensor name -> file name inside the index's folder (empty for one file).
@@ -28,11 +28,11 @@ std::optional<std::filesystem::path> find_checkpoint_index(const std::filesystem
 
 /// Reads an index: a ValueError starting with "[caller]" and naming the file when it is not JSON,
 /// does not map names to files, or names a file outside its folder (absolute or with "..").
-CheckpointLayout read_checkpoint_index(const std::filesystem::path& index, const std::string& caller);
+CheckpointFiles read_checkpoint_index(const std::filesystem::path& index, const std::string& caller);
 
 /// Resolves a file (an index when its name ends in `.json`), or a folder holding
 /// `model.safetensors` or exactly one `*.index.json`. A missing path, a folder without either and
 /// a pickled `pytorch_model.bin` are ValueErrors starting with "[caller]".
-CheckpointLayout resolve_checkpoint(const std::string& checkpoint, const std::string& caller);
+CheckpointFiles resolve_checkpoint(const std::string& checkpoint, const std::string& caller);
 
-}  // namespace accelerate::detail
+}  // namespace accelerate::detail::checkpoint_index

@@ -2,7 +2,7 @@
 // Everything here depends only on the standard library and nlohmann_json, so the fuzz target
 // (fuzz/) builds it alone in seconds; src/utils/safetensors.cpp wraps it for tensors. Rejections
 // are std::invalid_argument with a message naming the broken rule (the caller adds the path).
-// See Note [Safetensors validation] in safetensors_format.cpp for the rules.
+// See Note [Safetensors validation] in safetensors.cpp for the rules.
 #pragma once
 
 #include <cstddef>

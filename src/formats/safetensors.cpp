@@ -1,5 +1,5 @@
-// Header validation and layout for safetensors files; see safetensors_format.h.
-#include "utils/safetensors_format.h"
+// Header validation and layout for safetensors files; see safetensors.h.
+#include "formats/safetensors.h"
 
 #include <nlohmann/json.hpp>
 
