@@ -357,9 +357,38 @@ void size_pool(FsdpEngineImpl& e) {
   }
 }
 
-// Step 10. The hooks: around each unit's forward, and on each parameter's gradient.
+// Step 10. The gradient divisor.
+// Note [The gradient divisor]
+// When some group reduces in fp16, the gradient that enters the model's backward pass (its root
+// outputs' gradients) is divided by the smallest power of two at least N (Note [Dividing an fp16
+// sum] in reduce.cpp), and what leaves the model is multiplied back, so that only what the engine
+// reduces sees the division: the gradients of the root's tensor inputs (an embedding computed
+// outside the model) and of ignored modules' parameters, which no reduction multiplies back, are
+// multiplied by the divisor on their way. A power of two scales exactly: every gradient ends as it
+// would without the division, except one that would have overflowed, which now fits as it does
+// for one process on the whole batch. Gradients N times smaller come nearer fp16's smallest
+// values, as one process's do; the loss scale, which grows until the gradients near the top of
+// the range, keeps them clear of it.
+void choose_gradient_divisor(FsdpEngineImpl& e) {
+  bool fp16 = false;
+  for (const auto& unit : e.units) {
+    for (const auto& group : unit.groups) fp16 = fp16 || group.reduce == at::kHalf;
+  }
+  if (!fp16) return;
+  const double total = static_cast<double>(e.world) * e.num_replicas;
+  while (e.gradient_divisor < total) e.gradient_divisor *= 2;
+}
+
+// Step 11. The hooks: around each unit's forward, and on each parameter's gradient.
 void install_hooks(const std::shared_ptr<FsdpEngineImpl>& impl) {
   auto& e = *impl;
+  if (e.gradient_divisor > 1) {  // Note [The gradient divisor]: ignored modules' parameters
+    const double divisor = e.gradient_divisor;
+    for (auto& p : e.module->parameters()) {
+      if (!p.requires_grad() || e.where.count(p.unsafeGetTensorImpl())) continue;
+      p.register_hook([divisor](const at::Tensor& grad) { return grad * divisor; });
+    }
+  }
   for (size_t i = 1; i < e.units.size(); ++i) {
     add_hook_to_module(*e.units[i].module, unit_hook(impl, i), /*append=*/true);
   }
@@ -408,6 +437,7 @@ FsdpEngine::FsdpEngine(std::shared_ptr<torch::nn::Module> module, const PartialS
   shard_parameters(e);
   cast_buffers(e, layout);
   size_pool(e);
+  choose_gradient_divisor(e);
   install_hooks(impl_);
 }
 
@@ -432,7 +462,16 @@ void FsdpEngine::root_pre_forward() {
   e.gather(e.units[0]);
 }
 
-at::Tensor FsdpEngine::cast_forward_input(const at::Tensor& input) const { return impl_->cast_input(input); }
+at::Tensor FsdpEngine::cast_forward_input(const at::Tensor& input) const {
+  at::Tensor cast = impl_->cast_input(input);
+  const double divisor = impl_->gradient_divisor;
+  if (divisor == 1 || !at::GradMode::is_enabled() || !cast.defined() || !cast.requires_grad()) return cast;
+  // Note [The gradient divisor]: the input's gradient leaves the model multiplied back. The hook
+  // goes on a view of the model's own, so that the caller's tensor keeps none.
+  at::Tensor mine = cast.view_as(cast);
+  mine.register_hook([divisor](const at::Tensor& grad) { return grad * divisor; });
+  return mine;
+}
 
 void FsdpEngine::root_post_forward(const std::vector<at::Tensor>& outputs) {
   if (!at::GradMode::is_enabled()) {

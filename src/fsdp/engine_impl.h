@@ -133,6 +133,9 @@ struct FsdpEngineImpl : std::enable_shared_from_this<FsdpEngineImpl> {
   int64_t pass = 0;  // forward passes of the prepared model (Note [Units called without their hook])
   bool require_sync = true;  // false inside no_sync
   bool overlap_reductions = true;  // Note [When a reduction overlaps the backward pass]
+  // What the gradient entering the model's backward pass is divided by, and what every reduction
+  // therefore divides the sum by less (Note [Dividing an fp16 sum]); 1 unless a group reduces in fp16.
+  double gradient_divisor = 1;
   struct InFlight {
     Unit* unit = nullptr;
     DtypeGroup* group = nullptr;
@@ -185,7 +188,8 @@ struct FsdpEngineImpl : std::enable_shared_from_this<FsdpEngineImpl> {
   void collect_whole_gradients(Unit& unit, bool sync);
   void start_group_reduction(Unit& unit, DtypeGroup& group);
   // The reduction of the group's `j`-th parameter in a collective of its own, from the buffer
-  // autograd wrote its gradient into; whether it had a gradient.
+  // autograd wrote its gradient into; whether it had a gradient. `pre`: what the gradients
+  // arrived divided by (gradient_divisor).
   bool start_own_reduction(Unit& unit, DtypeGroup& group, size_t j, double total, double pre,
                            const at::TensorOptions& options);
   // The packed reduction of the group's other parameters (`packed`: positions in the group),

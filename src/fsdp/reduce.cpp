@@ -203,17 +203,22 @@ void FsdpEngineImpl::start_group_reduction(Unit& unit, DtypeGroup& group) {
   if (!any) return;
   // Note [Dividing an fp16 sum]
   // The processes' gradients are averaged: summed by the collective, then divided by their
-  // number. fp16 overflows above 65504, so a sum of N fp16 gradients, each of which fits, can
-  // become inf, and loss scaling would then skip a step that one process on the whole batch
-  // takes. For an fp16 reduction each process's gradients are divided by about √N before the
-  // collective (a power of two, which rounds nothing but the tiniest values) and the sum by the
-  // rest after it, as PyTorch's FSDP does; bf16 and fp32 have fp32's range and divide once,
-  // afterwards.
+  // number. fp16 overflows above 65504, and a process's own gradient is the mean over its own
+  // rows of the batch: each row's part of it is N times that row's part of the whole batch's
+  // mean, and where the processes' parts cancel the whole can be up to N times larger too. With
+  // loss scaling, one process's backward pass can then overflow where one process on the whole
+  // batch does not, and the job would skip a step that one process takes (seen at 2 processes:
+  // one process's head weight gradient past 65504 at scale 65536, the whole batch's at 35712).
+  // Dividing by about √N just before the collective, as PyTorch's FSDP does, comes too late for
+  // that: the inf is already in the backward pass. So when a group reduces in fp16 the gradient
+  // that enters the model's backward pass is divided by `gradient_divisor`, the smallest power of
+  // two at least N (Note [The gradient divisor] in engine.cpp): each process's backward pass then
+  // computes its rows' share of the whole batch's mean, row by row the values one process
+  // computes (exactly so when N is a power of two), and the sum is multiplied by what is left
+  // (D / N) after the collective. bf16 and fp32 have fp32's range: their divisor is 1, and the
+  // sum is divided by N once it arrived.
   const double total = static_cast<double>(world) * num_replicas;
-  double pre = 1;
-  if (group.reduce == at::kHalf) {
-    while (pre * pre < total) pre *= 2;
-  }
+  const double pre = gradient_divisor;
   const size_t first = in_flight.size();
   // Every process's packed piece ends with one flag per parameter of the group (Note [Which
   // parameters had a gradient]).
@@ -248,7 +253,6 @@ bool FsdpEngineImpl::start_own_reduction(Unit& unit, DtypeGroup& group, size_t j
   reduction.input = std::exchange(p.reduce_input, at::Tensor());
   reduction.input_shared = shared;
   reduction.post_divide = total / pre;
-  if (pre > 1) reduction.input.div_(pre);
   const int64_t stride = p.shard_rows * p.row_numel;
   reduction.mine_is_gradient = !p.grad_at_rest.defined() && p.shard.scalar_type() == group.reduce &&
                                p.shard.device() == state.device();
@@ -298,7 +302,6 @@ void FsdpEngineImpl::start_packed_reduction(Unit& unit, DtypeGroup& group, std::
     }
   }
   for (size_t j : packed) pool.release(unit.params[group.params[j]].pending_grad);  // `input` holds them now
-  if (pre > 1) input.div_(pre);
   InFlight reduction;
   reduction.unit = &unit;
   reduction.group = &group;

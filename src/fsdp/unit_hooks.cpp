@@ -95,12 +95,14 @@ class UnitHook final : public ModelHook {
 
 void arm_outputs(const std::shared_ptr<FsdpEngineImpl>& impl, size_t unit, const std::vector<at::Tensor>& outputs) {
   std::weak_ptr<FsdpEngineImpl> weak = impl;
+  // The root's outputs take the gradient into the model: divided there (Note [The gradient divisor]).
+  const double divisor = unit == 0 ? impl->gradient_divisor : 1;
   for (const auto& t : outputs) {
     if (!t.defined() || !t.requires_grad()) continue;
     at::Tensor handle = t;
-    handle.register_hook([weak, unit](const at::Tensor& grad) {
+    handle.register_hook([weak, unit, divisor](const at::Tensor& grad) {
       if (auto e = weak.lock()) e->pre_backward(unit);
-      return grad;
+      return divisor == 1 ? grad : grad / divisor;
     });
   }
 }

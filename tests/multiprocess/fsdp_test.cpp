@@ -7,6 +7,9 @@
 #include "support/process.h"
 #include "support/test_support.h"
 
+#include <ATen/Functions.h>
+#include <torch/version.h>
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -101,6 +104,28 @@ TEST(FsdpLaunch, AConfigFileWithDistributedTypeFsdpShardsTheModel) {
                240);
   ASSERT_EQ(r->exit_code(), 0) << r->out << r->err;
   EXPECT_THAT(r->out, HasSubstr("[rank0]: fsdp: OK (FULL_SHARD, 2 processes")) << r->out;
+}
+
+// With fp16 parameters and reduction and the loss scaled as a GradScaler scales it, a process's
+// own gradient (the mean over its rows) once passed 65504 in the backward pass where one process's
+// on the whole batch did not, and the job skipped a step that one process took (Note [Dividing an
+// fp16 sum]). The program checks every step's skip against one process computing in fp16.
+TEST(FsdpLaunch, ALossScaledFp16JobSkipsTheStepsOneProcessSkips) {
+  try {
+    (void)at::mm(at::ones({2, 2}, at::kHalf), at::ones({2, 2}, at::kHalf));
+  } catch (const c10::Error&) {
+    GTEST_SKIP() << "LibTorch " << TORCH_VERSION_MAJOR << "." << TORCH_VERSION_MINOR << " has no fp16 matrix product on the CPU; the Debian 13 tier "
+                 << "(LibTorch 2.6) runs this test";
+  }
+  for (const char* n : {"2", "4"}) {
+    TempDir dir;
+    auto r = run({accelerate_bin(), "launch", "-n", n, "--main_process_port", "0", "--use_fsdp",
+                  "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP", "--fsdp_transformer_layer_cls_to_wrap",
+                  "Block", built("tests/mp_fsdp"), dir.str()},
+                 240, {{"MP_FSDP_FP16", "1"}});
+    ASSERT_EQ(r->exit_code(), 0) << n << " processes\n" << r->out << r->err;
+    EXPECT_THAT(r->out, HasSubstr(std::string("[rank0]: fsdp: OK (FULL_SHARD, ") + n + " processes")) << r->out;
+  }
 }
 
 TEST(FsdpLaunch, AShardedCheckpointOfFourProcessesResumesOnTwo) {

@@ -8,6 +8,10 @@
 // on; with "resume" it starts from that checkpoint instead — possibly with another number of
 // processes — and must end at the same place. On a GPU machine everything trains on the GPU.
 // MP_FSDP_REDUCE_DTYPE=fp32 gives the plugin the policy param_dtype bf16, reduce_dtype fp32.
+// MP_FSDP_FP16=1 gives it fp16 for parameters, reduction and buffers, and scales the loss as a
+// GradScaler does (65536, halved after a step whose gradients overflowed, which is skipped), in
+// the job and in one process computing in fp16 on the whole batches: the job must skip the same
+// steps. It runs on the CPU where LibTorch has CPU fp16 kernels (2.x).
 // Prints "fsdp: OK" on the main process; anything else throws.
 //
 //   mp_fsdp OUTPUT_FOLDER [save|resume]
@@ -96,6 +100,10 @@ int main(int argc, char** argv) {
   const std::string mode = argc == 3 ? argv[2] : "";
   const std::string checkpoint = std::string(argv[1]) + "/checkpoint";
   acc::AcceleratorOptions options;
+  const bool fp16_policy = acc::get_env("MP_FSDP_FP16").value_or("") == "1";
+  if (fp16_policy) {
+    options.fsdp_plugin = acc::FullyShardedDataParallelPlugin{.mixed_precision_policy = {"fp16", "fp16", "fp16"}};
+  }
   if (auto reduce = acc::get_env("MP_FSDP_REDUCE_DTYPE")) {
     options.fsdp_plugin = acc::FullyShardedDataParallelPlugin{.mixed_precision_policy = {"bf16", *reduce, "bf16"}};
   }
@@ -104,7 +112,7 @@ int main(int argc, char** argv) {
   const int n = accelerator.num_processes();
   const int rank = accelerator.process_index();
   const int micro = accelerator.gradient_accumulation_steps();
-  const bool low_precision = accelerator.mixed_precision() != "no";  // bf16, or fp16 on a GPU
+  const bool low_precision = accelerator.mixed_precision() != "no" || fp16_policy;  // bf16, or fp16
 
   // One process on the whole batches, on the same device as the job (autocast's kernels and the
   // ops it casts differ between the CPU and CUDA).
@@ -116,7 +124,39 @@ int main(int argc, char** argv) {
   // step whose gradients overflowed is skipped: the job must skip the same steps.
   acc::GradScaler scaler(acc::GradScalerKwargs{.enabled = accelerator.mixed_precision() == "fp16"});
   std::vector<bool> baseline_skipped;
-  for (int step = 0; step < kSteps; ++step) {
+  double baseline_scale = 65536;  // MP_FSDP_FP16: the loss scale, the same in the job
+  Net half_copy = make_net();  // MP_FSDP_FP16: the baseline's fp16 copy, which computes
+  half_copy->to(torch::kHalf);
+  const auto overflowed = [](const std::vector<torch::Tensor>& params) {
+    for (const auto& p : params) {
+      if (p.grad().defined() && !torch::isfinite(p.grad()).all().item<bool>()) return true;
+    }
+    return false;
+  };
+  for (int step = 0; step < kSteps && fp16_policy; ++step) {
+    {
+      torch::NoGradGuard no_grad;
+      for (size_t i = 0; i < half_copy->parameters().size(); ++i) {
+        half_copy->parameters()[i].copy_(baseline->parameters()[i]);
+      }
+    }
+    half_copy->zero_grad();
+    for (int m = 0; m < micro; ++m) {
+      auto [x, y] = whole_batch(step * micro + m);
+      auto out = half_copy(x.to(torch::kHalf)).to(torch::kFloat);
+      (torch::nn::functional::cross_entropy(out, y) * (baseline_scale / micro)).backward();
+    }
+    baseline_skipped.push_back(overflowed(half_copy->parameters()));
+    if (baseline_skipped.back()) {
+      baseline_scale /= 2;
+      continue;
+    }
+    for (size_t i = 0; i < half_copy->parameters().size(); ++i) {
+      baseline->parameters()[i].mutable_grad() = half_copy->parameters()[i].grad().to(torch::kFloat) / baseline_scale;
+    }
+    baseline_opt.step();
+  }
+  for (int step = 0; step < kSteps && !fp16_policy; ++step) {
     baseline_opt.zero_grad();
     for (int m = 0; m < micro; ++m) {
       auto [x, y] = whole_batch(step * micro + m);
@@ -149,12 +189,34 @@ int main(int argc, char** argv) {
   const int64_t per = kRows / n;
   const int half = kSteps / 2 * micro;
   if (mode == "resume") accelerator.load_state(checkpoint);
+  double scale = 65536;  // MP_FSDP_FP16
   for (int b = mode == "resume" ? half : 0; b < kSteps * micro; ++b) {
     if (mode == "save" && b == half) accelerator.save_state(checkpoint);
     auto guard = accelerator.accumulate(model);
     auto [x, y] = whole_batch(b);
-    auto loss = torch::nn::functional::cross_entropy(model(x.narrow(0, rank * per, per).to(device)),
+    auto loss = torch::nn::functional::cross_entropy(model(x.narrow(0, rank * per, per).to(device)).to(torch::kFloat),
                                                      y.narrow(0, rank * per, per).to(device));
+    if (fp16_policy) {
+      TORCH_CHECK(mode.empty(), "MP_FSDP_FP16 does not save or resume");
+      accelerator.backward(loss * scale);
+      if (accelerator.sync_gradients()) {
+        // The processes agree on an overflow in any of their shards' gradients, as the job's scaler does.
+        auto found = accelerator.reduce(torch::tensor({overflowed(net->parameters()) ? 1.f : 0.f}), "sum");
+        const bool skipped = found.item<float>() > 0;
+        const auto step = static_cast<size_t>(b / micro);
+        TORCH_CHECK(skipped == baseline_skipped.at(step), "step ", step, ": the job ", skipped ? "skipped" : "took",
+                    " it, one process ", baseline_skipped.at(step) ? "skipped" : "took", " it (fp16 overflow at scale ",
+                    scale, ")");
+        if (skipped) {
+          scale /= 2;
+        } else {
+          for (auto& p : net->parameters()) p.mutable_grad().div_(scale);
+          optimizer.step();
+        }
+      }
+      optimizer.zero_grad();
+      continue;
+    }
     accelerator.backward(loss);
     optimizer.step();
     if (accelerator.sync_gradients()) {
