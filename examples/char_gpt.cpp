@@ -191,12 +191,12 @@ struct BlockImpl : torch::nn::Module {
     auto qkv_out = qkv(ln1(x));
     const int64_t heads = qkv_out.size(2) / (3 * hs);
     auto parts = qkv_out.view({B, T, heads, 3, hs}).permute({3, 0, 2, 1, 4});  // [3, B, heads, T, hs]
-    auto q = parts[0], k = parts[1], v = parts[2];
-    auto att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(static_cast<double>(hs)));
-    // LibTorch has no non-persistent buffers: the causal mask is made where the input lives.
-    auto future = torch::ones({T, T}, x.options().dtype(torch::kBool)).triu(1);
-    att = att.masked_fill(future, -INFINITY).softmax(-1);
-    auto y = torch::matmul(att, v).transpose(1, 2).contiguous().view({B, T, heads * hs});
+    // Causal attention through LibTorch's fused kernels (flash attention on a GPU) where the
+    // release has them, written out where it does not.
+    auto y = acc::scaled_dot_product_attention(parts[0], parts[1], parts[2], std::nullopt, 0.0, /*is_causal=*/true)
+                 .transpose(1, 2)
+                 .contiguous()
+                 .view({B, T, heads * hs});
     x = x + proj(y);
     return x + fc_out(torch::gelu(fc(ln2(x))));
   }

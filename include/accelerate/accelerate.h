@@ -3,6 +3,7 @@
 #pragma once
 
 #include "accelerate/accelerator.h"
+#include "accelerate/attention.h"
 #include "accelerate/big_modeling.h"
 #include "accelerate/checkpointing.h"
 #include "accelerate/data_loader.h"

@@ -6,6 +6,8 @@
 #include <torch/csrc/autograd/profiler_kineto.h>
 #include <torch/csrc/distributed/c10d/reducer.hpp>
 
+#include <ATen/Functions.h>
+
 #include <type_traits>
 
 #if TORCH_VERSION_MAJOR < 2
@@ -193,6 +195,17 @@ std::optional<at::Generator> backend_generator(c10::Device device) {
   }
 #else
   (void)device;
+  return std::nullopt;
+#endif
+}
+
+std::optional<at::Tensor> fused_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                          const std::optional<at::Tensor>& mask, double dropout_p, bool is_causal,
+                                          std::optional<double> scale) {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
+  return at::scaled_dot_product_attention(query, key, value, mask, dropout_p, is_causal, scale);
+#else
+  (void)query, (void)key, (void)value, (void)mask, (void)dropout_p, (void)is_causal, (void)scale;
   return std::nullopt;
 #endif
 }

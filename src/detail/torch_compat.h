@@ -16,7 +16,8 @@
 // - autocast (per-device functions in 2.x; the 1.x ones are deprecated there);
 // - profiler event times (microseconds in 1.x, nanoseconds in 2.x);
 // - generators of out-of-tree (PrivateUse1) backends (2.x only);
-// - `c10::Allocator` (`allocate` const before 2.3; from 2.3 an allocator also copies data).
+// - `c10::Allocator` (`allocate` const before 2.3; from 2.3 an allocator also copies data);
+// - fused attention (`at::scaled_dot_product_attention` with a scale from 2.1; none in 1.13).
 #pragma once
 
 #include <ATen/Tensor.h>
@@ -127,6 +128,13 @@ void set_autocast_dtype(c10::DeviceType device, c10::ScalarType dtype);
 /// this LibTorch lets the backend provide one (2.x, through its hooks); none in 1.x, which asks
 /// only CUDA for generators, or when the backend registered no hooks.
 std::optional<at::Generator> backend_generator(c10::Device device);
+
+/// LibTorch's scaled dot-product attention, which picks a fused kernel (flash, memory-efficient)
+/// where the device and the inputs allow one; nothing on releases without it (1.13), where the
+/// caller computes the attention itself.
+std::optional<at::Tensor> fused_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                          const std::optional<at::Tensor>& mask, double dropout_p, bool is_causal,
+                                          std::optional<double> scale);
 
 /// A profiler event's start and duration in whole microseconds (the Chrome trace's unit).
 int64_t event_start_us(const torch::autograd::profiler::KinetoEvent& event);
