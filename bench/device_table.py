@@ -6,11 +6,18 @@ beside its PyTorch twin:
   main job  examples/char_gpt, 1 process (tokens/s of its training steps; no twin)
   W9  bench/fsdp.cpp at 2 processes sharing the device over Gloo: DDP, FULL_SHARD, SHARD_GRAD_OP
       (peak device memory of process 0 as the CUDA allocator counts it, or VmHWM on the CPU)
+  W12 the GPT-2-small-shaped model of bench/training.cpp ("gpt2": 12 layers, 12 heads, d 768,
+      sequence 1024, vocabulary 50 304, batch 8, AdamW) in bf16 on a GPU, 1 process: tokens/s,
+      MFU and peak device memory of the library's loop, the same loop in plain LibTorch and the
+      nanoGPT-style PyTorch twin, eager and (where the wheel has it) under torch.compile. MFU is
+      tokens/s x FLOPs per token (6 x parameters without the position embedding + 12 x layers x
+      width x sequence) over the device's dense bf16 peak: --peak_tflops, else looked up by the
+      GPU's name (PEAK_BF16_TFLOPS). On the CPU a tiny configuration checks the runner.
 Every program runs through `accelerate launch` with one CPU thread per process, the plain
 LibTorch one too, so that all run with the same environment (BLAS threads differ otherwise).
 Precisions: no, bf16 and, on CUDA, fp16 (the scaler). Sides alternate within each repetition.
 Usage: python3 bench/device_table.py --build DIR --device cuda|cpu [--python PYTHON] [--reps 2]
-       [--quick] [--out FILE.jsonl]
+       [--quick] [--peak_tflops T] [--out FILE.jsonl]
 Prints the table and exits 1 when a figure is missing; the raw rows go to --out.
 """
 import argparse
@@ -23,6 +30,15 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+# Dense bf16 peaks (TFLOP/s, without sparsity) from the vendors' data sheets, by a part of the
+# name torch.cuda.get_device_name gives; the first match wins.
+PEAK_BF16_TFLOPS = [("H200", 989.4), ("H100 PCIe", 756.0), ("H100", 989.4), ("A100", 312.0), ("L40S", 362.05),
+                    ("A10G", 70.0), ("L4", 121.0)]
+
+# W12's tiny configuration for the CPU (the runner's own check).
+GPT_TINY = ["--gpt_layers", "2", "--gpt_heads", "2", "--gpt_embd", "64", "--gpt_seq", "64", "--gpt_vocab", "256",
+            "--gpt_batch", "4", "--gpt_warmup_steps", "1", "--gpt_steps", "5"]
 
 
 def json_rows(text):
@@ -52,6 +68,7 @@ def main():
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--peak_tflops", type=float, default=None)
     args = parser.parse_args()
     build = os.path.abspath(args.build)
     accelerate = os.path.join(build, "bin", "accelerate")
@@ -78,6 +95,22 @@ def main():
                 for cmd in (cpp, plain, twin):
                     rows += json_rows(run(cmd))
 
+    # W12: the GPT-2-small-shaped model, 1 process, bf16 on a GPU (the tiny one in fp32 on the CPU).
+    gpt = (["--gpt_steps", str(max(2, 20 // scale))] if cuda else GPT_TINY)
+    gpt_precision = "bf16" if cuda else "no"
+    for _ in range(args.reps):
+        flags = ["--workloads", "gpt2"] + gpt
+        cpp = launch + ["--num_processes", "1", "--mixed_precision", gpt_precision,
+                        os.path.join(build, "bench", "bench_training")] + flags
+        plain = launch + ["--num_processes", "1", os.path.join(build, "bench", "bench_training_plain"),
+                          "--device", "cuda:0" if cuda else "cpu", "--mixed_precision", gpt_precision] + flags
+        twin = [args.python, os.path.join(HERE, "training_twin.py"), "--nproc", "1", "--threads", "1",
+                "--device", args.device, "--mixed_precision", gpt_precision] + flags
+        for cmd in (cpp, plain, twin):
+            rows += json_rows(run(cmd))
+        if cuda:
+            rows += json_rows(run(twin + ["--compile"]))
+
     # The main job on one process of the device, 100 steps (bf16 on a GPU, as gpu_check's main job).
     with tempfile.TemporaryDirectory() as out_dir:
         job = launch + ["--num_processes", "1"] + (["--mixed_precision", "bf16"] if cuda else []) + [
@@ -88,21 +121,34 @@ def main():
             rows.append({"side": "cpp", "workload": "main_job", "tokens_per_s": int(match.group(1)),
                          "mixed_precision": "bf16" if cuda else "no"})
 
-    # W9 at 2 processes sharing the device (NCCL refuses two ranks on one GPU: Gloo).
+    # W9 at 2 processes sharing the device (NCCL refuses two ranks on one GPU: Gloo). The job sees
+    # one GPU only, the first this runner sees, as the gpu test tier gives it (tests/support/gpu.h):
+    # otherwise process 1 takes the second GPU of a machine that has one, or another job's.
+    share = dict(os.environ)
+    if cuda:
+        share["CUDA_VISIBLE_DEVICES"] = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
     for mode in ("ddp", "full_shard", "shard_grad_op"):
         cmd = launch + ["--num_processes", "2", "--backend", "gloo", os.path.join(build, "bench", "bench_fsdp"), mode]
         if args.quick:
             cmd.append("--quick")
-        rows += json_rows(run(cmd))
+        rows += json_rows(run(cmd, env=share))
 
     if args.out:
         with open(args.out, "w") as f:
             for r in rows:
                 f.write(json.dumps(r) + "\n")
-    sys.exit(0 if print_table(rows, precisions, cuda) else 1)
+    peak = args.peak_tflops or (peak_of_device(args.python) if cuda else None)
+    sys.exit(0 if print_table(rows, precisions, cuda, peak) else 1)
 
 
-def print_table(rows, precisions, cuda):
+def peak_of_device(python):
+    """The dense bf16 peak (TFLOP/s) of GPU 0 by its name, or None when the name is not in the list."""
+    name = subprocess.run([python, "-c", "import torch; print(torch.cuda.get_device_name(0))"],
+                          stdout=subprocess.PIPE, text=True).stdout.strip()
+    return next(((part, tflops) for part, tflops in PEAK_BF16_TFLOPS if part in name), (name, None))
+
+
+def print_table(rows, precisions, cuda, peak=None):
     complete = True
 
     def median(side, workload, precision, key="samples_per_s"):
@@ -130,6 +176,7 @@ def print_table(rows, precisions, cuda):
             losses.setdefault((r["workload"], r.get("mixed_precision", "no")), {})[r["side"]] = r["last_loss"]
     for (workload, precision), by_side in sorted(losses.items()):
         print(f"  last loss {workload} {precision}: " + ", ".join(f"{s} {v:.4f}" for s, v in sorted(by_side.items())))
+    complete = print_gpt2(rows, cuda, peak) and complete
     job = [r for r in rows if r.get("workload") == "main_job"]
     if job:
         print(f"{'main job':<12} {job[0]['mixed_precision']:<9} {job[0]['tokens_per_s']:>15} tokens/s (char_gpt; no twin)")
@@ -148,6 +195,38 @@ def print_table(rows, precisions, cuda):
         reserved = f", reserved {r['peak_device_reserved_mib']:.0f} MiB" if cuda else ""
         print(f"W9 {mode:<14} 2 processes: {r['samples_per_s']:.0f} samples/s, peak "
               f"{'device memory' if cuda else 'resident memory'} of process 0 {r[key]:.0f} MiB{reserved} {against}")
+    return complete
+
+
+def print_gpt2(rows, cuda, peak):
+    """W12's rows: tokens/s, MFU and peak memory per side, against plain LibTorch and eager PyTorch."""
+    name, tflops = peak if peak and isinstance(peak, tuple) else ("--peak_tflops", peak)
+    gpt = [r for r in rows if r.get("workload") == "gpt2"]
+    precision = "bf16" if cuda else "no"
+    print(f"W12 gpt2 ({precision}, 1 process; MFU against {f'{tflops} TFLOP/s dense bf16 ({name})' if tflops else 'no known peak'}):")
+    figures = {}
+    complete = True
+    for side, label in (("cpp", "C++ (library)"), ("plain", "plain LibTorch"), ("python", "PyTorch eager"),
+                        ("python-compile", "PyTorch compile")):
+        got = [r for r in gpt if r.get("side") == side]
+        if not got:
+            if side != "python-compile":
+                print(f"  {label:<16} missing")
+                complete = False
+            elif cuda:
+                print(f"  {label:<16} missing (torch.compile did not run; its error is above)")
+            continue
+        tokens = statistics.median(r["tokens_per_s"] for r in got)
+        figures[side] = tokens
+        mfu = f"{tokens * got[0]['flops_per_token'] / (tflops * 1e12) * 100:.1f} %" if tflops else "-"
+        memory = ""
+        if cuda:
+            memory = f", peak {statistics.median(r.get('peak_device_allocated_mib', -1) for r in got):.0f} MiB allocated"
+        print(f"  {label:<16} {tokens:>12.0f} tokens/s  MFU {mfu:>7}{memory}  last loss {got[0]['last_loss']:.4f}")
+    if "cpp" in figures:
+        ratios = [f"C++/{side} {figures['cpp'] / figures[side]:.3f}" for side in ("plain", "python", "python-compile")
+                  if side in figures]
+        print("  " + ", ".join(ratios))
     return complete
 
 

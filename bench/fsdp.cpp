@@ -80,7 +80,12 @@ int main(int argc, char** argv) {
   acc::Accelerator accelerator(options);
   const c10::Device device = accelerator.device();
   const int gpu = device.is_cuda() ? device.index() : -1;
-  if (gpu >= 0) bench::reset_device_peaks(gpu);
+  if (gpu >= 0) {
+    // The caching allocator knows its devices once CUDA started in this process: one allocation
+    // first, or resetting the peaks fails with "Invalid device argument".
+    (void)at::empty({1}, at::TensorOptions().device(device));
+    bench::reset_device_peaks(gpu);
+  }
   torch::manual_seed(0);
   Net net;
   int64_t params = 0;

@@ -5,7 +5,9 @@
 // with `accumulate` and gradient_accumulation_steps 4: three of four backward passes skip the
 // allreduce), "transformer" (W2: a 2-layer transformer-encoder classifier, d_model 256, 4 heads,
 // feed-forward 2048, no dropout, sequences of 64, batch 16 per process, mean-pooled into
-// Linear(256, 10)), "tiny" (W3: Linear(32, 32), batch 8 per process, MSE: per-step overhead and
+// Linear(256, 10)), "gpt2" (W12: a GPT-2-shaped decoder, GPT-2 small by default, batch 8 of
+// 1024 tokens, AdamW with lr 3e-4 and weight decay 0.1, causal attention through
+// accelerate::scaled_dot_product_attention; the --gpt_* flags size it), "tiny" (W3: Linear(32, 32), batch 8 per process, MSE: per-step overhead and
 // small-message latency) and "startup" (W5: one step of "mlp", then the wall-clock time, so a
 // runner can measure launch to end of the first optimizer step). SGD with lr 0.01, one fixed random
 // batch per process. Each step is timed by phase (forward with the loss, backward with the
@@ -13,11 +15,14 @@
 // `--mixed_precision bf16`, which the prepared model applies to its forward pass.
 // Run through the launcher: `accelerate launch -n 2 bench_training [--quick]
 // [--workloads mlp,mlp_accum4,tiny,transformer] [--warmup_steps 20] [--mlp_steps 200]
-// [--tiny_steps 2000] [--transformer_warmup_steps 3] [--transformer_steps 40]`; process 0 prints
+// [--tiny_steps 2000] [--transformer_warmup_steps 3] [--transformer_steps 40] [--gpt_layers 12]
+// [--gpt_heads 12] [--gpt_embd 768] [--gpt_seq 1024] [--gpt_vocab 50304] [--gpt_batch 8]
+// [--gpt_warmup_steps 3] [--gpt_steps 20]`; process 0 prints
 // one JSON object per workload, as bench/training_twin.py does for PyTorch DDP, and
 // bench/run_training compares them. On a CUDA machine the model and the batch live on the GPU
 // (the accelerator's device) and the clock is read after the GPU finished (scripts/gpu_check.sh
 // compares with `training_twin.py --device cuda`); the per-phase times then measure the launches.
+#include "device_memory.h"
 #include "training_models.h"
 
 #include <accelerate/accelerate.h>
@@ -29,6 +34,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -39,6 +45,10 @@
 
 namespace acc = accelerate;
 using Clock = std::chrono::steady_clock;
+
+at::Tensor bench::causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  return acc::scaled_dot_product_attention(q, k, v, std::nullopt, 0.0, /*is_causal=*/true);
+}
 
 namespace {
 
@@ -100,22 +110,48 @@ void synchronize_device(const acc::Accelerator& accelerator) {
   if (accelerator.device().is_cuda()) torch::cuda::synchronize(accelerator.device().index());
 }
 
+// What a workload trains with beyond its batch: the optimizer (SGD with lr 0.01, or W12's AdamW)
+// and, for a language model, its tokens per sample and FLOPs per token (reported as tokens/s).
+struct Training {
+  int accumulation = 1;
+  bool adamw = false;
+  int64_t tokens_per_sample = 0;
+  double flops_per_token = 0;
+};
+
+// The optimizer `training` asks for, over `net`'s parameters.
+template <typename Net>
+std::shared_ptr<torch::optim::Optimizer> make_optimizer(Net& net, const Training& training) {
+  if (training.adamw) {
+    return std::make_shared<torch::optim::AdamW>(net->parameters(),
+                                                 torch::optim::AdamWOptions(3e-4).weight_decay(0.1));
+  }
+  return std::make_shared<torch::optim::SGD>(net->parameters(), torch::optim::SGDOptions(0.01));
+}
+
 // Trains `net` on one fixed batch (`x`, `y`) for warm-up then timed steps; process 0 prints the
-// throughput, the per-step and per-phase times and the last loss. With `accumulation` > 1 each
-// step runs inside `accumulate`, so the optimizer steps (and gradients synchronise) every
-// `accumulation`-th step.
+// throughput, the per-step and per-phase times and the first and last loss. With accumulation
+// > 1 each step runs inside `accumulate`, so the optimizer steps (and gradients synchronise)
+// every `accumulation`-th step.
 template <typename Net, typename LossFn>
 void run(const acc::Accelerator& accelerator, const char* workload, Net net, const at::Tensor& x, const at::Tensor& y,
-         LossFn loss_fn, int warmup_steps, int steps, int accumulation = 1) {
+         LossFn loss_fn, int warmup_steps, int steps, const Training& training = {}) {
   reset_peak();
-  auto sgd = std::make_shared<torch::optim::SGD>(net->parameters(), torch::optim::SGDOptions(0.01));
-  auto [model, opt] = accelerator.prepare(net, sgd);
+  const int accumulation = training.accumulation;
+  const int gpu = accelerator.device().is_cuda() ? accelerator.device().index() : -1;
+  if (gpu >= 0) {
+    (void)at::empty({1}, at::TensorOptions().device(accelerator.device()));  // the allocator knows the device
+    bench::reset_device_peaks(gpu);
+  }
+  auto [model, opt] = accelerator.prepare(net, make_optimizer(net, training));
   accelerator.set_gradient_accumulation_steps(accumulation);
   at::Tensor loss;
+  double first_loss = std::nan("");
   for (int i = 0; i < warmup_steps; ++i) {
     std::unique_ptr<acc::SyncGuard> sync;  // the guard can neither move nor copy: built in place
     if (accumulation > 1) sync.reset(new acc::SyncGuard(accelerator.accumulate(model)));
     loss = loss_fn(model(x), y);
+    if (i == 0) first_loss = loss.item<double>();
     accelerator.backward(loss);
     opt.step();
     opt.zero_grad();
@@ -132,6 +168,7 @@ void run(const acc::Accelerator& accelerator, const char* workload, Net net, con
     std::unique_ptr<acc::SyncGuard> sync;  // the guard can neither move nor copy: built in place
     if (accumulation > 1) sync.reset(new acc::SyncGuard(accelerator.accumulate(model)));
     loss = loss_fn(model(x), y);
+    if (i == 0 && warmup_steps == 0) first_loss = loss.item<double>();
     const auto t1 = Clock::now();
     accelerator.backward(loss);
     const auto t2 = Clock::now();
@@ -190,16 +227,30 @@ void run(const acc::Accelerator& accelerator, const char* workload, Net net, con
     phases += buf;
   }
   const int64_t batch = x.dim() == 3 ? x.size(1) : x.size(0);  // the transformer's input is [sequence, batch, d]
+  std::string extra;
+  if (training.tokens_per_sample > 0) {
+    char buf[160];
+    std::snprintf(buf, sizeof(buf), ", \"tokens_per_s\": %.1f, \"flops_per_token\": %.6g",
+                  steps_per_s * static_cast<double>(batch * accelerator.num_processes() * training.tokens_per_sample),
+                  training.flops_per_token);
+    extra += buf;
+  }
+  if (gpu >= 0) {
+    char buf[128];
+    std::snprintf(buf, sizeof(buf), ", \"peak_device_allocated_mib\": %.1f, \"peak_device_reserved_mib\": %.1f",
+                  bench::peak_device_allocated_mib(gpu), bench::peak_device_reserved_mib(gpu));
+    extra += buf;
+  }
   std::printf("{\"side\": \"%s\", \"workload\": \"%s\", \"device\": \"%s\", \"processes\": %d, \"threads\": %d, "
               "\"mixed_precision\": \"%s\", \"batch_size\": %lld, \"warmup_steps\": %d, \"steps\": %d, "
               "\"steps_per_s\": %.3f, \"samples_per_s\": %.1f, \"step_median_us\": %.1f, \"step_mean_us\": %.1f, "
-              "\"phase_median_mean_us\": {%s}%s, \"peak_mib\": %.1f, \"last_loss\": %.6f}\n",
+              "\"phase_median_mean_us\": {%s}%s%s, \"peak_mib\": %.1f, \"first_loss\": %.6f, \"last_loss\": %.6f}\n",
               side(accelerator), workload, accelerator.device().str().c_str(), accelerator.num_processes(),
               at::get_num_threads(),
               accelerator.mixed_precision().c_str(),
               static_cast<long long>(batch), warmup_steps, steps, steps_per_s,
               steps_per_s * static_cast<double>(batch * accelerator.num_processes()), step_median, step_mean,
-              phases.c_str(), breakdown.c_str(), peak_mib(), last_loss);
+              phases.c_str(), breakdown.c_str(), extra.c_str(), peak_mib(), first_loss, last_loss);
   std::fflush(stdout);
 }
 
@@ -241,7 +292,7 @@ int main(int argc, char** argv) {
       } else {
         Mlp net;
         run(accelerator, workload.c_str(), net, x, y, cross_entropy, flags.warmup_steps, flags.mlp_steps,
-            workload == "mlp" ? 1 : 4);
+            Training{.accumulation = workload == "mlp" ? 1 : 4});
       }
     } else if (workload == "tiny") {
       Tiny net;
@@ -255,9 +306,16 @@ int main(int argc, char** argv) {
       const auto x = at::randn({64, 16, 256}, gen).to(device);
       const auto y = at::randint(0, 10, {16}, gen, at::kLong).to(device);
       run(accelerator, "transformer", net, x, y, cross_entropy, flags.transformer_warmup_steps, flags.transformer_steps);
+    } else if (workload == "gpt2") {
+      bench::Gpt net(flags.gpt);
+      init_transformer(*net);
+      auto [x, y] = bench::gpt_batch(flags, gen);
+      run(accelerator, "gpt2", net, x.to(device), y.to(device), bench::gpt_loss, flags.gpt_warmup_steps,
+          flags.gpt_steps,
+          Training{.adamw = true, .tokens_per_sample = flags.gpt.seq, .flops_per_token = net->flops_per_token(flags.gpt)});
     } else {
       TORCH_CHECK_VALUE(false, "[bench_training] unknown workload ", workload,
-                        " (expected mlp, mlp_accum4, tiny, transformer or startup)");
+                        " (expected mlp, mlp_accum4, tiny, transformer, gpt2 or startup)");
     }
     accelerator.free_memory();
   }

@@ -1,13 +1,15 @@
 // The limit of the training benchmarks: the loops of bench/training.cpp (W1 "mlp", W2
-// "transformer", W3 "tiny") written in plain LibTorch, without this library, on one process:
+// "transformer", W3 "tiny", W12 "gpt2") written in plain LibTorch, without this library, on one
+// process (W12's attention LibTorch's scaled_dot_product_attention, written out on 1.13):
 // the model and the batch on the device, autocast set by hand around the forward pass (outputs
 // back to float32, as the prepared model does), fp16 with LibTorch's own loss-scaling kernels
-// (the ones PyTorch's GradScaler calls), SGD with lr 0.01. What the Accelerator's loop costs
+// (the ones PyTorch's GradScaler calls), SGD with lr 0.01 (W12: AdamW). What the Accelerator's loop costs
 // beyond it is the library's overhead. Prints one JSON object per workload with the fields of
 // bench/training.cpp, side "plain".
 // Usage: bench_training_plain [--device cpu|cuda] [--mixed_precision no|bf16|fp16] [--threads N]
 //        [--workloads mlp,transformer,tiny] [--warmup_steps 20] [--mlp_steps 200] [--tiny_steps 2000]
-//        [--transformer_warmup_steps 3] [--transformer_steps 40]
+//        [--transformer_warmup_steps 3] [--transformer_steps 40] [--gpt_* as bench/training.cpp]
+#include "device_memory.h"
 #include "training_models.h"
 
 #include <ATen/ATen.h>
@@ -19,9 +21,21 @@
 #include <torch/version.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
+#include <limits>
 #include <string>
 #include <vector>
+
+at::Tensor bench::causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
+  return at::scaled_dot_product_attention(q, k, v, std::nullopt, 0.0, /*is_causal=*/true);
+#else
+  auto scores = at::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(q.size(-1)));
+  auto future = at::ones({q.size(-2), k.size(-2)}, q.options().dtype(at::kBool)).triu(1);
+  return at::matmul(scores.masked_fill(future, -std::numeric_limits<double>::infinity()).softmax(-1), v);
+#endif
+}
 
 namespace {
 
@@ -81,11 +95,29 @@ void synchronize(const c10::Device& device) {
   if (device.is_cuda()) torch::cuda::synchronize(device.index());
 }
 
+// W12's additions: AdamW instead of SGD, and tokens/s with the FLOPs per token.
+struct LanguageModel {
+  bool adamw = false;
+  int64_t tokens_per_sample = 0;
+  double flops_per_token = 0;
+};
+
 template <typename Net, typename LossFn>
 void run(const Flags& flags, const char* workload, Net net, const at::Tensor& x, const at::Tensor& y, LossFn loss_fn,
-         int warmup_steps, int steps) {
+         int warmup_steps, int steps, const LanguageModel& lm = {}) {
   net->to(flags.device);
-  torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.01));
+  const int gpu = flags.device.is_cuda() ? flags.device.index() : -1;
+  if (gpu >= 0) {
+    (void)at::empty({1}, at::TensorOptions().device(flags.device));  // the allocator knows the device
+    bench::reset_device_peaks(gpu);
+  }
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+  if (lm.adamw) {
+    optimizer = std::make_unique<torch::optim::AdamW>(net->parameters(), torch::optim::AdamWOptions(3e-4).weight_decay(0.1));
+  } else {
+    optimizer = std::make_unique<torch::optim::SGD>(net->parameters(), torch::optim::SGDOptions(0.01));
+  }
+  auto& optim = *optimizer;
   const bool autocast = flags.precision != "no";
   const auto autocast_dtype = flags.precision == "bf16" ? at::kBFloat16 : at::kHalf;
   // PyTorch's GradScaler's defaults: scale 2^16, doubled after 2000 clean steps, halved on inf/NaN.
@@ -96,6 +128,7 @@ void run(const Flags& flags, const char* workload, Net net, const at::Tensor& x,
   auto found_inf = at::zeros({1}, float_options);
 
   at::Tensor loss;
+  double first_loss = std::nan("");
   auto step = [&] {
     if (autocast) set_autocast(flags.device.type(), true, autocast_dtype);
     auto out = net->forward(x);
@@ -104,9 +137,10 @@ void run(const Flags& flags, const char* workload, Net net, const at::Tensor& x,
       out = out.to(at::kFloat);
     }
     loss = loss_fn(out, y);
+    if (std::isnan(first_loss)) first_loss = loss.item<double>();
     if (!scaled) {
       loss.backward();
-      sgd.step();
+      optim.step();
     } else {
       (loss * scale).backward();
       std::vector<at::Tensor> grads;
@@ -115,10 +149,10 @@ void run(const Flags& flags, const char* workload, Net net, const at::Tensor& x,
       }
       found_inf.zero_();
       at::_amp_foreach_non_finite_check_and_unscale_(grads, found_inf, scale.reciprocal());
-      if (found_inf.item<float>() == 0.0f) sgd.step();
+      if (found_inf.item<float>() == 0.0f) optim.step();
       at::_amp_update_scale_(scale, growth_tracker, found_inf, 2.0, 0.5, 2000);
     }
-    sgd.zero_grad();
+    optim.zero_grad();
   };
   for (int i = 0; i < warmup_steps; ++i) step();
   synchronize(flags.device);
@@ -133,12 +167,26 @@ void run(const Flags& flags, const char* workload, Net net, const at::Tensor& x,
   const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
   std::sort(step_us.begin(), step_us.end());
   const int64_t batch = x.dim() == 3 ? x.size(1) : x.size(0);  // the transformer's input is [sequence, batch, d]
+  std::string extra;
+  if (lm.tokens_per_sample > 0) {
+    char buf[160];
+    std::snprintf(buf, sizeof(buf), ", \"tokens_per_s\": %.1f, \"flops_per_token\": %.6g",
+                  steps / seconds * static_cast<double>(batch * lm.tokens_per_sample), lm.flops_per_token);
+    extra += buf;
+  }
+  if (gpu >= 0) {
+    char buf[128];
+    std::snprintf(buf, sizeof(buf), ", \"peak_device_allocated_mib\": %.1f, \"peak_device_reserved_mib\": %.1f",
+                  bench::peak_device_allocated_mib(gpu), bench::peak_device_reserved_mib(gpu));
+    extra += buf;
+  }
   std::printf("{\"side\": \"plain\", \"workload\": \"%s\", \"device\": \"%s\", \"processes\": 1, \"threads\": %d, "
               "\"mixed_precision\": \"%s\", \"batch_size\": %lld, \"warmup_steps\": %d, \"steps\": %d, "
-              "\"steps_per_s\": %.3f, \"samples_per_s\": %.1f, \"step_median_us\": %.1f, \"last_loss\": %.6f}\n",
+              "\"steps_per_s\": %.3f, \"samples_per_s\": %.1f, \"step_median_us\": %.1f%s, \"first_loss\": %.6f, "
+              "\"last_loss\": %.6f}\n",
               workload, flags.device.str().c_str(), at::get_num_threads(), flags.precision.c_str(),
               static_cast<long long>(batch), warmup_steps, steps, steps / seconds, steps / seconds * batch,
-              step_us[step_us.size() / 2], loss.item<double>());
+              step_us[step_us.size() / 2], extra.c_str(), first_loss, loss.item<double>());
   std::fflush(stdout);
 }
 
@@ -170,9 +218,15 @@ int main(int argc, char** argv) {
         const auto x = at::randn({64, 16, 256}, gen).to(flags.device);
         const auto y = at::randint(0, 10, {16}, gen, at::kLong).to(flags.device);
         run(flags, "transformer", net, x, y, cross_entropy, flags.transformer_warmup_steps, flags.transformer_steps);
+      } else if (workload == "gpt2") {
+        bench::Gpt net(flags.gpt);
+        bench::init_transformer(*net);
+        auto [x, y] = bench::gpt_batch(flags, gen);
+        run(flags, "gpt2", net, x.to(flags.device), y.to(flags.device), bench::gpt_loss, flags.gpt_warmup_steps,
+            flags.gpt_steps, LanguageModel{true, flags.gpt.seq, net->flops_per_token(flags.gpt)});
       } else {
         TORCH_CHECK_VALUE(false, "[bench_training_plain] unknown workload ", workload,
-                          " (expected mlp, transformer or tiny)");
+                          " (expected mlp, transformer, tiny or gpt2)");
       }
     }
   } catch (const c10::Error& e) {

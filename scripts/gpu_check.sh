@@ -43,7 +43,9 @@
 #              (the transformer) in fp32, bf16 and fp16 with the scaler, the library's loop beside
 #              the same loop in plain LibTorch (bench_training_plain, the limit) and beside its
 #              PyTorch twin; the main job's tokens/s; W9 (bench_fsdp) at 2 processes sharing the
-#              GPU: DDP, FULL_SHARD and SHARD_GRAD_OP, peak device memory of process 0
+#              GPU: DDP, FULL_SHARD and SHARD_GRAD_OP, peak device memory of process 0; W12, the
+#              GPT-2-small-shaped model in bf16 (tokens/s, MFU, peak memory) beside plain LibTorch
+#              and nanoGPT-style PyTorch, eager and under torch.compile
 # The script goes on after a failed step where later steps do not depend on it, then prints a
 # summary and exits 1 naming the failed steps. Where one command may only run for a few minutes,
 # split it: `--steps deps,configure,build`, then `--steps env,tests,main-job,bench` on the same
