@@ -8,8 +8,8 @@
 // `--dropout` it checks instead that a dropout on replicated activations draws the same mask on
 // every process of a tp group, each process seeded differently before `prepare`, and that a
 // sequence-parallel dropout draws a different mask for each piece of the sequence. The main
-// process prints "tp=<t> dp_shard=<s> dp_replicate=<r> (<backend>): OK" on success; a difference
-// throws.
+// process prints "tp=<t> dp_shard=<s> dp_replicate=<r> (<backend>): OK on <device>" on success; a
+// difference throws. On a GPU machine the job computes on the GPU (the reference on the CPU).
 #include "accelerate/accelerate.h"
 
 #include <torch/torch.h>
@@ -187,7 +187,7 @@ int main(int argc, char** argv) {
   for (int s = resume.empty() ? 0 : 2; s < 3; ++s) {
     if (s == 2 && !save.empty()) accelerator.save_state(save);
     opt.zero_grad();
-    auto x = ids(s).narrow(0, dp_rank * rows, rows);
+    auto x = ids(s).narrow(0, dp_rank * rows, rows).to(accelerator.device());  // on a GPU machine, the GPU
     accelerator.backward(loss_of(model(x), x));
     const double norm = accelerator.clip_grad_norm_(net->parameters(), kMaxNorm);
     if (std::abs(norm - want_norms[s]) > 1e-4 * want_norms[s]) {
@@ -199,14 +199,15 @@ int main(int argc, char** argv) {
   }
   for (const auto& item : accelerator.get_state_dict(model)) {
     const auto& w = want.at(item.key());
-    if (item.value().sizes() != w.sizes() || !torch::allclose(item.value(), w, 1e-4, 1e-5)) {
+    const auto got = item.value().to(torch::kCPU);
+    if (got.sizes() != w.sizes() || !torch::allclose(got, w, 1e-4, 1e-5)) {
       throw std::runtime_error(item.key() + " differs from the one-process run");
     }
   }
   std::ostringstream line;
   line << "tp=" << mesh->size("tp") << " dp_shard=" << mesh->size("dp_shard")
        << " dp_replicate=" << mesh->size("dp_replicate") << " (" << accelerator.state().partial_state().backend()
-       << "): OK";
+       << "): OK on " << accelerator.device();
   accelerator.print(line.str());
   return 0;
 }
