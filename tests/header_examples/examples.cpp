@@ -55,6 +55,11 @@ void device_mesh(const accelerate::Accelerator& accelerator, torch::Tensor loss)
 #include "accelerate/device_mesh.h.inc"
 }
 
+void attention(torch::Tensor q, torch::Tensor k, torch::Tensor v) {
+#include "accelerate/attention.h.inc"
+  (void)y;
+}
+
 void big_modeling(int64_t config, torch::Tensor tokens) {
 #include "accelerate/big_modeling.h.inc"
 }
