@@ -6,6 +6,7 @@
 #include "accelerate/memory_utils.h"
 #include "accelerate/utils/environment.h"
 #include "accelerate/nn.h"
+#include "accelerate/parallelism_config.h"
 #include "accelerator_impl.h"
 #include "tensor_parallel/engine.h"
 #include "distributed_impl.h"
@@ -64,66 +65,45 @@ void check_options(const AcceleratorOptions& options) {
   }
 }
 
-// The sizes of a parallelism_config (given, or from PARALLELISM_CONFIG_* variables), checked on
-// every process; nothing without one.
-struct MeshSizes {
-  int replicate = 1, shard = 1, tp = 1;
-};
-std::optional<MeshSizes> mesh_sizes_of(const AcceleratorOptions& options, int num_processes) {
+// The parallelism_config (given, or made from PARALLELISM_CONFIG_* variables), resolved once and
+// checked on every process; nothing without one.
+std::optional<ParallelismConfig> parallelism_of(const AcceleratorOptions& options, int num_processes) {
   std::optional<ParallelismConfig> config = options.parallelism_config;
   if (!config && (get_env("PARALLELISM_CONFIG_DP_REPLICATE_SIZE") || get_env("PARALLELISM_CONFIG_DP_SHARD_SIZE") ||
                   get_env("PARALLELISM_CONFIG_TP_SIZE") || get_env("PARALLELISM_CONFIG_CP_SIZE"))) {
     config = ParallelismConfig{};
   }
   if (!config) return std::nullopt;
-  const auto size = [](const std::optional<int>& given, const char* name) -> std::optional<int> {
-    if (given) return given;
-    if (auto v = get_env(name)) return detail::parse_env_int(name, *v);
-    return std::nullopt;
-  };
-  MeshSizes sizes;
-  sizes.tp = size(config->tp_size, "PARALLELISM_CONFIG_TP_SIZE").value_or(1);
-  const int cp = size(config->cp_size, "PARALLELISM_CONFIG_CP_SIZE").value_or(1);
-  TORCH_CHECK_VALUE(sizes.tp >= 1, "[Accelerator] parallelism_config: tp_size must be at least 1, got ", sizes.tp);
-  TORCH_CHECK_VALUE(cp == 1, "[Accelerator] parallelism_config: context parallelism (cp_size ", cp,
-                    ") is not supported yet; only the data-parallel and tensor-parallel dimensions are");
-  sizes.replicate = size(config->dp_replicate_size, "PARALLELISM_CONFIG_DP_REPLICATE_SIZE").value_or(1);
-  TORCH_CHECK_VALUE(sizes.replicate >= 1, "[Accelerator] parallelism_config: dp_replicate_size must be at least 1, "
-                    "got ", sizes.replicate);
-  sizes.shard = size(config->dp_shard_size, "PARALLELISM_CONFIG_DP_SHARD_SIZE")
-                    .value_or(std::max(1, num_processes / (sizes.replicate * sizes.tp)));
-  TORCH_CHECK_VALUE(sizes.shard >= 1, "[Accelerator] parallelism_config: dp_shard_size must be at least 1, got ",
-                    sizes.shard);
-  TORCH_CHECK_VALUE(sizes.replicate * sizes.shard * sizes.tp == num_processes, "[Accelerator] parallelism_config: "
-                    "dp_replicate_size (", sizes.replicate, ") x dp_shard_size (", sizes.shard, ") x tp_size (",
-                    sizes.tp, ") x cp_size (1) must equal the number of processes, ", num_processes);
-  if (sizes.tp > 1) {
+  ParallelismConfig resolved = config->resolved(num_processes);
+  if (resolved.tp_enabled()) {
     TORCH_CHECK_VALUE(!options.tp_handler.enable_async_tp, "[Accelerator] parallelism_config: enable_async_tp "
                       "overlaps collectives with matrix products through CUDA's symmetric memory, which LibTorch does "
                       "not offer; leave it false");
   }
-  return sizes;
+  return resolved;
 }
 
 // Whether prepared models are sharded, and with which plugin: the given one, or the defaults
 // under ACCELERATE_USE_FSDP, or under a parallelism_config whose dp_shard_size is above 1.
 // `dp_shard_size` receives the size of a parallelism_config's shard groups (0 without one).
 std::optional<FullyShardedDataParallelPlugin> fsdp_plugin_of(const AcceleratorOptions& options,
-                                                             const std::optional<MeshSizes>& sizes, int num_processes,
-                                                             int& dp_shard_size) {
+                                                             const std::optional<ParallelismConfig>& sizes,
+                                                             int num_processes, int& dp_shard_size) {
   dp_shard_size = 0;
   std::optional<FullyShardedDataParallelPlugin> plugin = options.fsdp_plugin;
   if (!plugin) {
     if (auto use = get_env("ACCELERATE_USE_FSDP"); use && str_to_bool(*use)) plugin = FullyShardedDataParallelPlugin{};
   }
   if (!sizes) return plugin;
-  const int shard = sizes->shard;
+  // Models are sharded over dp_shard x cp (upstream's "dp_shard_cp"); with dp_shard 1 and cp above
+  // 1 only when a plugin asks for it, else gradients are averaged over dp_cp as by DDP.
+  const int shard = *sizes->dp_shard_size, over = shard * *sizes->cp_size;
   if (shard > 1 && !plugin) plugin = FullyShardedDataParallelPlugin{};
-  TORCH_CHECK_VALUE(shard > 1 || !options.fsdp_plugin || num_processes == 1,
-                    "[Accelerator] parallelism_config: dp_shard_size is 1, so nothing is sharded, but an fsdp_plugin "
-                    "was given");
-  if (shard == 1) plugin.reset();
-  if (plugin) dp_shard_size = shard;
+  TORCH_CHECK_VALUE(over > 1 || !options.fsdp_plugin || num_processes == 1,
+                    "[Accelerator] parallelism_config: dp_shard_size and cp_size are 1, so nothing is sharded, but an "
+                    "fsdp_plugin was given");
+  if (over == 1) plugin.reset();
+  if (plugin) dp_shard_size = over;
   return plugin;
 }
 
@@ -165,12 +145,12 @@ Accelerator::Accelerator(const AcceleratorOptions& options)
   if (impl_->project.project_dir.empty()) impl_->project.project_dir = options.project_dir;
   if (impl_->project.logging_dir.empty()) impl_->project.logging_dir = impl_->project.project_dir;
   impl_->log_with = detail::filter_trackers(options.log_with, impl_->project.logging_dir, "Accelerator");
-  const auto sizes = mesh_sizes_of(options, state_.num_processes());
-  impl_->fsdp = fsdp_plugin_of(options, sizes, state_.num_processes(), impl_->dp_shard_size);
-  if (sizes) {
+  impl_->parallelism = parallelism_of(options, state_.num_processes());
+  impl_->fsdp = fsdp_plugin_of(options, impl_->parallelism, state_.num_processes(), impl_->dp_shard_size);
+  if (impl_->parallelism) {
     // Every group of the mesh is made now, at the same point on every process.
-    impl_->mesh.emplace(partial(), sizes->replicate, sizes->shard, sizes->tp);
-    impl_->tp_size = sizes->tp;
+    impl_->mesh = impl_->parallelism->build_device_mesh(partial());
+    impl_->tp_size = *impl_->parallelism->tp_size;
   }
   // As upstream's set_mixed_precision: a plugin without a policy computes, reduces and keeps its
   // buffers in the Accelerator's mixed precision (its autocast stays on as well).
@@ -204,8 +184,27 @@ bool Accelerator::optimizer_step_was_skipped() const {
 
 std::optional<FullyShardedDataParallelPlugin> Accelerator::fsdp_plugin() const { return impl_->fsdp; }
 std::optional<DeviceMesh> Accelerator::torch_device_mesh() const { return impl_->mesh; }
+std::optional<ParallelismConfig> Accelerator::parallelism_config() const { return impl_->parallelism; }
 const PartialState& Accelerator::data_parallel_state() const {
-  return impl_->tp_size > 1 ? impl_->mesh->get_group("dp") : partial();
+  return impl_->parallelism && impl_->parallelism->non_data_parallel_size() > 1 ? impl_->mesh->get_group("dp")
+                                                                                : partial();
+}
+const PartialState& Accelerator::gradient_sync_state() const {
+  return impl_->parallelism && impl_->parallelism->non_data_parallel_size() > 1 ? impl_->mesh->get_group("dp_cp")
+                                                                                : partial();
+}
+
+ContextParallel Accelerator::maybe_context_parallel(const std::vector<at::Tensor>& buffers,
+                                                    const std::vector<int64_t>& buffer_seq_dims,
+                                                    const std::vector<at::Tensor>& no_restore_buffers) const {
+  if (!impl_->parallelism || !impl_->parallelism->cp_enabled()) {
+    detail::warn("accelerate.accelerator", "Context parallel training is not enabled. This scope will have no effect. "
+                 "To enable it, set parallelism_config.cp_size above 1 in the Accelerator's options.",
+                 {.once = true, .state = partial()});
+    return ContextParallel();
+  }
+  return ContextParallel(impl_->mesh->get_group("cp"), buffers, buffer_seq_dims, no_restore_buffers,
+                         impl_->parallelism->cp_handler.cp_comm_strategy);
 }
 DistributedType Accelerator::distributed_type() const {
   return impl_->fsdp && state_.distributed_type() != DistributedType::kNo ? DistributedType::kFsdp
@@ -310,7 +309,7 @@ DistributedDataParallel Accelerator::prepare_module(const std::shared_ptr<torch:
   // over the processes that share a tensor-parallel rank.
   std::shared_ptr<detail::tensor_parallel::TensorParallelEngine> tensor_parallel;
   if (impl_->tp_size > 1) tensor_parallel = apply_tensor_parallelism(module);
-  const PartialState& data = data_parallel_state();
+  const PartialState& data = gradient_sync_state();
   // Evaluation-only models are not synchronised: a one-process engine does no communication.
   std::optional<detail::fsdp::FsdpSettings> fsdp;
   if (impl_->fsdp) {

@@ -3,6 +3,7 @@
 
 #include "accelerate/accelerator.h"
 #include "accelerate/device_mesh.h"
+#include "accelerate/parallelism_config.h"
 #include "fsdp/settings.h"
 
 #include <map>
@@ -21,6 +22,7 @@ struct AcceleratorImpl {
   std::optional<FullyShardedDataParallelPlugin> fsdp;  // when prepared models are sharded
   std::optional<fsdp::FsdpSettings> fsdp_settings;     // `fsdp`, resolved when the Accelerator was built
   int dp_shard_size = 0;  // a parallelism_config's shard groups (0: the plugin decides)
+  std::optional<ParallelismConfig> parallelism;  // the options' parallelism_config, resolved
   std::optional<DeviceMesh> mesh;  // with a parallelism_config
   int tp_size = 1;  // the mesh's tp size (1 without a mesh)
   std::atomic<int> joining{0};  // join_uneven_inputs in progress: no preemption check (Note [Preemption])

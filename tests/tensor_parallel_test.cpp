@@ -271,8 +271,8 @@ TEST(DeviceMesh, RanksAreLaidOutWithTensorParallelismInnermostAndEachGroupSumsIt
       8,
       [&](const Accelerator& acc, int rank) {
         auto mesh = *acc.torch_device_mesh();
-        EXPECT_EQ(mesh.mesh_dim_names(), (std::vector<std::string>{"dp_replicate", "dp_shard", "tp"}));
-        EXPECT_EQ(mesh.shape(), (std::vector<int>{2, 2, 2}));
+        EXPECT_EQ(mesh.mesh_dim_names(), (std::vector<std::string>{"dp_replicate", "dp_shard", "cp", "tp"}));
+        EXPECT_EQ(mesh.shape(), (std::vector<int>{2, 2, 1, 2}));
         const int t = rank % 2, s = (rank / 2) % 2, p = rank / 4;
         EXPECT_EQ(mesh.group_ranks("tp"), (std::vector<int>{rank - t, rank - t + 1}));
         EXPECT_EQ(mesh.group_ranks("dp_shard"), (std::vector<int>{p * 4 + t, p * 4 + 2 + t}));

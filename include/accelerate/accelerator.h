@@ -20,11 +20,13 @@
 #pragma once
 
 #include "accelerate/checkpointing.h"
+#include "accelerate/context_parallel.h"
 #include "accelerate/data_loader.h"
 #include "accelerate/device_mesh.h"
 #include "accelerate/distributed.h"
 #include "accelerate/grad_scaler.h"
 #include "accelerate/optimizer.h"
+#include "accelerate/parallelism_config.h"
 #include "accelerate/scheduler.h"
 #include "accelerate/state.h"
 #include "accelerate/tracking.h"
@@ -104,8 +106,11 @@ struct AcceleratorOptions {
   /// `DeviceMesh` (`torch_device_mesh()`): `dp_shard_size` above 1 shards models (with
   /// `fsdp_plugin`'s settings, or the defaults), over groups that `dp_replicate_size` replicates
   /// (hybrid sharding when both are above 1); `tp_size` above 1 splits the layers of
-  /// `tp_handler`'s plan over groups of neighbouring processes. Their product must be the number
-  /// of processes. Context parallelism is refused as not supported yet.
+  /// `tp_handler`'s plan over groups of neighbouring processes; `cp_size` above 1 splits the
+  /// sequence of each batch over a context-parallel group (`maybe_context_parallel`), the model
+  /// then sharded over dp_shard × cp, or with dp_shard 1 and no plugin its gradients averaged
+  /// over dp × cp. Their product must be the number of processes. Resolved once, when the
+  /// Accelerator is built (`parallelism_config()`).
   std::optional<ParallelismConfig> parallelism_config{};
   /// How tensor parallelism is applied (upstream: `parallelism_config`'s `tp_handler`; a field of
   /// its own here, beside it).
@@ -255,10 +260,24 @@ class Accelerator {
   /// The processes laid out by the `parallelism_config` (upstream: `torch_device_mesh`); nothing
   /// without one.
   std::optional<DeviceMesh> torch_device_mesh() const;
-  /// The processes data parallelism runs over: the mesh's "dp" under tensor parallelism (the
-  /// processes of one tensor-parallel group share every batch), else every process. Data loaders
-  /// shard over them, and `gather_for_metrics` gathers over them.
+  /// The `parallelism_config`, every size resolved and checked (upstream: the accelerator's
+  /// `parallelism_config`); nothing without one. Its `device_mesh` is `torch_device_mesh()`.
+  std::optional<ParallelismConfig> parallelism_config() const;
+  /// The processes data parallelism runs over: the mesh's "dp" under tensor or context
+  /// parallelism (the processes of one tensor- or context-parallel group share every batch),
+  /// else every process. Data loaders shard over them, and `gather_for_metrics` gathers over them.
   const PartialState& data_parallel_state() const;
+  /// The processes a prepared model's gradients are averaged (or sharded) over: the mesh's
+  /// "dp_cp" under tensor or context parallelism, else every process.
+  const PartialState& gradient_sync_state() const;
+  /// A scope in which context parallelism splits `buffers` (inputs, labels, position ids) along
+  /// `buffer_seq_dims` over the mesh's "cp" group and `accelerate::scaled_dot_product_attention`
+  /// runs as ring attention (upstream: `maybe_context_parallel`, a context manager); see
+  /// `ContextParallel`. Without a `parallelism_config` whose `cp_size` is above 1 it changes
+  /// nothing (warning once), so that one loop serves both. Make one per step.
+  ContextParallel maybe_context_parallel(const std::vector<at::Tensor>& buffers = {},
+                                         const std::vector<int64_t>& buffer_seq_dims = {},
+                                         const std::vector<at::Tensor>& no_restore_buffers = {}) const;
   /// Whether models are fully sharded with version 2 of the plugin (upstream: `is_fsdp2`).
   bool is_fsdp2() const;
 

@@ -155,6 +155,24 @@ std::vector<at::Tensor> all_gather(const PartialState& state, const at::Tensor& 
   return outputs[0];
 }
 
+at::Tensor pass_to_next(const PartialState& state, const at::Tensor& tensor, at::IntArrayRef incoming,
+                        const char* api) {
+  if (!state.use_distributed()) return tensor;
+  verify_collective(state, api, tensor, ShapeCheck::kDtypeOnly);
+  auto pg = process_group(state, api);
+  const int n = state.num_processes(), rank = state.process_index();
+  const bool cast = needs_float_path(tensor);
+  at::Tensor send = on_collective_device(state, (cast ? tensor.to(at::kFloat) : tensor).contiguous().view(-1));
+  at::Tensor received = at::empty(incoming, send.options());
+  at::Tensor flat = received.view(-1);
+  std::vector<int64_t> send_splits(static_cast<size_t>(n), 0), receive_splits(static_cast<size_t>(n), 0);
+  send_splits[static_cast<size_t>((rank + 1) % n)] = send.numel();
+  receive_splits[static_cast<size_t>((rank + n - 1) % n)] = flat.numel();
+  run(state, "all_to_all", api,
+      [&] { return compat::all_to_all_single(*pg, flat, send, receive_splits, send_splits); });
+  return received.to(tensor.device(), tensor.scalar_type());
+}
+
 at::Tensor broadcast(const PartialState& state, const at::Tensor& tensor, int from_process, const char* api) {
   TORCH_CHECK_INDEX(from_process >= 0 && from_process < state.num_processes(), "[", api, "] from_process ",
                     from_process, " is outside [0, ", state.num_processes(), ")");

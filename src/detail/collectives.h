@@ -55,6 +55,12 @@ at::Tensor broadcast(const PartialState& state, const at::Tensor& tensor, int fr
 /// The elementwise reduction of every process's `tensor`.
 at::Tensor all_reduce(const PartialState& state, const at::Tensor& tensor, Reduction reduction, const char* api);
 
+/// Sends `tensor` to the next process of the group (process i to i+1, the last to the first) and
+/// returns what the previous one sent, of shape `incoming` (one step around a ring, as an
+/// all-to-all in which each process has one peer; 16-bit floats travel as float).
+at::Tensor pass_to_next(const PartialState& state, const at::Tensor& tensor, at::IntArrayRef incoming,
+                        const char* api);
+
 /// Gathers every process's flat `input` (same length everywhere) into `output`, which holds
 /// `num_processes()` times as many elements, in process order.
 void all_gather_into(const PartialState& state, at::Tensor& output, at::Tensor& input, const char* api);

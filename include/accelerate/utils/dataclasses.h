@@ -418,22 +418,14 @@ struct TorchTensorParallelConfig {
   bool enable_async_tp = false;
 };
 
-/// Sizes of the parallel dimensions of a job (upstream: `ParallelismConfig`). Their product
-/// must be the number of processes; the processes are laid out as a `DeviceMesh`
-/// (dp_replicate × dp_shard × tp, tp innermost). Empty sizes take
-/// `PARALLELISM_CONFIG_DP_REPLICATE_SIZE`, `..._DP_SHARD_SIZE`, `..._TP_SIZE`, `..._CP_SIZE`, else 1
-/// (the shard size: what is left).
-struct ParallelismConfig {
-  /// Groups that hold a replica each (with `dp_shard_size` > 1: hybrid sharding).
-  std::optional<int> dp_replicate_size{};
-  /// Processes one replica is sharded over.
-  std::optional<int> dp_shard_size{};
-  /// Processes each layer of the plan is split over (tensor parallelism).
-  std::optional<int> tp_size{};
-  /// Context parallelism: not supported yet (only 1).
-  std::optional<int> cp_size{};
-  // Upstream's `tp_handler` is `AcceleratorOptions::tp_handler`: a plan inside an optional
-  // ParallelismConfig trips GCC 12's -Wmaybe-uninitialized on every copy of the options.
+/// How context parallelism passes keys and values between the processes of a context-parallel
+/// group (upstream: `TorchContextParallelConfig`, a `ParallelismConfig`'s `cp_handler`).
+struct TorchContextParallelConfig {
+  /// "allgather" (every process gathers the whole group's keys and values once per attention
+  /// call; its backward sums their gradients over the group) or "alltoall" (the blocks travel
+  /// around the group as a ring, one neighbour exchange per step, with their gradients on the way
+  /// back). Empty: `PARALLELISM_CONFIG_CP_COMM_STRATEGY`, else "allgather".
+  std::string cp_comm_strategy{};
 };
 
 }  // namespace accelerate
