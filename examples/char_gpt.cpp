@@ -15,6 +15,8 @@
 //   - tensor parallelism (`--tp_size 2`): each block's attention heads and MLP split over 2
 //     processes, Megatron-LM's way, data parallelism over the rest; with `--sequence_parallel`
 //     the blocks' norms also run on pieces of the sequence;
+//   - context parallelism (`--cp_size 2`): each sequence split over 2 processes inside
+//     `maybe_context_parallel`, attention computed as ring attention over them;
 //   - a text sample from the trained model at the end.
 // The defaults take about 2.5 minutes on two CPU cores; the validation loss falls from ~4.4 (about
 // a uniform guess over the 65 characters) to ~1.6.
@@ -62,6 +64,7 @@ struct Settings {
   uint64_t seed = 1337;
   int tp_size = 1;  // processes each block's heads and MLP are split over
   bool sequence_parallel = false;  // with tp_size: the blocks' norms run on pieces of the sequence
+  int cp_size = 1;  // processes each sequence is split over (ring attention)
 };
 
 [[noreturn]] void usage_error(const std::string& message) {
@@ -74,7 +77,8 @@ struct Settings {
                "[--warmup_steps N] [--eval_every N]\n"
                "                [--eval_samples N] [--checkpoint_every N] "
                "[--total_limit N] [--sample_length N]\n"
-               "                [--seed N] [--tp_size N] [--sequence_parallel] [--resume]\n";
+               "                [--seed N] [--tp_size N] [--sequence_parallel] [--cp_size N]\n"
+               "                [--resume]\n";
   std::exit(2);
 }
 
@@ -100,6 +104,7 @@ Settings parse_settings(int argc, char** argv) {
       {"--sample_length", [&](const std::string& v) { s.sample_length = std::stoll(v); }},
       {"--seed", [&](const std::string& v) { s.seed = std::stoull(v); }},
       {"--tp_size", [&](const std::string& v) { s.tp_size = std::stoi(v); }},
+      {"--cp_size", [&](const std::string& v) { s.cp_size = std::stoi(v); }},
   };
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
@@ -127,6 +132,7 @@ Settings parse_settings(int argc, char** argv) {
   }
   if (s.n_embd % s.n_head != 0) usage_error("--n_embd must be a multiple of --n_head");
   if (s.tp_size < 1 || s.n_head % s.tp_size != 0) usage_error("--tp_size must divide --n_head");
+  if (s.cp_size < 1 || s.block_size < 2 * s.cp_size) usage_error("--cp_size needs --block_size of at least 2 per process");
   if (s.data.empty()) {
     // The build copies the text beside the program; from a source checkout it is under examples/.
     const auto beside = std::filesystem::read_symlink("/proc/self/exe").parent_path() / "data/tinyshakespeare.txt";
@@ -228,9 +234,10 @@ struct GPTImpl : torch::nn::Module, acc::nn::TensorParallelPlanned {
     return plan;
   }
 
-  // Logits [batch, time, vocab] for ids [batch, time].
-  torch::Tensor forward(const torch::Tensor& ids) {
-    auto x = tok(ids) + pos(torch::arange(ids.size(1), ids.options()));
+  // Logits [batch, time, vocab] for ids [batch, time] at `positions` (by default 0, 1, ...; under
+  // context parallelism this process's piece of the sequence holds other positions).
+  torch::Tensor forward(const torch::Tensor& ids, const torch::Tensor& positions = {}) {
+    auto x = tok(ids) + pos(positions.defined() ? positions : torch::arange(ids.size(1), ids.options()));
     for (const auto& block : *blocks) x = block->as<Block>()->forward(x);
     return head(ln_f(x));
   }
@@ -300,8 +307,11 @@ void train(const Settings& s) {
                          .total_limit = s.total_limit},
       // --tp_size: the processes in groups of tp_size neighbours that split each block; the data
       // is split over the groups.
-      .parallelism_config = s.tp_size > 1 ? std::optional<acc::ParallelismConfig>({.tp_size = s.tp_size})
-                                          : std::nullopt,
+      // --cp_size: groups of cp_size processes that read the same batch, each its piece of the
+      // sequence.
+      .parallelism_config = s.tp_size > 1 || s.cp_size > 1
+                                ? std::optional<acc::ParallelismConfig>({.tp_size = s.tp_size, .cp_size = s.cp_size})
+                                : std::nullopt,
       // SIGTERM or SIGUSR1 (a cluster's preemption, Slurm's --signal=USR1@N): save at the next
       // step and end with status 75; --resume continues from there.
       .preemption = acc::PreemptionKwargs{},
@@ -310,6 +320,7 @@ void train(const Settings& s) {
   // From --tp_size or from the launcher (--parallelism_config_tp_size).
   const auto mesh = accelerator.torch_device_mesh();
   const int tp_size = mesh ? mesh->size("tp") : 1;
+  const int cp_size = mesh ? mesh->size("cp") : 1;
 
   const Corpus corpus = read_corpus(s.data);
   const int64_t split = corpus.ids.size(0) * 9 / 10;
@@ -319,6 +330,7 @@ void train(const Settings& s) {
                        ", training windows: ", train_data->size(), ", processes: ", accelerator.num_processes(),
                        ", tensor-parallel size: ", tp_size,
                        tp_size > 1 && s.sequence_parallel ? " (sequence-parallel norms)" : "",
+                       ", context-parallel size: ", cp_size,
                        ", mixed precision: ", accelerator.mixed_precision()));
 
   GPT net(static_cast<int64_t>(corpus.alphabet.size()), s);
@@ -382,9 +394,19 @@ void train(const Settings& s) {
       const auto started = std::chrono::steady_clock::now();
       // accumulate skips the gradient synchronisation until the last micro-batch.
       auto sync = accelerator.accumulate(model);
-      auto loss = loss_per_sample(model(batch.data), batch.target).mean();
-      accelerator.backward(loss);
-      running += loss.item<double>();
+      // Under context parallelism each process of a cp group takes its piece of the sequence (the
+      // pieces stay with the batch); the weight makes unequal pieces count by their tokens.
+      // The scope ends with the step, before any evaluation.
+      {
+        auto ids = batch.data, targets = batch.target;
+        auto positions = torch::arange(ids.size(1), ids.options()).expand_as(ids).contiguous();
+        auto cp = cp_size > 1 ? accelerator.maybe_context_parallel({ids, targets, positions}, {1, 1, 1},
+                                                                   {ids, targets, positions})
+                              : acc::ContextParallel();
+        auto loss = loss_per_sample(model(ids, positions), targets).mean() * cp.loss_weight();
+        accelerator.backward(loss);
+        running += loss.item<double>();
+      }
       ++running_count;
       if (accelerator.sync_gradients()) accelerator.clip_grad_norm_(model->parameters(), 1.0);
       opt.step();
@@ -418,22 +440,31 @@ void train(const Settings& s) {
   bar.close();
   accelerator.end_training();
   if (micro_batches > 0) {
-    // The processes of a tensor-parallel group train on the same batch.
-    const int64_t replicas = accelerator.num_processes() / tp_size;
+    // The processes of a tensor- or context-parallel group train on the same batch.
+    const int64_t replicas = accelerator.num_processes() / (tp_size * cp_size);
     const double tokens = static_cast<double>(micro_batches * s.batch_size * s.block_size * replicas);
     logger.info(c10::str("throughput: ", static_cast<int64_t>(tokens / train_seconds), " tokens/s over ",
                          accelerator.num_processes(), " process(es) on ", accelerator.device(), " (", micro_batches,
                          " micro-batches in ", fixed(train_seconds, 1), " s; evaluation and checkpoints excluded)"));
   }
 
-  accelerator.wait_for_everyone();
-  // Under tensor parallelism every process computes its heads at each character, so all of them
-  // sample (from the same seed, the same text); the main process prints it.
-  if (tp_size > 1 || accelerator.is_main_process()) {
-    GPT trained = accelerator.unwrap_model(model);
+  // The whole weights, gathered from every process (sharded, split by tensor parallelism or not),
+  // into a model of one process; the main process samples from it.
+  const auto weights = accelerator.get_state_dict(model);
+  if (accelerator.is_main_process()) {
+    Settings one_process = s;
+    one_process.tp_size = 1;
+    GPT trained(static_cast<int64_t>(corpus.alphabet.size()), one_process);
+    {
+      torch::NoGradGuard no_grad;
+      for (auto& item : trained->named_parameters()) item.value().copy_(weights[item.key()]);
+      for (auto& item : trained->named_buffers()) item.value().copy_(weights[item.key()]);
+    }
+    trained->to(accelerator.device());
     const std::string text = sample(trained, corpus, "ROMEO:\n", s.sample_length, s.seed);
-    if (accelerator.is_main_process()) std::cout << "---- sample ----\n" << text << "\n";
+    std::cout << "---- sample ----\n" << text << "\n";
   }
+  accelerator.wait_for_everyone();
 }
 
 }  // namespace

@@ -38,8 +38,8 @@ ParallelismConfig ParallelismConfig::resolved(int num_processes) const {
   out.dp_shard_size = from_env(dp_shard_size, "PARALLELISM_CONFIG_DP_SHARD_SIZE").value_or(std::max(1, num_processes / rest));
   TORCH_CHECK_VALUE(*out.dp_shard_size >= 1, "[", kApi, "] dp_shard_size must be at least 1, got ", *out.dp_shard_size);
   TORCH_CHECK_VALUE(out.total_size() == num_processes, "[", kApi, "] dp_replicate_size (", *out.dp_replicate_size,
-                    ") x dp_shard_size (", *out.dp_shard_size, ") x cp_size (", *out.cp_size, ") x tp_size (",
-                    *out.tp_size, ") must equal the number of processes, ", num_processes);
+                    ") x dp_shard_size (", *out.dp_shard_size, ") x tp_size (", *out.tp_size, ") x cp_size (",
+                    *out.cp_size, ") must equal the number of processes, ", num_processes);
   if (out.cp_backend.empty()) out.cp_backend = get_env("PARALLELISM_CONFIG_CP_BACKEND").value_or("torch");
   TORCH_CHECK_VALUE(out.cp_backend == "torch", "[", kApi, "] cp_backend must be \"torch\" (the one backend upstream "
                     "and this library have), got \"", out.cp_backend, "\"");

@@ -80,7 +80,7 @@ TEST(ParallelismConfig, JsonRoundTripsAndUnknownFieldsAreRefused) {
 
 TEST(ParallelismConfig, BadSizesBackendsAndStrategiesAreRefusedByName) {
   EXPECT_THAT(error_of([] { ParallelismConfig{.dp_shard_size = 2, .cp_size = 2}.resolved(8); }),
-              HasSubstr("dp_replicate_size (1) x dp_shard_size (2) x cp_size (2) x tp_size (1) must equal the number "
+              HasSubstr("dp_replicate_size (1) x dp_shard_size (2) x tp_size (1) x cp_size (2) must equal the number "
                         "of processes, 8"));
   EXPECT_THAT(error_of([] { ParallelismConfig{.cp_size = 0}.resolved(2); }), HasSubstr("cp_size must be at least 1"));
   EXPECT_THAT(error_of([] { ParallelismConfig{.cp_size = 2, .cp_backend = "ring"}.resolved(2); }),
@@ -378,6 +378,60 @@ INSTANTIATE_TEST_SUITE_P(ContextParallel, ContextParallelTraining,
                                            CpMesh{"cp2_fsdp_alltoall", 1, 2, true, "alltoall"},
                                            CpMesh{"shard2_cp2_fsdp", 2, 2, true, "alltoall"}),
                          [](const auto& info) { return std::string(info.param.name); });
+
+// A sharded checkpoint saved by dp_shard 2 x cp 2 (the model sharded over 4 processes) resumes
+// on 2 processes without context parallelism, and the reverse: the weights and the optimizer's
+// next step are those of the run that saved.
+TEST(ContextParallel, ShardedCheckpointsSavedUnderOneMeshResumeUnderAnother) {
+  TempDir dir;
+  FullyShardedDataParallelPlugin plugin{.state_dict_type = FsdpStateDictType::kShardedStateDict};
+  const auto train = [&](int processes, ParallelismConfig mesh, bool load, const std::string& folder, int steps) {
+    std::map<std::string, torch::Tensor> weights;
+    run_accelerators(
+        processes,
+        [&](const Accelerator& acc, int rank) {
+          auto net = tiny_lm();
+          auto [model, opt] = acc.prepare(
+              net, std::make_shared<torch::optim::AdamW>(net->parameters(), torch::optim::AdamWOptions(0.05)));
+          if (load) acc.load_state(folder);
+          const auto& dp = acc.data_parallel_state();
+          const int64_t rows = kBatch / dp.num_processes();
+          for (int s = 0; s < steps; ++s) {
+            opt.zero_grad();
+            auto ids = batch_ids(s).narrow(0, dp.process_index() * rows, rows).clone();
+            auto labels = (ids + 1) % kVocab;
+            auto positions = torch::arange(kLength).expand({rows, kLength}).clone();
+            auto cp = acc.maybe_context_parallel({ids, labels, positions}, {1, 1, 1}, {ids, labels, positions});
+            auto loss =
+                torch::nn::functional::cross_entropy(model(ids, positions).flatten(0, 1), labels.flatten()) *
+                cp.loss_weight();
+            acc.backward(loss);
+            opt.step();
+          }
+          if (!load) acc.save_state(folder);
+          auto got = acc.get_state_dict(model);
+          if (rank == 0) {
+            for (const auto& item : got) weights[item.key()] = item.value().clone();
+          }
+        },
+        {.fsdp_plugin = plugin, .parallelism_config = mesh});
+    return weights;
+  };
+  const auto expect_equal = [](const std::map<std::string, torch::Tensor>& got,
+                               const std::map<std::string, torch::Tensor>& want) {
+    ASSERT_EQ(got.size(), want.size());
+    for (const auto& [name, value] : want) {
+      EXPECT_TRUE(torch::allclose(got.at(name), value, 1e-4, 1e-5)) << name;
+    }
+  };
+  const ParallelismConfig with_cp{.dp_shard_size = 2, .cp_size = 2}, without{.dp_shard_size = 2};
+  const auto saved = train(4, with_cp, false, dir.str() + "/a", 1);
+  // The weights as saved, then one more step: the same on the other mesh as on the first.
+  expect_equal(train(2, without, true, dir.str() + "/a", 0), saved);
+  expect_equal(train(2, without, true, dir.str() + "/a", 1), train(4, with_cp, true, dir.str() + "/a", 1));
+  const auto saved_without = train(2, without, false, dir.str() + "/b", 1);
+  expect_equal(train(4, with_cp, true, dir.str() + "/b", 0), saved_without);
+}
 
 }  // namespace
 }  // namespace accelerate::testing

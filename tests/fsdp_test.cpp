@@ -911,7 +911,7 @@ TEST(FullyShardedDataParallel, ParallelismConfigSizesAreCheckedAgainstTheProcess
     });
   };
   refused({.tp_size = 3}, "x tp_size (3) x cp_size (1) must equal the number of processes, 2");
-  refused({.cp_size = 2}, "context parallelism (cp_size 2) is not supported yet");
+  refused({.cp_size = 4}, "x tp_size (1) x cp_size (4) must equal the number of processes, 2");
   refused({.dp_replicate_size = 2, .dp_shard_size = 2}, "must equal the number of processes, 2");
   run_accelerators(
       2, [](const Accelerator& acc, int) { EXPECT_TRUE(acc.fsdp_plugin().has_value()); },

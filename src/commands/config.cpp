@@ -49,6 +49,8 @@ const std::vector<std::pair<std::string, std::string>>& parallelism_config_keys(
       {"parallelism_config_dp_shard_size", "PARALLELISM_CONFIG_DP_SHARD_SIZE"},
       {"parallelism_config_tp_size", "PARALLELISM_CONFIG_TP_SIZE"},
       {"parallelism_config_cp_size", "PARALLELISM_CONFIG_CP_SIZE"},
+      {"parallelism_config_cp_backend", "PARALLELISM_CONFIG_CP_BACKEND"},
+      {"parallelism_config_cp_comm_strategy", "PARALLELISM_CONFIG_CP_COMM_STRATEGY"},
   };
   return keys;
 }
@@ -70,12 +72,19 @@ long long positive_integer(const std::string& value) {
 }  // namespace
 
 void check_parallelism_value(const std::string& key, const std::string& value, const std::string& where) {
+  if (key == "parallelism_config_cp_backend") {
+    ACCELERATE_CHECK_VALUE(value == "torch", "[", where, "] ", key, ": expected 'torch' (the one context-parallel "
+                           "backend), got '", value, "'");
+    return;
+  }
+  if (key == "parallelism_config_cp_comm_strategy") {
+    ACCELERATE_CHECK_VALUE(value == "allgather" || value == "alltoall", "[", where, "] ", key, ": expected 'allgather' "
+                           "or 'alltoall', got '", value, "'");
+    return;
+  }
   const long long number = positive_integer(value);
   ACCELERATE_CHECK_VALUE(number > 0 && number <= 1000000, "[", where, "] ", key,
                          ": expected a positive integer, got '", value, "'");
-  ACCELERATE_CHECK_VALUE(key != "parallelism_config_cp_size" || number == 1, "[", where, "] ", key, " ", number,
-                         ": context parallelism is not supported yet; only the data-parallel dimensions "
-                         "(dp_replicate_size, dp_shard_size) and tensor parallelism (tp_size) are");
 }
 
 void check_fsdp_value(const std::string& key, const std::string& value, const std::string& where) {
@@ -307,8 +316,8 @@ ClusterConfig load_config_from_file(const std::string& path) {
                                      [&](const auto& k) { return k.first == key; });
       ACCELERATE_CHECK_VALUE(known, "[load_config_from_file] ", path, ": parallelism_config has '", key,
                              "', which accelerate-cpp does not support (it takes parallelism_config_dp_replicate_size, "
-                             "parallelism_config_dp_shard_size, parallelism_config_tp_size and "
-                             "parallelism_config_cp_size)");
+                             "parallelism_config_dp_shard_size, parallelism_config_tp_size, parallelism_config_cp_size, "
+                             "parallelism_config_cp_backend and parallelism_config_cp_comm_strategy)");
       const std::string value = r.text("parallelism_config." + key, entry.second);
       check_parallelism_value(key, value, path + ": parallelism_config");
       config.parallelism_config[key] = value;

@@ -134,7 +134,7 @@ struct LaunchCli {
       const std::string name = key;
       app.add_option_function<std::string>(
           spellings(key), [this, name](const std::string& value) { args.parallelism[name] = value; },
-          "ParallelismConfig size (sets " + variable + ")");
+          "ParallelismConfig setting (sets " + variable + ")");
     }
     app.add_flag(spellings("no_python"), args.no_python, "Run the program directly, even a .py file");
     app.add_flag(spellings("module", "-m"), args.module, "Run the program as a Python module (python3 -m)");
@@ -165,7 +165,7 @@ LaunchArgs parse_launch_args(const std::vector<std::string>& argv) {
         {"--use_megatron_lm", "Megatron-LM"},
         {"--megatron_lm_", "Megatron-LM"},  {"--dynamo_", "TorchDynamo"},      {"--tpu", "XLA/TPU"},
         {"--use_xpu", "XPU"},               {"--ipex", "IPEX"},                {"--fp8_", "FP8 recipes"},
-        {"--parallelism_config_", "parallelism_config's context and sequence parallelism"}};
+        {"--parallelism_config_", "parallelism_config's sequence parallelism (DeepSpeed's Ulysses)"}};
     const std::string given = rest.front().substr(0, rest.front().find('='));
     std::string flag = given;  // upstream takes --use-deepspeed for --use_deepspeed
     if (flag.rfind("--", 0) == 0) std::replace(flag.begin() + 2, flag.end(), '-', '_');

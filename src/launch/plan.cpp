@@ -138,11 +138,15 @@ void plan_parallelism(const LaunchArgs& args, const std::optional<ClusterConfig>
     parallelism[key] = value;
   }
   if (args.use_parallelism_config || !parallelism.empty()) {
-    auto tp = parallelism.find("parallelism_config_tp_size");
-    const bool tensor_parallel = tp != parallelism.end() && tp->second != "1";
-    ACCELERATE_CHECK_VALUE(plan.use_fsdp || tensor_parallel, "[launch] --use_parallelism_config (and the "
-                           "parallelism_config settings) needs --use_fsdp or --parallelism_config_tp_size above 1: "
-                           "without tensor parallelism, its data-parallel sizes shard models");
+    const auto above_one = [&](const char* key) {
+      auto it = parallelism.find(key);
+      return it != parallelism.end() && it->second != "1";
+    };
+    ACCELERATE_CHECK_VALUE(plan.use_fsdp || above_one("parallelism_config_tp_size") ||
+                               above_one("parallelism_config_cp_size"),
+                           "[launch] --use_parallelism_config (and the parallelism_config settings) needs --use_fsdp, "
+                           "--parallelism_config_tp_size above 1 or --parallelism_config_cp_size above 1: without "
+                           "tensor or context parallelism, its data-parallel sizes shard models");
     plan.parallelism_environment["ACCELERATE_USE_PARALLELISM_CONFIG"] = "true";
     for (const auto& [key, variable] : parallelism_config_keys()) {
       auto it = parallelism.find(key);
@@ -197,11 +201,13 @@ void check_job_size(LaunchPlan& plan, bool ip_given) {
     };
     const long long replicate = size("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", 1);
     const long long tp = size("PARALLELISM_CONFIG_TP_SIZE", 1);
+    const long long cp = size("PARALLELISM_CONFIG_CP_SIZE", 1);
     const long long shard =
-        size("PARALLELISM_CONFIG_DP_SHARD_SIZE", std::max(1LL, plan.num_processes / (replicate * tp)));
-    ACCELERATE_CHECK_VALUE(replicate * shard * tp == plan.num_processes, "[launch] parallelism_config: "
+        size("PARALLELISM_CONFIG_DP_SHARD_SIZE", std::max(1LL, plan.num_processes / (replicate * tp * cp)));
+    ACCELERATE_CHECK_VALUE(replicate * shard * tp * cp == plan.num_processes, "[launch] parallelism_config: "
                            "dp_replicate_size (", replicate, ") x dp_shard_size (", shard, ") x tp_size (", tp,
-                           ") must equal --num_processes (", plan.num_processes, ")");
+                           ")", (cp > 1 ? " x cp_size (" + std::to_string(cp) + ")" : std::string()),
+                           " must equal --num_processes (", plan.num_processes, ")");
   }
   ACCELERATE_CHECK_VALUE(plan.main_process_port >= 0 && plan.main_process_port <= 65535,
                          "[launch] --main_process_port must be a TCP port (0-65535), got ", plan.main_process_port);

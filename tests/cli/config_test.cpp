@@ -207,8 +207,8 @@ TEST(LoadConfigFromFile, AParallelismConfigIsReadCheckedAndWrittenBack) {
     EXPECT_EQ(load_config_from_file(path).parallelism_config, config.parallelism_config) << name;
   }
   EXPECT_THROWS_WITH(load_config_from_file(write_file(dir, "d.yaml", "distributed_type: FSDP\nparallelism_config:\n"
-                                                                    "  parallelism_config_cp_size: 2\n")),
-                     "parallelism_config_cp_size 2: context parallelism is not supported yet");
+                                                                    "  parallelism_config_cp_comm_strategy: ring\n")),
+                     "parallelism_config_cp_comm_strategy: expected 'allgather' or 'alltoall', got 'ring'");
   EXPECT_THROWS_WITH(load_config_from_file(write_file(dir, "e.yaml", "distributed_type: FSDP\nparallelism_config:\n"
                                                                     "  parallelism_config_sp_size: 2\n")),
                      "parallelism_config has 'parallelism_config_sp_size', which accelerate-cpp does not support");

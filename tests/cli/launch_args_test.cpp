@@ -185,16 +185,26 @@ TEST_F(ParseLaunchArgs, ParallelismConfigSettingsThatCannotApplyAreRefusedNaming
                      "dp_replicate_size (3) x dp_shard_size (1) x tp_size (1) must equal --num_processes (4)");
   EXPECT_THROWS_WITH(resolve({"-n", "4", "--parallelism_config_tp_size", "3", "/bin/true"}),
                      "dp_replicate_size (1) x dp_shard_size (1) x tp_size (3) must equal --num_processes (4)");
-  EXPECT_THROWS_WITH(resolve({"-n", "4", "--parallelism_config_cp_size", "2", "/bin/true"}),
-                     "parallelism_config_cp_size 2: context parallelism is not supported yet");
+  EXPECT_THROWS_WITH(resolve({"-n", "4", "--parallelism_config_cp_size", "3", "/bin/true"}),
+                     "dp_replicate_size (1) x dp_shard_size (1) x tp_size (1) x cp_size (3) must equal --num_processes "
+                     "(4)");
+  {
+    const LaunchPlan plan = resolve({"-n", "4", "--parallelism_config_cp_size", "2",
+                                     "--parallelism_config_cp_comm_strategy", "alltoall", "/bin/true"});
+    EXPECT_EQ(plan.parallelism_environment.at("PARALLELISM_CONFIG_CP_SIZE"), "2");
+    EXPECT_EQ(plan.parallelism_environment.at("PARALLELISM_CONFIG_CP_COMM_STRATEGY"), "alltoall");
+  }
+  EXPECT_THROWS_WITH(resolve({"-n", "2", "--parallelism_config_cp_size", "2", "--parallelism_config_cp_comm_strategy",
+                              "ring", "/bin/true"}),
+                     "parallelism_config_cp_comm_strategy: expected 'allgather' or 'alltoall', got 'ring'");
   {
     const LaunchPlan plan = resolve({"-n", "4", "--parallelism_config_tp_size", "2", "/bin/true"});
     EXPECT_EQ(plan.parallelism_environment.at("PARALLELISM_CONFIG_TP_SIZE"), "2");
   }
   EXPECT_THROWS_WITH(resolve({"--use_fsdp", "--parallelism_config_dp_shard_size", "two", "/bin/true"}),
                      "parallelism_config_dp_shard_size: expected a positive integer, got 'two'");
-  EXPECT_THROWS_WITH(parse_launch_args({"--parallelism_config_cp_backend", "torch", "/bin/true"}),
-                     "configures parallelism_config's context and sequence parallelism");
+  EXPECT_THROWS_WITH(parse_launch_args({"--parallelism_config_sp_size", "2", "/bin/true"}),
+                     "configures parallelism_config's sequence parallelism (DeepSpeed's Ulysses)");
 }
 
 TEST_F(ResolveLaunch, WithoutFlagsOrConfigOneLocalProcessRuns) {

@@ -20,8 +20,8 @@ namespace {
 using ::testing::HasSubstr;
 
 std::unique_ptr<Running> launch_example(const std::string& program, std::vector<std::string> args,
-                                        double seconds = 180) {
-  std::vector<std::string> argv = {accelerate_bin(),      "launch", "--num_processes",           "2",
+                                        double seconds = 180, int processes = 2) {
+  std::vector<std::string> argv = {accelerate_bin(),      "launch", "--num_processes",           std::to_string(processes),
                                    "--main_process_port", "0",      built("examples/" + program)};
   argv.insert(argv.end(), args.begin(), args.end());
   return run(argv, seconds);
@@ -160,6 +160,54 @@ TEST(CharGptExample, TensorParallelTrainingLearnsAndItsCheckpointResumesWithoutI
   const auto later = numbers_after(resumed->err, "val_loss");
   ASSERT_EQ(later.size(), 1u) << resumed->err;  // step 60
   EXPECT_LT(later[0], losses[0] - 0.8) << resumed->err;
+}
+
+// --cp_size 2: both processes read the same batches, each its half of every window (the first
+// and last quarters, or the middle two), attention running as ring attention between them. The
+// run follows the one-process run of the same batches and seed: the same validation losses up to
+// rounding.
+TEST(CharGptExample, ContextParallelTrainingFollowsTheOneProcessRun) {
+  TempDir alone_dir, cp_dir;
+  auto alone = run([&] {
+    std::vector<std::string> argv = {built("examples/char_gpt")};
+    for (auto& a : small_gpt(alone_dir.str(), {"--max_steps", "40"})) argv.push_back(a);
+    return argv;
+  }(), 180);
+  ASSERT_EQ(alone->exit_code(), 0) << alone->out << alone->err;
+  auto cp = launch_example("char_gpt", small_gpt(cp_dir.str(), {"--max_steps", "40", "--cp_size", "2"}));
+  ASSERT_EQ(cp->exit_code(), 0) << cp->out << cp->err;
+  EXPECT_THAT(cp->err, HasSubstr("tensor-parallel size: 1, context-parallel size: 2"));
+  const auto want = numbers_after(alone->err, "val_loss"), got = numbers_after(cp->err, "val_loss");
+  ASSERT_EQ(want.size(), 3u) << alone->err;
+  ASSERT_EQ(got.size(), 3u) << cp->err;
+  EXPECT_LT(got[2], got[0] - 0.8) << cp->err;
+  for (size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(got[i], want[i], 0.01) << "evaluation " << i << "\n" << cp->err;
+}
+
+// 8 processes as dp_shard 2 x cp 2 x tp 2: sharded (FSDP over the 4 processes of each tp rank),
+// each block's heads split over a tp pair, each window over a cp pair. With 8 windows per
+// process, 16 per step, it follows the one-process run of 16 windows per step.
+TEST(CharGptExample, ShardedContextAndTensorParallelTrainingOnEightProcessesFollowsTheOneProcessRun) {
+  TempDir alone_dir, dir;
+  const std::vector<std::string> common = {"--max_steps", "20", "--eval_every", "10", "--checkpoint_every", "20"};
+  auto with = [&](const std::string& out, std::vector<std::string> extra) {
+    auto args = small_gpt(out, common);
+    args.insert(args.end(), extra.begin(), extra.end());
+    return args;
+  };
+  auto alone = run([&] {
+    std::vector<std::string> argv = {built("examples/char_gpt")};
+    for (auto& a : with(alone_dir.str(), {"--batch_size", "16"})) argv.push_back(a);
+    return argv;
+  }(), 180);
+  ASSERT_EQ(alone->exit_code(), 0) << alone->out << alone->err;
+  auto r = launch_example("char_gpt", with(dir.str(), {"--batch_size", "8", "--tp_size", "2", "--cp_size", "2"}), 400, 8);
+  ASSERT_EQ(r->exit_code(), 0) << r->out << r->err;
+  EXPECT_THAT(r->err, HasSubstr("processes: 8, tensor-parallel size: 2, context-parallel size: 2"));
+  const auto want = numbers_after(alone->err, "val_loss"), got = numbers_after(r->err, "val_loss");
+  ASSERT_EQ(want.size(), 3u) << alone->err;
+  ASSERT_EQ(got.size(), 3u) << r->err;
+  for (size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(got[i], want[i], 0.01) << "evaluation " << i << "\n" << r->err;
 }
 
 TEST(CharGptExample, ResumeWithoutACheckpointIsAnError) {
