@@ -2,7 +2,7 @@
 // (detail/torch_compat), and the computation written out where it does not.
 #include "accelerate/attention.h"
 
-#include "context_parallel_impl.h"
+#include "context_parallel/ring_attention.h"
 #include "detail/torch_compat.h"
 
 #include <ATen/Functions.h>
@@ -84,8 +84,8 @@ at::Tensor scaled_dot_product_attention(const at::Tensor& query, const at::Tenso
                                         const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
                                         std::optional<double> scale) {
   check_arguments(query, key, value, attn_mask, dropout_p, is_causal, scale);
-  if (const auto* scope = detail::active_context_parallel()) {
-    return detail::ring_attention(*scope, query, key, value, attn_mask, dropout_p, is_causal,
+  if (const auto* scope = detail::context_parallel::active_context_parallel()) {
+    return detail::context_parallel::ring_attention(*scope, query, key, value, attn_mask, dropout_p, is_causal,
                                   scale.value_or(1.0 / std::sqrt(static_cast<double>(query.size(-1)))));
   }
   if (auto fused = detail::compat::fused_attention(query, key, value, attn_mask, dropout_p, is_causal, scale)) {

@@ -2,6 +2,9 @@
 // memory-efficient attention on a GPU, the fused CPU kernel) where the release has them, the
 // same computation written out where it does not (LibTorch 1.13), with PyTorch's semantics.
 //
+// Inside a context-parallel scope (`Accelerator::maybe_context_parallel`) the same call runs ring
+// attention over the group: query, key and value hold this process's piece of the sequence.
+//
 // Example (a causal self-attention block, heads already split):
 //   auto y = accelerate::scaled_dot_product_attention(q, k, v, std::nullopt, 0.0, /*is_causal=*/true);
 // Call it qualified: on LibTorch 2.x, argument-dependent lookup of an unqualified call with

@@ -32,9 +32,9 @@
 
 namespace accelerate {
 
-namespace detail {
+namespace detail::context_parallel {
 struct ContextParallelImpl;
-}  // namespace detail
+}  // namespace detail::context_parallel
 
 class ContextParallel {
  public:
@@ -73,7 +73,7 @@ class ContextParallel {
   at::Tensor gather_sequence(const at::Tensor& piece, int64_t seq_dim) const;
 
  private:
-  std::unique_ptr<detail::ContextParallelImpl> impl_;
+  std::unique_ptr<detail::context_parallel::ContextParallelImpl> impl_;
 };
 
 }  // namespace accelerate

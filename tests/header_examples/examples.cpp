@@ -51,6 +51,15 @@ void accelerator(Net net, std::shared_ptr<torch::optim::SGD> sgd, accelerate::Da
 #include "accelerate/accelerator.h.inc"
 }
 
+void parallelism_config() {
+#include "accelerate/parallelism_config.h.inc"
+}
+
+void context_parallel(accelerate::Accelerator accelerator, accelerate::PreparedModel<GPT> model,
+                      accelerate::Example batch) {
+#include "accelerate/context_parallel.h.inc"
+}
+
 void device_mesh(const accelerate::Accelerator& accelerator, torch::Tensor loss) {
 #include "accelerate/device_mesh.h.inc"
 }
