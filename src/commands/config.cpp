@@ -71,6 +71,10 @@ long long positive_integer(const std::string& value) {
 
 }  // namespace
 
+bool is_parallelism_size(const std::string& key) {
+  return key.size() > 5 && key.compare(key.size() - 5, 5, "_size") == 0;
+}
+
 void check_parallelism_value(const std::string& key, const std::string& value, const std::string& where) {
   if (key == "parallelism_config_cp_backend") {
     ACCELERATE_CHECK_VALUE(value == "torch", "[", where, "] ", key, ": expected 'torch' (the one context-parallel "
@@ -377,7 +381,14 @@ void save_config_file(const ClusterConfig& config, const std::string& path) {
     if (config.mpirun_hostfile) json["mpirun_config"] = {{"mpirun_hostfile", *config.mpirun_hostfile}};
     if (!config.fsdp_config.empty()) json["fsdp_config"] = config.fsdp_config;
     if (!config.parallelism_config.empty()) {
-      for (const auto& [key, value] : config.parallelism_config) json["parallelism_config"][key] = std::stoi(value);
+      for (const auto& [key, value] : config.parallelism_config) {
+        // Sizes are numbers in upstream's file, the backend and strategy strings.
+        if (is_parallelism_size(key)) {
+          json["parallelism_config"][key] = std::stoi(value);
+        } else {
+          json["parallelism_config"][key] = value;
+        }
+      }
     }
     text = json.dump(2) + "\n";
   } else {
@@ -418,7 +429,14 @@ void save_config_file(const ClusterConfig& config, const std::string& path) {
     out << YAML::Key << "num_processes" << YAML::Value << config.num_processes;
     if (!config.parallelism_config.empty()) {
       out << YAML::Key << "parallelism_config" << YAML::Value << YAML::BeginMap;
-      for (const auto& [key, value] : config.parallelism_config) out << YAML::Key << key << YAML::Value << std::stoi(value);
+      for (const auto& [key, value] : config.parallelism_config) {
+        out << YAML::Key << key << YAML::Value;
+        if (is_parallelism_size(key)) {
+          out << std::stoi(value);
+        } else {
+          out << value;
+        }
+      }
       out << YAML::EndMap;
     }
     quoted("rdzv_backend", config.rdzv_backend);

@@ -224,7 +224,14 @@ void ask_fsdp(Prompter& ask, std::map<std::string, std::string>& fsdp, std::map<
                                "model's plan)? [1]: ",
                                1, 1 << 20, 1);
     if (tp > 1) parallelism["parallelism_config_tp_size"] = std::to_string(tp);
-    ask.say("Not asked: context parallelism (not supported yet).");
+    const int cp = ask.integer("What is the context parallelism size (processes that split each sequence)? [1]: ", 1,
+                               1 << 20, 1);
+    if (cp > 1) {
+      parallelism["parallelism_config_cp_size"] = std::to_string(cp);
+      const int strategy = ask.choose("What is the context parallelism communication strategy?",
+                                      {{"allgather"}, {"alltoall"}});
+      parallelism["parallelism_config_cp_comm_strategy"] = strategy == 0 ? "allgather" : "alltoall";
+    }
   }
   ask.say("Not asked: use_orig_params=false, not supported by accelerate-cpp.");
 }

@@ -221,23 +221,26 @@ TEST(ConfigQuestionnaire, HybridShardingAnswersWriteTheStrategyOrTheParallelismC
   TempDir dir;
   const std::string path = (dir.path() / "hybrid.yaml").string();
   const CommandOutcome outcome =
-      run_config({"--config_file", path}, "1\n\n\nyes\n\n\n\nNO_WRAP\n\n\n\nyes\n2\n\n\n4\nno\n");
+      run_config({"--config_file", path}, "1\n\n\nyes\n\n\n\nNO_WRAP\n\n\n\nyes\n2\n\n\n\n4\nno\n");
   ASSERT_EQ(outcome.code, 0) << outcome.err;
   const ClusterConfig loaded = load_config_from_file(path);
   EXPECT_EQ(loaded.parallelism_config,
             (std::map<std::string, std::string>{{"parallelism_config_dp_replicate_size", "2"}}));
   EXPECT_EQ(loaded.num_processes, 4);
 
-  // Tensor parallelism over pairs, FSDP over 2 of them: the sizes the launcher takes.
+  // Tensor parallelism over pairs, context parallelism over pairs of those, FSDP over 2 of them:
+  // the sizes the launcher takes.
   const std::string tp_path = (dir.path() / "tp.yaml").string();
   const CommandOutcome tp_outcome =
-      run_config({"--config_file", tp_path}, "1\n\n\nyes\n\n\n\nNO_WRAP\n\n\n\nyes\n1\n2\n2\n4\nno\n");
+      run_config({"--config_file", tp_path}, "1\n\n\nyes\n\n\n\nNO_WRAP\n\n\n\nyes\n1\n2\n2\n2\nalltoall\n8\nno\n");
   ASSERT_EQ(tp_outcome.code, 0) << tp_outcome.err;
   EXPECT_THAT(tp_outcome.out, HasSubstr("What is the tensor parallelism size"));
   EXPECT_EQ(load_config_from_file(tp_path).parallelism_config,
             (std::map<std::string, std::string>{{"parallelism_config_dp_replicate_size", "1"},
                                                 {"parallelism_config_dp_shard_size", "2"},
-                                                {"parallelism_config_tp_size", "2"}}));
+                                                {"parallelism_config_tp_size", "2"},
+                                                {"parallelism_config_cp_size", "2"},
+                                                {"parallelism_config_cp_comm_strategy", "alltoall"}}));
 }
 
 TEST(ConfigQuestionnaire, AMachineRankOutsideTheMachinesIsAskedAgain) {

@@ -179,8 +179,8 @@ TEST_F(ParseLaunchArgs, ParallelismConfigFlagsBecomeTheWorkersVariablesOverTheCo
 TEST_F(ParseLaunchArgs, ParallelismConfigSettingsThatCannotApplyAreRefusedNamingThem) {
   EXPECT_THROWS_WITH(resolve({"-n", "4", "--use_parallelism_config", "--parallelism_config_dp_shard_size", "2",
                               "/bin/true"}),
-                     "--use_parallelism_config (and the parallelism_config settings) needs --use_fsdp or "
-                     "--parallelism_config_tp_size above 1");
+                     "--use_parallelism_config (and the parallelism_config settings) needs --use_fsdp, "
+                     "--parallelism_config_tp_size above 1 or --parallelism_config_cp_size above 1");
   EXPECT_THROWS_WITH(resolve({"-n", "4", "--use_fsdp", "--parallelism_config_dp_replicate_size", "3", "/bin/true"}),
                      "dp_replicate_size (3) x dp_shard_size (1) x tp_size (1) must equal --num_processes (4)");
   EXPECT_THROWS_WITH(resolve({"-n", "4", "--parallelism_config_tp_size", "3", "/bin/true"}),

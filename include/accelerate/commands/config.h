@@ -67,10 +67,12 @@ void check_fsdp_value(const std::string& key, const std::string& value, const st
 /// `accelerate launch`) that accelerate-cpp takes, each with the environment variable it sets for
 /// the workers (`parallelism_config_dp_shard_size` → `PARALLELISM_CONFIG_DP_SHARD_SIZE`).
 const std::vector<std::pair<std::string, std::string>>& parallelism_config_keys();
-/// Checks a value given for `key` of `parallelism_config_keys()`: a positive integer, and 1 for the
-/// tensor and context parallelism sizes (not supported yet); throws `c10::ValueError` naming the
-/// key and `where` it was given otherwise.
+/// Checks a value given for `key` of `parallelism_config_keys()`: a positive integer for the sizes,
+/// "torch" for the context-parallel backend, "allgather" or "alltoall" for its strategy; throws
+/// `c10::ValueError` naming the key and `where` it was given otherwise.
 void check_parallelism_value(const std::string& key, const std::string& value, const std::string& where);
+/// Whether `key` of `parallelism_config_keys()` is a size (a number in the file), not a name.
+bool is_parallelism_size(const std::string& key);
 
 /// The default configuration file path, following upstream's location rules.
 std::string default_config_file();
