@@ -225,6 +225,8 @@ TEST(ContextParallel, TheScopeSplitsInPlaceLoadBalancedAndRestoresAllButTheKeptP
           EXPECT_DOUBLE_EQ(cp.loss_weight(), static_cast<double>(want.size()) * 2 / 11);
           // The pieces of a per-token output come back whole, in order, on every process.
           EXPECT_TRUE(torch::equal(cp.gather_sequence(alias * 10, 1), torch::arange(22).reshape({2, 11}) * 10));
+          // Both processes read the same batch: gathering for metrics takes it once.
+          EXPECT_TRUE(torch::equal(acc.gather_for_metrics(torch::tensor({7})), torch::tensor({7})));
           // Inside the scope attention takes this process's piece only, causal or unmasked.
           auto q = torch::ones({1, 1, static_cast<int64_t>(want.size()), 4});
           EXPECT_THAT(error_of([&] { accelerate::scaled_dot_product_attention(q, q, q, torch::ones({1}), 0.0); }),

@@ -979,7 +979,7 @@ TEST(FullyShardedDataParallel, APluginWithNothingToShardIsRefused) {
     options.parallelism_config = ParallelismConfig{.dp_replicate_size = 2};
     options.standalone_state = rank_options(PartialStateOptions{}, rank, 2, store);
     EXPECT_THROWS_WITH((void)Accelerator(options),
-                       "dp_shard_size is 1, so nothing is sharded, but an fsdp_plugin was given");
+                       "dp_shard_size and cp_size are 1, so nothing is sharded, but an fsdp_plugin was given");
   });
 }
 
