@@ -4,6 +4,7 @@
 // reaches it through `detail::checkpointed_forward`, declared in include/accelerate/hooks.h
 // beside the templates that call it.
 #include "accelerate/hooks.h"
+#include "context_parallel/ring_attention.h"
 
 #include "detail/autograd_function.h"
 #include "detail/torch_compat.h"
@@ -104,6 +105,10 @@ struct Recompute final : torch::CustomClassHolder {
   size_t input_count = 0;
   std::vector<size_t> outputs_at;
   size_t output_count = 0;
+  // The context-parallel scope of the first run, if any: the recomputation runs its attention
+  // over the same group and pieces, even where the backward pass runs on another thread or after
+  // the scope ended.
+  std::shared_ptr<const detail::context_parallel::ContextParallelImpl> context_parallel;
 
   std::vector<at::Tensor> all_inputs(const std::vector<at::Tensor>& defined) const {
     std::vector<at::Tensor> all(input_count);
@@ -213,6 +218,7 @@ struct CheckpointNode : torch::autograd::Function<CheckpointNode> {
     {
       RandomAsBefore random(*recompute);
       AutocastAsBefore autocast(*recompute);
+      detail::context_parallel::ActiveScope context_parallel(recompute->context_parallel.get());
       CastCacheOff no_cache;
       at::AutoGradMode record(true);
       outputs = recompute->run(recompute->all_inputs(leaves));
@@ -259,6 +265,9 @@ std::vector<at::Tensor> checkpointed_forward(torch::nn::Module& module, std::vec
   recompute->random = random_states(inputs);
   recompute->cpu = autocast_state(c10::kCPU);
   recompute->cuda = autocast_state(c10::kCUDA);
+  if (const auto* scope = detail::context_parallel::active_context_parallel()) {
+    recompute->context_parallel = scope->shared_from_this();
+  }
   recompute->run = std::move(run);
   recompute->input_count = inputs.size();
   recompute->inputs_at = defined_positions(inputs);

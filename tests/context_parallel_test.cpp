@@ -6,6 +6,7 @@
 // follows the single-process run.
 #include "accelerate/accelerator.h"
 #include "accelerate/attention.h"
+#include "accelerate/hooks.h"
 #include "accelerate/utils/environment.h"
 #include "support/accelerators.h"
 #include "support/test_support.h"
@@ -203,6 +204,33 @@ TEST_P(RingAttention, OutputsAndGradientsEqualAttentionOverTheWholeSequence) {
 }
 INSTANTIATE_TEST_SUITE_P(ContextParallel, RingAttention, ::testing::Values(2, 4),
                          [](const auto& info) { return "cp" + std::to_string(info.param); });
+
+// Activation checkpointing runs the attention again in the backward pass: the recomputation runs
+// as ring attention over the first run's group and pieces, even after the scope ended.
+TEST(ContextParallel, ACheckpointedAttentionRecomputesOverTheFirstRunsPiecesAfterTheScopeEnded) {
+  run_accelerators(2, [&](const Accelerator& acc, int) {
+    const int64_t B = 1, H = 2, L = 11, E = 4;
+    auto q = values({B, H, L, E}, 0.2), k = values({B, H, L, E}, 0.5), v = values({B, H, L, E}, 0.9),
+         w = values({B, H, L, E}, 1.7);
+    q = q.to(torch::kFloat), k = k.to(torch::kFloat), v = v.to(torch::kFloat), w = w.to(torch::kFloat);
+    const auto want = whole_attention(q, k, v, w, true);
+    torch::nn::Module holder;
+    at::Tensor qs, ks, vs, out, pos;
+    {
+      ContextParallel cp(acc.state().partial_state(), {q, k, v, w}, {2, 2, 2, 2}, /*no_restore_buffers=*/{w});
+      pos = cp.positions();
+      qs = q.clone().requires_grad_(), ks = k.clone().requires_grad_(), vs = v.clone().requires_grad_();
+      out = detail::checkpointed_forward(holder, {qs, ks, vs}, [](const std::vector<at::Tensor>& in) {
+        return std::vector<at::Tensor>{
+            accelerate::scaled_dot_product_attention(in[0], in[1], in[2], std::nullopt, 0.0, true)};
+      })[0];
+    }
+    (out * w).sum().backward();  // after the scope: the recomputation must still be ring attention
+    EXPECT_TRUE(torch::allclose(qs.grad().to(torch::kDouble), want.dq.index_select(2, pos), 1e-5, 1e-5));
+    EXPECT_TRUE(torch::allclose(ks.grad().to(torch::kDouble), want.dk.index_select(2, pos), 1e-5, 1e-5));
+    EXPECT_TRUE(torch::allclose(vs.grad().to(torch::kDouble), want.dv.index_select(2, pos), 1e-5, 1e-5));
+  });
+}
 
 // ---- the scope --------------------------------------------------------------------------------
 

@@ -73,7 +73,7 @@ class ContextParallel {
   at::Tensor gather_sequence(const at::Tensor& piece, int64_t seq_dim) const;
 
  private:
-  std::unique_ptr<detail::context_parallel::ContextParallelImpl> impl_;
+  std::shared_ptr<detail::context_parallel::ContextParallelImpl> impl_;  // shared with recomputations
 };
 
 }  // namespace accelerate

@@ -38,7 +38,7 @@ ContextParallel::ContextParallel(const PartialState& group, const std::vector<at
   }
   const int n = group.num_processes();
   if (n <= 1) return;
-  auto impl = std::make_unique<cp::ContextParallelImpl>();
+  auto impl = std::make_shared<cp::ContextParallelImpl>();
   impl->group = group;
   impl->alltoall = cp_comm_strategy == "alltoall";
   std::vector<int64_t> dims;

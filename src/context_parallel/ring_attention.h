@@ -10,6 +10,7 @@
 #include <ATen/ATen.h>
 
 #include <array>
+#include <memory>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -23,7 +24,7 @@ namespace accelerate::detail::context_parallel {
 // mirror from the back gives every process the same work (PyTorch's head-tail load balancing,
 // which needs 2n to divide L; here any L of at least 2n tokens). Every process knows every
 // process's positions, which is all ring attention needs to mask causally across pieces.
-struct ContextParallelImpl {
+struct ContextParallelImpl : std::enable_shared_from_this<ContextParallelImpl> {
   PartialState group;
   bool alltoall = false;
   int64_t length = 0;
@@ -52,6 +53,21 @@ struct ContextParallelImpl {
 const ContextParallelImpl* active_context_parallel();
 /// Makes `scope` (or null) this thread's active scope.
 void set_active_context_parallel(const ContextParallelImpl* scope);
+
+/// Makes `scope` (or null) this thread's active scope for its lifetime, then puts the previous one
+/// back (activation checkpointing's recomputation runs as its first run did, in or out of a scope).
+class ActiveScope {
+ public:
+  explicit ActiveScope(const ContextParallelImpl* scope) : previous_(active_context_parallel()) {
+    set_active_context_parallel(scope);
+  }
+  ~ActiveScope() { set_active_context_parallel(previous_); }
+  ActiveScope(const ActiveScope&) = delete;
+  ActiveScope& operator=(const ActiveScope&) = delete;
+
+ private:
+  const ContextParallelImpl* previous_;
+};
 
 /// Attention of this process's queries over the whole group's keys and values (Note [Ring
 /// attention]); query, key and value hold this process's piece of the sequence of `scope`.
