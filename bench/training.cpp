@@ -235,12 +235,7 @@ void run(const acc::Accelerator& accelerator, const char* workload, Net net, con
                   training.flops_per_token);
     extra += buf;
   }
-  if (gpu >= 0) {
-    char buf[128];
-    std::snprintf(buf, sizeof(buf), ", \"peak_device_allocated_mib\": %.1f, \"peak_device_reserved_mib\": %.1f",
-                  bench::peak_device_allocated_mib(gpu), bench::peak_device_reserved_mib(gpu));
-    extra += buf;
-  }
+  extra += bench::device_peaks_json(gpu);
   std::printf("{\"side\": \"%s\", \"workload\": \"%s\", \"device\": \"%s\", \"processes\": %d, \"threads\": %d, "
               "\"mixed_precision\": \"%s\", \"batch_size\": %lld, \"warmup_steps\": %d, \"steps\": %d, "
               "\"steps_per_s\": %.3f, \"samples_per_s\": %.1f, \"step_median_us\": %.1f, \"step_mean_us\": %.1f, "

@@ -174,12 +174,7 @@ void run(const Flags& flags, const char* workload, Net net, const at::Tensor& x,
                   steps / seconds * static_cast<double>(batch * lm.tokens_per_sample), lm.flops_per_token);
     extra += buf;
   }
-  if (gpu >= 0) {
-    char buf[128];
-    std::snprintf(buf, sizeof(buf), ", \"peak_device_allocated_mib\": %.1f, \"peak_device_reserved_mib\": %.1f",
-                  bench::peak_device_allocated_mib(gpu), bench::peak_device_reserved_mib(gpu));
-    extra += buf;
-  }
+  extra += bench::device_peaks_json(gpu);
   std::printf("{\"side\": \"plain\", \"workload\": \"%s\", \"device\": \"%s\", \"processes\": 1, \"threads\": %d, "
               "\"mixed_precision\": \"%s\", \"batch_size\": %lld, \"warmup_steps\": %d, \"steps\": %d, "
               "\"steps_per_s\": %.3f, \"samples_per_s\": %.1f, \"step_median_us\": %.1f%s, \"first_loss\": %.6f, "

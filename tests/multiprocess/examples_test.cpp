@@ -27,6 +27,14 @@ std::unique_ptr<Running> launch_example(const std::string& program, std::vector<
   return run(argv, seconds);
 }
 
+// The example as one process, without the launcher.
+std::unique_ptr<Running> run_example_alone(const std::string& program, const std::vector<std::string>& args,
+                                           double seconds = 180) {
+  std::vector<std::string> argv = {built("examples/" + program)};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return run(argv, seconds);
+}
+
 // Every number following `label` in `text`, in order.
 std::vector<double> numbers_after(const std::string& text, const std::string& label) {
   std::vector<double> values;
@@ -168,11 +176,7 @@ TEST(CharGptExample, TensorParallelTrainingLearnsAndItsCheckpointResumesWithoutI
 // rounding.
 TEST(CharGptExample, ContextParallelTrainingFollowsTheOneProcessRun) {
   TempDir alone_dir, cp_dir;
-  auto alone = run([&] {
-    std::vector<std::string> argv = {built("examples/char_gpt")};
-    for (auto& a : small_gpt(alone_dir.str(), {"--max_steps", "40"})) argv.push_back(a);
-    return argv;
-  }(), 180);
+  auto alone = run_example_alone("char_gpt", small_gpt(alone_dir.str(), {"--max_steps", "40"}));
   ASSERT_EQ(alone->exit_code(), 0) << alone->out << alone->err;
   auto cp = launch_example("char_gpt", small_gpt(cp_dir.str(), {"--max_steps", "40", "--cp_size", "2"}));
   ASSERT_EQ(cp->exit_code(), 0) << cp->out << cp->err;
@@ -195,11 +199,7 @@ TEST(CharGptExample, ShardedContextAndTensorParallelTrainingOnEightProcessesFoll
     args.insert(args.end(), extra.begin(), extra.end());
     return args;
   };
-  auto alone = run([&] {
-    std::vector<std::string> argv = {built("examples/char_gpt")};
-    for (auto& a : with(alone_dir.str(), {"--batch_size", "16"})) argv.push_back(a);
-    return argv;
-  }(), 180);
+  auto alone = run_example_alone("char_gpt", with(alone_dir.str(), {"--batch_size", "16"}));
   ASSERT_EQ(alone->exit_code(), 0) << alone->out << alone->err;
   auto r = launch_example("char_gpt", with(dir.str(), {"--batch_size", "8", "--tp_size", "2", "--cp_size", "2"}), 400, 8);
   ASSERT_EQ(r->exit_code(), 0) << r->out << r->err;
