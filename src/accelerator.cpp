@@ -142,8 +142,8 @@ Accelerator::Accelerator(const AcceleratorOptions& options)
   impl_->standalone = options.standalone_state.has_value();
   impl_->project = options.project_config;
   impl_->iteration_chosen = impl_->project.iteration != 0;
-  if (impl_->project.project_dir.empty()) impl_->project.project_dir = options.project_dir;
-  if (impl_->project.logging_dir.empty()) impl_->project.logging_dir = impl_->project.project_dir;
+  impl_->project.set_directories(impl_->project.project_dir.empty() ? options.project_dir
+                                                                    : impl_->project.project_dir);
   impl_->log_with = detail::filter_trackers(options.log_with, impl_->project.logging_dir, "Accelerator");
   impl_->parallelism = parallelism_of(options, state_.num_processes());
   impl_->fsdp = fsdp_plugin_of(options, impl_->parallelism, state_.num_processes(), impl_->dp_shard_size);
@@ -301,6 +301,11 @@ DistributedDataParallel Accelerator::prepare_module(const std::shared_ptr<torch:
     return false;
   };
   const bool materialised_later = impl_->fsdp && use_distributed() && !evaluation_mode && on_meta();
+  if (impl_->fsdp && !evaluation_mode) {
+    // Upstream's check that the classes to wrap occur in the model, before anything changes.
+    auto plugin = *impl_->fsdp;
+    plugin.set_auto_wrap_policy(*module);
+  }
   if (device_placement.value_or(impl_->options.device_placement) && !split && !materialised_later) {
     module->to(state_.device());
   }

@@ -113,13 +113,15 @@ class WatchedAllreduceHook final : public c10d::CommHookInterface {
 
 class CompressHook final : public c10d::CommHookInterface {
  public:
-  CompressHook(c10::intrusive_ptr<c10d::ProcessGroup> group, at::ScalarType type)
-      : state_(std::move(group)), type_(type), sum_in_fp32_(state_->getBackendName() == "gloo") {}
+  CompressHook(c10::intrusive_ptr<c10d::ProcessGroup> group, at::ScalarType type,
+               std::optional<at::ScalarType> wrapper = std::nullopt)
+      : state_(std::move(group)), type_(type), wrapper_(wrapper), sum_in_fp32_(state_->getBackendName() == "gloo") {}
 
   at::Tensor parseHookResult(const c10::IValue& result) override { return result.toTensor(); }
 
   c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
-    auto compressed = bucket.getBufferRef().to(type_);
+    // comm_wrapper's cast first, then the hook's own (upstream wraps the hook in the wrapper).
+    auto compressed = (wrapper_ ? bucket.getBufferRef().to(*wrapper_) : bucket.getBufferRef()).to(type_);
     compressed.div_(state_->getSize());
     if (sum_in_fp32_) compressed = compressed.to(at::kFloat);
     std::vector<at::Tensor> tensors{compressed};
@@ -136,6 +138,7 @@ class CompressHook final : public c10d::CommHookInterface {
  private:
   c10::intrusive_ptr<c10d::ProcessGroup> state_;
   at::ScalarType type_;
+  std::optional<at::ScalarType> wrapper_;
   bool sum_in_fp32_;
 };
 
@@ -304,6 +307,18 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   TORCH_CHECK_VALUE(module != nullptr, "[DistributedDataParallel] expected a module, got null");
   TORCH_CHECK_VALUE(kwargs.bucket_cap_mb > 0, "[DistributedDataParallel] bucket_cap_mb must be positive, got ",
                     kwargs.bucket_cap_mb);
+  TORCH_CHECK_VALUE(kwargs.dim == 0, "[DistributedDataParallel] dim ", kwargs.dim, " is not supported: each process ",
+                    "drives one device, so no input is scattered along any dimension");
+  TORCH_CHECK_VALUE(kwargs.comm_wrapper == DDPCommunicationHookType::kNo ||
+                        kwargs.comm_hook != DDPCommunicationHookType::kNo,
+                    "[DistributedDataParallel] comm_wrapper \"", to_string(kwargs.comm_wrapper),
+                    "\" wraps comm_hook, which is \"no\": set comm_hook to \"fp16\" or \"bf16\"");
+  if (kwargs.check_reduction) {
+    detail::warn("accelerate.distributed",
+                 "The `check_reduction` argument of DistributedDataParallel is deprecated (it does nothing); "
+                 "please avoid using it",
+                 {.once = true, .state = state});
+  }
   impl_->module = std::move(module);
   impl_->kwargs = kwargs;
   impl_->forward = forward;
@@ -369,6 +384,9 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
                                                 kwargs.gradient_as_bucket_view, std::move(names),
                                                 static_cast<int64_t>(kFirstBucketBytes));
   if (kwargs.static_graph) impl_->reducer->set_static_graph();
+  std::optional<at::ScalarType> wrapper;
+  if (kwargs.comm_wrapper == DDPCommunicationHookType::kFp16) wrapper = at::kHalf;
+  if (kwargs.comm_wrapper == DDPCommunicationHookType::kBf16) wrapper = at::kBFloat16;
   switch (kwargs.comm_hook) {
     case DDPCommunicationHookType::kNo:
       if (std::find(sparse.begin(), sparse.end(), true) == sparse.end() && group->getBackendName() != "nccl" &&
@@ -377,10 +395,10 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
       }
       break;
     case DDPCommunicationHookType::kFp16:
-      impl_->reducer->register_comm_hook(std::make_unique<CompressHook>(group, at::kHalf));
+      impl_->reducer->register_comm_hook(std::make_unique<CompressHook>(group, at::kHalf, wrapper));
       break;
     case DDPCommunicationHookType::kBf16:
-      impl_->reducer->register_comm_hook(std::make_unique<CompressHook>(group, at::kBFloat16));
+      impl_->reducer->register_comm_hook(std::make_unique<CompressHook>(group, at::kBFloat16, wrapper));
       break;
   }
 }

@@ -19,12 +19,48 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cstdio>
 #include <exception>
 #include <mutex>
 
 namespace accelerate {
 namespace {
+
+// InitProcessGroupKwargs::init_method: where the processes meet, as PyTorch's URLs say it.
+void apply_init_method(const PartialStateOptions& options, detail::Topology& topo, detail::RendezvousConfig& config) {
+  const std::string& url = options.init_kwargs.init_method;
+  if (url.empty() || url == "env://") return;
+  constexpr const char* kWhere = "[PartialState] InitProcessGroupKwargs.init_method \"";
+  TORCH_CHECK_VALUE(url.find('?') == std::string::npos, kWhere, url,
+                    "\": a query (rank, world_size) is not taken; the rank and the number of processes come from "
+                    "the environment (RANK, WORLD_SIZE) or PartialStateOptions");
+  TORCH_CHECK_VALUE(!options.store, kWhere, url, "\" and PartialStateOptions.store both say where to meet; give one");
+  if (url.rfind("tcp://", 0) == 0) {
+    const std::string rest = url.substr(6);
+    const auto colon = rest.rfind(':');
+    TORCH_CHECK_VALUE(colon != std::string::npos && colon > 0 && colon + 1 < rest.size(), kWhere, url,
+                      "\" must be tcp://<host>:<port>");
+    std::string host = rest.substr(0, colon);
+    if (host.size() > 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+    const std::string port = rest.substr(colon + 1);
+    const bool digits = std::all_of(port.begin(), port.end(), [](unsigned char c) { return std::isdigit(c); });
+    TORCH_CHECK_VALUE(digits && port.size() <= 5 && std::stoi(port) > 0 && std::stoi(port) < 65536, kWhere, url,
+                      "\": the port must be a number from 1 to 65535");
+    topo.master_addr = host;
+    topo.master_port = std::stoi(port);
+    return;
+  }
+  if (url.rfind("file://", 0) == 0) {
+    const std::string path = url.substr(7);
+    TORCH_CHECK_VALUE(!path.empty() && path.front() == '/', kWhere, url,
+                      "\" must be file:///<absolute path>");
+    config.store = c10::make_intrusive<c10d::FileStore>(path, topo.world_size);
+    return;
+  }
+  TORCH_CHECK_VALUE(false, kWhere, url, "\" is not supported; use env://, tcp://<host>:<port> or file:///<path>");
+}
+
 
 std::mutex g_state_mutex;
 std::shared_ptr<detail::PartialStateImpl> g_partial;
@@ -142,6 +178,7 @@ std::shared_ptr<detail::PartialStateImpl> build_partial_state(const PartialState
     const c10::DeviceType type = detail::accelerator_type();
     if (type != c10::kCPU) {
       impl->device = c10::Device(type, static_cast<c10::DeviceIndex>(topo.local_rank % detail::accelerator_count()));
+      detail::set_current_device(impl->device);  // upstream's set_device, part of its __init__
     }
   }
   impl->debug = options.debug.value_or(parse_flag_from_env("ACCELERATE_DEBUG_MODE"));
@@ -170,13 +207,16 @@ std::shared_ptr<detail::PartialStateImpl> build_partial_state(const PartialState
                       "; use \"gloo\" for CPU processes");
 
     detail::RendezvousConfig config;
+    apply_init_method(options, topo, config);
     config.topology = topo;
     config.backend = impl->backend;
     config.collective_timeout = impl->timeout;
     config.rdzv_timeout = options.rdzv_timeout.value_or(
         seconds_from_env("ACCELERATE_RDZV_TIMEOUT", std::chrono::seconds(900)));
     if (options.store) config.store = options.store->impl()->store;
-    config.store_hosted = !options.store && parse_flag_from_env("ACCELERATE_STORE_HOSTED");
+    // A store the launcher serves is at MASTER_ADDR:MASTER_PORT; an init_method names its own.
+    const auto& url = options.init_kwargs.init_method;
+    config.store_hosted = !options.store && (url.empty() || url == "env://") && parse_flag_from_env("ACCELERATE_STORE_HOSTED");
     config.secret = get_env("ACCELERATE_RDZV_SECRET").value_or("");
     config.restart_count = get_int_from_env({"TORCHELASTIC_RESTART_COUNT"}, 0);
     auto rdzv = detail::rendezvous(config);
@@ -341,6 +381,8 @@ bool PartialState::check_trigger() const {
   }
   return any;
 }
+
+void PartialState::set_device() const { detail::set_current_device(impl_->device); }
 
 void PartialState::destroy_process_group() const {
   {

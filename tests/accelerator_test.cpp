@@ -276,6 +276,16 @@ TEST_F(ProcessWideAccelerator, ProjectDirectoriesFollowUpstreamsRules) {
   EXPECT_EQ(b.project_configuration().total_limit, 2);
 }
 
+TEST(ProjectConfiguration, SetDirectoriesSetsTheProjectAndALoggingDirLeftEmpty) {
+  ProjectConfiguration config;
+  config.set_directories("runs/a");
+  EXPECT_EQ(config.project_dir, "runs/a");
+  EXPECT_EQ(config.logging_dir, "runs/a");
+  config.set_directories("runs/b");
+  EXPECT_EQ(config.project_dir, "runs/b");
+  EXPECT_EQ(config.logging_dir, "runs/a") << "a logging_dir already set stays";
+}
+
 TEST(AcceleratorTraining, PrepareReturnsObjectsInArgumentOrderAndReusesPreparedOnes) {
   run_accelerators(1, [](const Accelerator& acc) {
     torch::nn::Linear net(2, 1);

@@ -150,7 +150,10 @@ TEST(KwargsHandlerToKwargs, TheCommunicationHookIsNotAnArgumentOfDdp) {
   EXPECT_EQ(DistributedDataParallelKwargs{.comm_hook = DDPCommunicationHookType::kBf16}.to_kwargs(),
             nlohmann::ordered_json::object());
   EXPECT_FALSE(DistributedDataParallelKwargs{}.to_dict().contains("comm_hook"));
-  EXPECT_EQ(DistributedDataParallelKwargs{}.to_dict().size(), 5u);
+  EXPECT_FALSE(DistributedDataParallelKwargs{}.to_dict().contains("comm_wrapper"));
+  EXPECT_EQ(DistributedDataParallelKwargs{}.to_dict().size(), 7u);
+  const auto changed = DistributedDataParallelKwargs{.dim = 0, .check_reduction = true}.to_kwargs();
+  EXPECT_EQ(changed.dump(), R"({"check_reduction":true})");
 }
 
 }  // namespace

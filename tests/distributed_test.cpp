@@ -186,6 +186,39 @@ TEST(DistributedDataParallel, CompressionHooksAverageInReducedPrecision) {
   }
 }
 
+TEST(DistributedDataParallel, ACommWrapperCastsEachBucketBeforeTheHooksOwnCast) {
+  // bf16 first, then fp16: every gradient passes through both roundings (upstream wraps the
+  // hook in the wrapper).
+  const auto expected = flat(reference_gradients());
+  const auto fp16_only = compressed_mean(torch::kHalf);
+  AcceleratorOptions options;
+  options.ddp_kwargs.comm_hook = DDPCommunicationHookType::kFp16;
+  options.ddp_kwargs.comm_wrapper = DDPCommunicationHookType::kBf16;
+  run_accelerators(kRanks, [&](const Accelerator& acc, int rank) {
+    auto model = acc.prepare(make_net(rank));
+    auto x = rows_of(inputs(), rank);
+    acc.backward(torch::mse_loss(model(x), targets(x)));
+    auto grads = flat(grads_of(*model.module()));
+    EXPECT_TRUE(same_on_all_ranks(acc, grads));
+    EXPECT_TRUE(torch::allclose(grads, expected, 3e-2, 1e-2));
+    EXPECT_FALSE(torch::equal(grads, fp16_only)) << "the wrapper's bf16 rounding is missing";
+  }, options);
+}
+
+TEST(DistributedDataParallel, KwargsThatCannotApplyAreRefusedByNameAndCheckReductionWarns) {
+  const auto refused = [](DistributedDataParallelKwargs kwargs, const std::string& message) {
+    EXPECT_THROWS_WITH(run_accelerators(kRanks, [](const Accelerator& acc, int rank) { (void)acc.prepare(make_net(rank)); },
+                                        AcceleratorOptions{.ddp_kwargs = kwargs}),
+                       message);
+  };
+  refused({.dim = 1}, "dim 1 is not supported: each process drives one device");
+  refused({.comm_wrapper = DDPCommunicationHookType::kFp16}, "comm_wrapper \"fp16\" wraps comm_hook, which is \"no\"");
+  CapturedLines lines;
+  run_accelerators(kRanks, [](const Accelerator& acc, int rank) { (void)acc.prepare(make_net(rank)); },
+                   AcceleratorOptions{.ddp_kwargs = {.check_reduction = true}});
+  EXPECT_TRUE(lines.saw("The `check_reduction` argument of DistributedDataParallel is deprecated"));
+}
+
 struct BranchImpl : torch::nn::Module {
   BranchImpl() : used(register_module("used", torch::nn::Linear(4, 1))), unused(register_module("unused", torch::nn::Linear(4, 1))) {}
   torch::Tensor forward(const torch::Tensor& x) { return used(x); }

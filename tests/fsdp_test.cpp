@@ -900,6 +900,99 @@ TEST(FullyShardedDataParallel, UnsupportedOrContradictorySettingsAreRefusedByNam
   }
 }
 
+TEST(FullyShardedDataParallel, LimitAllGathersOffAndRank0OnlyOfAShardedStateAreRefused) {
+  EXPECT_THROWS_WITH(detail::fsdp::resolve_fsdp_plugin({.limit_all_gathers = false}, torch::kCPU),
+                     "limit_all_gathers=false (any number of gathers ahead of their units) is not supported");
+  {
+    auto env = patch_environment({{"FSDP_LIMIT_ALL_GATHERS", "false"}});
+    EXPECT_THROWS_WITH(detail::fsdp::resolve_fsdp_plugin({}, torch::kCPU), "limit_all_gathers=false");
+  }
+  EXPECT_THROWS_WITH(detail::fsdp::resolve_fsdp_plugin({.state_dict_type = FsdpStateDictType::kShardedStateDict,
+                                                        .optim_state_dict_config = FsdpStateDictConfig{.rank0_only = true}},
+                                                       torch::kCPU),
+                     "optim_state_dict_config.rank0_only applies to FULL_STATE_DICT only");
+}
+
+TEST(FullyShardedPluginSetters, SetStateDictTypeFillsTheTypeAndUpstreamsConfigs) {
+  FullyShardedDataParallelPlugin plugin;
+  plugin.set_state_dict_type();
+  EXPECT_EQ(plugin.state_dict_type, FsdpStateDictType::kFullStateDict);
+  EXPECT_TRUE(plugin.state_dict_config->offload_to_cpu && plugin.state_dict_config->rank0_only);
+  EXPECT_TRUE(plugin.optim_state_dict_config->offload_to_cpu && plugin.optim_state_dict_config->rank0_only);
+  {
+    auto env = patch_environment({{"FSDP_STATE_DICT_TYPE", "SHARDED_STATE_DICT"}});
+    FullyShardedDataParallelPlugin from_env;
+    from_env.set_state_dict_type();
+    EXPECT_EQ(from_env.state_dict_type, FsdpStateDictType::kShardedStateDict);
+    EXPECT_TRUE(from_env.state_dict_config->offload_to_cpu);
+    EXPECT_FALSE(from_env.state_dict_config->rank0_only);
+  }
+  // The argument wins (train sharded, save full); configs already set stay.
+  FullyShardedDataParallelPlugin given{.state_dict_type = FsdpStateDictType::kShardedStateDict,
+                                       .state_dict_config = FsdpStateDictConfig{.offload_to_cpu = false}};
+  given.set_state_dict_type(FsdpStateDictType::kFullStateDict);
+  EXPECT_EQ(given.state_dict_type, FsdpStateDictType::kFullStateDict);
+  EXPECT_FALSE(given.state_dict_config->offload_to_cpu);
+  EXPECT_FALSE(given.state_dict_config->rank0_only);
+  EXPECT_TRUE(given.optim_state_dict_config->rank0_only);
+}
+
+TEST(FullyShardedPluginSetters, SetMixedPrecisionFillsAnEmptyPolicyAndKeepsAGivenOneUnlessOverridden) {
+  FullyShardedDataParallelPlugin plugin;
+  plugin.set_mixed_precision("bf16");
+  EXPECT_EQ(plugin.mixed_precision_policy.param_dtype, "bf16");
+  EXPECT_EQ(plugin.mixed_precision_policy.reduce_dtype, "bf16");
+  EXPECT_EQ(plugin.mixed_precision_policy.buffer_dtype, "bf16");
+  plugin.set_mixed_precision("fp16");
+  EXPECT_EQ(plugin.mixed_precision_policy.param_dtype, "bf16") << "a policy already set is kept";
+  plugin.set_mixed_precision("fp16", /*buffer_autocast=*/true, /*override=*/true);
+  EXPECT_EQ(plugin.mixed_precision_policy.param_dtype, "fp16");
+  EXPECT_EQ(plugin.mixed_precision_policy.buffer_dtype, "fp32");
+  FullyShardedDataParallelPlugin v2{.fsdp_version = 2};
+  v2.set_mixed_precision("bf16");
+  EXPECT_EQ(v2.mixed_precision_policy.buffer_dtype, "") << "version 2's policy has no buffer dtype";
+  EXPECT_THROWS_WITH(v2.set_mixed_precision("int8", false, true), "invalid mixed precision \"int8\"");
+  EXPECT_THROWS_WITH(v2.set_mixed_precision("fp8", false, true), "fp8 is not available");
+  // What resolving reads is what the setter wrote.
+  EXPECT_EQ(detail::fsdp::resolve_fsdp_plugin(plugin, torch::kCPU).param_dtype, c10::optional<at::ScalarType>(at::kHalf));
+  FullyShardedDataParallelPlugin bad{.mixed_precision_policy = {.buffer_dtype = "int4"}};
+  EXPECT_THROWS_WITH(bad.validate_mixed_precision_policy(), "mixed_precision_policy.buffer_dtype must be one of");
+  plugin.validate_mixed_precision_policy();
+}
+
+TEST(FullyShardedPluginSetters, SetAutoWrapPolicyMakesTheNamedPolicyACallableForTheModel) {
+  run_accelerators(2, [](const Accelerator& acc, int) {
+    const auto units = [&](const FullyShardedDataParallelPlugin& plugin) {
+      Tiny net = make_tiny();
+      detail::fsdp::FsdpEngine engine(net.ptr(), acc.state().partial_state(),
+                                      detail::fsdp::resolve_fsdp_plugin(plugin, torch::kCPU));
+      return engine.unit_names();
+    };
+    using V = std::vector<std::string>;
+    FullyShardedDataParallelPlugin by_class{.auto_wrap_policy = FsdpAutoWrapPolicy::kTransformerBasedWrap,
+                                            .transformer_cls_names_to_wrap = {"Block"}};
+    by_class.set_auto_wrap_policy(*make_tiny());
+    EXPECT_FALSE(by_class.auto_wrap_policy.has_value());
+    ASSERT_TRUE(static_cast<bool>(by_class.auto_wrap_callable));
+    EXPECT_EQ(units(by_class), (V{"", "blocks.0", "blocks.1"}));
+    FullyShardedDataParallelPlugin by_size{.auto_wrap_policy = FsdpAutoWrapPolicy::kSizeBasedWrap, .min_num_params = 40};
+    by_size.set_auto_wrap_policy(*make_tiny());
+    EXPECT_EQ(units(by_size), (V{"", "blocks.0.fc", "blocks.1.fc"}));
+    FullyShardedDataParallelPlugin none{.auto_wrap_policy = FsdpAutoWrapPolicy::kSizeBasedWrap, .min_num_params = 0};
+    none.set_auto_wrap_policy(*make_tiny());
+    EXPECT_EQ(none.auto_wrap_policy, FsdpAutoWrapPolicy::kNoWrap) << "0 drops the policy, as upstream";
+    EXPECT_EQ(units(none), V{""});
+  });
+  FullyShardedDataParallelPlugin missing{.auto_wrap_policy = FsdpAutoWrapPolicy::kTransformerBasedWrap,
+                                         .transformer_cls_names_to_wrap = {"Block", "Nope"}};
+  EXPECT_THROWS_WITH(missing.set_auto_wrap_policy(*make_tiny()),
+                     "could not find the transformer layer class Nope in the model");
+  // prepare checks the classes too, before it changes anything.
+  EXPECT_THROWS_WITH(run_accelerators(2, [](const Accelerator& acc, int) { (void)acc.prepare(make_tiny()); },
+                                      AcceleratorOptions{.fsdp_plugin = missing}),
+                     "could not find the transformer layer class Nope");
+}
+
 TEST(FullyShardedDataParallel, ParallelismConfigSizesAreCheckedAgainstTheProcesses) {
   const auto refused = [](ParallelismConfig config, const std::string& message) {
     Store store = Store::in_memory();
@@ -1080,6 +1173,40 @@ TEST(FullyShardedCheckpoint, AFullStateResumesBitForBitAtTheSameNumberOfProcesse
   Tiny whole;
   load_checkpoint_in_model(*whole, (dir.path() / "c" / "model.safetensors").string(), {.strict = true});
   EXPECT_EQ(whole->embed->weight.sizes(), (std::vector<int64_t>{6, 5}));
+}
+
+TEST(FullyShardedCheckpoint, Rank0OnlyLeavesTheWholeTensorsWithTheWritingProcessOnly) {
+  const size_t whole = make_tiny()->named_parameters().size() + make_tiny()->named_buffers().size();
+  const auto saved_sizes = [&](std::optional<FsdpStateDictConfig> config, const std::string& folder) {
+    std::vector<size_t> sizes(2, 99);
+    auto options = sharded_with(FsdpStateDictType::kFullStateDict);
+    options.fsdp_plugin->state_dict_config = config;
+    run_accelerators(
+        2,
+        [&](const Accelerator& acc, int rank) {
+          Tiny net = make_tiny();
+          auto [model, opt] =
+              acc.prepare(net, std::make_shared<torch::optim::AdamW>(net->parameters(), torch::optim::AdamWOptions(0.05)));
+          train_steps(acc, model, opt, 0, 1);
+          auto handle = acc.register_save_state_pre_hook(
+              [&](const std::vector<DistributedDataParallel>&, std::vector<StateDictMap>& weights, const std::string&) {
+                sizes[rank] = weights.at(0).size();
+              });
+          acc.save_state(folder);
+          EXPECT_EQ(acc.get_state_dict(model).size(), whole) << "get_state_dict gives every process the whole model";
+        },
+        options);
+    return sizes;
+  };
+  TempDir dir;
+  // Upstream's default for FULL_STATE_DICT: rank0_only.
+  EXPECT_EQ(saved_sizes(std::nullopt, (dir.path() / "a").string()), (std::vector<size_t>{whole, 0}));
+  EXPECT_EQ(saved_sizes(FsdpStateDictConfig{.offload_to_cpu = true, .rank0_only = false}, (dir.path() / "b").string()),
+            (std::vector<size_t>{whole, whole}));
+  for (const auto* name : {"a", "b"}) {
+    Tiny whole;
+    load_checkpoint_in_model(*whole, (dir.path() / name / "model.safetensors").string(), {.strict = true});
+  }
 }
 
 TEST(FullyShardedCheckpoint, AShardedStateResumesBitForBitAtTheSameNumberOfProcesses) {

@@ -1,5 +1,6 @@
 // Process-group settings (InitProcessGroupKwargs) and rendezvous through ranks as threads.
 #include "detail/process_group.h"
+#include "support/process.h"
 #include "support/test_support.h"
 
 #include <gmock/gmock.h>
@@ -12,6 +13,7 @@
 namespace accelerate::testing {
 namespace {
 
+using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 
 TEST(LostMachines, AFailedCollectiveNamesTheProcessesOfEachAddressItMentions) {
@@ -70,6 +72,65 @@ TEST(InitProcessGroupKwargs, GlooIsTheDefaultForCpuProcesses) {
   std::vector<std::string> backends(2);
   run_ranks(2, [&](const PartialState& state) { backends[state.process_index()] = state.backend(); });
   EXPECT_EQ(backends, (std::vector<std::string>{"gloo", "gloo"}));
+}
+
+std::string error_of_or_empty(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    return detail::error_text(e);
+  }
+  return {};
+}
+
+// Two ranks as threads that meet only where `init_method` says (no store of the test's own).
+std::vector<std::string> meet_at(const std::string& init_method, std::optional<int> master_port = std::nullopt) {
+  std::vector<std::string> errors(2);
+  run_threads(2, [&](int rank) {
+    errors[rank] = error_of_or_empty([&] {
+      PartialStateOptions options;
+      options.cpu = true;
+      options.process_index = rank;
+      options.num_processes = 2;
+      options.master_port = master_port;
+      options.rdzv_timeout = std::chrono::seconds(20);
+      options.init_kwargs.init_method = init_method;
+      const auto state = PartialState::standalone(options);
+      auto sum = accelerate::reduce(state, torch::tensor({static_cast<float>(rank + 1)}), "sum");
+      EXPECT_EQ(sum.item<float>(), 3.f);
+    });
+  });
+  return errors;
+}
+
+TEST(InitProcessGroupKwargs, InitMethodTcpNamesWhereTheProcessesMeet) {
+  const int port = free_port();
+  int other = free_port();
+  while (other == port) other = free_port();
+  // The options' port is not where the store is served: the URL's is.
+  EXPECT_THAT(meet_at("tcp://127.0.0.1:" + std::to_string(port), other), ElementsAre("", ""));
+}
+
+TEST(InitProcessGroupKwargs, InitMethodFileMeetsThroughAFile) {
+  TempDir dir;
+  const auto file = (dir.path() / "rendezvous").string();
+  EXPECT_THAT(meet_at("file://" + file), ElementsAre("", ""));
+}
+
+TEST(InitProcessGroupKwargs, BadInitMethodsAreRefusedByName) {
+  for (const auto& [url, message] : std::vector<std::pair<std::string, std::string>>{
+           {"etcd://host:2379", "is not supported; use env://, tcp://<host>:<port> or file:///<path>"},
+           {"tcp://127.0.0.1", "must be tcp://<host>:<port>"},
+           {"tcp://127.0.0.1:99999", "the port must be a number from 1 to 65535"},
+           {"tcp://127.0.0.1:29500?rank=0&world_size=2", "a query (rank, world_size) is not taken"},
+           {"file://relative/path", "must be file:///<absolute path>"}}) {
+    const auto errors = meet_at(url);
+    EXPECT_THAT(errors[0], HasSubstr(message)) << url;
+    EXPECT_THAT(errors[0], HasSubstr(url)) << "the error names the URL";
+  }
+  PartialStateOptions options;
+  options.init_kwargs.init_method = "tcp://127.0.0.1:29511";
+  EXPECT_THROWS_WITH(run_ranks(2, [](const PartialState&) {}, options), "both say where to meet");
 }
 
 }  // namespace

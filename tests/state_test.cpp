@@ -666,6 +666,47 @@ TEST(AcceleratorState, RanksAsThreadsShareOneTopology) {
   EXPECT_THAT(indices, ElementsAre(110, 111));
 }
 
+TEST(AcceleratorState, ForwardsSplittingOrderingAndTheEndOfTheGroupToItsPartialState) {
+  Store store = Store::in_memory();
+  auto shares = per_rank<std::vector<int>>(2);
+  auto order = std::make_shared<std::vector<int>>();
+  std::mutex order_mutex;
+  auto errors = per_rank<std::string>(2);
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < 2; ++rank) {
+    threads.emplace_back([&, rank] {
+      AcceleratorStateOptions options;
+      options.partial.process_index = rank;
+      options.partial.num_processes = 2;
+      options.partial.store = store;
+      options.partial.rdzv_timeout = std::chrono::seconds(30);
+      const AcceleratorState state = AcceleratorState::standalone(options);
+      shares[rank] = state.split_between_processes(std::vector<int>{1, 2, 3}, /*apply_padding=*/true);
+      const int got = state.main_process_first([&] {
+        std::lock_guard<std::mutex> lock(order_mutex);
+        order->push_back(rank);
+        return rank * 10;
+      });
+      EXPECT_EQ(got, rank * 10);
+      state.local_main_process_first([&] {
+        std::lock_guard<std::mutex> lock(order_mutex);
+        order->push_back(rank + 2);
+      });
+      state.destroy_process_group();
+      errors[rank] = error_of([&] { state.wait_for_everyone(); });
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_THAT(shares[0], ElementsAre(1, 2));
+  EXPECT_THAT(shares[1], ElementsAre(3, 3));
+  ASSERT_EQ(order->size(), 4u);
+  const auto at = [&](int entry) { return std::find(order->begin(), order->end(), entry) - order->begin(); };
+  EXPECT_LT(at(0), at(1)) << "process 0 goes first";
+  EXPECT_LT(at(2), at(3)) << "the local main process goes first";
+  EXPECT_THAT(errors[0], HasSubstr("the process group was destroyed"));
+  EXPECT_THAT(errors[1], HasSubstr("the process group was destroyed"));
+}
+
 // ---- GradientState --------------------------------------------------------------------------
 
 TEST(GradientState, AStandaloneStateStartsSynchronisingOnEveryStep) {

@@ -705,5 +705,27 @@ TEST(PythonLayout, SavingWhatPythonsLayoutCannotHoldIsRefusedBeforeWriting) {
   });
 }
 
+TEST(Constants, NameTheFilesOfUpstreamsLayoutThatSaveStateWritesAndLoadStateDetects) {
+  // Upstream's values (accelerate/utils/constants.py): a Python script ported to C++ keeps them.
+  EXPECT_EQ(WEIGHTS_NAME, std::string(MODEL_NAME) + ".bin");
+  EXPECT_EQ(WEIGHTS_INDEX_NAME, std::string(WEIGHTS_NAME) + ".index.json");
+  EXPECT_EQ(SAFE_WEIGHTS_NAME, std::string(SAFE_MODEL_NAME) + ".safetensors");
+  EXPECT_EQ(SAFE_WEIGHTS_INDEX_NAME, std::string(SAFE_WEIGHTS_NAME) + ".index.json");
+  EXPECT_EQ(MODEL_NAME, "pytorch_model");
+  EXPECT_EQ(SCALER_NAME, "scaler.pt");
+  TempDir dir;
+  const fs::path folder = dir.str() + "/ckpt";
+  run_accelerators(1, [&](const Accelerator& acc, int) {
+    torch::nn::Linear net(3, 2);
+    auto sgd = std::make_shared<torch::optim::SGD>(net->parameters(), 0.1);
+    auto [model, opt] = acc.prepare(net, sgd);
+    acc.save_state(folder.string(), {.layout = CheckpointLayout::kPython});
+  });
+  std::set<std::string> files;
+  for (const auto& entry : fs::directory_iterator(folder)) files.insert(entry.path().filename().string());
+  EXPECT_EQ(files, (std::set<std::string>{std::string(SAFE_WEIGHTS_NAME), std::string(OPTIMIZER_NAME) + ".bin",
+                                          std::string(RNG_STATE_NAME) + "_0.pkl"}));
+}
+
 }  // namespace
 }  // namespace accelerate::testing

@@ -392,8 +392,9 @@ class Accelerator {
   void clip_grad_value_(const std::vector<at::Tensor>& parameters, double clip_value) const;
 
   /// Runs `fn` under LibTorch's profiler with `kwargs` (default: the accelerator's
-  /// `profile_kwargs`) and returns its result; with `output_trace_dir` each process writes a
-  /// Chrome trace there, then every process waits for the others (upstream: `profile`).
+  /// `profile_kwargs`) and returns its result; a `fn` taking `accelerate::Profiler&` gets the
+  /// profiler, whose `step()` drives the schedule. With `output_trace_dir` each process writes its
+  /// traces there, then every process waits for the others (upstream: `profile`).
   template <typename Fn>
   decltype(auto) profile(Fn&& fn, const std::optional<ProfileKwargs>& kwargs = std::nullopt) const {
     return accelerate::profile(partial(), kwargs.value_or(profile_kwargs()), std::forward<Fn>(fn));
@@ -681,7 +682,7 @@ class Accelerator {
   const PartialState& partial() const { return state_.partial_state(); }
 
   // The state dict of a module, gathered when a prepared model shards it.
-  StateDictMap model_state_dict(const std::shared_ptr<torch::nn::Module>& module) const;
+  StateDictMap model_state_dict(const std::shared_ptr<torch::nn::Module>& module, bool for_saving = false) const;
   template <typename M>
   static std::shared_ptr<torch::nn::Module> checkpoint_module(const M& model) {
     if constexpr (is_prepared_model<M>::value) {

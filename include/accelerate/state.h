@@ -213,6 +213,11 @@ class PartialState {
   /// Destroys the process group; later collectives are errors (upstream: `destroy_process_group`).
   void destroy_process_group() const;
 
+  /// Makes `device()` the current device of its kind for this thread, as upstream's `set_device`
+  /// does with `torch.cuda.set_device` (so that kernels, allocations and NCCL without an explicit
+  /// index go to this process's GPU); a no-op on the CPU. The state calls it once when it is made.
+  void set_device() const;
+
   /// Implementation access for the library itself.
   const std::shared_ptr<detail::PartialStateImpl>& impl() const { return impl_; }
   /// A handle on `impl` (the library's own states over some processes of the job).
@@ -296,6 +301,24 @@ class AcceleratorState {
   bool use_distributed() const { return partial_.use_distributed(); }
   bool debug() const { return partial_.debug(); }
   void wait_for_everyone() const { partial_.wait_for_everyone(); }
+  void set_device() const { partial_.set_device(); }
+  void destroy_process_group() const { partial_.destroy_process_group(); }
+  template <typename Fn>
+  decltype(auto) main_process_first(Fn&& fn) const {
+    return partial_.main_process_first(std::forward<Fn>(fn));
+  }
+  template <typename Fn>
+  decltype(auto) local_main_process_first(Fn&& fn) const {
+    return partial_.local_main_process_first(std::forward<Fn>(fn));
+  }
+  template <typename Inputs>
+  auto split_between_processes(const Inputs& inputs, bool apply_padding = false) const {
+    return partial_.split_between_processes(inputs, apply_padding);
+  }
+  template <typename... Args>
+  void print(const Args&... args) const {
+    partial_.print(args...);
+  }
 
  private:
   AcceleratorState(PartialState partial, PrecisionType mixed_precision)

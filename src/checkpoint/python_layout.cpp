@@ -35,13 +35,16 @@ namespace accelerate::detail::checkpoint::python_layout {
 // Reading goes through read_torch_save, which builds nothing but values and tensors.
 
 std::string model_file(size_t i, bool safetensors) {
-  return safetensors ? numbered("model", i, ".safetensors") : numbered("pytorch_model", i, ".bin");
+  return safetensors ? numbered(std::string(SAFE_MODEL_NAME), i, ".safetensors")
+                     : numbered(std::string(MODEL_NAME), i, ".bin");
 }
-std::string optimizer_file(size_t i) { return numbered("optimizer", i, ".bin"); }
-std::string scheduler_file(size_t i) { return numbered("scheduler", i, ".bin"); }
-std::string sampler_file(size_t i) { return numbered("sampler", i, ".bin"); }
+std::string optimizer_file(size_t i) { return numbered(std::string(OPTIMIZER_NAME), i, ".bin"); }
+std::string scheduler_file(size_t i) { return numbered(std::string(SCHEDULER_NAME), i, ".bin"); }
+std::string sampler_file(size_t i) { return numbered(std::string(SAMPLER_NAME), i, ".bin"); }
 std::string loader_state_file(size_t i) { return numbered("dl_state_dict", i, ".bin"); }
-std::string random_file(int process_index) { return "random_states_" + std::to_string(process_index) + ".pkl"; }
+std::string random_file(int process_index) {
+  return std::string(RNG_STATE_NAME) + "_" + std::to_string(process_index) + ".pkl";
+}
 std::string custom_file(size_t i) { return "custom_checkpoint_" + std::to_string(i) + ".pkl"; }
 
 bool is_python_folder(const fs::path& folder) {

@@ -6,6 +6,7 @@
 
 #include "accelerate/checkpointing.h"
 #include "accelerate/lr_scheduler.h"
+#include "accelerate/utils/constants.h"
 
 #include <nlohmann/json.hpp>
 
@@ -23,7 +24,7 @@ std::string optimizer_file(size_t i);
 std::string scheduler_file(size_t i);
 std::string sampler_file(size_t i);
 std::string loader_state_file(size_t i);
-inline constexpr const char* kScalerFile = "scaler.pt";
+inline constexpr const char* kScalerFile = SCALER_NAME.data();
 std::string random_file(int process_index);
 std::string custom_file(size_t i);
 

@@ -44,7 +44,7 @@ void Accelerator::save(const nlohmann::json& values, const std::string& path) co
   if (writes_shared_files()) detail::write_file_atomically(path, values.dump(2) + "\n");
 }
 
-StateDictMap Accelerator::model_state_dict(const std::shared_ptr<torch::nn::Module>& module) const {
+StateDictMap Accelerator::model_state_dict(const std::shared_ptr<torch::nn::Module>& module, bool for_saving) const {
   detail::CallingApi calling("get_state_dict");
   std::optional<DistributedDataParallel> prepared;
   {
@@ -55,13 +55,20 @@ StateDictMap Accelerator::model_state_dict(const std::shared_ptr<torch::nn::Modu
   }
   if (!prepared) return accelerate::get_state_dict(*module);
   std::vector<std::pair<std::string, at::Tensor>> values;
+  bool drop = false;
   if (prepared->is_fully_sharded()) {
-    values = detail::fsdp_engine(*prepared)->full_state_dict();
+    auto* engine = detail::fsdp_engine(*prepared);
+    // save_model follows the plugin's state_dict_config (Note [rank0_only]); get_state_dict
+    // gives every process the whole tensors.
+    const auto config = for_saving ? engine->settings().state_dict_config : FsdpStateDictConfig{};
+    drop = config.rank0_only && !writes_shared_files();
+    values = engine->full_state_dict(/*keep=*/!drop || prepared->is_tensor_parallel(), config.offload_to_cpu);
   } else {
     for (const auto& item : accelerate::get_state_dict(*module)) values.emplace_back(item.key(), item.value());
   }
   // Under tensor parallelism, the split layers' pieces joined (a collective of the tp group).
   if (auto* split = detail::tensor_parallel_engine(*prepared)) split->gather_whole(values);
+  if (drop) values.clear();
   StateDictMap out;
   for (auto& [name, tensor] : values) out.insert(name, tensor);
   return out;
@@ -72,7 +79,7 @@ void Accelerator::save_module(const std::shared_ptr<torch::nn::Module>& module, 
   detail::CallingApi calling("save_model");
   TORCH_CHECK_VALUE(!fs::is_regular_file(save_directory), "[Accelerator::save_model] provided path (", save_directory,
                     ") should be a directory, not a file");
-  auto weights = model_state_dict(module);
+  auto weights = model_state_dict(module, /*for_saving=*/true);
   if (writes_shared_files()) save_state_dict_sharded(weights, save_directory, max_shard_size);
 }
 
@@ -185,7 +192,14 @@ struct Destination {
 
 // Each model's state dict, as its checkpoint holds it: a sharded model's own shards (sharded
 // states), or its whole tensors gathered from every process (a collective).
-std::vector<StateDictMap> model_states(const detail::checkpoint::CheckpointObjects& objects) {
+// Note [rank0_only]
+// Under FULL_STATE_DICT every process takes part in each gather of a whole tensor (a collective),
+// but with the plugin's state_dict_config.rank0_only (upstream's default) only the `writer`
+// processes, which write the shared files, keep what was gathered: the others drop each tensor
+// once its gather is done, so their peak memory grows by one tensor, not by the whole model.
+// The optimizer's whole state follows optim_state_dict_config the same way. A model split by
+// tensor parallelism keeps its tensors until its pieces are joined, a collective of its tp group.
+std::vector<StateDictMap> model_states(const detail::checkpoint::CheckpointObjects& objects, bool writer) {
   std::vector<StateDictMap> weights;
   for (size_t i = 0; i < objects.models.size(); ++i) {
     auto* engine = objects.model_engines[i];
@@ -195,14 +209,24 @@ std::vector<StateDictMap> model_states(const detail::checkpoint::CheckpointObjec
       continue;
     }
     std::vector<std::pair<std::string, at::Tensor>> values;
-    if (engine) {
-      values = detail::checkpoint::sharded_state(engine) ? engine->local_state_dict() : engine->full_state_dict();
+    bool drop = false;
+    if (engine && detail::checkpoint::sharded_state(engine)) {
+      values = engine->local_state_dict();
+      if (engine->settings().state_dict_config.offload_to_cpu) {
+        for (auto& [name, tensor] : values) tensor = tensor.to(at::kCPU);
+      }
+    } else if (engine) {
+      const auto& config = engine->settings().state_dict_config;
+      // A split model's pieces are joined below by every process of its tp group first.
+      drop = config.rank0_only && !writer;
+      values = engine->full_state_dict(/*keep=*/!drop || split, config.offload_to_cpu);
     } else {
       for (const auto& item : accelerate::get_state_dict(*objects.models[i].module())) {
         values.emplace_back(item.key(), item.value());
       }
     }
     if (split && !(engine && detail::checkpoint::sharded_state(engine))) split->gather_whole(values);  // Note [Checkpoints of split layers]
+    if (drop) values.clear();
     StateDictMap state;
     for (auto& [name, tensor] : values) state.insert(name, tensor);
     weights.push_back(std::move(state));
@@ -242,7 +266,7 @@ void write_sharded_models(const detail::checkpoint::CheckpointObjects& objects, 
 // process (`optimizer_<i>`); whole ones are gathered (a collective, in the same order everywhere)
 // and returned for the shared files. Nothing for the other optimizers.
 std::vector<std::optional<StateDict>> sharded_optimizer_states(const detail::checkpoint::CheckpointObjects& objects,
-                                                               const Destination& to) {
+                                                               const Destination& to, bool writer) {
   std::vector<std::optional<StateDict>> states(objects.optimizers.size());
   for (size_t i = 0; i < objects.optimizers.size(); ++i) {
     auto* engine = objects.optimizer_engines[i];
@@ -263,11 +287,19 @@ std::vector<std::optional<StateDict>> sharded_optimizer_states(const detail::che
         const auto shape = detail::checkpoint::whole_tensor_shape(engine, split, param);
         if (piece) pieces[key] = {split->split_dim(param), shape};
         if (rows) whole[key] = shape;
+        if (engine && engine->settings().optim_state_dict_config.offload_to_cpu) tensor = tensor.to(at::kCPU);
         continue;
       }
       if (rows && like_param) tensor = engine->whole_rows(param, tensor);
       // This process's piece of a split parameter's state, joined (Note [Checkpoints of split layers]).
       if (piece) tensor = split->whole_of(param, tensor);
+      if (!engine) continue;
+      const auto& config = engine->settings().optim_state_dict_config;
+      if (config.rank0_only && !writer) {
+        tensor = at::Tensor();  // gathered for the writers; not kept here (Note [rank0_only])
+      } else if (config.offload_to_cpu) {
+        tensor = tensor.to(at::kCPU);
+      }
     }
     if (!engine) {
       states[i] = std::move(state);
@@ -381,10 +413,10 @@ std::string Accelerator::save_state(const std::string& output_dir, const SaveSta
   detail::checkpoint::CheckpointCommit commit(partial(), target, project.save_on_each_node, project.automatic_checkpoint_naming);
   const Destination to{commit.staging(), partial()};
   const auto path = commit.commit([&] {
-    auto weights = model_states(objects);
+    auto weights = model_states(objects, commit.writes_shared_files());
     for (const auto& hook : objects.save_hooks) hook(objects.models, weights, to.folder.string());
     write_sharded_models(objects, weights, to);
-    const auto optimizer_states = sharded_optimizer_states(objects, to);
+    const auto optimizer_states = sharded_optimizer_states(objects, to, commit.writes_shared_files());
     if (commit.writes_shared_files()) {
       write_models(objects, weights, to);
       write_optimizers(objects, optimizer_states, to, layout);

@@ -28,4 +28,9 @@ int accelerator_count() {
   }
 }
 
+void set_current_device(c10::Device device) {
+  if (device.is_cpu() || !device.has_index()) return;
+  c10::impl::getDeviceGuardImpl(device.type())->setDevice(device);
+}
+
 }  // namespace accelerate::detail

@@ -12,6 +12,7 @@
 // runs the device-generic paths on such a device (tests/stand_in/).
 #pragma once
 
+#include <c10/core/Device.h>
 #include <c10/core/DeviceType.h>
 
 namespace accelerate::detail {
@@ -21,5 +22,8 @@ c10::DeviceType accelerator_type();
 
 /// How many devices of accelerator_type() this process sees (0 for kCPU).
 int accelerator_count();
+
+/// Makes `device` the calling thread's current device of its kind (a no-op for the CPU).
+void set_current_device(c10::Device device);
 
 }  // namespace accelerate::detail

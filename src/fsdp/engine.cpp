@@ -500,18 +500,22 @@ std::vector<std::string> FsdpEngine::unit_names() const {
   return names;
 }
 
-std::vector<std::pair<std::string, at::Tensor>> FsdpEngine::full_state_dict() {
+std::vector<std::pair<std::string, at::Tensor>> FsdpEngine::full_state_dict(bool keep, bool offload_to_cpu) {
   auto& e = *impl_;
   std::vector<std::pair<std::string, at::Tensor>> out;
+  const auto add = [&](const std::string& name, at::Tensor value) {
+    if (!keep) return;  // the gather happened; the tensor dies here
+    out.emplace_back(name, offload_to_cpu ? value.to(at::kCPU) : std::move(value));
+  };
   for (const auto& item : e.module->named_parameters()) {
     auto it = e.where.find(item.value().unsafeGetTensorImpl());
     if (it == e.where.end()) {
-      out.emplace_back(item.key(), item.value().detach());
+      add(item.key(), item.value().detach());
       continue;
     }
-    out.emplace_back(item.key(), e.whole_value(e.units[it->second.first].params[it->second.second]));
+    add(item.key(), e.whole_value(e.units[it->second.first].params[it->second.second]));
   }
-  for (const auto& item : e.module->named_buffers()) out.emplace_back(item.key(), e.buffer_as_saved(item.value()));
+  for (const auto& item : e.module->named_buffers()) add(item.key(), e.buffer_as_saved(item.value()));
   return out;
 }
 

@@ -59,8 +59,10 @@ class FsdpEngine {
   /// The number of wrapped units, the root included, and each unit's module name ("" for the root).
   std::vector<std::string> unit_names() const;
   /// The whole value of every parameter and buffer, by name (gathered from every process; every
-  /// process must call it).
-  std::vector<std::pair<std::string, at::Tensor>> full_state_dict();
+  /// process must call it). With `keep` false nothing is kept: each whole tensor is dropped once
+  /// gathered (the processes that write no file under `rank0_only`); `offload_to_cpu` moves each
+  /// to the CPU as it is gathered.
+  std::vector<std::pair<std::string, at::Tensor>> full_state_dict(bool keep = true, bool offload_to_cpu = false);
   /// Writes `values` (whole tensors, by name) into this process's shards; refuses unknown or
   /// missing names and wrong shapes.
   void load_full_state_dict(const std::vector<std::pair<std::string, at::Tensor>>& values, bool strict);

@@ -8,8 +8,6 @@
 
 namespace accelerate::detail::fsdp {
 
-namespace {
-
 // A dtype of the mixed-precision policy by upstream's names, or none for an empty one.
 c10::optional<at::ScalarType> policy_dtype(const char* field, const std::string& name) {
   if (name.empty()) return c10::nullopt;
@@ -22,8 +20,6 @@ c10::optional<at::ScalarType> policy_dtype(const char* field, const std::string&
   return c10::nullopt;
 }
 
-}  // namespace
-
 FsdpSettings resolve_fsdp_plugin(const FullyShardedDataParallelPlugin& plugin, c10::Device device) {
   const auto env = [](const char* name) { return get_env(name); };
   const auto flag = [&](const std::optional<bool>& given, const char* name, bool fallback) {
@@ -35,7 +31,7 @@ FsdpSettings resolve_fsdp_plugin(const FullyShardedDataParallelPlugin& plugin, c
   if (plugin.fsdp_version) {
     s.fsdp_version = *plugin.fsdp_version;
   } else if (auto v = env("FSDP_VERSION")) {
-    s.fsdp_version = parse_env_int("FSDP_VERSION", *v);
+    s.fsdp_version = detail::parse_env_int("FSDP_VERSION", *v);
   }
   TORCH_CHECK_VALUE(s.fsdp_version == 1 || s.fsdp_version == 2,
                     "[FullyShardedDataParallelPlugin] fsdp_version must be 1 or 2, got ", s.fsdp_version);
@@ -83,6 +79,9 @@ FsdpSettings resolve_fsdp_plugin(const FullyShardedDataParallelPlugin& plugin, c
   s.forward_prefetch = flag(plugin.forward_prefetch, "FSDP_FORWARD_PREFETCH", false);
   // At most one gather is on its way ahead of its unit (Note [Prefetching]), within either setting.
   s.limit_all_gathers = flag(plugin.limit_all_gathers, "FSDP_LIMIT_ALL_GATHERS", true);
+  TORCH_CHECK_VALUE(s.limit_all_gathers, "[FullyShardedDataParallelPlugin] limit_all_gathers=false (any number of "
+                                         "gathers ahead of their units) is not supported: at most one gather runs "
+                                         "ahead (Note [Prefetching]), which bounds memory at one extra unit");
 
   const auto& mp = plugin.mixed_precision_policy;
   s.param_dtype = policy_dtype("param_dtype", mp.param_dtype);
@@ -115,18 +114,14 @@ FsdpSettings resolve_fsdp_plugin(const FullyShardedDataParallelPlugin& plugin, c
   if (plugin.min_num_params) {
     s.min_num_params = *plugin.min_num_params;
   } else if (auto v = env("FSDP_MIN_NUM_PARAMS")) {
-    s.min_num_params = parse_env_int("FSDP_MIN_NUM_PARAMS", *v);
+    s.min_num_params = detail::parse_env_int("FSDP_MIN_NUM_PARAMS", *v);
   }
   TORCH_CHECK_VALUE(s.min_num_params > 0, "[FullyShardedDataParallelPlugin] min_num_params must be positive, got ",
                     s.min_num_params);
 
   s.cpu_offload = flag(plugin.cpu_offload, "FSDP_OFFLOAD_PARAMS", false);  // Note [Offloading to the CPU]
   s.ignored_modules = plugin.ignored_modules;
-  if (plugin.state_dict_type) {
-    s.state_dict_type = *plugin.state_dict_type;
-  } else if (auto v = env("FSDP_STATE_DICT_TYPE")) {
-    s.state_dict_type = parse_fsdp_state_dict_type(*v);
-  }
+  s.state_dict_type = state_dict_type_of(plugin);
   s.sync_module_states = flag(plugin.sync_module_states, "FSDP_SYNC_MODULE_STATES", true);
   s.param_init_fn = plugin.param_init_fn;
   s.cpu_ram_efficient_loading = flag(plugin.cpu_ram_efficient_loading, "FSDP_CPU_RAM_EFFICIENT_LOADING", false);
@@ -138,7 +133,63 @@ FsdpSettings resolve_fsdp_plugin(const FullyShardedDataParallelPlugin& plugin, c
   TORCH_CHECK_VALUE(s.use_orig_params, "[FullyShardedDataParallelPlugin] use_orig_params=false (one flat parameter "
                                        "per unit for the optimizer) is not supported: the optimizer always steps "
                                        "the module's own parameters, sharded");
+  s.state_dict_config = plugin.state_dict_config.value_or(default_state_dict_config(s.state_dict_type));
+  s.optim_state_dict_config = plugin.optim_state_dict_config.value_or(default_state_dict_config(s.state_dict_type));
+  for (const auto& [field, config] : {std::pair{"state_dict_config", s.state_dict_config},
+                                      std::pair{"optim_state_dict_config", s.optim_state_dict_config}}) {
+    TORCH_CHECK_VALUE(!config.rank0_only || s.state_dict_type == FsdpStateDictType::kFullStateDict,
+                      "[FullyShardedDataParallelPlugin] ", field, ".rank0_only applies to FULL_STATE_DICT only: ",
+                      "with ", to_string(s.state_dict_type), " every process keeps its own shards");
+  }
   return s;
 }
 
+FsdpStateDictType state_dict_type_of(const FullyShardedDataParallelPlugin& plugin) {
+  if (plugin.state_dict_type) return *plugin.state_dict_type;
+  if (auto v = get_env("FSDP_STATE_DICT_TYPE")) return parse_fsdp_state_dict_type(*v);
+  return FsdpStateDictType::kFullStateDict;
+}
+
+FsdpStateDictConfig default_state_dict_config(FsdpStateDictType type) {
+  return {.offload_to_cpu = true, .rank0_only = type == FsdpStateDictType::kFullStateDict};
+}
+
 }  // namespace accelerate::detail::fsdp
+
+namespace accelerate {
+
+void FullyShardedDataParallelPlugin::set_state_dict_type(std::optional<FsdpStateDictType> type) {
+  state_dict_type = type ? *type : detail::fsdp::state_dict_type_of(*this);
+  if (!state_dict_config) state_dict_config = detail::fsdp::default_state_dict_config(*state_dict_type);
+  if (!optim_state_dict_config) optim_state_dict_config = detail::fsdp::default_state_dict_config(*state_dict_type);
+}
+
+void FullyShardedDataParallelPlugin::set_mixed_precision(const std::string& mixed_precision, bool buffer_autocast,
+                                                         bool override) {
+  TORCH_CHECK_VALUE(mixed_precision != "fp8", "[FullyShardedDataParallelPlugin::set_mixed_precision] fp8 is not ",
+                    "available (Transformer Engine, MS-AMP and torchao are Python); use bf16");
+  TORCH_CHECK_VALUE(mixed_precision == "fp16" || mixed_precision == "bf16" || mixed_precision == "fp32",
+                    "[FullyShardedDataParallelPlugin::set_mixed_precision] invalid mixed precision \"", mixed_precision,
+                    "\"; must be one of fp16, bf16, fp32");
+  auto& mp = mixed_precision_policy;
+  const bool unset = mp.param_dtype.empty() && mp.reduce_dtype.empty() && mp.buffer_dtype.empty();
+  if (!override && !unset) return;
+  int version = 1;
+  if (fsdp_version) {
+    version = *fsdp_version;
+  } else if (auto v = get_env("FSDP_VERSION")) {
+    version = detail::parse_env_int("FSDP_VERSION", *v);
+  }
+  mp.param_dtype = mixed_precision;
+  mp.reduce_dtype = mixed_precision;
+  // Version 2's policy has no buffer dtype (upstream sets its output dtype instead).
+  mp.buffer_dtype = version == 2 ? std::string() : buffer_autocast ? std::string("fp32") : mixed_precision;
+}
+
+void FullyShardedDataParallelPlugin::validate_mixed_precision_policy() const {
+  (void)detail::fsdp::policy_dtype("param_dtype", mixed_precision_policy.param_dtype);
+  (void)detail::fsdp::policy_dtype("reduce_dtype", mixed_precision_policy.reduce_dtype);
+  (void)detail::fsdp::policy_dtype("buffer_dtype", mixed_precision_policy.buffer_dtype);
+}
+
+}  // namespace accelerate

@@ -43,7 +43,19 @@ struct FsdpSettings {
   bool forward_prefetch = false;
   bool limit_all_gathers = true;
   bool use_orig_params = true;
+  FsdpStateDictConfig state_dict_config;
+  FsdpStateDictConfig optim_state_dict_config;
 };
+
+/// A mixed-precision policy's dtype by upstream's names ("bf16", "float32", …); none for an empty
+/// one; refuses any other name, naming `field`.
+c10::optional<at::ScalarType> policy_dtype(const char* field, const std::string& name);
+
+/// The plugin's state-dict type, else FSDP_STATE_DICT_TYPE's, else FULL_STATE_DICT.
+FsdpStateDictType state_dict_type_of(const FullyShardedDataParallelPlugin& plugin);
+
+/// Upstream's state-dict config for `type`: offload_to_cpu, and rank0_only for FULL_STATE_DICT.
+FsdpStateDictConfig default_state_dict_config(FsdpStateDictType type);
 
 /// Resolves `plugin` against the environment (`FSDP_*`, as upstream's `__post_init__`) and the
 /// defaults, and refuses what cannot apply, naming the field.

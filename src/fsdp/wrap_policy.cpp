@@ -1,27 +1,34 @@
 // The auto-wrap policies; see wrap_policy.h.
 #include "fsdp/wrap_policy.h"
 
+#include "accelerate/utils/environment.h"
+#include "detail/topology.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <sstream>
+
 namespace accelerate::detail::fsdp {
+
+bool name_matches(const std::string& pattern, const torch::nn::Module& m) {
+  const auto class_name = [&] {
+    // Without namespaces, and without the "Impl" of a TORCH_MODULE class ("Block" for `ns::BlockImpl`).
+    std::string name = m.name();
+    const auto colon = name.rfind("::");
+    if (colon != std::string::npos) name = name.substr(colon + 2);
+    if (name.size() > 4 && name.compare(name.size() - 4, 4, "Impl") == 0) name.resize(name.size() - 4);
+    return name;
+  }();
+  return pattern == m.name() || pattern == class_name || pattern == class_name + "Impl";
+}
+
 namespace {
 
 int64_t count_params(const FsdpSettings& s, const torch::nn::Module& m) {
   int64_t n = 0;
   for (const auto& p : m.parameters(/*recurse=*/false)) n += s.param_numel ? s.param_numel(p) : p.numel();
   return n;
-}
-
-// A module's class as a user names it: without namespaces, and without the "Impl" of a
-// TORCH_MODULE class ("Block" for `ns::BlockImpl`).
-std::string class_name(const torch::nn::Module& m) {
-  std::string name = m.name();
-  const auto colon = name.rfind("::");
-  if (colon != std::string::npos) name = name.substr(colon + 2);
-  if (name.size() > 4 && name.compare(name.size() - 4, 4, "Impl") == 0) name.resize(name.size() - 4);
-  return name;
-}
-
-bool name_matches(const std::string& pattern, const torch::nn::Module& m) {
-  return pattern == m.name() || pattern == class_name(m) || pattern == class_name(m) + "Impl";
 }
 
 // Which submodules (by dotted name) are units, by the policy; post-order like PyTorch's
@@ -60,3 +67,59 @@ std::vector<std::pair<std::string, torch::nn::Module*>> choose_units(const FsdpS
 }
 
 }  // namespace accelerate::detail::fsdp
+
+namespace accelerate {
+
+void FullyShardedDataParallelPlugin::set_auto_wrap_policy(const torch::nn::Module& model) {
+  if (auto_wrap_callable) return;
+  std::optional<FsdpAutoWrapPolicy> policy = auto_wrap_policy;
+  if (!policy) {
+    if (auto v = get_env("FSDP_AUTO_WRAP_POLICY")) policy = parse_fsdp_auto_wrap_policy(*v);
+  }
+  if (!policy || *policy == FsdpAutoWrapPolicy::kNoWrap) return;
+  if (*policy == FsdpAutoWrapPolicy::kTransformerBasedWrap) {
+    if (transformer_cls_names_to_wrap.empty()) {
+      if (auto v = get_env("FSDP_TRANSFORMER_CLS_TO_WRAP")) {
+        std::stringstream in(*v);
+        for (std::string item; std::getline(in, item, ',');) {
+          item.erase(0, item.find_first_not_of(' '));
+          item.erase(item.find_last_not_of(' ') + 1);
+          if (!item.empty()) transformer_cls_names_to_wrap.push_back(item);
+        }
+      }
+    }
+    TORCH_CHECK_VALUE(!transformer_cls_names_to_wrap.empty(), "[FullyShardedDataParallelPlugin::set_auto_wrap_policy] ",
+                      "TRANSFORMER_BASED_WRAP needs transformer_cls_names_to_wrap (or FSDP_TRANSFORMER_CLS_TO_WRAP): ",
+                      "a C++ module has no _no_split_modules to take them from");
+    const auto modules = model.modules(/*include_self=*/true);
+    for (const auto& pattern : transformer_cls_names_to_wrap) {
+      const bool found = std::any_of(modules.begin(), modules.end(),
+                                     [&](const auto& m) { return detail::fsdp::name_matches(pattern, *m); });
+      TORCH_CHECK_VALUE(found, "[FullyShardedDataParallelPlugin::set_auto_wrap_policy] could not find the transformer ",
+                        "layer class ", pattern, " in the model");
+    }
+    auto_wrap_callable = [names = transformer_cls_names_to_wrap](const std::string&, const torch::nn::Module& m,
+                                                                 int64_t) {
+      return std::any_of(names.begin(), names.end(),
+                         [&](const std::string& pattern) { return detail::fsdp::name_matches(pattern, m); });
+    };
+  } else {
+    int64_t threshold = 100000000;
+    if (min_num_params) {
+      threshold = *min_num_params;
+    } else if (auto v = get_env("FSDP_MIN_NUM_PARAMS")) {
+      threshold = detail::parse_env_int("FSDP_MIN_NUM_PARAMS", *v);
+    }
+    if (threshold <= 0) {  // upstream silently drops the policy: the model is one unit
+      auto_wrap_policy = FsdpAutoWrapPolicy::kNoWrap;
+      min_num_params.reset();
+      return;
+    }
+    auto_wrap_callable = [threshold](const std::string&, const torch::nn::Module&, int64_t unwrapped) {
+      return unwrapped >= threshold;
+    };
+  }
+  auto_wrap_policy.reset();
+}
+
+}  // namespace accelerate

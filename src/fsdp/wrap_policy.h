@@ -13,6 +13,10 @@
 
 namespace accelerate::detail::fsdp {
 
+/// Whether `pattern` names the class of `m`: its full name, or without namespaces and with or
+/// without the "Impl" of a TORCH_MODULE class ("Block" for `ns::BlockImpl`).
+bool name_matches(const std::string& pattern, const torch::nn::Module& m);
+
 /// The submodules of `root` (by dotted name) that the policy of `settings` wraps, children before
 /// their parents as PyTorch's recursive wrapping visits them; nothing inside `ignored`.
 std::vector<std::pair<std::string, torch::nn::Module*>> choose_units(const FsdpSettings& settings,

@@ -89,6 +89,7 @@ nlohmann::ordered_json changed_fields(const nlohmann::ordered_json& fields, cons
 
 nlohmann::ordered_json InitProcessGroupKwargs::to_dict() const {
   return {{"backend", backend},
+          {"init_method", init_method.empty() ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(init_method)},
           {"timeout", timeout ? nlohmann::ordered_json(std::chrono::duration<double>(*timeout).count())
                               : nlohmann::ordered_json(nullptr)}};
 }
@@ -107,9 +108,11 @@ nlohmann::ordered_json GradientAccumulationPlugin::to_kwargs() const {
 }
 
 nlohmann::ordered_json DistributedDataParallelKwargs::to_dict() const {
-  return {{"broadcast_buffers", broadcast_buffers},
+  return {{"dim", dim},
+          {"broadcast_buffers", broadcast_buffers},
           {"bucket_cap_mb", bucket_cap_mb},
           {"find_unused_parameters", find_unused_parameters},
+          {"check_reduction", check_reduction},
           {"gradient_as_bucket_view", gradient_as_bucket_view},
           {"static_graph", static_graph}};
 }
@@ -188,6 +191,11 @@ std::string to_string(DDPCommunicationHookType hook) {
     case DDPCommunicationHookType::kBf16: return "bf16";
   }
   detail::raise_error(detail::concat("unknown DDPCommunicationHookType"));
+}
+
+void ProjectConfiguration::set_directories(const std::string& dir) {
+  project_dir = dir;
+  if (logging_dir.empty()) logging_dir = dir;
 }
 
 DDPCommunicationHookType parse_comm_hook_type(std::string_view text) {

@@ -6,6 +6,7 @@
 
 #include <torch/torch.h>
 
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
@@ -125,6 +126,11 @@ void tracking() {
 
 void autocast(Net model, torch::Tensor inputs) {
 #include "accelerate/utils/autocast.h.inc"
+}
+
+void constants(const std::string& folder) {
+#include "accelerate/utils/constants.h.inc"
+  (void)weights;
 }
 
 void device_map(Net model) {

@@ -45,6 +45,7 @@ set(layer_of_hooks.cpp utils)
 # none, or several: their layer is named here.
 set(home_of_accelerate.h .)
 set(home_of_nn.h .)
+set(home_of_utils/constants.h detail)
 set(home_of_utils/tensor_tree.h detail)
 set(home_of_utils/type_traits.h detail)
 

@@ -80,6 +80,21 @@ TEST(StandInAccelerator, ThePartialStateTakesTheStandInAndCpuTrueTakesTheCpu) {
                    AcceleratorOptions{.cpu = true});
 }
 
+TEST(StandInAccelerator, SetDeviceMakesTheProcessDeviceTheCurrentOneAsTheStateDoesWhenMade) {
+  const auto* guard = c10::impl::getDeviceGuardImpl(c10::DeviceType::PrivateUse1);
+  guard->setDevice(stand_in::device(1));
+  const auto state = PartialState::standalone({});
+  ASSERT_EQ(state.device(), stand_in::device(0));
+  EXPECT_EQ(guard->getDevice(), stand_in::device(0)) << "making the state sets its device";
+  guard->setDevice(stand_in::device(1));
+  state.set_device();
+  EXPECT_EQ(guard->getDevice(), stand_in::device(0));
+  const auto accelerator_state = AcceleratorState::standalone(AcceleratorStateOptions{});
+  guard->setDevice(stand_in::device(1));
+  accelerator_state.set_device();
+  EXPECT_EQ(guard->getDevice(), stand_in::device(0));
+}
+
 TEST(StandInAccelerator, AJobOfSeveralProcessesOnItIsRefusedNamingTheDevice) {
   EXPECT_THROWS_WITH(run_accelerators(2, [](const Accelerator&, int) {}), "cannot run on privateuseone:");
 }

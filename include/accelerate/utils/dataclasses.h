@@ -100,9 +100,16 @@ struct InitProcessGroupKwargs {
   /// uses it by default for CPU jobs on one machine when the build has MPI), or empty for
   /// ACCELERATE_BACKEND, else the natural one: NCCL on CUDA, MPI under mpirun, else Gloo.
   std::string backend;
+  /// Where the processes meet (upstream: `init_method`, PyTorch's URL): empty or "env://" (the
+  /// store at MASTER_ADDR:MASTER_PORT, or the options' address and port), "tcp://host:port" (the
+  /// store there, served by process 0), "file:///path" (a file every process of the job can
+  /// reach, which must not exist before the job, as PyTorch's); the rank and the number of
+  /// processes come from the environment or the options, so a URL's query is refused.
+  std::string init_method{};
   /// How long a collective may wait for its peers before it fails (default: 30 minutes).
   std::optional<std::chrono::milliseconds> timeout;
-  /// The fields by name: "backend" (text), "timeout" (seconds, or null for the default).
+  /// The fields by name: "backend" (text), "init_method" (text, empty for PyTorch's None),
+  /// "timeout" (seconds, or null for the default).
   nlohmann::ordered_json to_dict() const;
   /// The fields that differ from the defaults (see `KwargsHandler`).
   nlohmann::ordered_json to_kwargs() const;
@@ -156,6 +163,10 @@ DDPCommunicationHookType parse_comm_hook_type(std::string_view text);
 ///   accelerate::Accelerator accelerator({.ddp_kwargs = {.bucket_cap_mb = 8,
 ///                                                      .comm_hook = accelerate::DDPCommunicationHookType::kBf16}});
 struct DistributedDataParallelKwargs {
+  /// The dimension along which PyTorch's DDP scatters inputs over the devices of one process;
+  /// with one device per process (the only way here, and PyTorch's own advice) nothing is
+  /// scattered, so only 0 is taken.
+  int dim = 0;
   /// Copy the module's buffers (e.g. running statistics) from process 0 before each forward pass
   /// that synchronises.
   bool broadcast_buffers = true;
@@ -164,15 +175,22 @@ struct DistributedDataParallelKwargs {
   /// Find the parameters that the forward pass did not use, so that their gradients do not block
   /// the reduction (costs a traversal of the autograd graph per step).
   bool find_unused_parameters = false;
+  /// Deprecated in PyTorch, where it does nothing but warn; here too (a warning, once).
+  bool check_reduction = false;
   /// Let gradients be views into the communication buckets (saves one copy and its memory).
   bool gradient_as_bucket_view = false;
   /// The set of used parameters and the graph are the same every step (enables optimisations).
   bool static_graph = false;
   /// Compression of gradient buckets during communication.
   DDPCommunicationHookType comm_hook = DDPCommunicationHookType::kNo;
+  /// A second compression wrapped around `comm_hook` (upstream: `comm_wrapper`, meant for PowerSGD):
+  /// each bucket is cast to this dtype before the hook's own cast. Needs a `comm_hook`; with
+  /// "no" there is nothing to wrap and anything else is refused.
+  DDPCommunicationHookType comm_wrapper = DDPCommunicationHookType::kNo;
 
-  /// The fields by name, in declaration order, without `comm_hook` (as upstream, which keeps the
-  /// hook out of the arguments it passes to DDP).
+  /// The fields by name, in declaration order, without `comm_hook` and `comm_wrapper` (as
+  /// upstream, which keeps them out of the arguments it passes to DDP). Upstream's
+  /// `comm_state_option` configures PowerSGD's state; PowerSGD is not available, nor is the field.
   nlohmann::ordered_json to_dict() const;
   /// The fields that differ from the defaults (see `KwargsHandler`).
   nlohmann::ordered_json to_kwargs() const;
@@ -237,6 +255,10 @@ struct ProjectConfiguration {
   /// The files `save_state` writes: the project's own (the default: nothing pickled, every file
   /// readable without running code) or upstream's, for Python Accelerate's `load_state` to resume.
   CheckpointLayout checkpoint_layout = CheckpointLayout::kCpp;
+
+  /// Sets `project_dir`, and `logging_dir` to it when `logging_dir` is empty (upstream:
+  /// `set_directories`; the `Accelerator` calls it with its own `project_dir` option).
+  void set_directories(const std::string& dir);
 };
 
 }  // namespace accelerate
@@ -309,6 +331,19 @@ struct FsdpMixedPrecisionPolicy {
   std::string buffer_dtype{};
 };
 
+/// How the state dict of a fully sharded model (or of its optimizer) is made while a checkpoint
+/// is saved (upstream: PyTorch's `FullStateDictConfig`, `ShardedStateDictConfig` and their
+/// `*OptimStateDictConfig` twins).
+struct FsdpStateDictConfig {
+  /// Move each tensor to the CPU as soon as it is gathered (full) or taken (sharded), so that a
+  /// GPU never holds the whole state at once. A no-op for CPU processes.
+  bool offload_to_cpu = false;
+  /// FULL_STATE_DICT only: the whole tensors are kept by the processes that write the files
+  /// (process 0, or each machine's first with `save_on_each_node`); the others drop each one as
+  /// soon as the gather that needs them is done, so their memory holds one tensor at a time.
+  bool rank0_only = false;
+};
+
 /// Fully sharded data parallelism (upstream: `FullyShardedDataParallelPlugin`). A field left
 /// empty takes the matching `FSDP_*` environment variable (what `accelerate launch --use_fsdp
 /// --fsdp_*` and the `fsdp_config` of a config file set), else upstream's default. Given to an
@@ -364,10 +399,37 @@ struct FullyShardedDataParallelPlugin {
   std::optional<bool> activation_checkpointing{};
   /// Gather the next unit's parameters during the current unit's forward. Env: FSDP_FORWARD_PREFETCH.
   std::optional<bool> forward_prefetch{};
-  /// Keep at most two gathers in flight. Env: FSDP_LIMIT_ALL_GATHERS; default true.
+  /// Keep at most one gather ahead of the unit that runs. Env: FSDP_LIMIT_ALL_GATHERS; default
+  /// true; false (no limit) is refused.
   std::optional<bool> limit_all_gathers{};
   /// The optimizer sees the module's own parameters. Env: FSDP_USE_ORIG_PARAMS; default true.
   std::optional<bool> use_orig_params{};
+  /// How `save_state` and `save_model` make the model's state dict. Default (upstream's): for
+  /// FULL_STATE_DICT offload_to_cpu and rank0_only, otherwise offload_to_cpu.
+  std::optional<FsdpStateDictConfig> state_dict_config{};
+  /// The same for the optimizer's state dict in `save_state`.
+  std::optional<FsdpStateDictConfig> optim_state_dict_config{};
+
+  /// Sets `state_dict_type` to `type` when given; else, when it is unset, to FSDP_STATE_DICT_TYPE
+  /// or FULL_STATE_DICT. Then fills the state-dict configs left unset with that type's defaults
+  /// (see `state_dict_config`). Upstream: `set_state_dict_type`.
+  void set_state_dict_type(std::optional<FsdpStateDictType> type = std::nullopt);
+  /// Turns the named policy (the field, else FSDP_AUTO_WRAP_POLICY) into `auto_wrap_callable` for
+  /// `model`, and clears `auto_wrap_policy`: TRANSFORMER_BASED_WRAP wraps the modules of the classes
+  /// in `transformer_cls_names_to_wrap` (else FSDP_TRANSFORMER_CLS_TO_WRAP), each of which must
+  /// occur in `model` (refused by name otherwise); SIZE_BASED_WRAP wraps subtrees of at least
+  /// `min_num_params` (else FSDP_MIN_NUM_PARAMS, else 10^8) parameters, and 0 means no wrapping, as
+  /// upstream; NO_WRAP, or a callable already set, changes nothing. `prepare` calls it on each model
+  /// (upstream: `set_auto_wrap_policy`).
+  void set_auto_wrap_policy(const torch::nn::Module& model);
+  /// Sets the mixed-precision policy from an `Accelerator`'s `mixed_precision` ("fp16", "bf16" or
+  /// "fp32"; anything else refused): parameters and reductions in that dtype, and with version 1
+  /// the buffers too, or in fp32 with `buffer_autocast`. A policy already set is kept unless
+  /// `override` (upstream: `set_mixed_precision`).
+  void set_mixed_precision(const std::string& mixed_precision, bool buffer_autocast = false, bool override = false);
+  /// Checks the mixed-precision policy's dtype names, refusing an unknown one by field and name
+  /// (upstream: `validate_mixed_precision_policy`).
+  void validate_mixed_precision_policy() const;
 };
 
 /// The exit status of a process that stopped because the job was asked to stop, after saving its
