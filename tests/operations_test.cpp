@@ -306,6 +306,19 @@ TEST(ConvertToFp32, OnlyHalfPrecisionTensorsChange) {
   EXPECT_EQ(out[2].scalar_type(), at::kLong);
 }
 
+TEST(ConvertOutputsToFp32, TheWrappedFunctionsHalfPrecisionOutputsComeBackInFp32) {
+  int calls = 0;
+  auto forward = convert_outputs_to_fp32([&](const at::Tensor& x, int64_t shift) {
+    ++calls;
+    return std::make_pair((x + shift).to(at::kBFloat16), at::ones({2}, at::kLong));
+  });
+  const auto [out, ids] = forward(floats({1.5, 2}), 1);
+  EXPECT_EQ(calls, 1);
+  EXPECT_EQ(out.scalar_type(), at::kFloat);
+  EXPECT_EQ(values(out), (std::vector<float>{2.5, 3}));
+  EXPECT_EQ(ids.scalar_type(), at::kLong);
+}
+
 TEST(FindBatchSize, ReadsTheFirstTensorsFirstDimension) {
   EXPECT_EQ(find_batch_size(std::make_pair(at::zeros({5, 2}), at::zeros({3}))), 5);
   EXPECT_THROWS_WITH(find_batch_size(std::vector<at::Tensor>{}), "the data holds none");

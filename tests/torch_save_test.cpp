@@ -705,6 +705,33 @@ TEST(PythonLayout, SavingWhatPythonsLayoutCannotHoldIsRefusedBeforeWriting) {
   });
 }
 
+TEST(AcceleratorSave, WithoutSafeSerializationWritesTorchSaveFilesThatPythonLoads) {
+  TempDir dir;
+  const auto tensors = dir.str() + "/weights.bin", values = dir.str() + "/values.bin", safe = dir.str() + "/w.st";
+  run_accelerators(1, [&](const Accelerator& acc, int) {
+    TensorMap map{{"b", torch::arange(3, torch::kFloat)}, {"a", torch::ones({2, 2}, torch::kBFloat16)}};
+    acc.save(map, tensors, /*safe_serialization=*/false);
+    acc.save(nlohmann::json{{"epoch", 3}, {"names", {"x", "y"}}}, values, /*safe_serialization=*/false);
+    acc.save(map, safe);
+  });
+  const auto seen = nlohmann::json::parse(python(R"(
+major = int(torch.__version__.split(".")[0])
+load = (lambda p: torch.load(p, weights_only=True)) if major >= 2 else torch.load
+w = load(sys.argv[1]); v = load(sys.argv[2])
+print(json.dumps({"type": type(w).__name__, "keys": list(w.keys()), "b": w["b"].tolist(), "a": str(w["a"].dtype),
+                  "values": v}))
+)",
+                                                 {tensors, values}));
+  EXPECT_EQ(seen["type"], "OrderedDict");
+  EXPECT_EQ(seen["keys"], nlohmann::json::parse(R"(["a", "b"])"));
+  EXPECT_EQ(seen["b"], nlohmann::json::parse("[0.0, 1.0, 2.0]"));
+  EXPECT_EQ(seen["a"], "torch.bfloat16");
+  EXPECT_EQ(seen["values"], nlohmann::json::parse(R"({"epoch": 3, "names": ["x", "y"]})"));
+  // The library reads its own torch.save file back; the default stays safetensors.
+  EXPECT_TRUE(torch::equal(load_state_dict(tensors).at("b"), torch::arange(3, torch::kFloat)));
+  EXPECT_TRUE(torch::equal(load_file(safe).at("b"), torch::arange(3, torch::kFloat)));
+}
+
 TEST(Constants, NameTheFilesOfUpstreamsLayoutThatSaveStateWritesAndLoadStateDetects) {
   // Upstream's values (accelerate/utils/constants.py): a Python script ported to C++ keeps them.
   EXPECT_EQ(WEIGHTS_NAME, std::string(MODEL_NAME) + ".bin");

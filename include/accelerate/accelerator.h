@@ -517,14 +517,17 @@ class Accelerator {
 
   // ---- checkpoints ------------------------------------------------------------------------------
 
-  /// Writes `tensors` as a safetensors file at `path` on the main process only (on each machine's
-  /// local main process with `save_on_each_node`), flushed and renamed into place (upstream:
-  /// `save`, which pickles; nothing is pickled here).
-  void save(const StateDictMap& tensors, const std::string& path) const;
+  /// Writes `tensors` at `path` on the main process only (on each machine's local main process
+  /// with `save_on_each_node`), flushed and renamed into place (upstream: `save`): a safetensors
+  /// file, or with `safe_serialization` false a torch.save file of an OrderedDict of the tensors,
+  /// which Python's `torch.load` reads (with `weights_only=True` too) and `load_state_dict`
+  /// reads back. Upstream's default is torch.save; here nothing is pickled unless asked.
+  void save(const StateDictMap& tensors, const std::string& path, bool safe_serialization = true) const;
   /// `save` for a name -> tensor map.
-  void save(const TensorMap& tensors, const std::string& path) const;
-  /// `save` for JSON values, written as a JSON file.
-  void save(const nlohmann::json& values, const std::string& path) const;
+  void save(const TensorMap& tensors, const std::string& path, bool safe_serialization = true) const;
+  /// `save` for JSON values: a JSON file, or with `safe_serialization` false a torch.save file of
+  /// the values as Python's (objects become dicts, arrays lists).
+  void save(const nlohmann::json& values, const std::string& path, bool safe_serialization = true) const;
 
   /// The state dict of a model: its parameters and buffers in PyTorch's order (upstream:
   /// `get_state_dict`; prepared models hold the user's module, so `unwrap` changes nothing).

@@ -8,6 +8,7 @@
 #include "checkpoint/layout.h"
 #include "checkpoint/sharded_format.h"
 #include "checkpoint/state_objects.h"
+#include "checkpoint/torch_save.h"
 #include "detail/collective_watch.h"
 #include "detail/collectives.h"
 #include "detail/files.h"
@@ -30,18 +31,34 @@ bool Accelerator::writes_shared_files() const {
   return project_configuration().save_on_each_node ? is_local_main_process() : is_main_process();
 }
 
-void Accelerator::save(const StateDictMap& tensors, const std::string& path) const {
-  TensorMap map;
-  for (const auto& item : tensors) map.emplace(item.key(), item.value());
-  save(map, path);
+void Accelerator::save(const StateDictMap& tensors, const std::string& path, bool safe_serialization) const {
+  if (!writes_shared_files()) return;
+  if (safe_serialization) {
+    TensorMap map;
+    for (const auto& item : tensors) map.emplace(item.key(), item.value());
+    save_file(map, path);
+    return;
+  }
+  detail::checkpoint::TorchSaveWriter w;
+  std::vector<std::pair<const detail::pickle::Value*, const detail::pickle::Value*>> entries;
+  for (const auto& item : tensors) entries.emplace_back(w.tree().string(item.key()), w.tensor(item.value()));
+  w.write(w.ordered_dict(std::move(entries)), path);
 }
 
-void Accelerator::save(const TensorMap& tensors, const std::string& path) const {
-  if (writes_shared_files()) save_file(tensors, path);
+void Accelerator::save(const TensorMap& tensors, const std::string& path, bool safe_serialization) const {
+  StateDictMap ordered;  // in name order, as the map holds them
+  for (const auto& [name, tensor] : tensors) ordered.insert(name, tensor);
+  save(ordered, path, safe_serialization);
 }
 
-void Accelerator::save(const nlohmann::json& values, const std::string& path) const {
-  if (writes_shared_files()) detail::write_file_atomically(path, values.dump(2) + "\n");
+void Accelerator::save(const nlohmann::json& values, const std::string& path, bool safe_serialization) const {
+  if (!writes_shared_files()) return;
+  if (safe_serialization) {
+    detail::write_file_atomically(path, values.dump(2) + "\n");
+    return;
+  }
+  detail::checkpoint::TorchSaveWriter w;
+  w.write(w.from_json(values), path);
 }
 
 StateDictMap Accelerator::model_state_dict(const std::shared_ptr<torch::nn::Module>& module, bool for_saving) const {

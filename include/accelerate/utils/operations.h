@@ -21,6 +21,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -190,6 +191,18 @@ T convert_to_fp32(const T& data) {
         return (t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16) ? t.to(at::kFloat) : t;
       },
       data);
+}
+
+/// Wraps `fn` so that the fp16 and bf16 tensors of its result come back as fp32 (upstream:
+/// `convert_outputs_to_fp32`, what a prepared model's forward pass wears under mixed precision).
+/// The wrapper takes `fn`'s arguments and returns `convert_to_fp32` of its result, by value.
+///
+/// Example of use: auto forward = accelerate::convert_outputs_to_fp32([&](const at::Tensor& x) { return net(x); });
+template <typename Fn>
+auto convert_outputs_to_fp32(Fn fn) {
+  return [fn = std::move(fn)](auto&&... args) {
+    return convert_to_fp32(std::invoke(fn, std::forward<decltype(args)>(args)...));
+  };
 }
 
 /// The size of the first dimension of the first tensor found (upstream: `find_batch_size`).
