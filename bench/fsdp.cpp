@@ -76,6 +76,10 @@ int main(int argc, char** argv) {
                                                   : acc::FsdpShardingStrategy::kShardGradOp,
         .auto_wrap_policy = acc::FsdpAutoWrapPolicy::kTransformerBasedWrap,
         .transformer_cls_names_to_wrap = {"Block"}};
+    if (const char* r = std::getenv("BENCH_FSDP_RANK0_ONLY"); r != nullptr && std::string(r) == "0") {
+      options.fsdp_plugin->state_dict_config = acc::FsdpStateDictConfig{.offload_to_cpu = true, .rank0_only = false};
+      options.fsdp_plugin->optim_state_dict_config = options.fsdp_plugin->state_dict_config;
+    }
   }
   acc::Accelerator accelerator(options);
   const c10::Device device = accelerator.device();
@@ -134,6 +138,20 @@ int main(int argc, char** argv) {
         mode.c_str(), accelerator.num_processes(), static_cast<long long>(params), samples_per_s, peak_mib, base_mib,
         largest_unit / 1048576.0, device.str().c_str(), gpu >= 0 ? bench::peak_device_allocated_mib(gpu) : -1.0,
         gpu >= 0 ? bench::peak_device_reserved_mib(gpu) : -1.0, loss);
+    std::fflush(stdout);
+  }
+  // BENCH_FSDP_SAVE=<folder>: then a FULL_STATE_DICT save_state there, and each process's growth of
+  // its peak memory during the save (BENCH_FSDP_RANK0_ONLY=0 turns the state-dict configs'
+  // rank0_only off; upstream's default keeps it on).
+  if (const char* folder = std::getenv("BENCH_FSDP_SAVE"); folder != nullptr && mode != "ddp") {
+    const double before = status_mib("VmHWM");
+    accelerator.save_state(folder);
+    const double after = status_mib("VmHWM");
+    const auto* rank0_only = std::getenv("BENCH_FSDP_RANK0_ONLY");
+    std::printf("{\"workload\": \"fsdp_save\", \"mode\": \"%s\", \"process\": %d, \"rank0_only\": %s, "
+                "\"peak_before_mib\": %.1f, \"peak_after_mib\": %.1f, \"save_peak_growth_mib\": %.1f}\n",
+                mode.c_str(), rank, rank0_only && std::string(rank0_only) == "0" ? "false" : "true", before, after,
+                after - before);
     std::fflush(stdout);
   }
   return 0;
