@@ -270,7 +270,10 @@ void first_step(const acc::Accelerator& accelerator, const at::Tensor& x, const 
 
 int main(int argc, char** argv) {
   const bench::StepFlags flags = parse_flags(argc, argv);
-  acc::Accelerator accelerator;
+  // BENCH_COMM_HOOK=fp16|bf16: DDP's gradient buckets compressed on the wire (DDPCommunicationHookType).
+  acc::AcceleratorOptions options;
+  if (const char* hook = std::getenv("BENCH_COMM_HOOK")) options.ddp_kwargs.comm_hook = acc::parse_comm_hook_type(hook);
+  acc::Accelerator accelerator(options);
   const int64_t rank = accelerator.process_index();
   const c10::Device device = accelerator.device();  // the prepared models' device: batches go there too
   for (const auto& workload : flags.workloads) {

@@ -115,7 +115,9 @@ class CompressHook final : public c10d::CommHookInterface {
  public:
   CompressHook(c10::intrusive_ptr<c10d::ProcessGroup> group, at::ScalarType type,
                std::optional<at::ScalarType> wrapper = std::nullopt)
-      : state_(std::move(group)), type_(type), wrapper_(wrapper), sum_in_fp32_(state_->getBackendName() == "gloo") {}
+      : state_(std::move(group)), type_(type), wrapper_(wrapper),
+        // The 16-bit bucket travels as it is, except bfloat16 over a Gloo that cannot sum it.
+        sum_in_fp32_(state_->getBackendName() == "gloo" && type == at::kBFloat16 && !detail::compat::kGlooSumsBFloat16) {}
 
   at::Tensor parseHookResult(const c10::IValue& result) override { return result.toTensor(); }
 
