@@ -91,11 +91,14 @@ struct LaunchCli {
     add_optional(app, args.nnodes, "nnodes",
                  "Machines of the job: N, or MIN:MAX for an elastic job (needs --rdzv_backend c10d)");
     add_optional(app, args.rdzv_conf, "rdzv_conf",
-                 "Rendezvous settings, key=value[,key=value]: last_call_timeout (seconds an elastic "
-                 "rendezvous waits for more machines once MIN have joined; default 30)");
+                 "torchrun's rendezvous settings, key=value[,key=value]: timeout (as --rdzv_timeout), and with "
+                 "c10d join_timeout (seconds the launchers wait for each other; default --rdzv_timeout), "
+                 "last_call_timeout (seconds an elastic rendezvous waits for more machines once MIN have joined; "
+                 "default 30), is_host (this machine serves the rendezvous) and store_type=tcp; torchrun's "
+                 "other keys are refused, saying why");
     add_optional(app, args.rdzv_backend, "rdzv_backend",
                  "static (every machine gives --machine_rank) or c10d (machines without one are numbered as they "
-                 "join the rendezvous at --main_process_ip)");
+                 "join the rendezvous at --main_process_ip); default: the config file's rdzv_backend, else static");
     add_optional_int(app, args.main_process_port, "main_process_port",
                      "Port of the rendezvous on the machine of rank 0 (0 picks a free port)");
     add_optional(app, args.gpu_ids, "gpu_ids", "Comma-separated GPU ids to use (CUDA_VISIBLE_DEVICES)");
@@ -115,7 +118,8 @@ struct LaunchCli {
     add_int(app, [this](int value) { args.max_restarts = value; }, "max_restarts",
             "Restart the group this many times on failure");
     app.add_option(spellings("monitor_interval"), args.monitor_interval, "Seconds between health checks");
-    app.add_option(spellings("rdzv_timeout"), args.rdzv_timeout, "Seconds the processes wait for each other to join");
+    add_optional(app, args.rdzv_timeout, "rdzv_timeout",
+                 "Seconds the processes wait for each other to join (default: --rdzv_conf's timeout, else 900)");
     app.add_option(spellings("grace_period"), args.grace_period,
                    "Seconds between SIGTERM and SIGKILL when stopping workers");
     add_optional(app, args.log_dir, "log_dir", "Write each worker's output to files in this folder");

@@ -29,7 +29,8 @@ namespace proto = detail::store_protocol;
 // - Every other launcher waits for a round later than the last one it tried that is still open,
 //   joins it by adding 1 to the round's count, and takes the count as its machine rank.
 // - The host closes the round once MAX machines have joined, or once MIN have and no other came
-//   for rdzv_conf's last_call_timeout; past --rdzv_timeout without MIN, the job ends, saying so.
+//   for rdzv_conf's last_call_timeout; past `join_timeout` (rdzv_conf's, else --rdzv_timeout)
+//   without MIN, the job ends, saying so.
 //   The number of members is published under the round's "members" key. A launcher whose rank is
 //   past it came too late, and waits for the next round.
 // - Each member then runs its workers as machine `rank` of `members` machines: the world size is
@@ -56,7 +57,7 @@ namespace proto = detail::store_protocol;
 // --machine_rank) and that may restart runs the same rounds with MIN = MAX: a machine lost and
 // launched again (a launcher counting from 0, which static numbering would take for one launcher
 // too many) joins the round that the others open after their failure, and the host waits for it
-// up to --rdzv_timeout.
+// up to `join_timeout`.
 constexpr const char* kRoundKey = "accelerate/elastic/round";
 constexpr const char* kWaitersKey = "accelerate/elastic/waiters";
 constexpr const char* kFinishedKey = "accelerate/elastic/finished";
@@ -81,9 +82,9 @@ class Rendezvous {
  public:
   Rendezvous(const LaunchPlan& plan, int port) : plan_(plan), port_(port) {}
 
-  // Connects, retrying until --rdzv_timeout (the host may start later than this machine).
+  // Connects, retrying until `join_timeout` (the host may start later than this machine).
   void connect() {
-    const auto deadline = Clock::now() + millis(plan_.rdzv_timeout);
+    const auto deadline = Clock::now() + millis(join_timeout(plan_));
     std::string failure;
     while (true) {
       try {
@@ -97,8 +98,8 @@ class Rendezvous {
       std::this_thread::sleep_for(std::chrono::milliseconds(200));
     }
     detail::raise_error(detail::concat("[launch] could not reach the job's rendezvous at ",
-                                       plan_.main_process_ip, ":", port_, " within --rdzv_timeout (",
-                                       plan_.rdzv_timeout, "s): ", failure));
+                                       plan_.main_process_ip, ":", port_, " within ",
+                                       join_timeout_text(plan_), ": ", failure));
   }
 
   // Each request waits at most `timeout` for its answer; the supervisor's questions use a short one.
@@ -156,7 +157,7 @@ int hold_round(const LaunchPlan& plan, Rendezvous& rdzv, Supervisor& supervisor,
   rdzv.add(round_key(round, "joined"), 1);  // before the round is published: the host is machine 0
   rdzv.set(kRoundKey, std::to_string(round));
   const auto opened = Clock::now();
-  const auto deadline = opened + millis(plan.rdzv_timeout);
+  const auto deadline = opened + millis(join_timeout(plan));
   auto enough_since = Clock::time_point::max();
   bool said_waiting = false;
   int joined = 1;
@@ -168,7 +169,7 @@ int hold_round(const LaunchPlan& plan, Rendezvous& rdzv, Supervisor& supervisor,
       said_waiting = true;
       say_unless_quiet(plan, "round " + std::to_string(round) + " of the rendezvous waits for " +
                     std::to_string(plan.min_machines) + " machine(s), " + std::to_string(joined) +
-                    " joined so far (up to --rdzv_timeout, " + detail::concat(plan.rdzv_timeout) + "s)");
+                    " joined so far (up to " + join_timeout_text(plan) + ")");
     }
     if (joined >= plan.min_machines) {
       if (enough_since == Clock::time_point::max()) enough_since = Clock::now();
@@ -181,8 +182,8 @@ int hold_round(const LaunchPlan& plan, Rendezvous& rdzv, Supervisor& supervisor,
               : detail::concat("the job needs its ", plan.num_machines, " machines (--num_machines ",
                                plan.num_machines, ")");
       detail::raise_error(detail::concat("[launch] ", needs, ", but only ", joined, " joined round ", round,
-                                         " of the rendezvous at ", plan.main_process_ip, " within --rdzv_timeout (",
-                                         plan.rdzv_timeout, "s)"));
+                                         " of the rendezvous at ", plan.main_process_ip, " within ",
+                                         join_timeout_text(plan)));
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
@@ -210,12 +211,12 @@ Place join_round(const LaunchPlan& plan, Rendezvous& rdzv, Supervisor& superviso
     if (published > tried_round && !closed) {
       tried_round = published;
       const int rank = rdzv.add(round_key(published, "joined"), 1) - 1;
-      const auto deadline = Clock::now() + millis(plan.rdzv_timeout + plan.last_call_timeout);
+      const auto deadline = Clock::now() + millis(join_timeout(plan) + plan.last_call_timeout);
       int members = -1;
       while ((members = rdzv.get_int(round_key(published, "members"))) < 0) {
         check_stop(supervisor);
         ACCELERATE_CHECK(Clock::now() < deadline, "[launch] round ", published, " of the elastic job's rendezvous at ",
-                         plan.main_process_ip, " was not closed within --rdzv_timeout (", plan.rdzv_timeout, "s)");
+                         plan.main_process_ip, " was not closed within ", join_timeout_text(plan));
         std::this_thread::sleep_for(std::chrono::milliseconds(100));
       }
       if (rank < members) {
@@ -233,13 +234,13 @@ Place join_round(const LaunchPlan& plan, Rendezvous& rdzv, Supervisor& superviso
       }
       rdzv.set(waiter_key(waiter), std::to_string(++beat));
       // A job of a fixed size takes a machine in only when one of its own was lost: one that
-      // waits longer than --rdzv_timeout while every machine runs is a launcher too many.
-      if (plan.min_machines == plan.num_machines && Clock::now() - waiting_since > millis(plan.rdzv_timeout)) {
+      // waits longer than `join_timeout` while every machine runs is a launcher too many.
+      if (plan.min_machines == plan.num_machines && Clock::now() - waiting_since > millis(join_timeout(plan))) {
         rdzv.erase(waiter_key(waiter));
         detail::raise_value_error(detail::concat(
             "[launch] round ", published, " of the rendezvous at ", plan.main_process_ip, " runs the job's ",
             plan.num_machines, " machines (--num_machines ", plan.num_machines, ") without this launcher, and no "
-            "machine was lost within --rdzv_timeout (", plan.rdzv_timeout, "s): more launchers than machines joined "
+            "machine was lost within ", join_timeout_text(plan), ": more launchers than machines joined "
             "it (one started twice, or the allocation has more machines than the job)"));
       }
     }
@@ -359,6 +360,13 @@ int run(const LaunchPlan& plan, Supervisor& supervisor, const std::map<std::stri
 }
 
 }  // namespace
+
+double join_timeout(const LaunchPlan& plan) { return plan.join_timeout.value_or(plan.rdzv_timeout); }
+
+std::string join_timeout_text(const LaunchPlan& plan) {
+  return plan.join_timeout ? detail::concat("rdzv_conf's join_timeout (", *plan.join_timeout, "s)")
+                           : detail::concat("--rdzv_timeout (", plan.rdzv_timeout, "s)");
+}
 
 // Note [Machine ranks from the rendezvous]
 // Upstream's Slurm recipe runs the same `accelerate launch --rdzv_backend c10d` on every node,

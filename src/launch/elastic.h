@@ -13,9 +13,16 @@
 
 namespace accelerate::detail::launch {
 
+/// Seconds the launchers wait for each other at their rendezvous: rdzv_conf's join_timeout, else
+/// --rdzv_timeout.
+double join_timeout(const commands::LaunchPlan& plan);
+/// That limit as the launcher's messages name it: "rdzv_conf's join_timeout (5s)", or
+/// "--rdzv_timeout (900s)".
+std::string join_timeout_text(const commands::LaunchPlan& plan);
+
 /// This machine's rank, numbered at the rendezvous at --main_process_ip:`port` (a launcher that is
-/// not machine 0, which serves the store). Throws when it cannot be reached within --rdzv_timeout,
-/// or when more launchers than --num_machines joined.
+/// not machine 0, which serves the store). Throws when it cannot be reached within
+/// `join_timeout(plan)`, or when more launchers than --num_machines joined.
 int machine_rank_at_rendezvous(const commands::LaunchPlan& plan, int port);
 
 /// Runs an elastic job on this machine until it succeeds, fails past --max_restarts, or is

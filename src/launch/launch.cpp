@@ -29,10 +29,14 @@ namespace fs = std::filesystem;
 using commands::LaunchPlan;
 
 // Step 1. The job's secret and, for a machine numbered at the rendezvous, whether it is machine 0
-// (Note [Machine ranks from the rendezvous]: machine 0 is known before its store starts).
+// (Note [Machine ranks from the rendezvous]: machine 0 is known before its store starts): the one
+// with --main_process_ip's address, unless rdzv_conf's is_host says.
 void settle_identity(LaunchPlan& plan) {
   if (plan.rdzv_secret.empty() && plan.num_processes > 1) plan.rdzv_secret = detail::new_job_secret();
-  if (plan.machine_rank_at_rendezvous) plan.machine_rank = detail::is_local_address(plan.main_process_ip) ? 0 : -1;
+  if (plan.machine_rank_at_rendezvous) {
+    const bool hosts = plan.is_host ? *plan.is_host : detail::is_local_address(plan.main_process_ip);
+    plan.machine_rank = hosts ? 0 : -1;
+  }
 }
 
 // Step 2. The job's rendezvous store, which machine 0's launcher serves; null on other machines

@@ -9,13 +9,16 @@
 #include "detail/topology.h"
 #include "detail/files.h"
 #include "detail/subprocess.h"
+#include "detail/text.h"
 #include "launch/arguments.h"
 #include "launch/devices.h"
 #include "launch/mpi.h"
 
 #include <climits>
+#include <cmath>
 #include <filesystem>
-#include <sstream>
+#include <map>
+#include <set>
 #include <thread>
 
 namespace accelerate::commands {
@@ -23,24 +26,8 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// torchrun's --nnodes (N or MIN:MAX) and --rdzv_conf, over --num_machines.
+// torchrun's --nnodes (N or MIN:MAX), over --num_machines.
 void plan_elastic(const LaunchArgs& args, LaunchPlan& plan) {
-  if (args.rdzv_conf) {
-    std::stringstream entries(*args.rdzv_conf);
-    for (std::string entry; std::getline(entries, entry, ',');) {
-      if (entry.empty()) continue;
-      const auto eq = entry.find('=');
-      const std::string key = entry.substr(0, eq);
-      ACCELERATE_CHECK_VALUE(key == "last_call_timeout", "[launch] --rdzv_conf: unknown setting '", key,
-                             "' (accelerate-cpp's rendezvous has last_call_timeout)");
-      char* end = nullptr;
-      const std::string value = eq == std::string::npos ? "" : entry.substr(eq + 1);
-      plan.last_call_timeout = std::strtod(value.c_str(), &end);
-      ACCELERATE_CHECK_VALUE(!value.empty() && end != nullptr && *end == '\0' && plan.last_call_timeout >= 0 &&
-                                 plan.last_call_timeout <= 86400,
-                             "[launch] --rdzv_conf: last_call_timeout must be a number of seconds, got '", value, "'");
-    }
-  }
   if (!args.nnodes) return;
   const std::string& text = *args.nnodes;
   const auto colon = text.find(':');
@@ -60,10 +47,143 @@ void plan_elastic(const LaunchArgs& args, LaunchPlan& plan) {
   plan.elastic = min < max;
   if (!plan.elastic) return;
   ACCELERATE_CHECK_VALUE(plan.rdzv_backend == "c10d", "[launch] --nnodes ", text,
-                         " (an elastic job) needs --rdzv_backend c10d, whose rendezvous numbers the machines that "
-                         "join; a static rendezvous needs a fixed number of machines");
+                         " (an elastic job) needs --rdzv_backend c10d (or rdzv_backend: c10d in the config file), "
+                         "whose rendezvous numbers the machines that join; a static rendezvous needs a fixed number "
+                         "of machines");
   ACCELERATE_CHECK_VALUE(!args.machine_rank, "[launch] --machine_rank cannot be given with --nnodes ", text,
                          ": an elastic job numbers its machines at each rendezvous");
+}
+
+// Note [The keys of --rdzv_conf]
+// torchrun hands --rdzv_conf to its rendezvous handler. The c10d one reads join_timeout,
+// last_call_timeout, close_timeout, heartbeat_timeout, keep_alive_interval and
+// keep_alive_max_attempt (torch/distributed/elastic/rendezvous/dynamic_rendezvous.py,
+// create_handler) and store_type, read_timeout, is_host and use_libuv (c10d_rendezvous_backend.py,
+// create_backend); torchrun itself sets timeout (which its static and etcd rendezvous read) and,
+// for a static one, rank; the etcd one reads protocol, cacert, cert and key. Each key is honoured
+// where the launchers' own rendezvous (elastic.cpp) has the same notion, and refused by name with
+// the reason where it has none, so that no setting is silently ignored; any other key is refused
+// as unknown. As with torchrun, the keys are comma-separated key=value pairs and a repeated key
+// takes its last value.
+
+// The keys of torchrun's rendezvous that accelerate-cpp's has no use for, each with the reason.
+const std::map<std::string, std::string>& refused_rdzv_conf_keys() {
+  static const std::string keep_alive =
+      "accelerate-cpp's rendezvous keeps no keep-alive of its members: a lost machine shows as the failure of "
+      "the others' workers, and the machines that remain form the group again at the next round";
+  static const std::string etcd =
+      "it configures torchrun's etcd rendezvous, which accelerate-cpp does not have (--rdzv_backend is static or "
+      "c10d)";
+  static const std::map<std::string, std::string> keys = {
+      {"close_timeout",
+       "torchrun waits this long for a closed rendezvous to be noticed; here machine 0 publishes the job's end in "
+       "its store, which the other launchers read at once"},
+      {"heartbeat_timeout", keep_alive},
+      {"keep_alive_interval", keep_alive},
+      {"keep_alive_max_attempt", keep_alive},
+      {"read_timeout",
+       "the launchers bound each of their requests to the rendezvous store themselves, and the workers' requests "
+       "wait up to --rdzv_timeout"},
+      {"use_libuv",
+       "the launcher of machine 0 serves the rendezvous store itself, not through TCPStore, so there is no libuv "
+       "server to choose"},
+      {"rank", "torchrun sets it from --node_rank for a static rendezvous; give --machine_rank"},
+      {"protocol", etcd},
+      {"cacert", etcd},
+      {"cert", etcd},
+      {"key", etcd},
+  };
+  return keys;
+}
+
+std::string trimmed(const std::string& text) {
+  const auto first = text.find_first_not_of(" \t");
+  if (first == std::string::npos) return "";
+  return text.substr(first, text.find_last_not_of(" \t") - first + 1);
+}
+
+enum class Zero { kAllowed, kRefused };
+
+// A number of seconds, at most a year.
+double rdzv_conf_seconds(const std::string& key, const std::string& value, Zero zero) {
+  char* end = nullptr;
+  const double seconds = std::strtod(value.c_str(), &end);
+  const bool number = !value.empty() && end != nullptr && *end == '\0' && std::isfinite(seconds);
+  ACCELERATE_CHECK_VALUE(number && (zero == Zero::kAllowed ? seconds >= 0 : seconds > 0) && seconds <= 31536000,
+                         "[launch] --rdzv_conf: ", key, " must be a number of seconds, ",
+                         zero == Zero::kAllowed ? "from 0" : "above 0", " to 31536000, got '", value, "'");
+  return seconds;
+}
+
+// --rdzv_conf's keys (Note [The keys of --rdzv_conf]), and --rdzv_timeout, which its timeout stands
+// for when the flag is not given.
+void plan_rdzv_conf(const LaunchArgs& args, LaunchPlan& plan) {
+  std::map<std::string, std::string> conf;
+  if (args.rdzv_conf) {
+    const std::string& text = *args.rdzv_conf;
+    // Split by hand: a trailing comma leaves an empty entry, which torchrun refuses too.
+    for (size_t start = 0, comma = 0; comma != std::string::npos; start = comma + 1) {
+      comma = text.find(',', start);
+      const std::string entry = text.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+      const auto eq = entry.find('=');
+      const std::string key = trimmed(entry.substr(0, eq));
+      const std::string value = eq == std::string::npos ? "" : trimmed(entry.substr(eq + 1));
+      ACCELERATE_CHECK_VALUE(!key.empty() && !value.empty(), "[launch] --rdzv_conf must be key=value[,key=value...], "
+                             "got '", entry, "' in '", *args.rdzv_conf, "'");
+      conf[key] = value;
+    }
+  }
+  for (const auto& [key, value] : conf) {
+    const auto refused = refused_rdzv_conf_keys().find(key);
+    ACCELERATE_CHECK_VALUE(refused == refused_rdzv_conf_keys().end(), "[launch] --rdzv_conf: ", key,
+                           " is not supported: ", refused == refused_rdzv_conf_keys().end() ? "" : refused->second);
+    static const std::set<std::string> honoured = {"timeout", "join_timeout", "last_call_timeout", "is_host",
+                                                   "store_type"};
+    ACCELERATE_CHECK_VALUE(honoured.count(key) > 0, "[launch] --rdzv_conf: unknown setting '", key,
+                           "' (accelerate-cpp's rendezvous takes timeout, join_timeout, last_call_timeout, is_host and "
+                           "store_type)");
+    const bool c10d_only = key == "join_timeout" || key == "last_call_timeout" || key == "is_host";
+    ACCELERATE_CHECK_VALUE(!c10d_only || plan.rdzv_backend == "c10d", "[launch] --rdzv_conf: ", key,
+                           " is a setting of the c10d rendezvous, but this job's is ", plan.rdzv_backend,
+                           ": give --rdzv_backend c10d (or rdzv_backend: c10d in the config file)",
+                           key == "join_timeout" ? ", or set how long a static one waits with --rdzv_timeout" : "");
+  }
+
+  plan.rdzv_timeout = args.rdzv_timeout.value_or(900);
+  if (auto it = conf.find("timeout"); it != conf.end()) {
+    const double timeout = rdzv_conf_seconds("timeout", it->second, Zero::kRefused);
+    ACCELERATE_CHECK_VALUE(!args.rdzv_timeout || *args.rdzv_timeout == timeout, "[launch] --rdzv_timeout ",
+                           args.rdzv_timeout.value_or(0), " and --rdzv_conf timeout=", it->second,
+                           " disagree; give one of them");
+    plan.rdzv_timeout = timeout;
+  }
+  if (auto it = conf.find("join_timeout"); it != conf.end()) {
+    plan.join_timeout = rdzv_conf_seconds("join_timeout", it->second, Zero::kRefused);
+  }
+  if (auto it = conf.find("last_call_timeout"); it != conf.end()) {
+    plan.last_call_timeout = rdzv_conf_seconds("last_call_timeout", it->second, Zero::kAllowed);
+  }
+  if (auto it = conf.find("store_type"); it != conf.end()) {
+    const std::string type = detail::ascii_lower(it->second);
+    ACCELERATE_CHECK_VALUE(type != "file", "[launch] --rdzv_conf: store_type=file is not supported: the rendezvous "
+                           "store is the TCP store that the launcher of machine 0 serves (store_type=tcp)");
+    ACCELERATE_CHECK_VALUE(type == "tcp", "[launch] --rdzv_conf: store_type must be tcp or file, got '", it->second,
+                           "'");
+  }
+  if (auto it = conf.find("is_host"); it != conf.end()) {
+    try {
+      plan.is_host = str_to_bool(it->second);
+    } catch (const std::exception&) {
+      detail::raise_value_error(
+          detail::concat("[launch] --rdzv_conf: is_host must be a boolean (true or false), got '", it->second, "'"));
+    }
+    // Only machines numbered at the rendezvous are told by it whether they are machine 0.
+    ACCELERATE_CHECK_VALUE(plan.machine_rank_at_rendezvous || *plan.is_host == (plan.machine_rank == 0),
+                           "[launch] --rdzv_conf: is_host=", it->second, " disagrees with ",
+                           plan.num_machines == 1 ? "a job on one machine, whose launcher hosts its rendezvous"
+                                                  : detail::concat("--machine_rank ", plan.machine_rank,
+                                                                   ": the machine of rank 0 hosts the rendezvous"));
+  }
 }
 
 // The steps of `resolve_launch`, in order.
@@ -74,7 +194,8 @@ void merge_flags_with_config(const LaunchArgs& args, const std::optional<Cluster
   plan.num_processes = args.num_processes.value_or(config ? config->num_processes : 1);
   plan.num_machines = args.num_machines.value_or(config ? config->num_machines : 1);
   plan.machine_rank = args.machine_rank.value_or(config ? config->machine_rank : 0);
-  plan.rdzv_backend = args.rdzv_backend.value_or("static");
+  // The config file's rdzv_backend was checked when it was read.
+  plan.rdzv_backend = args.rdzv_backend.value_or(config ? config->rdzv_backend : "static");
   ACCELERATE_CHECK_VALUE(plan.rdzv_backend == "static" || plan.rdzv_backend == "c10d",
                          "[launch] --rdzv_backend must be static or c10d, got '", plan.rdzv_backend,
                          "' (the launchers' own store serves the rendezvous; etcd is not supported)");
@@ -104,7 +225,7 @@ void merge_flags_with_config(const LaunchArgs& args, const std::optional<Cluster
     plan.min_machines = plan.num_machines;
   }
   plan.monitor_interval = args.monitor_interval;
-  plan.rdzv_timeout = args.rdzv_timeout;
+  plan_rdzv_conf(args, plan);
   plan.grace_period = args.grace_period;
   plan.log_dir = args.log_dir;
   // ACCELERATE_BACKEND, which the workers read too, is the default of --backend.

@@ -3,6 +3,7 @@
 
 #include "detail/check.h"
 #include "detail/store_connection.h"
+#include "launch/elastic.h"
 #include "launch/mpi.h"
 
 #include <algorithm>
@@ -26,7 +27,8 @@ using commands::LaunchPlan;
 // attempts and joins the later one: the restarted workers of machine 0, waiting for the others
 // at their rendezvous (--rdzv_timeout), are joined by those of the machine that came back. An
 // attempt that already has all its processes (the one that just failed, while machine 0 tears it
-// down) is not joined: the launcher waits, up to --rdzv_timeout, for machine 0 to start the next.
+// down) is not joined: the launcher waits, up to `join_timeout` (rdzv_conf's, else
+// --rdzv_timeout), for machine 0 to start the next.
 // The job's restart budget is shared: the attempt a launcher joins counts against its
 // --max_restarts.
 // A machine 0 that dies takes the store with it, and the job with it (as with torchrun's static
@@ -38,9 +40,9 @@ constexpr const char* kAttemptKey = "accelerate/launcher_attempt";
 // asked, its own count (the workers then report what is wrong with the store).
 int attempt_to_join(const LaunchPlan& plan, int port, int own) {
   namespace proto = detail::store_protocol;
-  const auto deadline =
-      std::chrono::steady_clock::now() +
-      std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(plan.rdzv_timeout));
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                            std::chrono::duration<double>(join_timeout(plan)));
   std::unique_ptr<detail::StoreConnection> store;
   int published = 0;
   try {
@@ -64,8 +66,8 @@ int attempt_to_join(const LaunchPlan& plan, int port, int own) {
   }
   detail::raise_error(detail::concat(
       "[launch] the job's attempt ", published, " already has all its ", plan.num_processes,
-      " processes, and the launcher of machine 0 started no other within --rdzv_timeout (", plan.rdzv_timeout,
-      "s): it has no restart left (--max_restarts), or this machine's launcher runs twice"));
+      " processes, and the launcher of machine 0 started no other within ", join_timeout_text(plan),
+      ": it has no restart left (--max_restarts), or this machine's launcher runs twice"));
 }
 
 // A restarted attempt's line: "restarting all 4 worker(s) (restart 1 of 3)".

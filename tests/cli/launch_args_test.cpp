@@ -409,10 +409,10 @@ TEST_F(ResolveLaunch, NnodesIsTheNumberOfMachinesOrAnElasticRange) {
                      "--nnodes 1:2 and --num_machines 3 disagree");
   EXPECT_THROWS_WITH(with({"--nnodes", "1:2", "--rdzv_backend", "c10d", "--machine_rank", "1"}),
                      "--machine_rank cannot be given with --nnodes 1:2");
-  EXPECT_THROWS_WITH(with({"--nnodes", "1:2", "--rdzv_backend", "c10d", "--rdzv_conf", "join_timeout=3"}),
-                     "--rdzv_conf: unknown setting 'join_timeout'");
+  EXPECT_THROWS_WITH(with({"--nnodes", "1:2", "--rdzv_backend", "c10d", "--rdzv_conf", "join_timeout_s=3"}),
+                     "--rdzv_conf: unknown setting 'join_timeout_s'");
   EXPECT_THROWS_WITH(with({"--nnodes", "1:2", "--rdzv_backend", "c10d", "--rdzv_conf", "last_call_timeout=soon"}),
-                     "last_call_timeout must be a number of seconds, got 'soon'");
+                     "last_call_timeout must be a number of seconds, from 0 to 31536000, got 'soon'");
 }
 
 TEST_F(ResolveLaunch, MachinesNumberedAtTheRendezvousAreRefusedUnderMpi) {
@@ -432,6 +432,152 @@ TEST_F(ResolveLaunch, MachinesNumberedAtTheRendezvousAreRefusedUnderMpi) {
                      "an elastic job (--nnodes MIN:MAX) runs one launcher per machine");
   EXPECT_THROWS_WITH(with({"--num_machines", "2", "--rdzv_backend", "c10d", "--max_restarts", "1"}),
                      "with --backend mpi, one launcher on the machine of rank 0 starts every machine's workers");
+}
+
+// The config file's rdzv_backend is the default of --rdzv_backend, as every other key is of its
+// flag (upstream parses it and never uses it: its flag's default, "static", always wins).
+TEST_F(ResolveLaunch, TheConfigFilesRdzvBackendIsTheDefaultOfTheFlag) {
+  const std::string c10d = write_config("c10d.yaml", "distributed_type: MULTI_CPU\nrdzv_backend: c10d\n");
+  const std::string fixed = write_config("static.yaml", "distributed_type: MULTI_CPU\nrdzv_backend: static\n");
+  auto with = [&](const std::string& config, Args more) {
+    Args argv = {"--config_file", config, "--num_processes", "4", "--main_process_ip", "10.0.0.1"};
+    argv.insert(argv.end(), more.begin(), more.end());
+    argv.push_back("/bin/true");
+    return resolve(argv);
+  };
+  // An elastic job from the file alone, which a static rendezvous refuses.
+  const LaunchPlan elastic = with(c10d, {"--nnodes", "1:2"});
+  EXPECT_EQ(elastic.rdzv_backend, "c10d");
+  EXPECT_TRUE(elastic.elastic);
+  EXPECT_TRUE(elastic.machine_rank_at_rendezvous);
+  EXPECT_TRUE(with(c10d, {"--num_machines", "2"}).machine_rank_at_rendezvous);
+  // The flag wins over the file, either way.
+  EXPECT_THROWS_WITH(with(c10d, {"--nnodes", "1:2", "--rdzv_backend", "static"}),
+                     "--nnodes 1:2 (an elastic job) needs --rdzv_backend c10d (or rdzv_backend: c10d in the config "
+                     "file)");
+  EXPECT_EQ(with(c10d, {"--num_machines", "2", "--rdzv_backend", "static"}).rdzv_backend, "static");
+  EXPECT_FALSE(with(c10d, {"--num_machines", "2", "--rdzv_backend", "static"}).machine_rank_at_rendezvous);
+  EXPECT_EQ(with(fixed, {"--nnodes", "1:2", "--rdzv_backend", "c10d"}).rdzv_backend, "c10d");
+  EXPECT_THROWS_WITH(with(fixed, {"--nnodes", "1:2"}), "needs --rdzv_backend c10d");
+  // The default configuration file too.
+  write_config("accelerate/default_config.yaml", "distributed_type: MULTI_CPU\nrdzv_backend: c10d\n");
+  const LaunchPlan from_default = resolve({"-n", "4", "--nnodes", "1:2", "--main_process_ip", "10.0.0.1", "/bin/true"});
+  EXPECT_EQ(from_default.rdzv_backend, "c10d");
+  EXPECT_TRUE(from_default.elastic);
+  // ... whose c10d-only rdzv_conf keys it allows.
+  EXPECT_DOUBLE_EQ(with(c10d, {"--nnodes", "1:2", "--rdzv_conf", "join_timeout=5"}).join_timeout.value_or(0), 5);
+}
+
+// Note [The keys of --rdzv_conf] in src/launch/plan.cpp: torchrun's keys that accelerate-cpp's
+// rendezvous has no notion of are refused by name, saying why.
+TEST_F(ResolveLaunch, TorchrunsRdzvConfKeysWithoutAMeaningHereAreRefusedByNameWithTheReason) {
+  auto with = [&](const std::string& conf) {
+    return resolve({"--num_processes", "4", "--main_process_ip", "10.0.0.1", "--nnodes", "1:2", "--rdzv_backend",
+                    "c10d", "--rdzv_conf", conf, "/bin/true"});
+  };
+  const std::vector<std::pair<std::string, std::string>> refused = {
+      {"close_timeout", "machine 0 publishes the job's end in its store"},
+      {"heartbeat_timeout", "keeps no keep-alive of its members"},
+      {"keep_alive_interval", "keeps no keep-alive of its members"},
+      {"keep_alive_max_attempt", "keeps no keep-alive of its members"},
+      {"read_timeout", "bound each of their requests to the rendezvous store themselves"},
+      {"use_libuv", "no libuv server to choose"},
+      {"rank", "give --machine_rank"},
+      {"protocol", "torchrun's etcd rendezvous"},
+      {"cacert", "torchrun's etcd rendezvous"},
+      {"cert", "torchrun's etcd rendezvous"},
+      {"key", "torchrun's etcd rendezvous"},
+  };
+  for (const auto& [key, reason] : refused) {
+    SCOPED_TRACE(key);
+    EXPECT_THROWS_WITH(with(key + "=1"), "[launch] --rdzv_conf: " + key + " is not supported: ");
+    EXPECT_THROWS_WITH(with(key + "=1"), reason);
+    // Among honoured keys, and whatever its value.
+    EXPECT_THROWS_WITH(with("last_call_timeout=2," + key + "=no"), "--rdzv_conf: " + key + " is not supported");
+  }
+  EXPECT_THROWS_WITH(with("store_type=file"), "store_type=file is not supported: the rendezvous store is the TCP "
+                                              "store that the launcher of machine 0 serves");
+  EXPECT_THROWS_WITH(with("store_type=etcd"), "store_type must be tcp or file, got 'etcd'");
+  EXPECT_THROWS_WITH(with("local_addr=10.0.0.2"), "--rdzv_conf: unknown setting 'local_addr' (accelerate-cpp's "
+                                                  "rendezvous takes timeout, join_timeout, last_call_timeout, "
+                                                  "is_host and store_type)");
+  EXPECT_THROWS_WITH(with("Join_Timeout=3"), "unknown setting 'Join_Timeout'");
+  // Hostile spellings of the list itself.
+  for (const std::string conf : {"join_timeout", "join_timeout=", "=3", ",", "join_timeout=3,", " = "}) {
+    SCOPED_TRACE(conf);
+    EXPECT_THROWS_WITH(with(conf), "--rdzv_conf must be key=value[,key=value...], got '");
+  }
+}
+
+TEST_F(ResolveLaunch, TorchrunsRdzvConfTimeoutsReachThePlan) {
+  auto with = [&](Args more) {
+    Args argv = {"--num_processes", "4", "--main_process_ip", "10.0.0.1", "--nnodes", "1:2"};
+    argv.insert(argv.end(), more.begin(), more.end());
+    argv.push_back("/bin/true");
+    return resolve(argv);
+  };
+  // timeout: --rdzv_timeout, which the workers read too; with the flag, they must agree.
+  const LaunchPlan timed = with({"--rdzv_backend", "c10d", "--rdzv_conf", "timeout=30"});
+  EXPECT_DOUBLE_EQ(timed.rdzv_timeout, 30);
+  EXPECT_EQ(worker_environment(timed, 0, 29500, 0).at("ACCELERATE_RDZV_TIMEOUT"), std::to_string(30.0));
+  EXPECT_DOUBLE_EQ(with({"--rdzv_backend", "c10d", "--rdzv_conf", "timeout=30", "--rdzv_timeout", "30"}).rdzv_timeout,
+                   30);
+  EXPECT_THROWS_WITH(with({"--rdzv_backend", "c10d", "--rdzv_conf", "timeout=30", "--rdzv_timeout", "10"}),
+                     "[launch] --rdzv_timeout 10 and --rdzv_conf timeout=30 disagree; give one of them");
+  EXPECT_DOUBLE_EQ(with({"--rdzv_backend", "c10d"}).rdzv_timeout, 900);
+  EXPECT_DOUBLE_EQ(with({"--rdzv_backend", "c10d", "--rdzv_timeout", "12"}).rdzv_timeout, 12);
+  // join_timeout: the launchers' wait at their rendezvous, apart from the workers'.
+  const LaunchPlan joined = with({"--rdzv_backend", "c10d", "--rdzv_conf", "join_timeout=7, last_call_timeout=0"});
+  EXPECT_EQ(joined.join_timeout, std::optional<double>(7));
+  EXPECT_DOUBLE_EQ(joined.last_call_timeout, 0);
+  EXPECT_DOUBLE_EQ(joined.rdzv_timeout, 900);
+  EXPECT_EQ(with({"--rdzv_backend", "c10d"}).join_timeout, std::nullopt);
+  // A repeated key takes its last value, as torchrun's.
+  EXPECT_DOUBLE_EQ(with({"--rdzv_backend", "c10d", "--rdzv_conf", "last_call_timeout=1,last_call_timeout=3"})
+                       .last_call_timeout,
+                   3);
+  EXPECT_NO_THROW(with({"--rdzv_backend", "c10d", "--rdzv_conf", "store_type=TCP"}));
+  for (const std::string bad : {"0", "-1", "soon", "nan", "inf", "1e9", "3s"}) {
+    SCOPED_TRACE(bad);
+    EXPECT_THROWS_WITH(with({"--rdzv_backend", "c10d", "--rdzv_conf", "join_timeout=" + bad}),
+                       "--rdzv_conf: join_timeout must be a number of seconds, above 0 to 31536000, got '" + bad + "'");
+    EXPECT_THROWS_WITH(with({"--rdzv_backend", "c10d", "--rdzv_conf", "timeout=" + bad}),
+                       "timeout must be a number of seconds, above 0 to 31536000, got '" + bad + "'");
+  }
+  EXPECT_THROWS_WITH(with({"--rdzv_backend", "c10d", "--rdzv_conf", "last_call_timeout=-1"}),
+                     "last_call_timeout must be a number of seconds, from 0 to 31536000, got '-1'");
+  // The c10d rendezvous's keys, under a static one (--nnodes N: a fixed number of machines).
+  for (const std::string key : {"join_timeout=3", "last_call_timeout=3", "is_host=true"}) {
+    SCOPED_TRACE(key);
+    EXPECT_THROWS_WITH(resolve({"-n", "4", "--main_process_ip", "10.0.0.1", "--nnodes", "2", "--machine_rank", "0",
+                                "--rdzv_conf", key, "/bin/true"}),
+                       " is a setting of the c10d rendezvous, but this job's is static: give --rdzv_backend c10d");
+  }
+  EXPECT_DOUBLE_EQ(resolve({"-n", "4", "--main_process_ip", "10.0.0.1", "--nnodes", "2", "--machine_rank", "0",
+                            "--rdzv_conf", "timeout=40", "/bin/true"})
+                       .rdzv_timeout,
+                   40);
+}
+
+TEST_F(ResolveLaunch, RdzvConfIsHostChoosesMachineZeroOnlyWhereTheRendezvousNumbersTheMachines) {
+  auto with = [&](Args more) {
+    Args argv = {"--num_processes", "4", "--main_process_ip", "10.0.0.1", "--rdzv_backend", "c10d"};
+    argv.insert(argv.end(), more.begin(), more.end());
+    argv.push_back("/bin/true");
+    return resolve(argv);
+  };
+  EXPECT_EQ(with({"--nnodes", "1:2", "--rdzv_conf", "is_host=true"}).is_host, std::optional<bool>(true));
+  EXPECT_EQ(with({"--num_machines", "2", "--rdzv_conf", "is_host=0"}).is_host, std::optional<bool>(false));
+  EXPECT_EQ(with({"--num_machines", "2"}).is_host, std::nullopt);
+  EXPECT_THROWS_WITH(with({"--num_machines", "2", "--rdzv_conf", "is_host=maybe"}),
+                     "--rdzv_conf: is_host must be a boolean (true or false), got 'maybe'");
+  // With the rank given, it must agree with it.
+  EXPECT_NO_THROW(with({"--num_machines", "2", "--machine_rank", "0", "--rdzv_conf", "is_host=yes"}));
+  EXPECT_THROWS_WITH(with({"--num_machines", "2", "--machine_rank", "1", "--rdzv_conf", "is_host=true"}),
+                     "--rdzv_conf: is_host=true disagrees with --machine_rank 1: the machine of rank 0 hosts the "
+                     "rendezvous");
+  EXPECT_THROWS_WITH(with({"--num_machines", "1", "--rdzv_conf", "is_host=false"}),
+                     "is_host=false disagrees with a job on one machine, whose launcher hosts its rendezvous");
 }
 
 TEST_F(ResolveLaunch, TeeAcceptsOnlyZeroToThree) {

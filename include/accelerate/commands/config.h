@@ -35,6 +35,8 @@ struct ClusterConfig {
   std::optional<std::string> gpu_ids;
   std::optional<std::string> main_process_ip;
   std::optional<int> main_process_port;
+  /// "static" or "c10d": the default of `accelerate launch --rdzv_backend` (upstream reads it and
+  /// never uses it). The file has no `rdzv_conf`, as upstream's has none.
   std::string rdzv_backend = "static";
   bool same_network = true;
   std::string main_training_function = "main";

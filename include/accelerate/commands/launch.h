@@ -24,9 +24,11 @@ struct LaunchArgs {
   std::optional<int> num_processes;
   std::optional<int> num_machines;
   std::optional<int> machine_rank;
-  std::optional<std::string> rdzv_backend;  ///< "static" (the default) or "c10d"
-  std::optional<std::string> nnodes;        ///< torchrun's "N" or "MIN:MAX" (elastic)
-  std::optional<std::string> rdzv_conf;     ///< "key=value,...": last_call_timeout
+  /// "static" or "c10d"; unset: the config file's `rdzv_backend`, else "static"
+  std::optional<std::string> rdzv_backend;
+  std::optional<std::string> nnodes;  ///< torchrun's "N" or "MIN:MAX" (elastic)
+  /// torchrun's "key=value,..." (Note [The keys of --rdzv_conf] in src/launch/plan.cpp)
+  std::optional<std::string> rdzv_conf;
   std::optional<std::string> main_process_ip;
   std::optional<int> main_process_port;
   std::optional<std::string> gpu_ids;
@@ -36,8 +38,9 @@ struct LaunchArgs {
   bool enable_cpu_affinity = false;
   int max_restarts = 0;
   double monitor_interval = 0.1;   ///< seconds between health checks of the workers
-  double rdzv_timeout = 900;       ///< seconds the workers wait for each other at start-up
-  double grace_period = 5;         ///< seconds between SIGTERM and SIGKILL when tearing down
+  /// seconds the workers wait for each other at start-up; unset: rdzv_conf's timeout, else 900
+  std::optional<double> rdzv_timeout;
+  double grace_period = 5;  ///< seconds between SIGTERM and SIGKILL when tearing down
   std::optional<std::string> log_dir;
   std::optional<std::string> tee;  ///< streams also shown on the console with --log_dir: 0-3
   std::optional<std::string> backend;
@@ -83,6 +86,12 @@ struct LaunchPlan {
   /// Seconds the rendezvous waits for more machines once `min_machines` have joined (rdzv_conf's
   /// last_call_timeout).
   double last_call_timeout = 30;
+  /// Seconds the launchers wait for each other at their c10d rendezvous (rdzv_conf's
+  /// join_timeout); unset: `rdzv_timeout`.
+  std::optional<double> join_timeout;
+  /// Whether this machine's launcher hosts the rendezvous store, as machine 0 (rdzv_conf's
+  /// is_host); unset: whether --main_process_ip is an address of this machine.
+  std::optional<bool> is_host;
   int local_num_processes = 1;
   std::string main_process_ip = "127.0.0.1";
   int main_process_port = 29500;
