@@ -327,6 +327,37 @@ TEST(AcceleratorTraining, ClipGradNormClipsTheGlobalNorm) {
   });
 }
 
+// Without a loss scaler (no fp16 on a CUDA device) there is nothing to divide by: gradients stay
+// as backward left them, whichever optimizer is named and however often it is called.
+// tests/gpu/accelerator_test.cpp checks the scaled case.
+TEST(AcceleratorTraining, UnscaleGradientsWithoutALossScalerLeavesTheGradientsAsTheyAre) {
+  for (const char* precision : {"no", "fp16", "bf16"}) {
+    run_accelerators(
+        1,
+        [&](const Accelerator& acc) {
+          ASSERT_FALSE(acc.scaler().has_value()) << precision << " made a loss scaler on " << acc.device();
+          torch::manual_seed(0);
+          torch::nn::Linear net(3, 2);
+          auto sgd = std::make_shared<torch::optim::SGD>(net->parameters(), 0.1);
+          auto [model, opt] = acc.prepare(net, sgd);
+          acc.backward(model(torch::randn({4, 3})).pow(2).sum());
+          const auto weight_grad = model->weight.grad().clone();
+          const auto bias_grad = model->bias.grad().clone();
+          ASSERT_GT(weight_grad.abs().sum().item<float>(), 0.f);
+          acc.unscale_gradients();
+          acc.unscale_gradients(opt);
+          acc.unscale_gradients();
+          EXPECT_TRUE(torch::equal(model->weight.grad(), weight_grad)) << precision;
+          EXPECT_TRUE(torch::equal(model->bias.grad(), bias_grad)) << precision;
+          // The step that follows uses those gradients.
+          const auto weight = model->weight.detach().clone();
+          opt.step();
+          EXPECT_TRUE(torch::allclose(model->weight.detach(), weight - 0.1 * weight_grad)) << precision;
+        },
+        AcceleratorOptions{.mixed_precision = precision, .gradient_accumulation_steps = 2});
+  }
+}
+
 TEST(AcceleratorTraining, ProfileWritesATracePerProcess) {
   TempDir dir;
   AcceleratorOptions options;

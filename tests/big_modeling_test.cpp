@@ -105,6 +105,132 @@ TEST(DeviceMap, MaximumSizesAndLargestLayer) {
   EXPECT_EQ(acc::module_class_name(*torch::nn::Linear(1, 1)), "Linear");
 }
 
+namespace big_modeling_test {  // not anonymous: its names must not meet another file's in a unity batch
+
+// Two 8x8 linear layers (with biases) that must stay on one device together.
+struct ResidualBlockImpl : torch::nn::Module {
+  ResidualBlockImpl()
+      : fc1(register_module("fc1", torch::nn::Linear(8, 8))), fc2(register_module("fc2", torch::nn::Linear(8, 8))) {}
+  torch::nn::Linear fc1, fc2;
+};
+TORCH_MODULE(ResidualBlock);
+
+// embed (10 -> 6), a residual block, head (6 -> 8), and a tensor of its own.
+struct BlockModelImpl : torch::nn::Module {
+  BlockModelImpl()
+      : embed(register_module("embed", torch::nn::Linear(10, 6))),
+        block(register_module("block", ResidualBlock())),
+        head(register_module("head", torch::nn::Linear(6, 8))),
+        scale(register_parameter("scale", torch::ones({5}))) {}
+  torch::nn::Linear embed;
+  ResidualBlock block;
+  torch::nn::Linear head;
+  at::Tensor scale;
+};
+TORCH_MODULE(BlockModel);
+
+// Bytes of a float32 linear layer, from its shape alone.
+constexpr int64_t linear_bytes(int64_t in, int64_t out) { return (in * out + out) * 4; }
+
+TEST(GetMaxLayerSize, FindsTheLargestLayerAndEveryNameOfThatSizeKeepingNoSplitClassesWhole) {
+  BlockModel model;
+  // Sizes from the shapes: embed 264, block.fc1 and block.fc2 288 each, head 224, scale 20.
+  const int64_t total = linear_bytes(10, 6) + 2 * linear_bytes(8, 8) + linear_bytes(6, 8) + 5 * 4;
+  const std::map<std::string, int64_t> sizes{{"", total},
+                                              {"embed", linear_bytes(10, 6)},
+                                              {"block", 2 * linear_bytes(8, 8)},
+                                              {"block.fc1", linear_bytes(8, 8)},
+                                              {"block.fc2", linear_bytes(8, 8)},
+                                              {"head", linear_bytes(6, 8)},
+                                              {"scale", 5 * 4}};
+  // The library's own sizes agree with the shapes (the walk below reads the map it is given).
+  const auto computed = acc::compute_module_sizes(*model);
+  for (const auto& [name, size] : sizes) EXPECT_EQ(computed.at(name), size) << name;
+  const std::vector<acc::NamedModuleOrTensor> top{{"embed", model->embed.ptr(), at::Tensor()},
+                                                  {"block", model->block.ptr(), at::Tensor()},
+                                                  {"head", model->head.ptr(), at::Tensor()},
+                                                  {"scale", nullptr, model->scale}};
+
+  // The block is opened up: its two layers tie for the largest, in the order of the walk.
+  auto [size, names] = acc::get_max_layer_size(top, sizes, {});
+  EXPECT_EQ(size, linear_bytes(8, 8));
+  EXPECT_EQ(names, (std::vector<std::string>{"block.fc1", "block.fc2"}));
+  // Kept whole, the block is the largest layer alone.
+  std::tie(size, names) = acc::get_max_layer_size(top, sizes, {"ResidualBlock"});
+  EXPECT_EQ(size, 2 * linear_bytes(8, 8));
+  EXPECT_EQ(names, std::vector<std::string>{"block"});
+  // Without the block, embed is the largest; a direct tensor counts as a layer of its own.
+  std::tie(size, names) = acc::get_max_layer_size({top[0], top[2], top[3]}, sizes, {"ResidualBlock"});
+  EXPECT_EQ(size, linear_bytes(10, 6));
+  EXPECT_EQ(names, std::vector<std::string>{"embed"});
+  std::tie(size, names) = acc::get_max_layer_size({top[3]}, sizes, {});
+  EXPECT_EQ(size, 20);
+  EXPECT_EQ(names, std::vector<std::string>{"scale"});
+  // The whole model as one entry is opened up the same way.
+  std::tie(size, names) = acc::get_max_layer_size({{"", model.ptr(), at::Tensor()}}, sizes, {"ResidualBlock"});
+  EXPECT_EQ(size, 2 * linear_bytes(8, 8));
+  EXPECT_EQ(names, std::vector<std::string>{"block"});
+}
+
+// Retied names hold one storage: the same address, and a step on one is a step on the other.
+void expect_tied(torch::nn::Module& model, const std::string& a, const std::string& b) {
+  const auto ta = acc::get_module_tensor(model, a), tb = acc::get_module_tensor(model, b);
+  ASSERT_FALSE(ta.is_meta()) << a;
+  ASSERT_FALSE(tb.is_meta()) << b;
+  EXPECT_EQ(ta.data_ptr(), tb.data_ptr()) << a << " and " << b << " do not share their data";
+}
+
+TEST(RetieParameters, NamesWhoseTieWasBrokenShareOneTensorAgainAndTrainingOneTrainsTheOther) {
+  torch::manual_seed(0);
+  torch::nn::Sequential original(torch::nn::Linear(4, 4), torch::nn::Linear(4, 4));
+  Retie::tie(*original[1], "weight", original[0]->as<torch::nn::Linear>()->weight);
+  const auto groups = acc::find_tied_parameters(*original);
+  ASSERT_EQ(groups, (std::vector<std::vector<std::string>>{{"0.weight", "1.weight"}}));
+
+  // Cloning copies each name's tensor on its own: the tie is gone, as after loading.
+  auto model = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(original->clone());
+  ASSERT_TRUE(model != nullptr);
+  const auto first = model->ptr(0)->as<torch::nn::Linear>();
+  const auto second = model->ptr(1)->as<torch::nn::Linear>();
+  ASSERT_NE(first->weight.data_ptr(), second->weight.data_ptr());
+  ASSERT_TRUE(acc::find_tied_parameters(*model).empty());
+  second->weight.detach().add_(1);  // now they differ
+
+  acc::retie_parameters(*model, groups);
+  ASSERT_NO_FATAL_FAILURE(expect_tied(*model, "0.weight", "1.weight"));
+  EXPECT_TRUE(torch::equal(second->weight, first->weight)) << "the first name's data is the one kept";
+  EXPECT_NE(first->bias.data_ptr(), second->bias.data_ptr()) << "untied names stay apart";
+
+  // An optimizer of the first layer only: its step moves the second layer's weight too.
+  torch::optim::SGD sgd(first->parameters(), 0.1);
+  const auto before = first->weight.detach().clone();
+  first->forward(torch::randn({3, 4})).pow(2).sum().backward();
+  sgd.step();
+  EXPECT_FALSE(torch::equal(first->weight.detach(), before)) << "the step changed nothing";
+  EXPECT_TRUE(torch::equal(second->weight.detach(), first->weight.detach()))
+      << "training the first layer left the second's weight behind";
+}
+
+TEST(RetieParameters, TheFirstNameNotOnTheMetaDeviceGivesTheData) {
+  torch::manual_seed(0);
+  torch::nn::Sequential model(torch::nn::Linear(4, 4), torch::nn::Linear(4, 4));
+  const auto second = model[1]->as<torch::nn::Linear>();
+  const auto kept = second->weight.detach().clone();
+  // A load that left the first name empty: only the second name's weight was in the file.
+  acc::set_module_tensor_to_device(*model, "0.weight", torch::kMeta);
+  acc::retie_parameters(*model, {{"0.weight", "1.weight"}});
+  ASSERT_NO_FATAL_FAILURE(expect_tied(*model, "0.weight", "1.weight"));
+  EXPECT_TRUE(torch::equal(model[0]->as<torch::nn::Linear>()->weight, kept));
+  // A group with every name on the meta device has nothing to give: it is left as it is.
+  acc::set_module_tensor_to_device(*model, "0.bias", torch::kMeta);
+  acc::set_module_tensor_to_device(*model, "1.bias", torch::kMeta);
+  acc::retie_parameters(*model, {{"0.bias", "1.bias"}});
+  EXPECT_TRUE(model[0]->as<torch::nn::Linear>()->bias.is_meta());
+  EXPECT_TRUE(model[1]->as<torch::nn::Linear>()->bias.is_meta());
+}
+
+}  // namespace big_modeling_test
+
 TEST(DeviceMap, InferAutoDeviceMapUpstreamOracles) {
   ModelForTest model;
   // Only linear1 fits on device 0, which keeps room for the largest layer (100 bytes).
@@ -331,6 +457,82 @@ TEST(Offload, DamagedFolderIsReportedByName) {
   EXPECT_THROWS_WITH(acc::OffloadedWeightsLoader({}), "Need either a `state_dict`");
   EXPECT_THROWS_WITH(acc::OffloadedWeightsLoader({{"a", torch::ones(1)}}).get("b"), "no offloaded weight named 'b'");
 }
+
+namespace big_modeling_test {
+
+// A copy of every parameter and buffer of `model`, by name.
+std::map<std::string, at::Tensor> tensors_of(const torch::nn::Module& model) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& [name, t] : acc::named_module_tensors(model, true, true)) out.emplace(name, t.detach().clone());
+  return out;
+}
+
+TEST(LoadOffloadedWeights, AModelGetsBackTheWeightsItsOffloadFolderHolds) {
+  TempDir dir;
+  torch::manual_seed(0);
+  ModelForTest source;
+  source->batchnorm->running_mean.normal_();
+  source->batchnorm->num_batches_tracked.fill_(7);
+  acc::TensorMap weights;
+  for (const auto& item : acc::get_state_dict(*source)) weights.emplace(item.key(), item.value());
+  acc::offload_state_dict(dir.str(), weights);
+
+  // Into a model of other values, whose handles see the loaded data (it changes in place)…
+  torch::manual_seed(1);
+  ModelForTest model;
+  const auto weight_handle = model->linear1->weight;
+  ASSERT_FALSE(torch::equal(weight_handle, source->linear1->weight));
+  acc::load_offloaded_weights(*model, acc::load_offload_index(dir.str()), dir.str());
+  const auto expected = tensors_of(*source);
+  const auto loaded = tensors_of(*model);
+  ASSERT_EQ(loaded.size(), expected.size());
+  for (const auto& [name, t] : loaded) {
+    EXPECT_TRUE(t.is_cpu()) << name;
+    EXPECT_EQ(t.scalar_type(), expected.at(name).scalar_type()) << name;
+    EXPECT_TRUE(torch::equal(t, expected.at(name))) << name;
+  }
+  EXPECT_TRUE(torch::equal(weight_handle, source->linear1->weight));
+  EXPECT_TRUE(torch::equal(model->forward(torch::ones({2, 3})), source->forward(torch::ones({2, 3}))));
+
+  // …and into an empty one, which it materialises.
+  auto empty = acc::init_empty_weights([] { return ModelForTest(); });
+  acc::load_offloaded_weights(*empty, acc::load_offload_index(dir.str()), dir.str());
+  for (const auto& [name, t] : tensors_of(*empty)) {
+    ASSERT_FALSE(t.is_meta()) << name << " stayed on the meta device";
+    EXPECT_TRUE(torch::equal(t, expected.at(name))) << name;
+  }
+  // An empty index loads nothing.
+  acc::load_offloaded_weights(*empty, {}, dir.str() + "/missing");
+}
+
+TEST(LoadOffloadedWeights, AMissingOrDamagedIndexOrWeightFileIsReportedByName) {
+  TempDir dir;
+  ModelForTest source, model;
+  acc::TensorMap weights;
+  for (const auto& item : acc::get_state_dict(*source)) weights.emplace(item.key(), item.value());
+  acc::offload_state_dict(dir.str(), weights);
+  const auto index = acc::load_offload_index(dir.str());
+  const std::string index_file = (dir.path() / "index.json").string();
+  const std::string weight_file = (dir.path() / "linear2.weight.dat").string();
+
+  // A weight file cut short, or gone.
+  fs::resize_file(weight_file, 12);
+  EXPECT_THROWS_WITH(acc::load_offloaded_weights(*model, index, dir.str()),
+                     weight_file + " holds 12 bytes but its index entry (float32, shape [5, 4]) needs 80");
+  fs::remove(weight_file);
+  EXPECT_THROWS_WITH(acc::load_offloaded_weights(*model, index, dir.str()), "cannot open " + weight_file);
+  // The folder of another model: a name this one does not have.
+  fs::copy_file(dir.path() / "linear1.weight.dat", dir.path() / "decoder.weight.dat");
+  EXPECT_THROWS_WITH(acc::load_offloaded_weights(*model, {{"decoder.weight", index.at("linear1.weight")}}, dir.str()),
+                     "no submodule 'decoder'");
+  // The index itself: damaged, or missing.
+  std::ofstream(index_file) << "{\"linear1.weight\": ";
+  EXPECT_THROWS_WITH(acc::load_offload_index(dir.str()), index_file + " is not valid JSON");
+  fs::remove(index_file);
+  EXPECT_THROWS_WITH(acc::load_offload_index(dir.str()), index_file + " does not exist");
+}
+
+}  // namespace big_modeling_test
 
 namespace {
 

@@ -332,6 +332,17 @@ TEST(Availability, NcclExactlyWhenLibTorchLinksItAndPythonOnlyBackEndsNever) {
   EXPECT_FALSE(is_deepspeed_available());
 }
 
+// Intel's extension for PyTorch and Ascend's torch_npu are Python packages (docs/porting.md):
+// accelerate-cpp has no way to use them, so both answer false whatever the environment says,
+// including the variables upstream's launcher sets for them.
+TEST(Availability, IpexAndNpuArePythonOnlyAndNeverAvailable) {
+  EXPECT_FALSE(is_ipex_available());
+  EXPECT_FALSE(is_npu_available());
+  auto env = patch_environment({{"ACCELERATE_USE_IPEX", "true"}, {"ASCEND_RT_VISIBLE_DEVICES", "0"}});
+  EXPECT_FALSE(is_ipex_available());
+  EXPECT_FALSE(is_npu_available());
+}
+
 TEST(Availability, MpiIsAvailableExactlyWhenTheBuildLinkedIt) {
   std::ifstream maps("/proc/self/maps");
   std::string line;

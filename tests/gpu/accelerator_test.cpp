@@ -215,6 +215,45 @@ TEST(CudaAccelerator, Fp16TrainingFollowsFp32TrainingWithinHalfPrecision) {
       with_precision("fp16", 1024.0));
 }
 
+TEST(CudaAccelerator, UnscaleGradientsDividesByTheLossScaleOncePerStepAndOnlyTheNamedOptimizers) {
+  SKIP_WITHOUT_GPUS(1);
+  // A power of two: dividing by it is exact, so unscaled gradients equal scaled ones / kScale.
+  constexpr double kScale = 1024.0;
+  run_accelerators(
+      1,
+      [&](const Accelerator& acc, int) {
+        ASSERT_TRUE(acc.scaler().has_value());
+        torch::manual_seed(0);
+        torch::nn::Linear first_net(4, 2), second_net(4, 2);
+        auto first_sgd = std::make_shared<torch::optim::SGD>(first_net->parameters(), torch::optim::SGDOptions(0.1));
+        auto second_sgd = std::make_shared<torch::optim::SGD>(second_net->parameters(), torch::optim::SGDOptions(0.1));
+        auto [first, first_opt, second, second_opt] = acc.prepare(first_net, first_sgd, second_net, second_sgd);
+        const auto x = torch::randn({3, 4}, acc.device());
+        acc.backward(first(x).pow(2).sum() + second(x).pow(2).sum());
+        const auto first_scaled = first->weight.grad().clone();
+        const auto second_scaled = second->weight.grad().clone();
+        ASSERT_TRUE(torch::isfinite(first_scaled).all().item<bool>()) << first_scaled;
+        ASSERT_GT(first_scaled.abs().max().item<float>(), 0.f);
+
+        acc.unscale_gradients(first_opt);
+        EXPECT_TRUE(torch::equal(first->weight.grad(), first_scaled / kScale)) << "the named optimizer";
+        EXPECT_TRUE(torch::equal(second->weight.grad(), second_scaled)) << "an optimizer not named was unscaled";
+        acc.unscale_gradients();  // every prepared optimizer, each at most once per step
+        EXPECT_TRUE(torch::equal(first->weight.grad(), first_scaled / kScale)) << "unscaled twice";
+        EXPECT_TRUE(torch::equal(second->weight.grad(), second_scaled / kScale));
+        acc.unscale_gradients();
+        (void)acc.clip_grad_norm_(first->parameters(), 1e9);  // unscales again only if nothing did
+        EXPECT_TRUE(torch::equal(second->weight.grad(), second_scaled / kScale)) << "unscaled twice";
+
+        // The step uses the unscaled gradients once more, not divided again.
+        const auto weight = first->weight.detach().clone();
+        first_opt.step();
+        EXPECT_FALSE(first_opt.step_was_skipped());
+        EXPECT_TRUE(torch::allclose(first->weight.detach(), weight - 0.1 * first_scaled / kScale));
+      },
+      with_precision("fp16", kScale));
+}
+
 TEST(CudaAccelerator, Bf16AutocastsMatmulsToBfloat16WithoutAScalerAndReturnsFp32Outputs) {
   SKIP_WITHOUT_GPUS(1);
   run_accelerators(

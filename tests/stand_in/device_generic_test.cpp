@@ -131,6 +131,112 @@ TEST(StandInAccelerator, PrepareMovesTheModelItsOptimizerStateAndTheBatchesAndAT
   });
 }
 
+// A model, an Adam stepped once on the CPU (so that it holds state there, as when resuming) and a
+// loader of 8 samples in batches of 4: what the device-placement tests prepare.
+struct CpuTrainingObjects {
+  torch::nn::Linear net{3, 1};
+  std::shared_ptr<torch::optim::Adam> adam;
+  DataLoader loader;
+
+  CpuTrainingObjects()
+      : adam(std::make_shared<torch::optim::Adam>(net->parameters(), torch::optim::AdamOptions(0.1))),
+        loader(std::make_shared<TensorDataset>(torch::randn({8, 3}), torch::randn({8, 1})), {.batch_size = 4}) {
+    torch::mse_loss(net(torch::randn({4, 3})), torch::zeros({4, 1})).backward();
+    adam->step();
+  }
+};
+
+// Whether every state tensor of `adam` is on the stand-in (true) or on the CPU (false); fails
+// the test when they disagree or there is none.
+void expect_adam_state_on_stand_in(const torch::optim::Adam& adam, bool on_device, const std::string& what) {
+  ASSERT_FALSE(adam.state().empty()) << what;
+  for (const auto& [key, state] : adam.state()) {
+    const auto& adam_state = static_cast<const torch::optim::AdamParamState&>(*state);
+    for (const auto& t : {adam_state.exp_avg(), adam_state.exp_avg_sq()}) {
+      if (on_device) {
+        EXPECT_TRUE(on_stand_in(t)) << what << ": Adam state " << key << " is on " << t.device();
+      } else {
+        EXPECT_TRUE(t.is_cpu()) << what << ": Adam state " << key << " is on " << t.device();
+      }
+    }
+  }
+}
+
+TEST(StandInAccelerator, DevicePlacementOffLeavesTheModelItsOptimizerStateAndTheBatchesOnTheCpu) {
+  run_accelerators(
+      1,
+      [](const Accelerator& acc, int) {
+        EXPECT_FALSE(acc.device_placement());
+        EXPECT_EQ(acc.device(), stand_in::device(0)) << "the process's device is still the stand-in";
+        torch::manual_seed(0);
+        CpuTrainingObjects objects;
+        const auto copies_before = stand_in::copies();
+        auto [model, opt, batches] = acc.prepare(objects.net, objects.adam, objects.loader);
+        EXPECT_TRUE(model->weight.is_cpu()) << model->weight.device();
+        EXPECT_TRUE(model->bias.is_cpu()) << model->bias.device();
+        expect_adam_state_on_stand_in(*objects.adam, /*on_device=*/false, "prepare");
+        int seen = 0;
+        for (auto& batch : batches) {
+          EXPECT_TRUE(batch.data.is_cpu()) << batch.data.device();
+          EXPECT_TRUE(batch.target.is_cpu()) << batch.target.device();
+          // The user places things themselves: a step on the CPU runs.
+          const auto before = model->weight.detach().clone();
+          opt.zero_grad();
+          acc.backward(torch::mse_loss(model(batch.data), batch.target));
+          opt.step();
+          EXPECT_FALSE(torch::equal(model->weight.detach(), before)) << "the step changed nothing";
+          ++seen;
+        }
+        EXPECT_EQ(seen, 2);
+        expect_adam_state_on_stand_in(*objects.adam, /*on_device=*/false, "after training");
+        EXPECT_EQ(stand_in::copies(), copies_before) << "something was copied to or from the stand-in";
+      },
+      AcceleratorOptions{.device_placement = false});
+}
+
+TEST(StandInAccelerator, APerObjectDevicePlacementOverridesTheAcceleratorsOptionEitherWay) {
+  // The option on (the default), each object asking to stay where it is.
+  run_accelerators(1, [](const Accelerator& acc, int) {
+    ASSERT_TRUE(acc.device_placement());
+    torch::manual_seed(0);
+    CpuTrainingObjects kept, placed;
+    auto kept_model = acc.prepare_model(kept.net, /*device_placement=*/false);
+    acc.prepare_optimizer(kept.adam, /*device_placement=*/false);
+    auto kept_batches = acc.prepare_data_loader(kept.loader, /*device_placement=*/false);
+    EXPECT_TRUE(kept_model->weight.is_cpu()) << kept_model->weight.device();
+    expect_adam_state_on_stand_in(*kept.adam, /*on_device=*/false, "device_placement=false");
+    for (auto& batch : kept_batches) EXPECT_TRUE(batch.data.is_cpu()) << batch.data.device();
+    // Objects that say nothing follow the option.
+    auto [model, opt, batches] = acc.prepare(placed.net, placed.adam, placed.loader);
+    EXPECT_TRUE(on_stand_in(model->weight));
+    expect_adam_state_on_stand_in(*placed.adam, /*on_device=*/true, "the option");
+    for (auto& batch : batches) EXPECT_TRUE(on_stand_in(batch.data));
+  });
+  // The option off, each object asking to be placed.
+  run_accelerators(
+      1,
+      [](const Accelerator& acc, int) {
+        ASSERT_FALSE(acc.device_placement());
+        torch::manual_seed(0);
+        CpuTrainingObjects placed, kept;
+        auto placed_model = acc.prepare_model(placed.net, /*device_placement=*/true);
+        acc.prepare_optimizer(placed.adam, /*device_placement=*/true);
+        auto placed_batches = acc.prepare_data_loader(placed.loader, /*device_placement=*/true);
+        EXPECT_TRUE(on_stand_in(placed_model->weight)) << placed_model->weight.device();
+        EXPECT_TRUE(on_stand_in(placed_model->bias)) << placed_model->bias.device();
+        expect_adam_state_on_stand_in(*placed.adam, /*on_device=*/true, "device_placement=true");
+        for (auto& batch : placed_batches) {
+          EXPECT_TRUE(on_stand_in(batch.data)) << batch.data.device();
+          EXPECT_TRUE(on_stand_in(batch.target)) << batch.target.device();
+        }
+        auto [model, opt, batches] = acc.prepare(kept.net, kept.adam, kept.loader);
+        EXPECT_TRUE(model->weight.is_cpu());
+        expect_adam_state_on_stand_in(*kept.adam, /*on_device=*/false, "the option");
+        for (auto& batch : batches) EXPECT_TRUE(batch.data.is_cpu());
+      },
+      AcceleratorOptions{.device_placement = false});
+}
+
 TEST(StandInOperations, SendToDeviceMovesEveryTensorOfNestedDataExceptSkippedKeys) {
   std::map<std::string, at::Tensor> batch{{"x", torch::ones({2})}, {"keep", torch::zeros({1})}};
   const auto moved = send_to_device(batch, stand_in::device(1), false, {"keep"});
