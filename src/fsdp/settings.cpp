@@ -6,6 +6,8 @@
 
 #include <c10/util/Exception.h>
 
+#include <sstream>
+
 namespace accelerate::detail::fsdp {
 
 // A dtype of the mixed-precision policy by upstream's names, or none for an empty one.
@@ -28,11 +30,7 @@ FsdpSettings resolve_fsdp_plugin(const FullyShardedDataParallelPlugin& plugin, c
     return value ? str_to_bool(*value) : fallback;
   };
   FsdpSettings s;
-  if (plugin.fsdp_version) {
-    s.fsdp_version = *plugin.fsdp_version;
-  } else if (auto v = env("FSDP_VERSION")) {
-    s.fsdp_version = detail::parse_env_int("FSDP_VERSION", *v);
-  }
+  s.fsdp_version = fsdp_version_of(plugin);
   TORCH_CHECK_VALUE(s.fsdp_version == 1 || s.fsdp_version == 2,
                     "[FullyShardedDataParallelPlugin] fsdp_version must be 1 or 2, got ", s.fsdp_version);
 
@@ -88,34 +86,16 @@ FsdpSettings resolve_fsdp_plugin(const FullyShardedDataParallelPlugin& plugin, c
   s.reduce_dtype = policy_dtype("reduce_dtype", mp.reduce_dtype);
   s.buffer_dtype = policy_dtype("buffer_dtype", mp.buffer_dtype);
 
-  if (plugin.auto_wrap_policy) {
-    s.auto_wrap_policy = *plugin.auto_wrap_policy;
-  } else if (auto v = env("FSDP_AUTO_WRAP_POLICY")) {
-    s.auto_wrap_policy = parse_fsdp_auto_wrap_policy(*v);
-  }
+  s.auto_wrap_policy = auto_wrap_policy_of(plugin).value_or(FsdpAutoWrapPolicy::kNoWrap);
   TORCH_CHECK_VALUE(!(plugin.auto_wrap_policy && plugin.auto_wrap_callable),
                     "[FullyShardedDataParallelPlugin] give either auto_wrap_policy or auto_wrap_callable, not both");
   s.auto_wrap_callable = plugin.auto_wrap_callable;
-  s.transformer_cls_names_to_wrap = plugin.transformer_cls_names_to_wrap;
-  if (s.transformer_cls_names_to_wrap.empty()) {
-    if (auto v = env("FSDP_TRANSFORMER_CLS_TO_WRAP")) {
-      std::stringstream in(*v);
-      for (std::string item; std::getline(in, item, ',');) {
-        item.erase(0, item.find_first_not_of(' '));
-        item.erase(item.find_last_not_of(' ') + 1);
-        if (!item.empty()) s.transformer_cls_names_to_wrap.push_back(item);
-      }
-    }
-  }
+  s.transformer_cls_names_to_wrap = transformer_cls_names_of(plugin);
   TORCH_CHECK_VALUE(s.auto_wrap_policy != FsdpAutoWrapPolicy::kTransformerBasedWrap ||
                         !s.transformer_cls_names_to_wrap.empty(),
                     "[FullyShardedDataParallelPlugin] TRANSFORMER_BASED_WRAP needs transformer_cls_names_to_wrap "
                     "(or FSDP_TRANSFORMER_CLS_TO_WRAP): the class names of the modules to wrap");
-  if (plugin.min_num_params) {
-    s.min_num_params = *plugin.min_num_params;
-  } else if (auto v = env("FSDP_MIN_NUM_PARAMS")) {
-    s.min_num_params = detail::parse_env_int("FSDP_MIN_NUM_PARAMS", *v);
-  }
+  s.min_num_params = min_num_params_of(plugin);
   TORCH_CHECK_VALUE(s.min_num_params > 0, "[FullyShardedDataParallelPlugin] min_num_params must be positive, got ",
                     s.min_num_params);
 
@@ -142,6 +122,38 @@ FsdpSettings resolve_fsdp_plugin(const FullyShardedDataParallelPlugin& plugin, c
                       "with ", to_string(s.state_dict_type), " every process keeps its own shards");
   }
   return s;
+}
+
+int fsdp_version_of(const FullyShardedDataParallelPlugin& plugin) {
+  if (plugin.fsdp_version) return *plugin.fsdp_version;
+  if (auto v = get_env("FSDP_VERSION")) return parse_env_int("FSDP_VERSION", *v);
+  return 1;
+}
+
+std::optional<FsdpAutoWrapPolicy> auto_wrap_policy_of(const FullyShardedDataParallelPlugin& plugin) {
+  if (plugin.auto_wrap_policy) return plugin.auto_wrap_policy;
+  if (auto v = get_env("FSDP_AUTO_WRAP_POLICY")) return parse_fsdp_auto_wrap_policy(*v);
+  return std::nullopt;
+}
+
+std::vector<std::string> transformer_cls_names_of(const FullyShardedDataParallelPlugin& plugin) {
+  std::vector<std::string> names = plugin.transformer_cls_names_to_wrap;
+  if (!names.empty()) return names;
+  if (auto v = get_env("FSDP_TRANSFORMER_CLS_TO_WRAP")) {
+    std::stringstream in(*v);
+    for (std::string item; std::getline(in, item, ',');) {
+      item.erase(0, item.find_first_not_of(' '));
+      item.erase(item.find_last_not_of(' ') + 1);
+      if (!item.empty()) names.push_back(item);
+    }
+  }
+  return names;
+}
+
+int64_t min_num_params_of(const FullyShardedDataParallelPlugin& plugin) {
+  if (plugin.min_num_params) return *plugin.min_num_params;
+  if (auto v = get_env("FSDP_MIN_NUM_PARAMS")) return parse_env_int("FSDP_MIN_NUM_PARAMS", *v);
+  return 100000000;
 }
 
 FsdpStateDictType state_dict_type_of(const FullyShardedDataParallelPlugin& plugin) {
@@ -174,12 +186,7 @@ void FullyShardedDataParallelPlugin::set_mixed_precision(const std::string& mixe
   auto& mp = mixed_precision_policy;
   const bool unset = mp.param_dtype.empty() && mp.reduce_dtype.empty() && mp.buffer_dtype.empty();
   if (!override && !unset) return;
-  int version = 1;
-  if (fsdp_version) {
-    version = *fsdp_version;
-  } else if (auto v = get_env("FSDP_VERSION")) {
-    version = detail::parse_env_int("FSDP_VERSION", *v);
-  }
+  const int version = detail::fsdp::fsdp_version_of(*this);
   mp.param_dtype = mixed_precision;
   mp.reduce_dtype = mixed_precision;
   // Version 2's policy has no buffer dtype (upstream sets its output dtype instead).

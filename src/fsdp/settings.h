@@ -11,6 +11,7 @@
 #include <c10/util/Optional.h>
 
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -50,6 +51,15 @@ struct FsdpSettings {
 /// A mixed-precision policy's dtype by upstream's names ("bf16", "float32", …); none for an empty
 /// one; refuses any other name, naming `field`.
 c10::optional<at::ScalarType> policy_dtype(const char* field, const std::string& name);
+
+/// The plugin's version, else FSDP_VERSION's, else 1.
+int fsdp_version_of(const FullyShardedDataParallelPlugin& plugin);
+/// The plugin's named auto-wrap policy, else FSDP_AUTO_WRAP_POLICY's, else none.
+std::optional<FsdpAutoWrapPolicy> auto_wrap_policy_of(const FullyShardedDataParallelPlugin& plugin);
+/// The plugin's classes to wrap, else FSDP_TRANSFORMER_CLS_TO_WRAP's (comma-separated).
+std::vector<std::string> transformer_cls_names_of(const FullyShardedDataParallelPlugin& plugin);
+/// The plugin's size-based threshold, else FSDP_MIN_NUM_PARAMS's, else 10^8.
+int64_t min_num_params_of(const FullyShardedDataParallelPlugin& plugin);
 
 /// The plugin's state-dict type, else FSDP_STATE_DICT_TYPE's, else FULL_STATE_DICT.
 FsdpStateDictType state_dict_type_of(const FullyShardedDataParallelPlugin& plugin);

@@ -1,13 +1,9 @@
 // The auto-wrap policies; see wrap_policy.h.
 #include "fsdp/wrap_policy.h"
 
-#include "accelerate/utils/environment.h"
-#include "detail/topology.h"
-
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <sstream>
 
 namespace accelerate::detail::fsdp {
 
@@ -72,22 +68,10 @@ namespace accelerate {
 
 void FullyShardedDataParallelPlugin::set_auto_wrap_policy(const torch::nn::Module& model) {
   if (auto_wrap_callable) return;
-  std::optional<FsdpAutoWrapPolicy> policy = auto_wrap_policy;
-  if (!policy) {
-    if (auto v = get_env("FSDP_AUTO_WRAP_POLICY")) policy = parse_fsdp_auto_wrap_policy(*v);
-  }
+  const auto policy = detail::fsdp::auto_wrap_policy_of(*this);
   if (!policy || *policy == FsdpAutoWrapPolicy::kNoWrap) return;
   if (*policy == FsdpAutoWrapPolicy::kTransformerBasedWrap) {
-    if (transformer_cls_names_to_wrap.empty()) {
-      if (auto v = get_env("FSDP_TRANSFORMER_CLS_TO_WRAP")) {
-        std::stringstream in(*v);
-        for (std::string item; std::getline(in, item, ',');) {
-          item.erase(0, item.find_first_not_of(' '));
-          item.erase(item.find_last_not_of(' ') + 1);
-          if (!item.empty()) transformer_cls_names_to_wrap.push_back(item);
-        }
-      }
-    }
+    transformer_cls_names_to_wrap = detail::fsdp::transformer_cls_names_of(*this);
     TORCH_CHECK_VALUE(!transformer_cls_names_to_wrap.empty(), "[FullyShardedDataParallelPlugin::set_auto_wrap_policy] ",
                       "TRANSFORMER_BASED_WRAP needs transformer_cls_names_to_wrap (or FSDP_TRANSFORMER_CLS_TO_WRAP): ",
                       "a C++ module has no _no_split_modules to take them from");
@@ -104,12 +88,7 @@ void FullyShardedDataParallelPlugin::set_auto_wrap_policy(const torch::nn::Modul
                          [&](const std::string& pattern) { return detail::fsdp::name_matches(pattern, m); });
     };
   } else {
-    int64_t threshold = 100000000;
-    if (min_num_params) {
-      threshold = *min_num_params;
-    } else if (auto v = get_env("FSDP_MIN_NUM_PARAMS")) {
-      threshold = detail::parse_env_int("FSDP_MIN_NUM_PARAMS", *v);
-    }
+    const int64_t threshold = detail::fsdp::min_num_params_of(*this);
     if (threshold <= 0) {  // upstream silently drops the policy: the model is one unit
       auto_wrap_policy = FsdpAutoWrapPolicy::kNoWrap;
       min_num_params.reset();
