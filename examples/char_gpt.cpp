@@ -8,7 +8,8 @@
 //   - gradient accumulation (`--gradient_accumulation_steps`) with `accumulate`;
 //   - a cosine learning-rate schedule with warmup;
 //   - periodic evaluation on held-out text, gathered from every process with `gather_for_metrics`;
-//   - TensorBoard and JSONL logging (`<output_dir>/logs/char_gpt`) through `log_with`;
+//   - TensorBoard and JSONL logging (`<output_dir>/logs/char_gpt`) through `log_with`
+//     (`--log_with` adds W&B offline runs, an MLflow server, CSV, dvclive);
 //   - a progress bar and log lines on the main process only;
 //   - crash-safe checkpoints every `--checkpoint_every` steps, and `--resume` from the newest;
 //   - asked to stop (SIGTERM, SIGUSR1), it saves at the next step and ends with status 75;
@@ -65,6 +66,9 @@ struct Settings {
   int tp_size = 1;  // processes each block's heads and MLP are split over
   bool sequence_parallel = false;  // with tp_size: the blocks' norms run on pieces of the sequence
   int cp_size = 1;  // processes each sequence is split over (ring attention)
+  // Trackers, comma separated: also "csv", "dvclive", "wandb" (an offline run for `wandb sync`)
+  // and "mlflow" (a tracking server at MLFLOW_TRACKING_URI).
+  std::string log_with = "tensorboard,jsonl";
 };
 
 [[noreturn]] void usage_error(const std::string& message) {
@@ -78,7 +82,7 @@ struct Settings {
                "                [--eval_samples N] [--checkpoint_every N] "
                "[--total_limit N] [--sample_length N]\n"
                "                [--seed N] [--tp_size N] [--sequence_parallel] [--cp_size N]\n"
-               "                [--resume]\n";
+               "                [--log_with tensorboard,jsonl,csv,dvclive,wandb,mlflow] [--resume]\n";
   std::exit(2);
 }
 
@@ -105,6 +109,7 @@ Settings parse_settings(int argc, char** argv) {
       {"--seed", [&](const std::string& v) { s.seed = std::stoull(v); }},
       {"--tp_size", [&](const std::string& v) { s.tp_size = std::stoi(v); }},
       {"--cp_size", [&](const std::string& v) { s.cp_size = std::stoi(v); }},
+      {"--log_with", [&](const std::string& v) { s.log_with = v; }},
   };
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
@@ -292,6 +297,15 @@ std::string fixed(double value, int digits = 4) {
   return text;
 }
 
+std::vector<acc::Tracker> trackers(const std::string& names) {
+  std::vector<acc::Tracker> out;
+  std::stringstream list(names);
+  for (std::string name; std::getline(list, name, ',');) {
+    if (!name.empty()) out.emplace_back(name);
+  }
+  return out;
+}
+
 void train(const Settings& s) {
   acc::set_seed(s.seed);
 
@@ -300,7 +314,7 @@ void train(const Settings& s) {
       .mixed_precision = s.mixed_precision,
       .gradient_accumulation_steps = s.gradient_accumulation_steps,
       .dataloader_config = {.use_stateful_dataloader = true},
-      .log_with = {"tensorboard", "jsonl"},
+      .log_with = trackers(s.log_with),
       .project_dir = s.output_dir,
       .project_config = {.logging_dir = s.output_dir + "/logs",
                          .automatic_checkpoint_naming = true,

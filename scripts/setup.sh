@@ -19,6 +19,8 @@ packages=(
   "$torch_package" "$gloo_package"    # tensor engine and its c10d/Gloo headers
   libopenblas0-pthread                # fast BLAS for LibTorch's fp32 matrix products
   nlohmann-json3-dev libyaml-cpp-dev libcli11-dev
+  libcurl4-openssl-dev                # the MLflow tracker's HTTP client
+  python3-venv                        # the tests' environment of Python packages (scripts/python_env.sh)
   libprotobuf-dev protobuf-compiler
   libnuma-dev
   openmpi-bin libopenmpi-dev          # the MPI process-group back-end and mpirun

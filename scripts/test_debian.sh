@@ -12,7 +12,9 @@
 #   --build     only build the dev tree, which fills the root's compiler cache (CI does this at
 #               the lowest priority while the native tests run, so that --dev then compiles little)
 #   --dev       only the dev tier (unit, cli, multiprocess and gpu tests; built at -O3 with
-#               warnings as errors), without the sanitizer and fuzzer stages of scripts/test.sh
+#               warnings as errors), without the sanitizer and fuzzer stages of scripts/test.sh,
+#               and without the tests against Python packages from the package index (label
+#               `packages`: the root has no environment of them; the machine's own run has)
 #   --release-check  only the main job's targets built in release with warnings as errors
 #   --main-job  the README's other command instead, scripts/run_main_job.sh (ARGS go to the example)
 #   --bench NAME  a benchmark runner instead, bench/run_NAME, with that release's PyTorch twins
@@ -135,7 +137,7 @@ if [ $tier = prepare ]; then
 elif [ $tier = build ]; then
   inner='scripts/setup.sh && scripts/build.sh dev'
 elif [ $tier = dev ]; then
-  inner='scripts/setup.sh && scripts/build.sh dev && ctest --preset dev "$@"'
+  inner='scripts/setup.sh && scripts/build.sh dev && ctest --preset dev -LE packages "$@"'
 elif [ $tier = release-check ]; then
   inner='scripts/setup.sh && scripts/build.sh release-check accelerate_cli char_gpt'
 elif [ $tier = main-job ]; then

@@ -117,47 +117,7 @@ std::vector<std::pair<std::string, nlohmann::json>> flatten(const nlohmann::json
   return out;
 }
 
-struct Image {
-  int64_t height, width, channels;
-  std::string png;
-};
-
-// Upstream's add_images: a [N, C, H, W] batch tiled into a grid of up to 8 columns (grey
-// repeated to RGB), floating values scaled by 255, clipped to [0, 255] and truncated to uint8.
-Image to_image(const std::string& key, at::Tensor tensor) {
-  TORCH_CHECK_VALUE(tensor.defined(), "[TensorBoardTracker.log_images] '", key,
-                    "': expected a tensor, got an undefined one");
-  if (tensor.dim() == 3) tensor = tensor.unsqueeze(0);
-  TORCH_CHECK_VALUE(tensor.dim() == 4, "[TensorBoardTracker.log_images] '", key,
-                    "': expected a [C, H, W] or [N, C, H, W] tensor, got ", tensor.dim(), " dimensions");
-  const int64_t n = tensor.size(0), c = tensor.size(1), h = tensor.size(2), w = tensor.size(3);
-  TORCH_CHECK_VALUE(c == 1 || c == 3 || c == 4, "[TensorBoardTracker.log_images] '", key,
-                    "': expected 1, 3 or 4 channels, got ", c);
-  TORCH_CHECK_VALUE(n > 0 && h > 0 && w > 0, "[TensorBoardTracker.log_images] '", key, "': the image is empty");
-  tensor = tensor.detach().to(at::kCPU);
-  if (tensor.scalar_type() != at::kByte) {
-    TORCH_CHECK_VALUE(at::isFloatingType(tensor.scalar_type()), "[TensorBoardTracker.log_images] '", key,
-                      "': expected floating values in [0, 1] or uint8, got ", tensor.scalar_type());
-    tensor = (tensor.to(at::kFloat) * 255).clamp(0, 255).to(at::kByte);
-  }
-  if (c == 1) tensor = tensor.expand({n, 3, h, w});
-  const int64_t channels = c == 1 ? 3 : c;
-  const int64_t cols = std::min<int64_t>(n, 8), rows = (n + cols - 1) / cols;
-  at::Tensor canvas = at::zeros({channels, h * rows, w * cols}, at::kByte);
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t y = i / cols, x = i % cols;
-    canvas.slice(1, y * h, (y + 1) * h).slice(2, x * w, (x + 1) * w).copy_(tensor[i]);
-  }
-  at::Tensor hwc = canvas.permute({1, 2, 0}).contiguous();
-  std::string pixels(static_cast<const char*>(hwc.data_ptr()), static_cast<size_t>(hwc.numel()));
-  return {h * rows, w * cols, channels, encode_png(pixels, h * rows, w * cols, channels)};
-}
-
-std::string hostname() {
-  char name[256] = {};
-  if (::gethostname(name, sizeof(name) - 1) != 0) return "localhost";
-  return name;
-}
+std::string hostname() { return detail::tracker_hostname(); }
 
 std::atomic<int> event_file_counter{0};
 
@@ -181,6 +141,47 @@ void check_option_keys(const nlohmann::json& kwargs, const std::vector<std::stri
 }
 
 }  // namespace
+
+namespace detail {
+
+// Upstream's add_images: a [N, C, H, W] batch tiled into a grid of up to 8 columns (grey
+// repeated to RGB), floating values scaled by 255, clipped to [0, 255] and truncated to uint8.
+TrackerImage tracker_image(const std::string& api, const std::string& key, at::Tensor tensor) {
+  TORCH_CHECK_VALUE(tensor.defined(), "[", api, "] '", key,
+                    "': expected a tensor, got an undefined one");
+  if (tensor.dim() == 3) tensor = tensor.unsqueeze(0);
+  TORCH_CHECK_VALUE(tensor.dim() == 4, "[", api, "] '", key,
+                    "': expected a [C, H, W] or [N, C, H, W] tensor, got ", tensor.dim(), " dimensions");
+  const int64_t n = tensor.size(0), c = tensor.size(1), h = tensor.size(2), w = tensor.size(3);
+  TORCH_CHECK_VALUE(c == 1 || c == 3 || c == 4, "[", api, "] '", key,
+                    "': expected 1, 3 or 4 channels, got ", c);
+  TORCH_CHECK_VALUE(n > 0 && h > 0 && w > 0, "[", api, "] '", key, "': the image is empty");
+  tensor = tensor.detach().to(at::kCPU);
+  if (tensor.scalar_type() != at::kByte) {
+    TORCH_CHECK_VALUE(at::isFloatingType(tensor.scalar_type()), "[", api, "] '", key,
+                      "': expected floating values in [0, 1] or uint8, got ", tensor.scalar_type());
+    tensor = (tensor.to(at::kFloat) * 255).clamp(0, 255).to(at::kByte);
+  }
+  if (c == 1) tensor = tensor.expand({n, 3, h, w});
+  const int64_t channels = c == 1 ? 3 : c;
+  const int64_t cols = std::min<int64_t>(n, 8), rows = (n + cols - 1) / cols;
+  at::Tensor canvas = at::zeros({channels, h * rows, w * cols}, at::kByte);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t y = i / cols, x = i % cols;
+    canvas.slice(1, y * h, (y + 1) * h).slice(2, x * w, (x + 1) * w).copy_(tensor[i]);
+  }
+  at::Tensor hwc = canvas.permute({1, 2, 0}).contiguous();
+  std::string pixels(static_cast<const char*>(hwc.data_ptr()), static_cast<size_t>(hwc.numel()));
+  return {h * rows, w * cols, channels, encode_png(pixels, h * rows, w * cols, channels)};
+}
+
+std::string tracker_hostname() {
+  char name[256] = {};
+  if (::gethostname(name, sizeof(name) - 1) != 0) return "localhost";
+  return name;
+}
+
+}  // namespace detail
 
 // ---- CRC32C (the public function; TFRecord framing is in formats/tensorboard.cpp) --------------
 
@@ -326,8 +327,10 @@ void TensorBoardTracker::log(const nlohmann::json& values, std::optional<int64_t
 }
 
 void TensorBoardTracker::log_images(const std::map<std::string, at::Tensor>& images, std::optional<int64_t> step) {
-  std::vector<std::pair<std::string, Image>> encoded;
-  for (const auto& [key, tensor] : images) encoded.emplace_back(key, to_image(key, tensor));
+  std::vector<std::pair<std::string, detail::TrackerImage>> encoded;
+  for (const auto& [key, tensor] : images) {
+    encoded.emplace_back(key, detail::tracker_image("TensorBoardTracker.log_images", key, tensor));
+  }
   const double now = wall_time();
   for (const auto& [key, image] : encoded) {
     Proto img = std::move(Proto()
@@ -624,8 +627,71 @@ const std::vector<TrackerEntry>& tracker_registry() {
                    Make([option](const std::string& run, const std::string& dir, const nlohmann::json& kwargs) {
                      return std::make_shared<CSVTracker>(run, dir, CSVTrackerOptions{option(kwargs, "filename", "log.csv")});
                    })});
-    // Upstream's trackers that need Python or a remote service.
-    for (const char* name : {"wandb", "comet_ml", "aim", "mlflow", "clearml", "swanlab", "trackio"}) {
+    out.push_back({"wandb",
+                   {"name", "notes", "tags", "group", "job_type", "entity", "dir", "id", "mode", "config"},
+                   /*needs_logging_dir=*/false,
+                   [](const nlohmann::json& kwargs, const std::string& api) {
+                     for (const char* key : {"name", "notes", "group", "job_type", "entity", "id", "mode"}) {
+                       if (kwargs.contains(key)) (void)string_option(kwargs, key, api, "wandb");
+                     }
+                     TORCH_CHECK_VALUE(!kwargs.contains("tags") || (kwargs.at("tags").is_array() &&
+                                                                     std::all_of(kwargs.at("tags").begin(),
+                                                                                 kwargs.at("tags").end(),
+                                                                                 [](const auto& t) { return t.is_string(); })),
+                                       "[", api, "] init_kwargs['wandb']['tags']: expected a list of strings, got ",
+                                       kwargs.value("tags", nlohmann::json()).dump());
+                     TORCH_CHECK_VALUE(!kwargs.contains("config") || kwargs.at("config").is_object(), "[", api,
+                                       "] init_kwargs['wandb']['config']: expected a JSON object, got ",
+                                       kwargs.value("config", nlohmann::json()).dump());
+                   },
+                   Make([option](const std::string& run, const std::string&, const nlohmann::json& kwargs) {
+                     WandBTrackerOptions o;
+                     o.name = option(kwargs, "name", "");
+                     o.notes = option(kwargs, "notes", "");
+                     o.group = option(kwargs, "group", "");
+                     o.job_type = option(kwargs, "job_type", "");
+                     o.entity = option(kwargs, "entity", "");
+                     o.dir = option(kwargs, "dir", "");
+                     o.id = option(kwargs, "id", "");
+                     o.mode = option(kwargs, "mode", "");
+                     if (kwargs.contains("tags")) o.tags = kwargs.at("tags").get<std::vector<std::string>>();
+                     if (kwargs.contains("config")) o.config = kwargs.at("config");
+                     return std::make_shared<WandBTracker>(run, o);
+                   })});
+    out.push_back({"mlflow",
+                   {"run_id", "tags", "nested_run", "run_name", "description", "flush_timeout"},
+                   /*needs_logging_dir=*/false,
+                   [](const nlohmann::json& kwargs, const std::string& api) {
+                     for (const char* key : {"run_id", "run_name", "description"}) {
+                       if (kwargs.contains(key)) (void)string_option(kwargs, key, api, "mlflow");
+                     }
+                     TORCH_CHECK_VALUE(!kwargs.contains("tags") || kwargs.at("tags").is_object() ||
+                                           kwargs.at("tags").is_string(),
+                                       "[", api, "] init_kwargs['mlflow']['tags']: expected a JSON object (or its text), got ",
+                                       kwargs.value("tags", nlohmann::json()).dump());
+                     TORCH_CHECK_VALUE(!kwargs.contains("nested_run") || kwargs.at("nested_run").is_boolean(), "[", api,
+                                       "] init_kwargs['mlflow']['nested_run']: expected a boolean, got ",
+                                       kwargs.value("nested_run", nlohmann::json()).dump());
+                   },
+                   Make([option](const std::string& run, const std::string& dir, const nlohmann::json& kwargs) {
+                     MLflowTrackerOptions o;
+                     o.run_id = option(kwargs, "run_id", "");
+                     o.run_name = option(kwargs, "run_name", "");
+                     o.description = option(kwargs, "description", "");
+                     if (kwargs.contains("tags")) {
+                       const auto& tags = kwargs.at("tags");
+                       o.tags = tags.is_string() ? nlohmann::json::parse(tags.get<std::string>(), nullptr, false) : tags;
+                       TORCH_CHECK_VALUE(o.tags.is_object(),
+                                         "[MLflowTracker] tags: expected a JSON object's text, got ", tags.dump());
+                     }
+                     o.nested_run = kwargs.value("nested_run", false);
+                     o.flush_timeout = kwargs.value("flush_timeout", 60.0);
+                     return std::make_shared<MLflowTracker>(run, dir, o);
+                   }),
+                   // "all" takes it only with a server to speak to.
+                   [] { return std::getenv("MLFLOW_TRACKING_URI") != nullptr; }});
+    // Upstream's trackers that need Python or a cloud service.
+    for (const char* name : {"comet_ml", "aim", "clearml", "swanlab", "trackio"}) {
       out.push_back({name, {}, /*needs_logging_dir=*/false, nullptr, Make()});
     }
     return out;
@@ -644,10 +710,12 @@ const TrackerEntry* find_tracker_entry(const std::string& name) {
 
 namespace {
 
-std::vector<std::string> builtin_names() {
+// The built-in trackers; with `available_now`, only those that can run now (upstream's
+// `get_available_trackers`: mlflow with a server to speak to).
+std::vector<std::string> builtin_names(bool available_now = false) {
   std::vector<std::string> names;
   for (const auto& entry : detail::tracker_registry()) {
-    if (entry.built_in()) names.push_back(entry.name);
+    if (entry.built_in() && (!available_now || !entry.available || entry.available())) names.push_back(entry.name);
   }
   return names;
 }
@@ -662,7 +730,7 @@ Tracker::Tracker(std::shared_ptr<GeneralTracker> tracker) : tracker_(std::move(t
 
 std::string Tracker::name() const { return tracker_ ? tracker_->name() : name_; }
 
-std::vector<std::string> available_trackers() { return builtin_names(); }
+std::vector<std::string> available_trackers() { return builtin_names(/*available_now=*/true); }
 
 std::vector<Tracker> filter_trackers(const std::vector<Tracker>& log_with, const std::string& logging_dir) {
   return detail::filter_trackers(log_with, logging_dir, "filter_trackers");
@@ -713,7 +781,7 @@ std::vector<Tracker> filter_trackers(const std::vector<Tracker>& log_with, const
     for (const auto& tracker : log_with) {
       if (!tracker.is_name()) add(tracker);
     }
-    for (const auto& name : builtin_names()) add(name);
+    for (const auto& name : builtin_names(/*available_now=*/true)) add(name);
   } else {
     for (const auto& tracker : log_with) add(tracker);
   }
@@ -728,7 +796,7 @@ void check_init_kwargs(const std::string& name, const nlohmann::json& kwargs, co
   for (const auto& key : {"filename_suffix", "dir", "filename"}) {
     if (kwargs.contains(key)) (void)string_option(kwargs, key, api, name);
   }
-  for (const auto& key : {"flush_secs", "max_queue"}) {
+  for (const auto& key : {"flush_secs", "max_queue", "flush_timeout"}) {
     if (kwargs.contains(key)) {
       TORCH_CHECK_VALUE(kwargs.at(key).is_number(), "[", api, "] init_kwargs['", name, "']['", key,
                         "']: expected a number, got ", kwargs.at(key).dump());

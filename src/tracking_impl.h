@@ -21,9 +21,21 @@ struct TrackerEntry {
   bool needs_logging_dir = true;       // whether it writes under the project's logging folder
   std::function<void(const nlohmann::json& init_kwargs, const std::string& api)> check;  // beyond the keys
   Make make;
+  std::function<bool()> available{};  // whether "all" and available_trackers take it now (null: always)
 
   bool built_in() const { return static_cast<bool>(make); }
 };
+
+/// One image as PNG.
+struct TrackerImage {
+  int64_t height, width, channels;
+  std::string png;
+};
+/// A `[C, H, W]` tensor, or a `[N, C, H, W]` batch tiled in a grid of up to 8 columns, as PNG
+/// (upstream's add_images: floating values scaled by 255 and clipped, grey repeated to RGB).
+TrackerImage tracker_image(const std::string& api, const std::string& key, at::Tensor tensor);
+/// This machine's name (the TensorBoard event files' and W&B's runs' host).
+std::string tracker_hostname();
 
 /// Every tracker name the library knows, built-in ones first, in `available_trackers`' order.
 const std::vector<TrackerEntry>& tracker_registry();

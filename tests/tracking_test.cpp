@@ -7,6 +7,7 @@
 
 #include "accelerate/accelerator.h"
 #include "detail/files.h"
+#include "formats/wandb_log.h"
 #include "support/accelerators.h"
 #include "support/process.h"
 #include "support/test_support.h"
@@ -14,6 +15,9 @@
 #include <ATen/ATen.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 #include <nlohmann/json.hpp>
 
@@ -24,6 +28,7 @@
 #include <fstream>
 #include <limits>
 #include <mutex>
+#include <optional>
 #include <regex>
 #include <sstream>
 #include <string>
@@ -38,6 +43,32 @@ namespace fs = std::filesystem;
 using json = nlohmann::json;
 
 const char* const kPython = "/usr/bin/python3";
+
+// Sets an environment variable (or removes it, with null) for one test.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* key, const char* value) : key_(key) {
+    if (const char* old = std::getenv(key)) old_ = old;
+    if (value != nullptr) {
+      ::setenv(key, value, 1);
+    } else {
+      ::unsetenv(key);
+    }
+  }
+  ~ScopedEnv() {
+    if (old_) {
+      ::setenv(key_, old_->c_str(), 1);
+    } else {
+      ::unsetenv(key_);
+    }
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* key_;
+  std::optional<std::string> old_;
+};
 
 // A one-process accelerator over a state of its own.
 Accelerator single(AcceleratorOptions options) {
@@ -121,15 +152,22 @@ TEST(TrackingCrc32c, MatchesTheCastagnoliCheckValue) {
 // ---- names --------------------------------------------------------------------------------------
 
 TEST(TrackingNames, TheBuiltInTrackersAreAvailable) {
-  EXPECT_THAT(available_trackers(), ElementsAre("tensorboard", "dvclive", "jsonl", "csv"));
+  {
+    ScopedEnv no_server("MLFLOW_TRACKING_URI", nullptr);
+    EXPECT_THAT(available_trackers(), ElementsAre("tensorboard", "dvclive", "jsonl", "csv", "wandb"));
+  }
+  // mlflow, as upstream's when its package imports, is available with a server to speak to.
+  ScopedEnv server("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000");
+  EXPECT_THAT(available_trackers(), ElementsAre("tensorboard", "dvclive", "jsonl", "csv", "wandb", "mlflow"));
 }
 
 TEST(TrackingNames, AllExpandsAfterTheUsersTrackersAndRepeatsCountOnce) {
+  ScopedEnv no_server("MLFLOW_TRACKING_URI", nullptr);
   auto mine = std::make_shared<RecordingTracker>("mine");
   auto resolved = filter_trackers({"jsonl", "all", mine, "jsonl"}, "logs");
   std::vector<std::string> names;
   for (const auto& t : resolved) names.push_back(t.name());
-  EXPECT_THAT(names, ElementsAre("mine", "tensorboard", "dvclive", "jsonl", "csv"));
+  EXPECT_THAT(names, ElementsAre("mine", "tensorboard", "dvclive", "jsonl", "csv", "wandb"));
   resolved = filter_trackers({"csv", "jsonl", "csv"}, "logs");
   names.clear();
   for (const auto& t : resolved) names.push_back(t.name());
@@ -139,12 +177,12 @@ TEST(TrackingNames, AllExpandsAfterTheUsersTrackersAndRepeatsCountOnce) {
 TEST(TrackingNames, UnknownAndRemoteTrackersAreRefusedNamingTheAvailableOnes) {
   EXPECT_THROWS_WITH(single({.log_with = {"neptune"}, .project_dir = "runs"}),
                      "[Accelerator] log_with: unsupported logging capability 'neptune'; choose between tensorboard, "
-                     "dvclive, jsonl, csv, all");
-  for (const char* remote : {"wandb", "comet_ml", "aim", "mlflow", "clearml", "swanlab", "trackio"}) {
+                     "dvclive, jsonl, csv, wandb, mlflow, all");
+  for (const char* remote : {"comet_ml", "aim", "clearml", "swanlab", "trackio"}) {
     EXPECT_THROWS_WITH(single({.log_with = {remote}, .project_dir = "runs"}),
                        std::string("[Accelerator] log_with: '") + remote +
                            "' needs Python or a remote service and is not available in accelerate-cpp; available "
-                           "trackers: tensorboard, dvclive, jsonl, csv, all");
+                           "trackers: tensorboard, dvclive, jsonl, csv, wandb, mlflow, all");
   }
 }
 
@@ -153,6 +191,8 @@ TEST(TrackingNames, UnknownAndRemoteTrackersAreRefusedNamingTheAvailableOnes) {
 // its name, and needs the logging folder exactly when its class says it does.
 TEST(TrackingNames, EveryLoggerTypeIsABuiltInOrRefusedByName) {
   TempDir dir;
+  ScopedEnv wandb_dir("WANDB_DIR", dir.str().c_str());
+  ScopedEnv server("MLFLOW_TRACKING_URI", "http://127.0.0.1:9");  // mlflow is available with a server
   int members = 0;
   for (int i = 0; i < 64; ++i) {
     std::string name;
@@ -176,12 +216,17 @@ TEST(TrackingNames, EveryLoggerTypeIsABuiltInOrRefusedByName) {
 
 TEST(TrackingNames, EveryBuiltInIsMadeAsTheTrackerOfItsName) {
   TempDir dir;
+  // mlflow too: a server on a port where none listens (what it logs stays in its pending file).
+  ScopedEnv server("MLFLOW_TRACKING_URI", "http://127.0.0.1:9");
   for (const auto& name : available_trackers()) {
-    const nlohmann::json kwargs = name == "dvclive" ? json{{"dir", (dir.path() / "dvc").string()}} : json::object();
+    const nlohmann::json kwargs = name == "dvclive" ? json{{"dir", (dir.path() / "dvc").string()}}
+                                  : name == "wandb" ? json{{"dir", dir.str()}}
+                                  : name == "mlflow" ? json{{"flush_timeout", 0}}
+                                                     : json::object();
     auto tracker = make_tracker(name, "run", dir.str(), kwargs);
     ASSERT_NE(tracker, nullptr) << name;
     EXPECT_EQ(tracker->name(), name);
-    EXPECT_EQ(tracker->requires_logging_directory(), name != "dvclive") << name;
+    EXPECT_EQ(tracker->requires_logging_directory(), name != "dvclive" && name != "wandb" && name != "mlflow") << name;
     tracker->log({{"loss", 0.5}}, 1);
     tracker->finish();
   }
@@ -519,6 +564,8 @@ TEST(TrackingAccelerator, OnlyTheMainProcessWritesWithTwoRanks) {
   std::vector<std::string> kinds(2);
   std::mutex mutex;
   Store store = Store::in_memory();
+  ScopedEnv wandb_dir("WANDB_DIR", dir.str().c_str());
+  ScopedEnv no_server("MLFLOW_TRACKING_URI", nullptr);
   run_threads(2, [&](int rank) {
     AcceleratorOptions options{.log_with = {"all", everywhere, main_only[rank]}, .project_dir = dir.str()};
     options.standalone_state = rank_options(PartialStateOptions{}, rank, 2, store);
@@ -535,7 +582,12 @@ TEST(TrackingAccelerator, OnlyTheMainProcessWritesWithTwoRanks) {
     accelerator.get_tracker("jsonl")->log({{"direct", 1}}, 9);
     accelerator.end_training();
   });
-  EXPECT_THAT(kinds, ElementsAre("real 6", "blank 6"));
+  EXPECT_THAT(kinds, ElementsAre("real 7", "blank 7"));
+  size_t wandb_runs = 0;
+  for (const auto& entry : fs::directory_iterator(dir.path() / "wandb")) {
+    wandb_runs += entry.path().filename().string().rfind("offline-run-", 0) == 0;
+  }
+  EXPECT_EQ(wandb_runs, 1u);
   EXPECT_EQ(lines_of(read(dir.path() / "proj" / "log.jsonl")).size(), 4u);  // three logs and one direct call
   EXPECT_EQ(lines_of(read(dir.path() / "proj" / "log.csv")).size(), 4u);
   EXPECT_EQ(read(dir.path() / "proj" / "plots" / "metrics" / "loss.tsv"),
@@ -681,6 +733,225 @@ TEST(TrackingAccelerator, EveryTrackerIsFinishedEvenWhenOneFails) {
   accelerator.init_trackers("proj");
   EXPECT_THROWS_WITH(accelerator.end_training(), "disk full");
   EXPECT_THAT(after->calls(), ElementsAre("finish"));
+}
+
+// ---- W&B ----------------------------------------------------------------------------------------
+// What a run file holds is read back by W&B's own reader in tests/packages/trackers_check.py; here
+// the framing's rules and the refusals.
+
+// zlib's CRC-32 of `bytes`, computed by Python's zlib (an independent implementation).
+uint32_t python_crc32(const std::string& bytes) {
+  TempDir dir;
+  const auto file = dir.path() / "bytes";
+  std::ofstream(file, std::ios::binary) << bytes;
+  auto r = run({kPython, "-c", "import sys, zlib; print(zlib.crc32(open(sys.argv[1], 'rb').read()))", file.string()});
+  EXPECT_EQ(r->exit_code(), 0) << r->err;
+  return static_cast<uint32_t>(std::stoul(r->out));
+}
+
+struct Chunk {
+  uint32_t crc;
+  size_t length;
+  int type;
+  std::string data;
+};
+
+// The chunks of a framed record, read with the format's rules: padding (a block's last < 7 bytes)
+// skipped, then a 7-byte header (crc, length, type) and the data.
+std::vector<Chunk> chunks_of(const std::string& framed, uint64_t offset) {
+  std::vector<Chunk> out;
+  size_t at = 0;
+  while (at < framed.size()) {
+    const uint64_t room = 32768 - (offset + at) % 32768;
+    if (room < 7) {
+      EXPECT_EQ(framed.substr(at, room), std::string(room, '\0'));
+      at += room;
+      continue;
+    }
+    const auto byte = [&](size_t i) { return static_cast<uint32_t>(static_cast<unsigned char>(framed[at + i])); };
+    Chunk c{byte(0) | byte(1) << 8 | byte(2) << 16 | byte(3) << 24, byte(4) | byte(5) << 8,
+            static_cast<int>(byte(6)), ""};
+    c.data = framed.substr(at + 7, c.length);
+    EXPECT_LE(7 + c.length, room) << "a chunk crosses a block boundary";
+    at += 7 + c.length;
+    out.push_back(c);
+  }
+  return out;
+}
+
+TEST(TrackingWandB, RecordsAreFramedAsWandbsLevelDbLogAcrossBlocks) {
+  ASSERT_TRUE(fs::exists(kPython)) << kPython << " is missing; scripts/setup.sh installs python3";
+  namespace wandb_log = detail::wandb_log;
+  EXPECT_EQ(wandb_log::file_header(), std::string(":W&B\xe1\xbe\x00", 7));
+  // A small record: one FULL chunk, its checksum zlib's CRC-32 of the type byte and the data.
+  const std::string small = "a record";
+  auto chunks = chunks_of(wandb_log::frame(small, 7), 7);
+  ASSERT_EQ(chunks.size(), 1u);
+  EXPECT_EQ(chunks[0].type, 1);
+  EXPECT_EQ(chunks[0].data, small);
+  EXPECT_EQ(chunks[0].crc, python_crc32(std::string(1, '\x01') + small));
+  // 70 000 bytes from just after the header: FIRST fills the block, MIDDLE a whole one, LAST the rest.
+  std::string big(70000, '\0');
+  for (size_t i = 0; i < big.size(); ++i) big[i] = static_cast<char>(i * 7 % 251);
+  chunks = chunks_of(wandb_log::frame(big, 7), 7);
+  ASSERT_EQ(chunks.size(), 3u);
+  EXPECT_EQ(chunks[0].type, 2);
+  EXPECT_EQ(chunks[1].type, 3);
+  EXPECT_EQ(chunks[2].type, 4);
+  EXPECT_EQ(chunks[0].length, 32768u - 7 - 7);
+  EXPECT_EQ(chunks[1].length, 32768u - 7);
+  EXPECT_EQ(chunks[0].data + chunks[1].data + chunks[2].data, big);
+  EXPECT_EQ(chunks[2].crc, python_crc32(std::string(1, '\x04') + chunks[2].data));
+  // Less room than a chunk header at the end of a block: zeros, then the record in the next block.
+  const std::string padded = wandb_log::frame(small, 32768 - 5);
+  EXPECT_EQ(padded.substr(0, 5), std::string(5, '\0'));
+  chunks = chunks_of(padded, 32768 - 5);
+  ASSERT_EQ(chunks.size(), 1u);
+  EXPECT_EQ(chunks[0].data, small);
+}
+
+TEST(TrackingWandB, OnlineModeAndBadOptionsAreRefusedNamingTheFix) {
+  TempDir dir;
+  ScopedEnv no_mode("WANDB_MODE", nullptr);
+  EXPECT_THROWS_WITH(WandBTracker("p", {.dir = dir.str(), .mode = "online"}),
+                     "[WandBTracker] mode 'online': accelerate-cpp writes W&B runs in offline mode only");
+  EXPECT_THROWS_WITH(WandBTracker("p", {.dir = dir.str(), .mode = "online"}),
+                     "upload the run afterwards with `wandb sync <dir>/wandb/offline-run-*`");
+  {
+    ScopedEnv online("WANDB_MODE", "online");
+    EXPECT_THROWS_WITH(WandBTracker("p", {.dir = dir.str()}), "mode 'online'");
+  }
+  EXPECT_THROWS_WITH(WandBTracker("p", {.dir = dir.str(), .mode = "sometimes"}),
+                     "mode 'sometimes': expected offline, dryrun or disabled");
+  EXPECT_THROWS_WITH(WandBTracker("p", {.dir = dir.str(), .id = "a/b"}),
+                     "run id 'a/b': W&B run ids are letters, digits, '_' and '-'");
+  auto accelerator = single({.log_with = {"wandb"}, .project_dir = dir.str()});
+  EXPECT_THROWS_WITH(accelerator.init_trackers("p", json::object(), {{"wandb", {{"resume", "allow"}}}}),
+                     "init_kwargs['wandb']: unknown option 'resume'; wandb accepts name, notes, tags");
+  EXPECT_THROWS_WITH(accelerator.init_trackers("p", json::object(), {{"wandb", {{"tags", "a,b"}}}}),
+                     "init_kwargs['wandb']['tags']: expected a list of strings, got \"a,b\"");
+  EXPECT_THROWS_WITH(accelerator.init_trackers("p", json::object(), {{"wandb", {{"name", 3}}}}),
+                     "init_kwargs['wandb']['name']: expected a string, got 3");
+  EXPECT_FALSE(fs::exists(dir.path() / "wandb"));  // nothing was made by a refused call
+}
+
+TEST(TrackingWandB, TheRunGoesToItsFolderAndDisabledModeWritesNothing) {
+  TempDir dir;
+  ScopedEnv no_mode("WANDB_MODE", nullptr);
+  {
+    ScopedEnv wandb_dir("WANDB_DIR", dir.str().c_str());
+    ScopedEnv id("WANDB_RUN_ID", "fixed-id_1");
+    WandBTracker tracker("p");
+    EXPECT_EQ(tracker.run_id(), "fixed-id_1");
+    EXPECT_TRUE(std::regex_match(tracker.run_dir(),
+                                 std::regex(std::regex_replace(dir.str(), std::regex("[.^$|()\\[\\]{}*+?\\\\]"), "\\$&") +
+                                            "/wandb/offline-run-[0-9]{8}_[0-9]{6}-fixed-id_1")))
+        << tracker.run_dir();
+    tracker.log({{"loss", 1.0}}, 0);
+    tracker.finish();
+    const auto file = fs::path(tracker.run_dir()) / "run-fixed-id_1.wandb";
+    ASSERT_TRUE(fs::exists(file));
+    EXPECT_EQ(read(file).substr(0, 7), std::string(":W&B\xe1\xbe\x00", 7));
+    EXPECT_EQ(fs::read_symlink(dir.path() / "wandb" / "latest-run"), fs::path(tracker.run_dir()).filename());
+    EXPECT_THROWS_WITH(tracker.log({{"loss", 1.0}}, 1), "[WandBTracker.log] the run has finished");
+  }
+  TempDir other;
+  WandBTracker disabled("p", {.dir = other.str(), .mode = "disabled"});
+  disabled.log({{"loss", 1.0}}, 0);
+  disabled.finish();
+  EXPECT_TRUE(disabled.run_dir().empty());
+  EXPECT_FALSE(fs::exists(other.path() / "wandb"));
+}
+
+// ---- MLflow -------------------------------------------------------------------------------------
+// A real server reads the runs back in tests/packages/trackers_check.py; here what needs none.
+
+// A port of loopback where nothing listens (bound, then closed).
+int closed_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
+  socklen_t size = sizeof(address);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &size);
+  ::close(fd);
+  return ntohs(address.sin_port);
+}
+
+TEST(TrackingMLflow, OnlyATrackingServerOverHttpIsSpokenTo) {
+  {
+    ScopedEnv no_server("MLFLOW_TRACKING_URI", nullptr);
+    EXPECT_THROWS_WITH(MLflowTracker("e"), "[MLflowTracker] MLFLOW_TRACKING_URI is not set: accelerate-cpp logs to an "
+                                           "MLflow tracking server through its REST API; start one (`mlflow server");
+  }
+  for (const char* uri : {"file:./mlruns", "sqlite:///mlflow.db", "databricks"}) {
+    ScopedEnv server("MLFLOW_TRACKING_URI", uri);
+    EXPECT_THROWS_WITH(MLflowTracker("e"), std::string("MLFLOW_TRACKING_URI '") + uri +
+                                               "': accelerate-cpp speaks to an MLflow tracking server over HTTP(S) only");
+  }
+  ScopedEnv server("MLFLOW_TRACKING_URI", ("http://127.0.0.1:" + std::to_string(closed_port())).c_str());
+  EXPECT_THROWS_WITH(MLflowTracker("e", "", {.nested_run = true}),
+                     "nested_run: a nested run is started inside a parent run active in the same program");
+  {
+    ScopedEnv nested("MLFLOW_NESTED_RUN", "true");
+    EXPECT_THROWS_WITH(MLflowTracker("e"), "nested_run");
+  }
+  {
+    ScopedEnv tags("MLFLOW_TAGS", "[1, 2]");
+    EXPECT_THROWS_WITH(MLflowTracker("e"), "MLFLOW_TAGS: expected a JSON object's text, got '[1, 2]'");
+  }
+  {
+    ScopedEnv timeout("MLFLOW_HTTP_REQUEST_TIMEOUT", "soon");
+    EXPECT_THROWS_WITH(MLflowTracker("e"), "MLFLOW_HTTP_REQUEST_TIMEOUT: expected seconds > 0, got 'soon'");
+  }
+  EXPECT_THROWS_WITH(MLflowTracker("e", "", {.tags = {{"bad*tag", 1}}}), "tag name 'bad*tag'");
+  TempDir dir;
+  auto accelerator = single({.log_with = {"mlflow"}, .project_dir = dir.str()});
+  EXPECT_THROWS_WITH(accelerator.init_trackers("e", json::object(), {{"mlflow", {{"artifact_location", "x"}}}}),
+                     "init_kwargs['mlflow']: unknown option 'artifact_location'; mlflow accepts run_id, tags");
+  EXPECT_THROWS_WITH(accelerator.init_trackers("e", json::object(), {{"mlflow", {{"nested_run", "yes"}}}}),
+                     "init_kwargs['mlflow']['nested_run']: expected a boolean, got \"yes\"");
+}
+
+TEST(TrackingMLflow, WithoutAServerTrainingGoesOnAndFinishNamesWhatIsKeptAndWhere) {
+  TempDir dir;
+  ScopedEnv server("MLFLOW_TRACKING_URI", ("http://127.0.0.1:" + std::to_string(closed_port())).c_str());
+  ScopedEnv experiment("MLFLOW_EXPERIMENT_NAME", "from_env");
+  CapturedLines warnings;
+  MLflowTracker tracker("from_argument", dir.str(), {.run_name = "r", .flush_timeout = 0.5});
+  tracker.store_init_configuration({{"lr", 0.001}, {"amp", true}, {"none", nullptr}, {"long", std::string(7000, 'x')}});
+  for (int step = 0; step < 3; ++step) tracker.log({{"loss", 1.0 / (step + 1)}, {"note", "text"}}, step);
+  // Names MLflow would refuse are refused when logged, before anything is queued.
+  EXPECT_THROWS_WITH(tracker.log({{"bad*name", 1.0}}, 3), "[MLflowTracker.log] metric name 'bad*name'");
+  EXPECT_THROWS_WITH(tracker.log({{"../up", 1.0}}, 3), "metric name '../up'");
+  tracker.finish();
+  EXPECT_TRUE(tracker.run_id().empty());
+  ASSERT_TRUE(fs::exists(tracker.pending_file())) << tracker.pending_file();
+  EXPECT_EQ(fs::path(tracker.pending_file()).parent_path(), dir.path());
+  const auto lines = lines_of(read(tracker.pending_file()));
+  ASSERT_EQ(lines.size(), tracker.pending());
+  ASSERT_EQ(lines.size(), 6u);  // the start, the params, three logs, the end
+  const json start = json::parse(lines[0]);
+  EXPECT_EQ(start.at("request"), "start");
+  EXPECT_EQ(start.at("run").at("experiment_name"), "from_env");  // MLFLOW_EXPERIMENT_NAME wins, as upstream
+  const json params = json::parse(lines[1]).at("body").at("params");
+  EXPECT_EQ(params, (json{{{"key", "amp"}, {"value", "True"}}, {{"key", "lr"}, {"value", "0.001"}},
+                          {{"key", "none"}, {"value", "None"}}}));  // 7000 characters are too many: dropped
+  for (int step = 0; step < 3; ++step) {
+    const json metrics = json::parse(lines[2 + step]).at("body").at("metrics");
+    ASSERT_EQ(metrics.size(), 1u);  // the text is no metric
+    EXPECT_EQ(metrics[0].at("key"), "loss");
+    EXPECT_EQ(metrics[0].at("step"), step);
+    EXPECT_DOUBLE_EQ(metrics[0].at("value").get<double>(), 1.0 / (step + 1));
+  }
+  EXPECT_EQ(json::parse(lines[5]).at("body").at("status"), "FINISHED");
+  EXPECT_TRUE(warnings.saw("[MLflowTracker] cannot reach the tracking server: GET http://127.0.0.1:"));
+  EXPECT_TRUE(warnings.saw("[MLflowTracker.finish] 6 request(s) (3 metric value(s), 3 param(s), the run's start) "
+                           "did not reach http://127.0.0.1:"));
+  EXPECT_TRUE(warnings.saw("they are kept in " + tracker.pending_file()));
+  EXPECT_TRUE(warnings.saw("'long' has 7000 characters; MLflow's params hold at most 6000, so it is dropped"));
+  EXPECT_THROWS_WITH(tracker.log({{"loss", 1.0}}, 4), "[MLflowTracker] the run has finished");
 }
 
 }  // namespace tracking_test

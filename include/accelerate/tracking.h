@@ -197,8 +197,135 @@ class CSVTracker : public GeneralTracker {
   std::FILE* file_ = nullptr;
 };
 
+/// Options of `WandBTracker` (`init_kwargs["wandb"]`; upstream passes these to `wandb.init`).
+/// An empty field falls back to W&B's environment variable, as `wandb.init` does.
+struct WandBTrackerOptions {
+  std::string name{};      // the run's display name (WANDB_NAME)
+  std::string notes{};     // WANDB_NOTES
+  std::vector<std::string> tags{};  // WANDB_TAGS (comma separated)
+  std::string group{};     // WANDB_RUN_GROUP
+  std::string job_type{};  // WANDB_JOB_TYPE
+  std::string entity{};    // WANDB_ENTITY
+  std::string dir{};       // the folder that holds `wandb/` (WANDB_DIR, else the current folder)
+  std::string id{};        // the run's id (WANDB_RUN_ID, else 8 random letters and digits)
+  std::string mode{};      // "offline" (the default) or "disabled" (WANDB_MODE); "online" is refused
+  nlohmann::json config = nlohmann::json::object();  // the run's configuration at its start
+};
+
+/// Writes a W&B offline run (upstream: `WandBTracker` over `wandb.init` in offline mode, the usual
+/// way on compute nodes without internet) that `wandb sync <folder>` uploads later:
+/// `<dir>/wandb/offline-run-<YYYYmmdd_HHMMSS>-<id>/run-<id>.wandb` (W&B's transaction log), with
+/// images under its `files/media/images/` and `<dir>/wandb/latest-run` pointing at it. The project
+/// is `init_trackers`' name (WANDB_PROJECT only when that is empty, as `wandb.init(project=...)`).
+/// `store_init_configuration` updates the run's config; `log` follows `wandb.log`'s steps: a call
+/// without a step commits a row at the current step and moves to the next, a call at a later step
+/// commits the pending row and starts one there, a call at the same step adds to it, an earlier
+/// step is dropped with a warning; every committed row also updates the summary (the latest value
+/// of each key, with `_step`, `_runtime`, `_timestamp`). An object of numbers is logged as W&B's
+/// nested keys. `finish` commits the pending row and writes the run's exit (code 0). Every record
+/// is flushed to the operating system when written; a run ended by a crash syncs as far as it got.
+/// Online mode is refused: it needs W&B's own service; write offline and run `wandb sync`.
+///
+/// Example:
+///   auto tracker = std::make_shared<accelerate::WandBTracker>("my_project", accelerate::WandBTrackerOptions{.name = "baseline"});
+///   tracker->log({{"loss", 0.25}}, 1);
+///   tracker->finish();  // then: wandb sync wandb/offline-run-*
+class WandBTracker : public GeneralTracker {
+ public:
+  WandBTracker(const std::string& run_name, const WandBTrackerOptions& options = {});
+  ~WandBTracker() override;
+  std::string name() const override { return "wandb"; }
+  bool requires_logging_directory() const override { return false; }
+  void store_init_configuration(const nlohmann::json& values) override;
+  void log(const nlohmann::json& values, std::optional<int64_t> step) override;
+  /// Each tensor is a list of images as upstream's `log_images` logs it (`wandb.Image` each,
+  /// W&B's "images/separated"): `[C, H, W]` one image, `[N, C, H, W]` N images, as PNG files;
+  /// C is 1, 3 or 4, floating values in [0, 1] or uint8.
+  void log_images(const std::map<std::string, at::Tensor>& images, std::optional<int64_t> step) override;
+  void finish() override;
+  /// The offline run's folder (empty when the mode is "disabled").
+  const std::string& run_dir() const { return run_dir_; }
+  /// The run's id.
+  const std::string& run_id() const { return run_id_; }
+
+ private:
+  struct Writer;
+  void add_row(const nlohmann::json& values, std::optional<int64_t> step, const char* api);
+  void commit_row();
+  std::string run_dir_;
+  std::string run_id_;
+  std::unique_ptr<Writer> writer_;
+  int64_t step_ = 0;
+  nlohmann::json row_ = nlohmann::json::object();
+  nlohmann::json summary_ = nlohmann::json::object();
+  double start_ = 0;
+  double row_time_ = 0;
+  bool finished_ = false;
+};
+
+/// Options of `MLflowTracker` (`init_kwargs["mlflow"]`; upstream's `MLflowTracker` arguments).
+struct MLflowTrackerOptions {
+  /// Log into this existing run instead of creating one (MLFLOW_RUN_ID wins, as upstream).
+  std::string run_id{};
+  /// Tags of the run, a JSON object (MLFLOW_TAGS, a JSON object's text, wins, as upstream).
+  nlohmann::json tags = nlohmann::json::object();
+  /// Only false: a nested run needs a parent run active in the same program (MLFLOW_NESTED_RUN).
+  bool nested_run = false;
+  /// The new run's name (the `mlflow.runName` tag).
+  std::string run_name{};
+  /// The run's description (the `mlflow.note.content` tag).
+  std::string description{};
+  /// accelerate-cpp's own: how long `finish` waits for the server to take what is still queued.
+  double flush_timeout = 60;
+};
+
+/// Logs to an MLflow tracking server through its REST API (upstream: `MLflowTracker` over the
+/// `mlflow` client), with libcurl: the server is `MLFLOW_TRACKING_URI` (http:// or https://;
+/// `MLFLOW_TRACKING_TOKEN` or `MLFLOW_TRACKING_USERNAME`/`MLFLOW_TRACKING_PASSWORD` authenticate,
+/// `MLFLOW_TRACKING_INSECURE_TLS=true` skips the certificate check, `MLFLOW_HTTP_REQUEST_TIMEOUT`
+/// bounds each request). The experiment is `init_trackers`' name unless `MLFLOW_EXPERIMENT_NAME`
+/// is set; it is created when missing. `store_init_configuration` logs params (values as Python's
+/// `str` writes them; longer than 6000 characters dropped with a warning, as upstream);
+/// `log` logs numbers (and booleans as 0/1) as metrics at `step` (0 without one) with the time of
+/// the call, and drops other values with a warning, as upstream; `finish` ends the run (FINISHED).
+///
+/// Training never waits for the server: every request is queued and sent in order by a thread of
+/// the tracker (metrics batched, up to 1000 a request). When the server cannot be reached, the
+/// tracker warns once, keeps what is not yet sent in `pending_file()` (one JSON request a line),
+/// retries with a growing pause, and says when it gets through again; `finish` waits up to
+/// `flush_timeout` seconds, then names what is left and where it is kept.
+///
+/// Example (with `mlflow server --host 127.0.0.1 --port 5000` running):
+///   setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000", 1);
+///   auto tracker = std::make_shared<accelerate::MLflowTracker>("my_experiment");
+///   tracker->log({{"loss", 0.25}}, 1);
+///   tracker->finish();
+class MLflowTracker : public GeneralTracker {
+ public:
+  MLflowTracker(const std::string& experiment_name, const std::string& logging_dir = "",
+                const MLflowTrackerOptions& options = {});
+  ~MLflowTracker() override;
+  std::string name() const override { return "mlflow"; }
+  bool requires_logging_directory() const override { return false; }
+  void store_init_configuration(const nlohmann::json& values) override;
+  void log(const nlohmann::json& values, std::optional<int64_t> step) override;
+  void finish() override;
+  /// The run's id once the server made it (or the one given); empty before.
+  std::string run_id() const;
+  /// The requests not yet taken by the server.
+  size_t pending() const;
+  /// The file that holds them while the server cannot be reached.
+  const std::string& pending_file() const;
+
+ private:
+  class Sender;
+  std::unique_ptr<Sender> sender_;
+  double flush_timeout_ = 60;
+};
+
 /// One element of `AcceleratorOptions::log_with`: the name of a built-in tracker ("tensorboard",
-/// "dvclive", "jsonl", "csv", or "all" for every one of them) or a tracker of the user's.
+/// "dvclive", "jsonl", "csv", "wandb", "mlflow", or "all" for every one of them) or a tracker of
+/// the user's.
 ///
 /// Example:
 ///   accelerate::Accelerator accelerator({.log_with = {"tensorboard", my_tracker}, .project_dir = "runs"});
@@ -222,7 +349,7 @@ struct Tracker {
   std::shared_ptr<GeneralTracker> tracker_;
 };
 
-/// The built-in trackers: "tensorboard", "dvclive", "jsonl", "csv" (upstream:
+/// The built-in trackers: "tensorboard", "dvclive", "jsonl", "csv", "wandb", "mlflow" (upstream:
 /// `get_available_trackers`).
 std::vector<std::string> available_trackers();
 

@@ -58,8 +58,9 @@ RNGType parse_rng_type(std::string_view text);
 
 /// Experiment trackers by upstream's names (upstream: `LoggerType`): "all", "aim", "tensorboard",
 /// "wandb", "trackio", "comet_ml", "mlflow", "clearml", "dvclive", "swanlab". accelerate-cpp writes
-/// "tensorboard" and "dvclive" (and its own "jsonl" and "csv", which are not upstream's names);
-/// `log_with` refuses the online services, naming them.
+/// "tensorboard", "dvclive" and "wandb" (offline runs), speaks to "mlflow" servers (and has its
+/// own "jsonl" and "csv", which are not upstream's names); `log_with` refuses the others, naming
+/// them.
 enum class LoggerType { kAll, kAim, kTensorboard, kWandb, kTrackio, kCometMl, kMlflow, kClearml, kDvclive, kSwanlab };
 /// Upstream's spelling of a tracker, e.g. "comet_ml".
 std::string to_string(LoggerType type);
