@@ -9,6 +9,7 @@
 
 Runs in the environment scripts/python_env.sh makes; exits 1 naming the first difference.
 """
+import glob
 import json
 import math
 import os
@@ -243,11 +244,34 @@ def check_mlflow(program, work, mode):
         proc = run_program(program, ["mlflow", PROJECT, STEPS, 2, control], work, env, background=True)
         try:
             wait_file(os.path.join(control, "paused"), proc)
+            # The server has the run and its first two steps before it dies: killed mid-run.
+            from mlflow.tracking import MlflowClient
+            client = MlflowClient(tracking_uri=server.uri)
+            deadline = time.time() + 60
+            while True:
+                experiment = client.get_experiment_by_name(PROJECT)
+                runs = client.search_runs([experiment.experiment_id]) if experiment else []
+                if runs and len(client.get_metric_history(runs[0].info.run_id, "loss")) == 2:
+                    break
+                check(time.time() < deadline, "the server did not get steps 0 and 1 within 60 s")
+                time.sleep(0.2)
             server.kill()
-            print("mlflow: server killed (SIGKILL) before step 2")
+            print("mlflow: server killed (SIGKILL) after it had steps 0-1")
             open(os.path.join(control, "resume"), "w").close()
             wait_file(os.path.join(control, "logged_while_down"), proc)
-            time.sleep(1.0)  # the tracker meets the dead server and keeps what it cannot send
+            # The tracker meets the dead server and keeps what it cannot send in its pending file.
+            deadline = time.time() + 30
+            while True:
+                kept = []
+                for path in glob.glob(os.path.join(work, "project", "mlflow-pending-*.jsonl")):
+                    for line in open(path):
+                        kept += [m["step"] for m in json.loads(line).get("body", {}).get("metrics", [])
+                                 if m["key"] == "loss"]
+                if sorted(kept) == [2, 3, 4]:
+                    break
+                check(time.time() < deadline, f"the pending file holds loss steps {sorted(kept)}, not 2-4")
+                time.sleep(0.2)
+            print("mlflow: while the server was down, steps 2-4 were kept in the pending file")
             server.start()
             print("mlflow: server started again after steps 2-4 were logged")
             open(os.path.join(control, "finish"), "w").close()
