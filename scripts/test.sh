@@ -6,6 +6,7 @@ scripts/setup.sh
 # The Python packages some tests read the project's output with (wandb, mlflow), in a virtual
 # environment outside the checkout, made once (Note [Tests against the real packages]).
 scripts/python_env.sh >/dev/null
+scripts/python_env.sh tests/python/requirements-wandb.txt >/dev/null
 # From nothing, the four build trees take about 5.5 GB and the compiler cache up to 2.5 GB more:
 # say so at the start rather than let a full disk stop a link half an hour in.
 free_kb=$(df -Pk . | awk 'NR == 2 { print $4 }')

@@ -1,6 +1,8 @@
 """Reads runs of tests/packages/tracker_run back with the real wandb and mlflow packages.
 
-    trackers_check.py <tracker_run> wandb     W&B's own reader on the offline run, and `wandb sync --view`
+    trackers_check.py <tracker_run> wandb <env of the current wandb>
+                                              W&B's own reader on the offline run, `wandb sync --view`,
+                                              and the current release's `wandb leet inspect --summary`
     trackers_check.py <tracker_run> mlflow    a real `mlflow server`; its client reads the run
     trackers_check.py <tracker_run> restart   the server killed mid-run and started again: nothing lost
     trackers_check.py <tracker_run> down      no server at all: everything kept in the pending file
@@ -54,7 +56,7 @@ def expected_loss(step):
 
 # ---- W&B ---------------------------------------------------------------------------------------
 
-def check_wandb(program, work):
+def check_wandb(program, work, current_env):
     env = dict(os.environ, WANDB_MODE="offline", WANDB_DIR=work)
     out, _ = run_program(program, ["wandb", PROJECT, STEPS], work, env)
     run_dir = os.path.join(work, out["wandb_run_dir"]) if not os.path.isabs(out["wandb_run_dir"]) else out["wandb_run_dir"]
@@ -149,8 +151,23 @@ def check_wandb(program, work):
     check(view.stdout.count("Record:") == len(records),
           f"wandb sync --view printed {view.stdout.count('Record:')} records, the reader read {len(records)}")
     check('display_name: "cpp-run"' in view.stdout, "wandb sync --view does not show the run's name")
+    # The current release reads run files with its compiled service (wandb-core), which `wandb sync`
+    # uploads through; `wandb leet inspect --summary --json` prints what it read.
+    current = os.path.join(current_env, "bin", "wandb")
+    check(os.path.isfile(os.path.join(current_env, ".complete")),
+          f"the environment {current_env} is missing: run scripts/python_env.sh tests/python/requirements-wandb.txt")
+    inspect = subprocess.run([current, "leet", "inspect", "--summary", "--json", path], cwd=work, env=cli_env,
+                             capture_output=True, text=True, timeout=120)
+    check(inspect.returncode == 0, f"wandb leet inspect exited with {inspect.returncode}: {inspect.stderr[-2000:]}")
+    state = json.loads(inspect.stdout)
+    check(state["state"] == "finished" and state["exit_code"] == 0 and state["run_id"] == run_id
+          and state["project"] == PROJECT and state["step"] == STEPS, f"wandb-core read {state}")
+    expect_close(state["summary"]["loss"], expected_loss(STEPS - 1), "wandb-core's summary loss")
+    check(state["config"]["batch_size"] == 32 and state["config"]["long_text"] == "x" * 70000,
+          "wandb-core's config")
     print(f"wandb: {len(records)} records, {len(rows)} history rows, {len(config)} config keys, "
-          f"{len(listed)} images; `wandb sync --view` printed {view.stdout.count('Record:')} records")
+          f"{len(listed)} images; `wandb sync --view` printed {view.stdout.count('Record:')} records; "
+          f"the current release ({current_env}) read state {state['state']}, step {state['step']}")
 
 
 # ---- MLflow ------------------------------------------------------------------------------------
@@ -380,7 +397,7 @@ def main():
     program, mode = os.path.abspath(sys.argv[1]), sys.argv[2]
     with tempfile.TemporaryDirectory() as work:
         if mode == "wandb":
-            check_wandb(program, work)
+            check_wandb(program, work, os.path.abspath(sys.argv[3]))
         elif mode == "example":
             check_example(os.path.abspath(sys.argv[3]), os.path.abspath(sys.argv[4]), work)
         else:
