@@ -66,19 +66,7 @@ def check_wandb(program, work, current_env):
     check(os.path.realpath(os.path.join(work, "wandb", "latest-run")) == os.path.realpath(run_dir),
           "wandb/latest-run does not point at the run")
 
-    from wandb.proto import wandb_internal_pb2 as pb
-    from wandb.sdk.internal import datastore
-
-    store = datastore.DataStore()
-    store.open_for_scan(path)
-    records = []
-    while True:
-        data = store.scan_data()
-        if data is None:
-            break
-        record = pb.Record()
-        record.ParseFromString(data)
-        records.append(record)
+    records = read_wandb_file(path)
     kinds = [r.WhichOneof("record_type") for r in records]
     print("wandb: records", kinds)
     check([r.num for r in records] == list(range(1, len(records) + 1)), "record numbers are not 1, 2, ...")
