@@ -30,7 +30,7 @@ class CppLayout final : public Layout {
   void write_optimizer(const StateDict& state, const std::string& path) const override {
     save_state_dict_file(state, path);
   }
-  StateDict read_optimizer(const std::string& path, const torch::optim::Optimizer&,
+  StateDict read_optimizer(const std::string& path, const torch::optim::Optimizer&, const std::vector<std::string>&,
                            std::unique_ptr<SafetensorsFile>& file) const override {
     file = std::make_unique<SafetensorsFile>(path);
     return state_dict_views(*file);
@@ -101,8 +101,11 @@ class PythonLayout final : public Layout {
 
   std::optional<std::vector<fs::path>> model_files(const fs::path& folder, size_t i) const override {
     auto files = python::model_files(folder, i);
+    // Upstream's FSDP keeps a SHARDED_STATE_DICT in the folder `pytorch_model_fsdp_<i>`.
+    if (files.empty() && fs::is_directory(folder / ("pytorch_model_fsdp_" + std::to_string(i)))) return std::nullopt;
     TORCH_CHECK_VALUE(!files.empty(), "the checkpoint has no ", python::model_file(i, true), " nor ",
-                      python::model_file(i, false));
+                      python::model_file(i, false), " nor ", python::fsdp_model_file(i), " nor the folder pytorch_model_fsdp_",
+                      i);
     return files;
   }
 
@@ -112,8 +115,8 @@ class PythonLayout final : public Layout {
     python::write_optimizer(state, path);
   }
   StateDict read_optimizer(const std::string& path, const torch::optim::Optimizer& optimizer,
-                           std::unique_ptr<SafetensorsFile>&) const override {
-    return python::read_optimizer(path, optimizer);
+                           const std::vector<std::string>& names, std::unique_ptr<SafetensorsFile>&) const override {
+    return python::read_optimizer(path, optimizer, names);
   }
 
   std::string scheduler_file(size_t i) const override { return python::scheduler_file(i); }

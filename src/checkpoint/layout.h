@@ -51,7 +51,9 @@ class Layout {
   virtual void write_optimizer(const StateDict& state, const std::string& path) const = 0;
   /// The state of `optimizer` in `path`; `file` is set when the tensors are views of it (to be
   /// read in bulk once every check passed).
+  /// `names` gives each of the optimizer's parameters' name in its model ("" where none).
   virtual StateDict read_optimizer(const std::string& path, const torch::optim::Optimizer& optimizer,
+                                   const std::vector<std::string>& names,
                                    std::unique_ptr<SafetensorsFile>& file) const = 0;
 
   virtual std::string scheduler_file(size_t i) const = 0;

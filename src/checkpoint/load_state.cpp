@@ -5,6 +5,7 @@
 #include "accelerator_impl.h"
 #include "checkpoint/checkpointing.h"
 #include "checkpoint/commit.h"
+#include "checkpoint/dcp_state.h"
 #include "checkpoint/layout.h"
 #include "formats/checkpoint_index.h"
 #include "detail/dtype_names.h"
@@ -215,6 +216,60 @@ void read_named_model(const detail::checkpoint::CheckpointObjects& objects, cons
   read.whole[i] = std::move(tensors);
 }
 
+// The part of model `i`'s tensors this process holds, from upstream's torch.distributed.checkpoint
+// folder (Note [DCP states]): the rows and pieces of the tensors its engines shard or split.
+StateDict read_dcp_model(const detail::checkpoint::CheckpointObjects& objects, size_t i, const fs::path& folder) {
+  auto* engine = objects.model_engines[i];
+  auto* split = objects.model_splits[i];
+  const auto place = detail::checkpoint::shard_place(engine, split);
+  std::map<std::string, at::Tensor> params;
+  for (const auto& item : objects.models[i].module()->named_parameters()) params.emplace(item.key(), item.value());
+  const detail::checkpoint::DcpReader reader(folder);
+  return detail::checkpoint::read_dcp_state(
+      reader, "model", [&](const std::string& name, const std::vector<int64_t>& whole) -> std::optional<detail::checkpoint::ShardBox> {
+        auto it = params.find(name);
+        if (it == params.end()) return std::nullopt;  // named by the model's own checks
+        const bool rows = engine && engine->is_sharded(it->second);
+        const int64_t dim = split && split->is_sharded(it->second) ? split->split_dim(it->second) : -1;
+        const auto expected = detail::checkpoint::whole_tensor_shape(engine, split, it->second);
+        TORCH_CHECK_VALUE(whole == expected, "[load_checkpoint_in_model] size mismatch for ", name,
+                          ": the checkpoint has shape ", c10::IntArrayRef(whole), ", the module has ",
+                          c10::IntArrayRef(expected));
+        if (!rows && dim < 0) return std::nullopt;
+        return detail::checkpoint::shard_box(whole, rows, dim, place);
+      });
+}
+
+// The part of optimizer `i`'s state this process holds, from upstream's torch.distributed.checkpoint
+// folder (Note [DCP states]), in the project's layout.
+StateDict read_dcp_optimizer(const detail::checkpoint::CheckpointObjects& objects, size_t i, const fs::path& folder) {
+  auto* engine = objects.optimizer_engines[i];
+  auto* split = objects.optimizer_splits[i];
+  const auto& optimizer = *objects.optimizers[i].optimizer();
+  const auto place = detail::checkpoint::shard_place(engine, split);
+  const auto names = detail::checkpoint::optimizer_param_names(objects, i);
+  const auto params = detail::checkpoint::optimizer_params(optimizer);
+  std::map<std::string, at::Tensor> by_name;
+  for (size_t k = 0; k < names.size(); ++k) by_name.emplace(names[k], params[k]);
+  const detail::checkpoint::DcpReader reader(folder);
+  auto py = detail::checkpoint::read_dcp_state(
+      reader, "optimizer", [&](const std::string& name, const std::vector<int64_t>& whole) -> std::optional<detail::checkpoint::ShardBox> {
+        // "state.<parameter's name>.<state's name>": the parameter's part of a state shaped like it.
+        const auto dot = name.rfind('.');
+        if (name.rfind("state.", 0) != 0 || dot == std::string::npos || dot < 6) return std::nullopt;
+        auto it = by_name.find(name.substr(6, dot - 6));
+        if (it == by_name.end() || whole != detail::checkpoint::whole_tensor_shape(engine, split, it->second)) {
+          return std::nullopt;
+        }
+        const bool rows = engine && engine->is_sharded(it->second);
+        const int64_t dim = split && split->is_sharded(it->second) ? split->split_dim(it->second) : -1;
+        if (!rows && dim < 0) return std::nullopt;
+        return detail::checkpoint::shard_box(whole, rows, dim, place);
+      });
+  if (!py.values.contains("state")) py.values["state"] = nlohmann::json::object();
+  return detail::checkpoint::python_layout::optimizer_from_pytorch(std::move(py), optimizer, names, folder.string());
+}
+
 ModelStates read_models(const detail::checkpoint::CheckpointObjects& objects, const Source& from, bool convert) {
   ModelStates read;
   read.sharded.resize(objects.models.size());
@@ -228,8 +283,11 @@ ModelStates read_models(const detail::checkpoint::CheckpointObjects& objects, co
     const auto sharded_folder = from.folder / ("pytorch_model_fsdp_" + std::to_string(i));
     auto* split = objects.model_splits[i];
     if (fs::is_directory(sharded_folder)) {
-      // This process's part, whatever the mesh that saved it (Note [Sharded checkpoint layout]).
-      auto state = naming_file(sharded_folder, [&] {
+      // This process's part, whatever the mesh that saved it (Note [Sharded checkpoint layout]),
+      // of the project's sharded format or of upstream's torch.distributed.checkpoint folders.
+      auto state = detail::checkpoint::is_dcp_folder(sharded_folder)
+                       ? naming_file(sharded_folder, [&] { return read_dcp_model(objects, i, sharded_folder); })
+                       : naming_file(sharded_folder, [&] {
         return detail::checkpoint::load_sharded_state(
             detail::checkpoint::shard_place(engine, split), sharded_folder.string(), engine && detail::checkpoint::local_state(engine),
             [split](const std::string& name, const std::vector<int64_t>&) { return split ? split->split_dim_of(name) : -1; });
@@ -317,6 +375,12 @@ OptimizerStates read_optimizers(const detail::checkpoint::CheckpointObjects& obj
     auto* engine = objects.optimizer_engines[i];
     auto* split = objects.optimizer_splits[i];
     const auto sharded_folder = from.folder / ("optimizer_" + std::to_string(i));
+    if (detail::checkpoint::is_dcp_folder(sharded_folder)) {  // upstream's sharded optimizer state
+      read.paths.push_back(sharded_folder);
+      read.states.push_back(naming_file(sharded_folder, [&] { return read_dcp_optimizer(objects, i, sharded_folder); }));
+      read.files.emplace_back();
+      continue;
+    }
     if (fs::is_directory(sharded_folder) && from.layout.reads_sharded_optimizer(/*has_engine=*/engine != nullptr)) {
       // This process's part, whatever the mesh that saved it (Note [Sharded checkpoint layout]):
       // rows of its piece of each state tensor shaped like its split parameter.
@@ -338,7 +402,8 @@ OptimizerStates read_optimizers(const detail::checkpoint::CheckpointObjects& obj
     std::unique_ptr<SafetensorsFile> file;
     read.paths.push_back(from.require(from.layout.optimizer_file(i)));
     read.states.push_back(
-        from.layout.read_optimizer(read.paths.back().string(), *objects.optimizers[i].optimizer(), file));
+        from.layout.read_optimizer(read.paths.back().string(), *objects.optimizers[i].optimizer(),
+                                   detail::checkpoint::optimizer_param_names(objects, i), file));
     if (engine || split) {
       // A whole state: this process's piece of each split parameter's tensors (Note [Checkpoints
       // of split layers]), then its rows of each sharded parameter's.

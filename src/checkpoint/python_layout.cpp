@@ -38,6 +38,7 @@ std::string model_file(size_t i, bool safetensors) {
   return safetensors ? numbered(std::string(SAFE_MODEL_NAME), i, ".safetensors")
                      : numbered(std::string(MODEL_NAME), i, ".bin");
 }
+std::string fsdp_model_file(size_t i) { return numbered("pytorch_model_fsdp", i, ".bin"); }
 std::string optimizer_file(size_t i) { return numbered(std::string(OPTIMIZER_NAME), i, ".bin"); }
 std::string scheduler_file(size_t i) { return numbered(std::string(SCHEDULER_NAME), i, ".bin"); }
 std::string sampler_file(size_t i) { return numbered(std::string(SAMPLER_NAME), i, ".bin"); }
@@ -50,10 +51,11 @@ std::string custom_file(size_t i) { return "custom_checkpoint_" + std::to_string
 bool is_python_folder(const fs::path& folder) {
   if (fs::is_regular_file(folder / "random_states_0.safetensors")) return false;
   for (const auto* name : {"random_states_0.pkl", "optimizer.bin", "scheduler.bin", "scaler.pt", "pytorch_model.bin",
-                           "custom_checkpoint_0.pkl"}) {
+                           "custom_checkpoint_0.pkl", "pytorch_model_fsdp.bin"}) {
     if (fs::is_regular_file(folder / name)) return true;
   }
-  return false;
+  // Upstream's FSDP's SHARDED_STATE_DICT: a torch.distributed.checkpoint folder.
+  return fs::is_regular_file(folder / "pytorch_model_fsdp_0" / ".metadata");
 }
 
 std::vector<fs::path> model_files(const fs::path& folder, size_t i) {
@@ -66,6 +68,7 @@ std::vector<fs::path> model_files(const fs::path& folder, size_t i) {
       return checkpoint_index::read_checkpoint_index(index, "Accelerator::load_state").files;
     }
   }
+  if (fs::is_regular_file(folder / fsdp_model_file(i))) return {folder / fsdp_model_file(i)};
   return {};
 }
 
@@ -85,35 +88,68 @@ TensorMap read_pickled_model(const std::vector<fs::path>& files) {
 
 // ---- optimizers ----------------------------------------------------------------------------------
 
-StateDict read_optimizer(const std::string& path, const torch::optim::Optimizer& optimizer) {
+StateDict optimizer_from_pytorch(StateDict py, const torch::optim::Optimizer& optimizer,
+                                 const std::vector<std::string>& names, const std::string& path) {
   auto kind = optimizer_state_dict(optimizer).values.at("optimizer").get<std::string>();
-  TORCH_CHECK_VALUE(kind != "LBFGS", path, ": LBFGS's state is not read from Python's optimizer.bin");
-  auto py = read_torch_save(path);
+  TORCH_CHECK_VALUE(kind != "LBFGS", path, ": LBFGS's state is not read from Python's files");
   const auto where = path + ":";
-  TORCH_CHECK_VALUE(py.values.is_object() && py.values.contains("state") && py.values.contains("param_groups"),
+  TORCH_CHECK_VALUE(py.values.is_object() && py.values.contains("state") && py.values.contains("param_groups") &&
+                        py.values.at("param_groups").is_array(),
                     where, " not an optimizer's state dict (no \"state\" and \"param_groups\")");
   StateDict out;
   out.values["optimizer"] = kind;
   out.values["param_groups"] = py.values.at("param_groups");
+  // Parameters named by their module paths (FSDP's optim_state_dict, upstream's FSDP files) or
+  // numbered (optimizer.state_dict()); names become the numbers of this optimizer's parameters.
+  bool by_name = false;
   for (const auto& group : out.values["param_groups"]) {
     TORCH_CHECK_VALUE(group.is_object(), where, " a param group is not a dict");
     TORCH_CHECK_VALUE(!group.contains("maximize") || !group.at("maximize").is_boolean() || !group.at("maximize").get<bool>(),
                       where, " the optimizer maximizes (maximize=True), which LibTorch's ", kind, " cannot");
+    if (group.contains("params") && group.at("params").is_array() && !group.at("params").empty() &&
+        group.at("params")[0].is_string()) {
+      by_name = true;
+    }
+  }
+  std::map<std::string, std::string> number_of;
+  if (by_name) {
+    for (size_t i = 0; i < names.size(); ++i) {
+      if (!names[i].empty()) number_of.emplace(names[i], std::to_string(i));
+    }
+  }
+  const auto number = [&](const std::string& name) -> std::string {
+    if (!by_name) return name;
+    auto it = number_of.find(name);
+    TORCH_CHECK_VALUE(it != number_of.end(), where, " the optimizer's state names parameter \"", name,
+                      "\", which none of the prepared models has");
+    return it->second;
+  };
+  if (by_name) {
+    for (auto& group : out.values["param_groups"]) {
+      TORCH_CHECK_VALUE(group.contains("params") && group.at("params").is_array(), where, " a param group has no params");
+      auto numbered = nlohmann::json::array();
+      for (const auto& name : group.at("params")) {
+        TORCH_CHECK_VALUE(name.is_string(), where, " a param group names some parameters and numbers others");
+        numbered.push_back(std::stoll(number(name.get<std::string>())));
+      }
+      group["params"] = numbered;
+    }
   }
   auto& states = out.values["state"] = nlohmann::json::object();
   TORCH_CHECK_VALUE(py.values.at("state").is_object(), where, " \"state\" is not a dict");
   for (const auto& [index, entries] : py.values.at("state").items()) {
-    auto& s = states[index] = nlohmann::json::object();
+    auto& s = states[number(index)] = nlohmann::json::object();
+    TORCH_CHECK_VALUE(entries.is_object(), where, " the state of parameter ", index, " is not a dict");
     for (const auto& [name, value] : entries.items()) {
       if (!value.is_null()) s[name] = value;
     }
   }
   for (auto& [key, tensor] : py.tensors) {
     const auto dot = key.rfind('.');
-    if (key.rfind("state.", 0) != 0 || dot == std::string::npos) {
+    if (key.rfind("state.", 0) != 0 || dot == std::string::npos || dot < 6) {
       TORCH_CHECK_VALUE(false, where, " tensor ", key, " is outside the per-parameter state");
     }
-    const auto index = key.substr(6, dot - 6);
+    const auto index = number(key.substr(6, dot - 6));
     const auto name = key.substr(dot + 1);
     if (!states.contains(index)) states[index] = nlohmann::json::object();
     if (name == "step") {
@@ -124,9 +160,14 @@ StateDict read_optimizer(const std::string& path, const torch::optim::Optimizer&
       states[index]["step"] = static_cast<int64_t>(step);
       continue;
     }
-    out.tensors.emplace(key, tensor);
+    out.tensors.emplace("state." + index + "." + name, tensor);
   }
   return out;
+}
+
+StateDict read_optimizer(const std::string& path, const torch::optim::Optimizer& optimizer,
+                         const std::vector<std::string>& names) {
+  return optimizer_from_pytorch(read_torch_save(path), optimizer, names, path);
 }
 
 void write_optimizer(const StateDict& ours, const std::string& path) {

@@ -20,6 +20,8 @@ namespace accelerate::detail::checkpoint::python_layout {
 /// `pytorch_model_1.bin`), `optimizer.bin`, `scheduler.bin`, `scaler.pt`, `random_states_<p>.pkl`,
 /// `custom_checkpoint_<i>.pkl`, `sampler.bin`, `dl_state_dict.bin`.
 std::string model_file(size_t i, bool safetensors);
+/// Upstream's FSDP's FULL_STATE_DICT file of model `i`: `pytorch_model_fsdp[_i].bin`.
+std::string fsdp_model_file(size_t i);
 std::string optimizer_file(size_t i);
 std::string scheduler_file(size_t i);
 std::string sampler_file(size_t i);
@@ -32,16 +34,24 @@ std::string custom_file(size_t i);
 /// and no `random_states_<p>.safetensors`.
 bool is_python_folder(const std::filesystem::path& folder);
 
-/// The files of model `i` in `folder`: model[_i].safetensors, its sharded variant's index, or
-/// pytorch_model[_i].bin or its index; empty when there are none. Safetensors first, as upstream.
+/// The files of model `i` in `folder`: model[_i].safetensors, its sharded variant's index,
+/// pytorch_model[_i].bin or its index, or upstream's FSDP's pytorch_model_fsdp[_i].bin; empty
+/// when there are none. Safetensors first, as upstream.
 std::vector<std::filesystem::path> model_files(const std::filesystem::path& folder, size_t i);
 /// The tensors of a model's pickled files (pytorch_model.bin or the shards of its index).
 TensorMap read_pickled_model(const std::vector<std::filesystem::path>& files);
 
-/// An optimizer's state from `optimizer.bin` in the project's layout for `optimizer`
-/// (`optimizer_state_dict`'s): "step" tensors become integers, None entries are dropped.
-/// Refuses `maximize=True` (LibTorch has none) and LBFGS, naming them.
-StateDict read_optimizer(const std::string& path, const torch::optim::Optimizer& optimizer);
+/// An optimizer's state in PyTorch's layout (`py`, as read_torch_save lays out
+/// `optimizer.state_dict()` or FSDP's `optim_state_dict`, whose parameters are named by module
+/// path: `names` gives each of `optimizer`'s parameters' name, "" where none) in the project's
+/// layout for `optimizer` (`optimizer_state_dict`'s): "step" tensors become integers, None entries
+/// are dropped. Refuses `maximize=True` (LibTorch has none) and LBFGS, naming them; `path` names
+/// the file in messages.
+StateDict optimizer_from_pytorch(StateDict py, const torch::optim::Optimizer& optimizer,
+                                 const std::vector<std::string>& names, const std::string& path);
+/// The same, of the file `optimizer.bin`.
+StateDict read_optimizer(const std::string& path, const torch::optim::Optimizer& optimizer,
+                         const std::vector<std::string>& names);
 /// Writes `state` (`optimizer_state_dict`'s layout) as PyTorch's `optimizer.state_dict()`.
 void write_optimizer(const StateDict& state, const std::string& path);
 

@@ -56,29 +56,10 @@ struct Index {
   std::map<std::string, Layout> tensors;  // those sharded or split
 };
 
-// A part of a whole tensor: its offset and length in each dimension (a scalar has one row).
-struct Box {
-  std::vector<int64_t> offset, length;
-  int64_t numel() const {
-    int64_t n = 1;
-    for (auto l : length) n *= l;
-    return n;
-  }
-};
+using Box = ShardBox;
 
 Box box_of(const Layout& layout, const ShardPlace& place) {
-  Box b{std::vector<int64_t>(layout.whole.size(), 0), layout.whole};
-  if (b.length.empty()) b = Box{{0}, {1}};
-  if (layout.split >= 0) {
-    b.length[layout.split] /= place.tp_size;
-    b.offset[layout.split] = b.length[layout.split] * place.tp_rank;
-  }
-  if (layout.rows) {
-    const auto [first, count] = fsdp::rows_held(b.length[0], place.world, place.rank);
-    b.offset[0] += first;
-    b.length[0] = count;
-  }
-  return b;
+  return shard_box(layout.whole, layout.rows, layout.split, place);
 }
 
 // Copies the overlap of `from` (the box `src` holds) and `to` (the box `dst` holds) into `dst`;
@@ -146,6 +127,21 @@ class ShardFiles {
 };
 
 }  // namespace
+
+ShardBox shard_box(const std::vector<int64_t>& whole, bool rows, int64_t split, const ShardPlace& place) {
+  ShardBox b{std::vector<int64_t>(whole.size(), 0), whole};
+  if (b.length.empty()) b = ShardBox{{0}, {1}};
+  if (split >= 0) {
+    b.length[split] /= place.tp_size;
+    b.offset[split] = b.length[split] * place.tp_rank;
+  }
+  if (rows) {
+    const auto [first, count] = fsdp::rows_held(b.length[0], place.world, place.rank);
+    b.offset[0] += first;
+    b.length[0] = count;
+  }
+  return b;
+}
 
 void save_sharded_state(const ShardPlace& place, const std::string& folder, const nlohmann::json& values,
                         const std::map<std::string, at::Tensor>& tensors,

@@ -26,6 +26,20 @@ struct ShardPlace {
   int tp_size = 1, tp_rank = 0;  // the tensor-parallel group (1, 0: whole tensors)
 };
 
+/// A part of a whole tensor: its offset and length in each dimension (a scalar has one row).
+struct ShardBox {
+  std::vector<int64_t> offset, length;
+  int64_t numel() const {
+    int64_t n = 1;
+    for (auto l : length) n *= l;
+    return n;
+  }
+};
+
+/// The part of a tensor of shape `whole` that the process at `place` holds: its piece along
+/// `split` (-1: whole) of tensor parallelism's, and of that piece its rows when `rows`.
+ShardBox shard_box(const std::vector<int64_t>& whole, bool rows, int64_t split, const ShardPlace& place);
+
 /// Writes this process's part of a sharded state into `folder`: `tensors` by name, `values`
 /// (JSON); `sharded` gives the whole shape (with tensor parallelism, of the whole tensor, not the
 /// piece) of each tensor whose rows this process holds, `split` the dimension each tensor split

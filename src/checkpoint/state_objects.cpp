@@ -95,6 +95,21 @@ std::vector<at::Tensor> optimizer_params(const torch::optim::Optimizer& optimize
   return params;
 }
 
+std::vector<std::string> optimizer_param_names(const CheckpointObjects& objects, size_t i) {
+  std::map<const void*, std::string> by_impl;
+  for (const auto& model : objects.models) {
+    for (const auto& item : model.module()->named_parameters()) {
+      by_impl.emplace(item.value().unsafeGetTensorImpl(), item.key());
+    }
+  }
+  std::vector<std::string> names;
+  for (const auto& param : optimizer_params(*objects.optimizers[i].optimizer())) {
+    auto it = by_impl.find(param.unsafeGetTensorImpl());
+    names.push_back(it == by_impl.end() ? std::string() : it->second);
+  }
+  return names;
+}
+
 size_t state_param_index(const std::string& key) {
   const auto dot = key.find('.', 6);
   const bool numbered = key.rfind("state.", 0) == 0 && dot != std::string::npos && dot > 6 &&

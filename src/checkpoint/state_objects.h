@@ -67,6 +67,9 @@ std::vector<int64_t> whole_tensor_shape(fsdp::FsdpEngine* engine, tensor_paralle
                                         const at::Tensor& param);
 /// The parameters of an optimizer in the numbering of `optimizer_state_dict`.
 std::vector<at::Tensor> optimizer_params(const torch::optim::Optimizer& optimizer);
+/// The name of each parameter of optimizer `i` (in `optimizer_params`' order) in the model that
+/// holds it, "" for a parameter no model holds: FSDP's files name an optimizer's parameters so.
+std::vector<std::string> optimizer_param_names(const CheckpointObjects& objects, size_t i);
 /// The parameter number in an optimizer state tensor's name, "state.<index>.<name>".
 size_t state_param_index(const std::string& key);
 

@@ -11,6 +11,7 @@
 #include <torch/torch.h>
 
 #include <filesystem>
+#include <fstream>
 #include <limits>
 #include <stdexcept>
 
@@ -336,17 +337,66 @@ class Interpreter {
   std::map<std::string, c10::Storage> storages_;
 };
 
-// Every record stored as torch.save writes it (uncompressed), within the file, so that no record
-// costs more memory to read than the file's size.
-void check_records(const std::string& path) {
-  const auto file_size = std::filesystem::file_size(path);
+// Every record stored as torch.save writes it (uncompressed), within the archive, so that no
+// record costs more memory to read than the archive's size.
+void check_records(const std::string& path, uint64_t offset, uint64_t size) {
   std::vector<zip::Record> records;
   try {
-    records = zip::read_directory(path);
+    records = zip::read_directory(path, offset, size);
   } catch (const std::invalid_argument& e) {
     TORCH_CHECK(false, e.what());  // reported as an archive that is not valid
   }
-  torch_save::check_records(records, file_size);
+  torch_save::check_records(records, size);
+}
+
+// The bytes of an archive that lies `size` bytes from `offset` within a file, for LibTorch's
+// archive reader.
+class FileRange final : public caffe2::serialize::ReadAdapterInterface {
+ public:
+  FileRange(const std::string& path, uint64_t offset, uint64_t size)
+      : in_(path, std::ios::binary), offset_(offset), size_(size) {
+    TORCH_CHECK_VALUE(in_.good(), "cannot open the file");
+  }
+  size_t size() const override { return size_; }
+  size_t read(uint64_t pos, void* buf, size_t n, const char* /*what*/ = "") const override {
+    if (pos >= size_) return 0;
+    n = static_cast<size_t>(std::min<uint64_t>(n, size_ - pos));
+    in_.clear();
+    in_.seekg(static_cast<std::streamoff>(offset_ + pos));
+    in_.read(static_cast<char*>(buf), static_cast<std::streamsize>(n));
+    return static_cast<size_t>(in_.gcount());
+  }
+
+ private:
+  mutable std::ifstream in_;
+  uint64_t offset_, size_;
+};
+
+StateDict read_archive(const std::string& path, uint64_t offset, uint64_t size, const TorchReadOptions& options) {
+  check_records(path, offset, size);
+  caffe2::serialize::PyTorchStreamReader archive(std::make_shared<FileRange>(path, offset, size));
+  TORCH_CHECK_VALUE(archive.hasRecord("data.pkl"), "the archive has no data.pkl (a TorchScript archive is not read)");
+  auto [data, data_size] = archive.getRecord("data.pkl");
+  const auto tree = pickle::read(std::string_view(static_cast<const char*>(data.get()), data_size));
+  // Walking shared values costs what the walk visits: bounded by a multiple of the file.
+  const size_t limit = std::max<size_t>(size_t{1} << 20, 16 * data_size);
+  TORCH_CHECK_VALUE(pickle::expanded_size(*tree.root, limit) < limit, "data.pkl shares its values into more than ",
+                    limit, " places");
+  return Interpreter(archive, options, kReadBudget + kReadBudgetPerByte * data_size).run(*tree.root);
+}
+
+// Reading's errors as ValueErrors that name `what`.
+template <typename F>
+StateDict naming(const std::string& what, F&& read) {
+  try {
+    return read();
+  } catch (const c10::ValueError& e) {
+    C10_THROW_ERROR(ValueError, c10::str(what, ": ", e.what_without_backtrace()));
+  } catch (const c10::Error& e) {
+    C10_THROW_ERROR(ValueError, c10::str(what, " is not a valid torch.save archive: ", e.what_without_backtrace()));
+  } catch (const std::exception& e) {
+    C10_THROW_ERROR(ValueError, c10::str(what, ": ", e.what()));
+  }
 }
 
 }  // namespace
@@ -357,24 +407,11 @@ StateDict read_torch_save(const std::string& path, const TorchReadOptions& optio
                     " is not a zip archive written by torch.save (files of the legacy format, "
                     "torch.save(..., _use_new_zipfile_serialization=False), are not read: load and save it again in "
                     "Python)");
-  try {
-    check_records(path);
-    caffe2::serialize::PyTorchStreamReader archive(path);
-    TORCH_CHECK_VALUE(archive.hasRecord("data.pkl"), "the archive has no data.pkl (a TorchScript archive is not read)");
-    auto [data, size] = archive.getRecord("data.pkl");
-    const auto tree = pickle::read(std::string_view(static_cast<const char*>(data.get()), size));
-    // Walking shared values costs what the walk visits: bounded by a multiple of the file.
-    const size_t limit = std::max<size_t>(size_t{1} << 20, 16 * size);
-    TORCH_CHECK_VALUE(pickle::expanded_size(*tree.root, limit) < limit,
-                      "data.pkl shares its values into more than ", limit, " places");
-    return Interpreter(archive, options, kReadBudget + kReadBudgetPerByte * size).run(*tree.root);
-  } catch (const c10::ValueError& e) {
-    C10_THROW_ERROR(ValueError, c10::str(path, ": ", e.what_without_backtrace()));
-  } catch (const c10::Error& e) {
-    C10_THROW_ERROR(ValueError, c10::str(path, " is not a valid torch.save archive: ", e.what_without_backtrace()));
-  } catch (const std::exception& e) {
-    C10_THROW_ERROR(ValueError, c10::str(path, ": ", e.what()));
-  }
+  return naming(path, [&] { return read_archive(path, 0, std::filesystem::file_size(path), options); });
+}
+
+StateDict read_torch_save_at(const std::string& path, uint64_t offset, uint64_t size, const TorchReadOptions& options) {
+  return naming(c10::str(path, " at byte ", offset), [&] { return read_archive(path, offset, size, options); });
 }
 
 // ---- writing -----------------------------------------------------------------------------------
@@ -399,28 +436,33 @@ const pickle::Value* TorchSaveWriter::from_json(const nlohmann::json& value) {
   return torch_save::from_json(tree_, value);
 }
 
-void TorchSaveWriter::write(const pickle::Value* root, const std::string& path) {
+uint64_t TorchSaveWriter::write_to(const pickle::Value* root, SequentialWriter& out, const std::string& what) {
   std::string pickled;
   try {
     pickled = pickle::write(*root);
   } catch (const std::invalid_argument& e) {
-    C10_THROW_ERROR(ValueError, c10::str(path, ": ", e.what()));
+    C10_THROW_ERROR(ValueError, c10::str(what, ": ", e.what()));
   }
-  write_file_atomically(path, [&](SequentialWriter& out) {
-    caffe2::serialize::PyTorchStreamWriter archive([&](const void* data, size_t size) -> size_t {
-      auto piece = std::make_shared<std::string>(static_cast<const char*>(data), size);
-      out.write(piece->data(), piece->size(), piece);
-      return size;
-    });
-    archive.writeRecord("data.pkl", pickled.data(), pickled.size());
-    static const std::string little = "little";
-    archive.writeRecord("byteorder", little.data(), little.size());
-    for (size_t i = 0; i < storages_.size(); ++i) {
-      const auto& s = storages_[i];
-      archive.writeRecord("data/" + std::to_string(i), s.data_ptr(), s.numel() * s.element_size());
-    }
-    archive.writeEndOfFile();
+  uint64_t written = 0;
+  caffe2::serialize::PyTorchStreamWriter archive([&](const void* data, size_t size) -> size_t {
+    auto piece = std::make_shared<std::string>(static_cast<const char*>(data), size);
+    out.write(piece->data(), piece->size(), piece);
+    written += size;
+    return size;
   });
+  archive.writeRecord("data.pkl", pickled.data(), pickled.size());
+  static const std::string little = "little";
+  archive.writeRecord("byteorder", little.data(), little.size());
+  for (size_t i = 0; i < storages_.size(); ++i) {
+    const auto& s = storages_[i];
+    archive.writeRecord("data/" + std::to_string(i), s.data_ptr(), s.numel() * s.element_size());
+  }
+  archive.writeEndOfFile();
+  return written;
+}
+
+void TorchSaveWriter::write(const pickle::Value* root, const std::string& path) {
+  write_file_atomically(path, [&](SequentialWriter& out) { write_to(root, out, path); });
 }
 
 }  // namespace accelerate::detail::checkpoint

@@ -5,10 +5,12 @@
 #pragma once
 
 #include "accelerate/checkpointing.h"
+#include "detail/files.h"
 #include "formats/pickle.h"
 
 #include <nlohmann/json.hpp>
 
+#include <cstdint>
 #include <map>
 #include <string>
 #include <vector>
@@ -30,6 +32,10 @@ struct TorchReadOptions {
 /// OrderedDict, the legacy non-zip format, a truncated archive, a storage too small for its
 /// tensor) is refused with a c10::ValueError naming the path and what was found.
 StateDict read_torch_save(const std::string& path, const TorchReadOptions& options = {});
+/// The same, of the archive that lies `size` bytes from `offset` within the file at `path` (an
+/// item of a torch.distributed.checkpoint file); a tensor at the top level is named "".
+StateDict read_torch_save_at(const std::string& path, uint64_t offset, uint64_t size,
+                             const TorchReadOptions& options = {});
 
 /// Builds the values of a torch.save file, then writes it.
 class TorchSaveWriter {
@@ -43,6 +49,8 @@ class TorchSaveWriter {
   const pickle::Value* ordered_dict(std::vector<std::pair<const pickle::Value*, const pickle::Value*>> entries);
   /// Writes `root` to `path` (flushed to the disk and renamed into place).
   void write(const pickle::Value* root, const std::string& path);
+  /// Appends the archive of `root` to `out`; the bytes appended. `what` names it in errors.
+  uint64_t write_to(const pickle::Value* root, SequentialWriter& out, const std::string& what);
 
  private:
   pickle::Tree tree_;

@@ -42,11 +42,19 @@ std::string read_at(std::ifstream& in, uint64_t offset, uint64_t size) {
 std::vector<Record> read_directory(const std::string& path) {
   std::ifstream in(path, std::ios::binary | std::ios::ate);
   if (!in) fail("cannot open the file");
-  const auto file_size = static_cast<uint64_t>(in.tellg());
+  return read_directory(path, 0, static_cast<uint64_t>(in.tellg()));
+}
+
+std::vector<Record> read_directory(const std::string& path, uint64_t offset, uint64_t size) {
+  std::ifstream file(path, std::ios::binary);
+  if (!file) fail("cannot open the file");
+  // Offsets within the archive, which starts `offset` bytes into the file.
+  const auto read_at = [&](uint64_t at, uint64_t n) { return zip::read_at(file, offset + at, n); };
+  const uint64_t file_size = size;
   if (file_size < kEndSize) fail("the file is shorter than an end of central directory");
   // The end of central directory: the last signature within its comment's reach of the end.
   const uint64_t tail_size = std::min<uint64_t>(file_size, kEndSize + 0xffff);
-  const auto tail = read_at(in, file_size - tail_size, tail_size);
+  const auto tail = read_at(file_size - tail_size, tail_size);
   size_t end = std::string_view::npos;
   for (size_t i = tail_size - kEndSize + 1; i-- > 0;) {
     if (le(tail, i, 4) == kEndOfDirectory) {
@@ -62,11 +70,11 @@ std::vector<Record> read_directory(const std::string& path) {
   if (le(tail, end + 4, 2) != 0 || le(tail, end + 6, 2) != 0) fail("an archive of several disks");
   if (entries == 0xffff || directory_size == 0xffffffff || directory_at == 0xffffffff) {
     if (end_at < kLocatorSize) fail("zip64 fields without zip64's locator");
-    const auto locator = read_at(in, end_at - kLocatorSize, kLocatorSize);
+    const auto locator = read_at(end_at - kLocatorSize, kLocatorSize);
     if (le(locator, 0, 4) != kZip64Locator) fail("zip64 fields without zip64's locator");
     const uint64_t zip64_at = le(locator, 8, 8);
     if (zip64_at > file_size || file_size - zip64_at < kZip64EndSize) fail("zip64's end of directory lies past the file");
-    const auto zip64 = read_at(in, zip64_at, kZip64EndSize);
+    const auto zip64 = read_at(zip64_at, kZip64EndSize);
     if (le(zip64, 0, 4) != kZip64EndOfDirectory) fail("zip64's locator points at no end of directory");
     entries = le(zip64, 32, 8);
     directory_size = le(zip64, 40, 8);
@@ -80,7 +88,7 @@ std::vector<Record> read_directory(const std::string& path) {
     fail("the central directory lists " + std::to_string(entries) + " records in " + std::to_string(directory_size) +
          " bytes");
   }
-  const auto directory = read_at(in, directory_at, directory_size);
+  const auto directory = read_at(directory_at, directory_size);
   std::vector<Record> out;
   out.reserve(entries);
   size_t at = 0;

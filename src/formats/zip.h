@@ -24,5 +24,9 @@ struct Record {
 /// a directory that reaches past the end of the file or lists more records than it can hold, and
 /// a record whose local header lies past the end of the file.
 std::vector<Record> read_directory(const std::string& path);
+/// The records of the zip archive that lies `size` bytes from `offset` within the file at `path`
+/// (as torch.distributed.checkpoint's files hold torch.save archives), with offsets relative to
+/// the archive's start.
+std::vector<Record> read_directory(const std::string& path, uint64_t offset, uint64_t size);
 
 }  // namespace accelerate::detail::zip

@@ -2,10 +2,12 @@
 // training of tests/python/upstream_checkpoint.py (an MLP whose weights and data are formulas of
 // their indices, AdamW, a linear warm-up schedule), each process on its shard of the batch.
 //
-//   mp_python_interop STEPS_TO [--steps-from K --load DIR] [--save-at K --save DIR] --out RESULT.json
+//   mp_python_interop STEPS_TO [--steps-from K --load DIR] [--save-at K --save DIR]
+//                     [--scheduler linear|none] --out RESULT.json
 //
 // `--load` reads a folder with load_state (its layout detected); `--save` writes one in Python
-// Accelerate's layout. RESULT.json (process 0) holds the parameters, the rate, four draws of the
+// Accelerate's layout. `--scheduler none` trains at a fixed rate (upstream steps a scheduler once
+// per process, so runs at different process counts only agree without one). RESULT.json (process 0) holds the parameters, the rate, four draws of the
 // global generator after the load or the save, the accelerator's step (upstream's: one per
 // `accumulate`) and the loss of the last step.
 #include "accelerate/accelerate.h"
@@ -14,6 +16,7 @@
 #include <torch/torch.h>
 
 #include <fstream>
+#include <optional>
 #include <iostream>
 #include <string>
 
@@ -46,7 +49,7 @@ std::pair<at::Tensor, at::Tensor> batch(int64_t step) {
 
 int main(int argc, char** argv) {
   int64_t steps_from = 0, steps_to = -1, save_at = -1;
-  std::string load, save, out;
+  std::string load, save, out, scheduler_kind = "linear";
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i], value = argv[i + 1];
     if (flag == "--steps-from") steps_from = std::stoll(value);
@@ -55,6 +58,7 @@ int main(int argc, char** argv) {
     else if (flag == "--load") load = value;
     else if (flag == "--save") save = value;
     else if (flag == "--out") out = value;
+    else if (flag == "--scheduler") scheduler_kind = value;
     else {
       std::cerr << "mp_python_interop: unknown flag " << flag << "\n";
       return 2;
@@ -69,8 +73,9 @@ int main(int argc, char** argv) {
   auto net = make_model();
   auto adamw = std::make_shared<torch::optim::AdamW>(
       net->parameters(), torch::optim::AdamWOptions(0.01).betas({0.9, 0.999}).eps(1e-8).weight_decay(0.01));
-  auto schedule = acc::get_linear_schedule_with_warmup(adamw, 3, 20);
-  auto [model, optimizer, scheduler] = accelerator.prepare(net, adamw, schedule);
+  std::optional<acc::AcceleratedScheduler> scheduler;
+  auto [model, optimizer] = accelerator.prepare(net, adamw);
+  if (scheduler_kind == "linear") scheduler = accelerator.prepare_scheduler(acc::get_linear_schedule_with_warmup(adamw, 3, 20));
 
   std::vector<double> draws;
   const auto draw = [&] {
@@ -96,7 +101,7 @@ int main(int argc, char** argv) {
     optimizer.zero_grad();
     accelerator.backward(loss);
     optimizer.step();
-    scheduler.step();
+    if (scheduler) scheduler->step();
     last_loss = loss.item<double>();
   }
   const auto weights = accelerator.get_state_dict(model);  // a collective when fully sharded
@@ -106,7 +111,7 @@ int main(int argc, char** argv) {
       auto t = item.value().contiguous();
       result["params"][item.key()] = std::vector<float>(t.data_ptr<float>(), t.data_ptr<float>() + t.numel());
     }
-    result["lr"] = scheduler.get_last_lr().at(0);
+    result["lr"] = scheduler ? scheduler->get_last_lr().at(0) : 0.01;
     result["draws"] = draws;
     result["step"] = accelerator.step();
     result["loss"] = last_loss;
