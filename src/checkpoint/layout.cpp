@@ -27,9 +27,12 @@ class CppLayout final : public Layout {
 
   bool reads_sharded_optimizer(bool) const override { return true; }
   std::string optimizer_file(size_t i) const override { return numbered("optimizer", i, ".safetensors"); }
-  void write_optimizer(const StateDict& state, const std::string& path) const override {
+  void write_optimizer(const StateDict& state, const std::string& path, const std::vector<std::string>&) const override {
     save_state_dict_file(state, path);
   }
+  bool writes_dcp() const override { return false; }
+  std::optional<std::string> fsdp_model_file(size_t) const override { return std::nullopt; }
+  void write_fsdp_model(const std::vector<std::pair<std::string, at::Tensor>>&, const std::string&) const override {}
   StateDict read_optimizer(const std::string& path, const torch::optim::Optimizer&, const std::vector<std::string>&,
                            std::unique_ptr<SafetensorsFile>& file) const override {
     file = std::make_unique<SafetensorsFile>(path);
@@ -81,16 +84,14 @@ class PythonLayout final : public Layout {
  public:
   // What upstream's layout cannot hold.
   void check_savable(const CheckpointObjects& objects) const override {
+    // SHARDED_STATE_DICT becomes torch.distributed.checkpoint folders, as upstream's FSDP writes;
+    // LOCAL_STATE_DICT has no counterpart there (upstream's FSDP2 has none, FSDP1's files hold
+    // ShardedTensor objects).
     for (size_t i = 0; i < objects.models.size(); ++i) {
-      TORCH_CHECK_VALUE(!objects.model_engines[i] || !sharded_state(objects.model_engines[i]),
-                        "[Accelerator::save_state] model ", i, " saves sharded states (SHARDED_STATE_DICT or "
-                        "LOCAL_STATE_DICT), which Python's layout keeps in torch.distributed.checkpoint's format; "
-                        "use FULL_STATE_DICT or the project's layout");
-    }
-    for (size_t i = 0; i < objects.optimizers.size(); ++i) {
-      TORCH_CHECK_VALUE(!objects.optimizer_engines[i] || !sharded_state(objects.optimizer_engines[i]),
-                        "[Accelerator::save_state] optimizer ", i, " is over sharded parameters with sharded states, "
-                        "which Python's layout cannot hold; use FULL_STATE_DICT or the project's layout");
+      TORCH_CHECK_VALUE(!objects.model_engines[i] || !local_state(objects.model_engines[i]),
+                        "[Accelerator::save_state] model ", i, " saves LOCAL_STATE_DICT states, which Python's "
+                        "layout cannot hold (upstream's FSDP2 has no LOCAL_STATE_DICT); use SHARDED_STATE_DICT, "
+                        "FULL_STATE_DICT or the project's layout");
     }
     for (size_t i = 0; i < objects.schedulers.size(); ++i) {
       TORCH_CHECK_VALUE(dynamic_cast<const LambdaLR*>(objects.schedulers[i].scheduler().get()) != nullptr,
@@ -111,8 +112,15 @@ class PythonLayout final : public Layout {
 
   bool reads_sharded_optimizer(bool has_engine) const override { return has_engine; }
   std::string optimizer_file(size_t i) const override { return python::optimizer_file(i); }
-  void write_optimizer(const StateDict& state, const std::string& path) const override {
-    python::write_optimizer(state, path);
+  void write_optimizer(const StateDict& state, const std::string& path,
+                       const std::vector<std::string>& names) const override {
+    python::write_optimizer(state, path, names);
+  }
+  bool writes_dcp() const override { return true; }
+  std::optional<std::string> fsdp_model_file(size_t i) const override { return python::fsdp_model_file(i); }
+  void write_fsdp_model(const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                        const std::string& path) const override {
+    python::write_pickled_model(tensors, path);
   }
   StateDict read_optimizer(const std::string& path, const torch::optim::Optimizer& optimizer,
                            const std::vector<std::string>& names, std::unique_ptr<SafetensorsFile>&) const override {

@@ -48,7 +48,21 @@ class Layout {
   /// without a fully sharded engine.
   virtual bool reads_sharded_optimizer(bool has_engine) const = 0;
   virtual std::string optimizer_file(size_t i) const = 0;
-  virtual void write_optimizer(const StateDict& state, const std::string& path) const = 0;
+  /// `names`: each parameter's name in its model, given for an optimizer over fully sharded
+  /// parameters (upstream's FSDP files name them), empty otherwise.
+  virtual void write_optimizer(const StateDict& state, const std::string& path,
+                               const std::vector<std::string>& names) const = 0;
+
+  /// Whether fully sharded models' and their optimizers' sharded states (SHARDED_STATE_DICT) are
+  /// written as torch.distributed.checkpoint folders (upstream's) rather than the project's
+  /// sharded format.
+  virtual bool writes_dcp() const = 0;
+  /// The file of fully sharded model `i`'s whole state (FULL_STATE_DICT) when the layout names
+  /// one of its own (upstream's `pytorch_model_fsdp[_i].bin`, written by `write_fsdp_model`), or
+  /// `std::nullopt` to write it as any model's.
+  virtual std::optional<std::string> fsdp_model_file(size_t i) const = 0;
+  virtual void write_fsdp_model(const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                                const std::string& path) const = 0;
   /// The state of `optimizer` in `path`; `file` is set when the tensors are views of it (to be
   /// read in bulk once every check passed).
   /// `names` gives each of the optimizer's parameters' name in its model ("" where none).

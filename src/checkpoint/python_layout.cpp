@@ -170,9 +170,35 @@ StateDict read_optimizer(const std::string& path, const torch::optim::Optimizer&
   return optimizer_from_pytorch(read_torch_save(path), optimizer, names, path);
 }
 
-void write_optimizer(const StateDict& ours, const std::string& path) {
+void add_pytorch_group_options(const std::string& kind, nlohmann::json& group) {
+  const auto fill = [&](const char* key, nlohmann::json value) {
+    if (!group.contains(key)) group[key] = std::move(value);
+  };
+  fill("maximize", false);
+  fill("foreach", nullptr);
+  fill("differentiable", false);
+  if (kind == "Adam" || kind == "AdamW") {
+    fill("capturable", false);
+    fill("fused", nullptr);
+    fill("decoupled_weight_decay", kind == "AdamW");
+  } else if (kind == "SGD" || kind == "Adagrad") {
+    fill("fused", nullptr);
+  } else if (kind == "RMSprop") {
+    fill("capturable", false);
+  }
+}
+
+void write_optimizer(const StateDict& ours, const std::string& path, const std::vector<std::string>& names) {
   const auto kind = ours.values.at("optimizer").get<std::string>();
   TORCH_CHECK_VALUE(kind != "LBFGS", "[Accelerator::save_state] LBFGS's state is not written in Python's layout");
+  // FSDP's files name the parameters (optim_state_dict); optimizer.state_dict() numbers them.
+  const auto key_of = [&](const std::string& index) -> std::string {
+    if (names.empty()) return index;
+    const auto i = static_cast<size_t>(std::stoull(index));
+    TORCH_CHECK_VALUE(i < names.size() && !names[i].empty(), "[Accelerator::save_state] parameter ", index,
+                      " of the optimizer is in no prepared model, so it has no name for upstream's FSDP files");
+    return names[i];
+  };
   TorchSaveWriter w;
   auto& tr = w.tree();
   std::vector<std::pair<const pickle::Value*, const pickle::Value*>> groups_state;
@@ -187,26 +213,38 @@ void write_optimizer(const StateDict& ours, const std::string& path) {
     for (const auto& [key, tensor] : ours.tensors) {
       if (key.rfind(prefix, 0) == 0) entries.emplace_back(tr.string(key.substr(prefix.size())), w.tensor(tensor));
     }
-    groups_state.emplace_back(tr.integer(std::stoll(index)), tr.dict(std::move(entries)));
+    groups_state.emplace_back(names.empty() ? tr.integer(std::stoll(index)) : tr.string(key_of(index)),
+                              tr.dict(std::move(entries)));
   }
   std::vector<const pickle::Value*> groups;
-  for (const auto& group : ours.values.at("param_groups")) {
+  for (auto group : ours.values.at("param_groups")) {
+    add_pytorch_group_options(kind, group);
     std::vector<std::pair<const pickle::Value*, const pickle::Value*>> entries;
     for (const auto& [name, value] : group.items()) {
       const pickle::Value* v = nullptr;
       if (name == "betas") {
         v = tr.tuple({tr.number(value[0].get<double>()), tr.number(value[1].get<double>())});
+      } else if (name == "params" && !names.empty()) {
+        std::vector<const pickle::Value*> params;
+        for (const auto& p : value) params.push_back(tr.string(key_of(std::to_string(p.get<int64_t>()))));
+        v = tr.list(std::move(params));
       } else {
         v = w.from_json(value);
       }
       entries.emplace_back(tr.string(name), v);
     }
-    entries.emplace_back(tr.string("maximize"), tr.boolean(false));
     groups.push_back(tr.dict(std::move(entries)));
   }
   const auto* root = tr.dict({{tr.string("state"), tr.dict(std::move(groups_state))},
                               {tr.string("param_groups"), tr.list(std::move(groups))}});
   w.write(root, path);
+}
+
+void write_pickled_model(const std::vector<std::pair<std::string, at::Tensor>>& tensors, const std::string& path) {
+  TorchSaveWriter w;
+  std::vector<std::pair<const pickle::Value*, const pickle::Value*>> entries;
+  for (const auto& [name, tensor] : tensors) entries.emplace_back(w.tree().string(name), w.tensor(tensor));
+  w.write(w.ordered_dict(std::move(entries)), path);
 }
 
 // ---- schedulers ----------------------------------------------------------------------------------

@@ -52,8 +52,15 @@ StateDict optimizer_from_pytorch(StateDict py, const torch::optim::Optimizer& op
 /// The same, of the file `optimizer.bin`.
 StateDict read_optimizer(const std::string& path, const torch::optim::Optimizer& optimizer,
                          const std::vector<std::string>& names);
-/// Writes `state` (`optimizer_state_dict`'s layout) as PyTorch's `optimizer.state_dict()`.
-void write_optimizer(const StateDict& state, const std::string& path);
+/// Writes `state` (`optimizer_state_dict`'s layout) as PyTorch's `optimizer.state_dict()`, or,
+/// given each parameter's name in `names`, as FSDP's `optim_state_dict` (parameters named).
+void write_optimizer(const StateDict& state, const std::string& path, const std::vector<std::string>& names = {});
+/// Adds to a param group of optimizer `kind` ("AdamW") the options PyTorch's groups carry and
+/// LibTorch's lack, at PyTorch's defaults (maximize, foreach, fused, capturable, ...): a
+/// torch.distributed.checkpoint load wants every key its own optimizer has.
+void add_pytorch_group_options(const std::string& kind, nlohmann::json& group);
+/// Writes a model's tensors as torch.save writes a state dict (an OrderedDict).
+void write_pickled_model(const std::vector<std::pair<std::string, at::Tensor>>& tensors, const std::string& path);
 
 /// A LambdaLR's state (the transformers schedules' too) from `scheduler.bin`, for `scheduler`.
 /// OneCycleLR is refused: PyTorch keeps part of its state in the optimizer's param groups.

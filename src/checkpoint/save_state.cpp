@@ -5,7 +5,9 @@
 
 #include "accelerator_impl.h"
 #include "checkpoint/commit.h"
+#include "checkpoint/dcp_state.h"
 #include "checkpoint/layout.h"
+#include "checkpoint/python_layout.h"
 #include "checkpoint/sharded_format.h"
 #include "checkpoint/state_objects.h"
 #include "checkpoint/torch_save.h"
@@ -251,13 +253,126 @@ std::vector<StateDictMap> model_states(const detail::checkpoint::CheckpointObjec
   return weights;
 }
 
+// Where a process's part of a tensor of a sharded state lies in a torch.distributed.checkpoint
+// folder (Note [DCP states]): `tensor` is its part of the tensor of shape `whole` that `param`
+// (null: none) is, rows of its piece where its engines shard or split `param`. Whole tensors are
+// written by the first process only; false when this process writes nothing of it.
+bool add_dcp_part(detail::checkpoint::DcpShare& share, const std::string& key, std::vector<detail::dcp::PathStep> path,
+                  const at::Tensor& tensor, const std::vector<int64_t>& whole, bool rows, int64_t dim,
+                  const detail::checkpoint::ShardPlace& place) {
+  const bool first = place.rank == 0 && place.tp_rank == 0;
+  if (!rows && dim < 0 && !first) return false;
+  auto box = detail::checkpoint::shard_box(whole, rows, dim, place);
+  if (whole.empty()) box.offset.clear();  // a scalar's chunk has no dimensions
+  TORCH_CHECK(whole.empty() || tensor.sizes().vec() == box.length, "[Accelerator::save_state] ", key, " holds ",
+              tensor.sizes(), " here where its part of ", c10::IntArrayRef(whole), " is ", c10::IntArrayRef(box.length));
+  share.tensors[key] = {tensor.detach(), whole, box.offset, std::move(path)};
+  return true;
+}
+
+// A fully sharded model's SHARDED_STATE_DICT as upstream's FSDP writes it: a DCP folder of
+// {"model": state_dict} (Note [DCP states]). Every process takes part (the metadata is gathered).
+void write_dcp_model(const detail::checkpoint::CheckpointObjects& objects, size_t i, const StateDictMap& weights,
+                     const Destination& to) {
+  auto* engine = objects.model_engines[i];
+  auto* split = objects.model_splits[i];
+  const auto place = detail::checkpoint::shard_place(engine, split);
+  std::map<std::string, at::Tensor> params;
+  for (const auto& item : objects.models[i].module()->named_parameters()) params.emplace(item.key(), item.value());
+  detail::checkpoint::DcpShare share;
+  if (engine->replica_index() == 0) {  // hybrid sharding: the first replica writes the shards
+    for (const auto& item : weights) {
+      auto it = params.find(item.key());
+      const bool is_param = it != params.end();
+      const auto whole = is_param ? detail::checkpoint::whole_tensor_shape(engine, split, it->second) : item.value().sizes().vec();
+      const bool rows = is_param && engine->is_sharded(it->second);
+      const int64_t dim = is_param && split && split->is_sharded(it->second) ? split->split_dim(it->second) : -1;
+      add_dcp_part(share, "model." + item.key(), {std::string("model"), item.key()}, item.value(), whole, rows, dim,
+                   place);
+    }
+  }
+  detail::checkpoint::write_dcp_folder(to.folder / ("pytorch_model_fsdp_" + std::to_string(i)), share, to.state);
+  to.written();
+}
+
+// An optimizer's SHARDED_STATE_DICT as upstream's FSDP writes it: a DCP folder of {"optimizer":
+// optim_state_dict}, its parameters named as in their model, the param groups with PyTorch's
+// options, the steps as float tensors (Note [DCP states]). Every process takes part.
+void write_dcp_optimizer(const detail::checkpoint::CheckpointObjects& objects, size_t i, const StateDict& state,
+                         const Destination& to) {
+  auto* engine = objects.optimizer_engines[i];
+  auto* split = objects.optimizer_splits[i];
+  const auto place = detail::checkpoint::shard_place(engine, split);
+  const auto params = detail::checkpoint::optimizer_params(*objects.optimizers[i].optimizer());
+  const auto names = detail::checkpoint::optimizer_param_names(objects, i);
+  const auto name_of = [&](size_t index) {
+    TORCH_CHECK_VALUE(index < names.size() && !names[index].empty(), "[Accelerator::save_state] parameter ", index,
+                      " of optimizer ", i, " is in no prepared model, so it has no name for upstream's FSDP folders");
+    return names[index];
+  };
+  using Path = std::vector<detail::dcp::PathStep>;
+  detail::checkpoint::DcpShare share;
+  const bool first = place.rank == 0 && place.tp_rank == 0;
+  if (engine->replica_index() == 0) {
+    for (const auto& [key, tensor] : state.tensors) {
+      const auto index = detail::checkpoint::state_param_index(key);
+      const auto& param = params.at(index);
+      const auto name = key.substr(key.rfind('.') + 1);
+      const bool like_param = tensor.sizes() == param.sizes();
+      const bool rows = like_param && engine->is_sharded(param);
+      const int64_t dim = like_param && split && split->is_sharded(param) ? split->split_dim(param) : -1;
+      const auto whole = like_param ? detail::checkpoint::whole_tensor_shape(engine, split, param) : tensor.sizes().vec();
+      add_dcp_part(share, "optimizer.state." + name_of(index) + "." + name,
+                   Path{std::string("optimizer"), std::string("state"), name_of(index), name}, tensor, whole, rows, dim,
+                   place);
+    }
+    if (first) {
+      for (const auto& [index, scalars] : state.values.at("state").items()) {
+        const auto param = name_of(static_cast<size_t>(std::stoull(index)));
+        for (const auto& [name, value] : scalars.items()) {
+          const auto key = "optimizer.state." + param + "." + name;
+          const Path path{std::string("optimizer"), std::string("state"), param, name};
+          if (name == "step") {  // PyTorch keeps it as a float tensor
+            share.tensors[key] = {at::scalar_tensor(value.get<double>(), at::kFloat), {}, {}, path};
+          } else {
+            share.values[key] = {value, path};
+          }
+        }
+      }
+      const auto kind = state.values.at("optimizer").get<std::string>();
+      TORCH_CHECK_VALUE(kind != "LBFGS", "[Accelerator::save_state] LBFGS's state is not written in Python's layout");
+      int64_t g = 0;
+      for (auto group : state.values.at("param_groups")) {
+        detail::checkpoint::python_layout::add_pytorch_group_options(kind, group);
+        for (auto& [option, value] : group.items()) {
+          auto v = value;
+          if (option == "params") {
+            v = nlohmann::json::array();
+            for (const auto& p : value) v.push_back(name_of(p.get<size_t>()));
+          }
+          share.values["optimizer.param_groups." + std::to_string(g) + "." + option] = {
+              v, Path{std::string("optimizer"), std::string("param_groups"), g, option}};
+        }
+        ++g;
+      }
+    }
+  }
+  detail::checkpoint::write_dcp_folder(to.folder / ("optimizer_" + std::to_string(i)), share, to.state);
+  to.written();
+}
+
 // The models with sharded states: every process writes its own part, in
-// `pytorch_model_fsdp_<i>` (Note [Sharded checkpoint layout]).
+// `pytorch_model_fsdp_<i>` (Note [Sharded checkpoint layout]), or with upstream's layout a
+// torch.distributed.checkpoint folder of that name.
 void write_sharded_models(const detail::checkpoint::CheckpointObjects& objects, const std::vector<StateDictMap>& weights,
-                          const Destination& to) {
+                          const Destination& to, const detail::checkpoint::Layout& layout) {
   for (size_t i = 0; i < weights.size() && i < objects.models.size(); ++i) {
     auto* engine = objects.model_engines[i];
     if (!engine || !detail::checkpoint::sharded_state(engine)) continue;
+    if (layout.writes_dcp()) {
+      write_dcp_model(objects, i, weights[i], to);
+      continue;
+    }
     auto* split = objects.model_splits[i];
     std::map<std::string, at::Tensor> tensors;
     std::map<std::string, std::vector<int64_t>> whole;
@@ -283,7 +398,8 @@ void write_sharded_models(const detail::checkpoint::CheckpointObjects& objects, 
 // process (`optimizer_<i>`); whole ones are gathered (a collective, in the same order everywhere)
 // and returned for the shared files. Nothing for the other optimizers.
 std::vector<std::optional<StateDict>> sharded_optimizer_states(const detail::checkpoint::CheckpointObjects& objects,
-                                                               const Destination& to, bool writer) {
+                                                               const Destination& to, bool writer,
+                                                               const detail::checkpoint::Layout& layout) {
   std::vector<std::optional<StateDict>> states(objects.optimizers.size());
   for (size_t i = 0; i < objects.optimizers.size(); ++i) {
     auto* engine = objects.optimizer_engines[i];
@@ -322,7 +438,9 @@ std::vector<std::optional<StateDict>> sharded_optimizer_states(const detail::che
       states[i] = std::move(state);
       continue;
     }
-    if (detail::checkpoint::sharded_state(engine)) {
+    if (detail::checkpoint::sharded_state(engine) && layout.writes_dcp()) {
+      write_dcp_optimizer(objects, i, state, to);
+    } else if (detail::checkpoint::sharded_state(engine)) {
       if (engine->replica_index() != 0) continue;
       detail::checkpoint::save_sharded_state(detail::checkpoint::shard_place(engine, split), to / ("optimizer_" + std::to_string(i)),
                                  state.values, state.tensors, whole, pieces);
@@ -337,9 +455,17 @@ std::vector<std::optional<StateDict>> sharded_optimizer_states(const detail::che
 // The shared files, written by one process (per machine with save_on_each_node).
 
 void write_models(const detail::checkpoint::CheckpointObjects& objects, const std::vector<StateDictMap>& weights,
-                  const Destination& to) {
+                  const Destination& to, const detail::checkpoint::Layout& layout) {
   for (size_t i = 0; i < weights.size(); ++i) {
     if (i < objects.models.size() && objects.model_engines[i] && detail::checkpoint::sharded_state(objects.model_engines[i])) {
+      continue;
+    }
+    if (i < objects.models.size() && objects.model_engines[i] && layout.fsdp_model_file(i)) {
+      // Upstream's FSDP keeps a FULL_STATE_DICT in a file of its own.
+      std::vector<std::pair<std::string, at::Tensor>> tensors;
+      for (const auto& item : weights[i]) tensors.emplace_back(item.key(), item.value());
+      layout.write_fsdp_model(tensors, to / *layout.fsdp_model_file(i));
+      to.written();
       continue;
     }
     TensorMap tensors;
@@ -354,7 +480,10 @@ void write_optimizers(const detail::checkpoint::CheckpointObjects& objects, cons
   for (size_t i = 0; i < objects.optimizers.size(); ++i) {
     if ((objects.optimizer_engines[i] || objects.optimizer_splits[i]) && !states[i]) continue;  // sharded, written already
     const auto state = states[i] ? *states[i] : optimizer_state_dict(*objects.optimizers[i].optimizer());
-    layout.write_optimizer(state, to / layout.optimizer_file(i));
+    // Upstream's FSDP files name the parameters of an optimizer over sharded ones.
+    const auto names = objects.optimizer_engines[i] ? detail::checkpoint::optimizer_param_names(objects, i)
+                                                    : std::vector<std::string>{};
+    layout.write_optimizer(state, to / layout.optimizer_file(i), names);
     to.written();
   }
 }
@@ -432,10 +561,10 @@ std::string Accelerator::save_state(const std::string& output_dir, const SaveSta
   const auto path = commit.commit([&] {
     auto weights = model_states(objects, commit.writes_shared_files());
     for (const auto& hook : objects.save_hooks) hook(objects.models, weights, to.folder.string());
-    write_sharded_models(objects, weights, to);
-    const auto optimizer_states = sharded_optimizer_states(objects, to, commit.writes_shared_files());
+    write_sharded_models(objects, weights, to, layout);
+    const auto optimizer_states = sharded_optimizer_states(objects, to, commit.writes_shared_files(), layout);
     if (commit.writes_shared_files()) {
-      write_models(objects, weights, to);
+      write_models(objects, weights, to, layout);
       write_optimizers(objects, optimizer_states, to, layout);
       write_schedulers(objects, to, layout);
       if (layout.keeps_data_loaders()) write_data_loaders(objects, to);
