@@ -51,7 +51,7 @@ StateDict optimizer_from_pytorch(StateDict py, const torch::optim::Optimizer& op
                                  const std::vector<std::string>& names, const std::string& path);
 /// The same, of the file `optimizer.bin`.
 StateDict read_optimizer(const std::string& path, const torch::optim::Optimizer& optimizer,
-                         const std::vector<std::string>& names);
+                         const std::vector<std::string>& names = {});
 /// Writes `state` (`optimizer_state_dict`'s layout) as PyTorch's `optimizer.state_dict()`, or,
 /// given each parameter's name in `names`, as FSDP's `optim_state_dict` (parameters named).
 void write_optimizer(const StateDict& state, const std::string& path, const std::vector<std::string>& names = {});

@@ -3,6 +3,8 @@
 
 #include "accelerate/utils/safetensors.h"
 #include "formats/checkpoint_index.h"
+#include "checkpoint/dcp_state.h"
+#include "checkpoint/python_layout.h"
 #include "checkpoint/sharded_format.h"
 #include "commands/cli.h"
 #include "detail/files.h"
@@ -33,21 +35,22 @@ bool is_within(const fs::path& inner, const fs::path& outer) {
 
 std::string merge_weights(const std::string& checkpoint_directory, const std::string& output_path,
                           const MergeWeightsOptions& options) {
-  TORCH_CHECK_VALUE(options.safe_serialization,
-                    "[merge_weights] pickled output (--unsafe_serialization) is not supported: accelerate-cpp only "
-                    "writes safetensors");
   const fs::path input(checkpoint_directory);
   TORCH_CHECK_VALUE(fs::is_directory(input), "[merge_weights] ", checkpoint_directory,
                     " is not a folder; pass the folder holding model.safetensors.index.json and its shards");
-  // A fully sharded model's folder (Note [Sharded checkpoint layout]), or a checkpoint holding one.
-  std::optional<fs::path> sharded;
+  // A fully sharded model's folder (Note [Sharded checkpoint layout]) or upstream's FSDP's
+  // torch.distributed.checkpoint folder (Note [DCP states]), or a checkpoint holding one.
+  std::optional<fs::path> sharded, dcp;
   for (const auto& candidate : {input, input / "pytorch_model_fsdp_0"}) {
-    if (!sharded && fs::is_regular_file(candidate / "index.json")) sharded = candidate;
+    if (!sharded && !dcp && fs::is_regular_file(candidate / "index.json")) sharded = candidate;
+    if (!sharded && !dcp && detail::checkpoint::is_dcp_folder(candidate)) dcp = candidate;
   }
-  const auto index = sharded ? std::nullopt : detail::checkpoint_index::find_checkpoint_index(input, "merge_weights");
-  TORCH_CHECK_VALUE(sharded || index.has_value(), "[merge_weights] ", checkpoint_directory,
+  const auto index =
+      sharded || dcp ? std::nullopt : detail::checkpoint_index::find_checkpoint_index(input, "merge_weights");
+  TORCH_CHECK_VALUE(sharded || dcp || index.has_value(), "[merge_weights] ", checkpoint_directory,
                     " holds no `.index.json` file, so it is not a sharded safetensors checkpoint (nor a fully "
-                    "sharded model's folder with an index.json)",
+                    "sharded model's folder with an index.json, nor a torch.distributed.checkpoint folder with a "
+                    ".metadata)",
                     fs::exists(input / "model.safetensors") ? " (it already holds a single model.safetensors)" : "");
   const fs::path output(output_path);
   TORCH_CHECK_VALUE(fs::weakly_canonical(output) != fs::weakly_canonical(input), "[merge_weights] the output folder ",
@@ -58,16 +61,39 @@ std::string merge_weights(const std::string& checkpoint_directory, const std::st
   TORCH_CHECK_VALUE(!fs::exists(output) || fs::is_directory(output), "[merge_weights] the output path ", output_path,
                     " exists and is not a folder");
 
-  if (sharded) {
-    TensorMap merged = detail::checkpoint::merge_sharded_state(sharded->string());
+  // safetensors, or with --unsafe_serialization torch.save's pytorch_model.bin (upstream's names).
+  const auto write = [&](TensorMap& merged) {
     fs::create_directories(output);
-    const std::string target = (output / "model.safetensors").string();
-    save_file(merged, target, {{"format", "pt"}});
+    const std::string target = (output / (options.safe_serialization ? "model.safetensors" : "pytorch_model.bin")).string();
+    if (options.safe_serialization) {
+      save_file(merged, target, {{"format", "pt"}});
+    } else {
+      detail::checkpoint::python_layout::write_pickled_model({merged.begin(), merged.end()}, target);
+    }
     if (options.remove_checkpoint_dir) {
-      merged.clear();
+      merged.clear();  // release the mappings before the files go
       detail::remove_tree(input);
     }
     return target;
+  };
+  if (sharded) {
+    TensorMap merged = detail::checkpoint::merge_sharded_state(sharded->string());
+    return write(merged);
+  }
+  if (dcp) {
+    // Upstream merges the folder's state dict, and of a model's ({"model": ...}) the model's.
+    const detail::checkpoint::DcpReader reader(*dcp);
+    bool model = !reader.metadata().tensors.empty();
+    for (const auto& [key, path] : reader.metadata().paths) {
+      model = model && !path.empty() && std::holds_alternative<std::string>(path[0]) &&
+              std::get<std::string>(path[0]) == "model";
+    }
+    TORCH_CHECK_VALUE(model && reader.metadata().values.empty(), "[merge_weights] ", dcp->string(),
+                      " is a torch.distributed.checkpoint folder of something other than a model's weights (an "
+                      "optimizer's state?); pass the model's folder, pytorch_model_fsdp_<i>");
+    auto state = detail::checkpoint::read_dcp_state(reader, "model", nullptr);
+    TensorMap merged(state.tensors.begin(), state.tensors.end());
+    return write(merged);
   }
   const auto layout = detail::checkpoint_index::read_checkpoint_index(*index, "merge_weights");
   TORCH_CHECK_VALUE(!layout.weight_map.empty(), "[merge_weights] the index ", index->string(), " lists no tensors");
@@ -105,20 +131,14 @@ std::string merge_weights(const std::string& checkpoint_directory, const std::st
                       " to ", file, ", which does not hold it");
   }
 
-  fs::create_directories(output);
-  const std::string target = (output / "model.safetensors").string();
-  save_file(merged, target, {{"format", "pt"}});
-  if (options.remove_checkpoint_dir) {
-    merged.clear();  // release the mappings before the files go
-    detail::remove_tree(input);
-  }
-  return target;
+  return write(merged);
 }
 
 int merge_weights_main(const std::vector<std::string>& args, std::istream& /*in*/, std::ostream& out,
                        std::ostream& err) {
   CLI::App app{
-      "Merges a sharded safetensors checkpoint (model.safetensors.index.json and its shards) into one "
+      "Merges a sharded checkpoint (model.safetensors.index.json and its shards, a fully sharded model's "
+      "folder, or a torch.distributed.checkpoint folder as upstream's FSDP writes it) into one "
       "model.safetensors file in the output folder.",
       "accelerate merge-weights"};
   app.set_help_flag("-h,--help", "Show this help and exit");
@@ -132,7 +152,7 @@ int merge_weights_main(const std::vector<std::string>& args, std::istream& /*in*
   app.add_option("output_path", output_path, "The folder to write model.safetensors into (created if needed)")
       ->required();
   app.add_flag(detail::cli_spellings("unsafe_serialization"), unsafe_serialization,
-               "Write a pickled .bin file instead (not supported: refused)");
+               "Write torch.save's pytorch_model.bin instead of model.safetensors");
   app.add_flag(detail::cli_spellings("remove_checkpoint_dir"), remove_checkpoint_dir,
                "Delete the checkpoint folder once the merged file is written");
   if (auto code = detail::parse_cli(app, args, "merge-weights", out, err)) return *code;

@@ -167,14 +167,14 @@ TEST(MergeWeights, ATensorInTwoShardsIsAnError) {
                      "maps tensor layers.0.weight to model-00001-of-00003.safetensors, but it is in extra.safetensors");
 }
 
-TEST(MergeWeights, PickledOutputIsRefused) {
+TEST(MergeWeights, UnsafeSerializationWritesTorchSavesPytorchModelBin) {
   TempDir dir;
-  write_sharded(dir.path() / "sharded");
+  const TensorMap expected = write_sharded(dir.path() / "sharded");
   const CommandOutcome outcome =
       run_merge({(dir.path() / "sharded").string(), (dir.path() / "out").string(), "--unsafe_serialization"});
-  EXPECT_EQ(outcome.code, 1);
-  EXPECT_THAT(outcome.err, HasSubstr("pickled output (--unsafe_serialization) is not supported"));
-  EXPECT_FALSE(fs::exists(dir.path() / "out"));
+  ASSERT_EQ(outcome.code, 0) << outcome.err;
+  EXPECT_FALSE(fs::exists(dir.path() / "out" / "model.safetensors"));
+  expect_same_tensors(load_state_dict((dir.path() / "out" / "pytorch_model.bin").string()), expected);
 }
 
 TEST(MergeWeights, HelpExitsZeroAndBadArgumentsExitTwo) {

@@ -101,7 +101,9 @@ void cpp_to_python(int processes, const std::vector<std::string>& launch = {}) {
                                      "--save", folder, "--out", dir.str() + "/cpp.json"},
                          launch),
                      dir.str() + "/cpp.json");
-  for (const auto* name : {"model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl"}) {
+  // A fully sharded job writes its model as upstream's FSDP does (FULL_STATE_DICT).
+  const auto* model_file = launch.empty() ? "model.safetensors" : "pytorch_model_fsdp.bin";
+  for (const auto* name : {model_file, "optimizer.bin", "scheduler.bin", "random_states_0.pkl"}) {
     EXPECT_TRUE(fs::is_regular_file(fs::path(folder) / name)) << name;
   }
   EXPECT_FALSE(fs::exists(fs::path(folder) / "optimizer.safetensors"));
@@ -121,16 +123,16 @@ TEST(PythonCheckpoint, FolderWrittenInPythonsLayoutResumesInPythonFromTwoProcess
 TEST(PythonCheckpoint, FolderWrittenByPythonResumesFullyShardedInTwoCppProcesses) { python_to_cpp(2, kFsdp); }
 TEST(PythonCheckpoint, FullyShardedJobsFolderInPythonsLayoutResumesInPython) { cpp_to_python(2, kFsdp); }
 
-TEST(PythonCheckpoint, ShardedStatesAreRefusedForPythonsLayoutBeforeAnythingIsWritten) {
+TEST(PythonCheckpoint, LocalStatesAreRefusedForPythonsLayoutBeforeAnythingIsWritten) {
   TempDir dir;
   auto flags = kFsdp;
-  flags[2] = "SHARDED_STATE_DICT";
+  flags[2] = "LOCAL_STATE_DICT";
   auto r = run(cpp(2, {"--steps-to", "2", "--save-at", "1", "--save", dir.str() + "/ckpt", "--out",
                        dir.str() + "/cpp.json"},
                    flags),
                240);
   EXPECT_NE(r->exit_code(), 0);
-  EXPECT_THAT(r->err, HasSubstr("saves sharded states (SHARDED_STATE_DICT or LOCAL_STATE_DICT)"));
+  EXPECT_THAT(r->err, HasSubstr("saves LOCAL_STATE_DICT states, which Python's layout cannot hold"));
   EXPECT_FALSE(fs::exists(dir.path() / "ckpt"));
 }
 

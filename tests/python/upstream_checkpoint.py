@@ -14,6 +14,9 @@ accelerate 1.x: accelerate/checkpointing.py), with plain torch.save / torch.load
 objects under the same names: model.safetensors when the safetensors package is there (else
 pytorch_model.bin, as with safe_serialization=False), optimizer.bin, scheduler.bin,
 random_states_<p>.pkl (step, Python's random, numpy's, torch's CPU and CUDA generator states).
+It also loads what upstream's FSDP writes for FULL_STATE_DICT: pytorch_model_fsdp.bin, and an
+optimizer.bin whose parameters are named (tests/packages/fsdp_check.py checks both against
+upstream Accelerate itself).
 
   upstream_checkpoint.py --steps-to N [--steps-from K --load DIR] [--save-at K --save DIR]
                          --processes P --out RESULT.json
@@ -111,10 +114,19 @@ def load_state(folder, net, optimizer, scheduler):
     if os.path.exists(os.path.join(folder, "model.safetensors")):
         weights = (safetensors_torch.load_file(os.path.join(folder, "model.safetensors"))
                    if safetensors_torch is not None else read_safetensors(os.path.join(folder, "model.safetensors")))
+    elif os.path.exists(os.path.join(folder, "pytorch_model_fsdp.bin")):  # upstream's FSDP, FULL_STATE_DICT
+        weights = load(os.path.join(folder, "pytorch_model_fsdp.bin"))
     else:
         weights = load(os.path.join(folder, "pytorch_model.bin"))
     net.load_state_dict(weights)
-    optimizer.load_state_dict(load(os.path.join(folder, "optimizer.bin")))
+    optim = load(os.path.join(folder, "optimizer.bin"))
+    # FSDP's optim_state_dict names the parameters; optimizer.state_dict() numbers them.
+    number = {name: i for i, (name, _) in enumerate(net.named_parameters())}
+    if any(isinstance(k, str) for k in optim["state"]):
+        optim["state"] = {number[k]: v for k, v in optim["state"].items()}
+        for group in optim["param_groups"]:
+            group["params"] = [number[k] for k in group["params"]]
+    optimizer.load_state_dict(optim)
     scheduler.load_state_dict(load(os.path.join(folder, "scheduler.bin")))
     states = load(os.path.join(folder, "random_states_0.pkl"))
     random.setstate(states["random_state"])

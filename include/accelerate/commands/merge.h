@@ -1,8 +1,9 @@
-// `accelerate merge-weights`: merges a sharded safetensors checkpoint (`model.safetensors.index.json`
-// and its shards) into one `model.safetensors` (upstream: accelerate/commands/merge.py and
-// `merge_fsdp_weights`, which merge the per-rank files of FSDP's sharded state dict; sharded
-// checkpoints here are the Hugging Face index and shards that `save_model` writes). The output is
-// written atomically; pickled (`.bin`) output is not supported.
+// `accelerate merge-weights`: merges a sharded checkpoint into one `model.safetensors` (upstream:
+// accelerate/commands/merge.py and `merge_fsdp_weights`): a Hugging Face index and its shards (what
+// `save_model` writes), a fully sharded model's folder of the project's sharded format, or a
+// torch.distributed.checkpoint folder (`pytorch_model_fsdp_<i>`, what upstream's FSDP writes for
+// SHARDED_STATE_DICT, or a checkpoint holding one). The output is written atomically; with
+// `safe_serialization = false` it is torch.save's `pytorch_model.bin`.
 //
 // Example:
 //   accelerate merge-weights out/sharded out/merged     # writes out/merged/model.safetensors
@@ -16,15 +17,16 @@ namespace accelerate::commands {
 
 /// Options of `merge_weights`.
 struct MergeWeightsOptions {
-  /// Write safetensors (the only format supported; false raises a ValueError, as pickled output
-  /// is never written).
+  /// Write safetensors (`model.safetensors`); false: torch.save's `pytorch_model.bin`.
   bool safe_serialization = true;
   /// Remove `checkpoint_directory` after the merged file is safely written.
   bool remove_checkpoint_dir = false;
 };
 
 /// Merges the sharded checkpoint in `checkpoint_directory` into `<output_path>/model.safetensors`
-/// (the folder is created if needed) and returns that file's path (upstream: `merge_fsdp_weights`).
+/// (or `pytorch_model.bin`; the folder is created if needed) and returns that file's path
+/// (upstream: `merge_fsdp_weights`). A torch.distributed.checkpoint folder must hold a model's
+/// state (`{"model": ...}`, as upstream's FSDP saves it), whose chunks cover each tensor once.
 /// Every shard the index lists must exist and every tensor it lists must be found in its shard,
 /// and no tensor may be in two shards; otherwise, or when `output_path` is the input folder, a
 /// ValueError is raised and nothing is written. The index's `metadata` is not copied; the merged
