@@ -3,10 +3,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-# The Python packages some tests read the project's output with (wandb, mlflow), in a virtual
-# environment outside the checkout, made once (Note [Tests against the real packages]).
+# The Python packages some tests read the project's output with (wandb, mlflow; upstream
+# Accelerate on PyTorch's CPU wheel), in virtual environments outside the checkout, made once
+# (Note [Tests against the real packages]).
 scripts/python_env.sh >/dev/null
 scripts/python_env.sh tests/python/requirements-wandb.txt >/dev/null
+scripts/python_env.sh tests/python/requirements-upstream.txt >/dev/null
 # From nothing, the four build trees take about 5.5 GB and the compiler cache up to 2.5 GB more:
 # say so at the start rather than let a full disk stop a link half an hour in.
 free_kb=$(df -Pk . | awk 'NR == 2 { print $4 }')

@@ -6,7 +6,7 @@
 //                     [--scheduler linear|none] --out RESULT.json
 //
 // `--load` reads a folder with load_state (its layout detected); `--save` writes one in Python
-// Accelerate's layout. `--scheduler none` trains at a fixed rate (upstream steps a scheduler once
+// Accelerate's layout, before step K (after the last when K is STEPS_TO). `--scheduler none` trains at a fixed rate (upstream steps a scheduler once
 // per process, so runs at different process counts only agree without one). RESULT.json (process 0) holds the parameters, the rate, four draws of the
 // global generator after the load or the save, the accelerator's step (upstream's: one per
 // `accumulate`) and the loss of the last step.
@@ -103,6 +103,10 @@ int main(int argc, char** argv) {
     optimizer.step();
     if (scheduler) scheduler->step();
     last_loss = loss.item<double>();
+  }
+  if (save_at == steps_to) {  // the state the result shows
+    accelerator.save_state(save, {.layout = acc::CheckpointLayout::kPython});
+    draw();
   }
   const auto weights = accelerator.get_state_dict(model);  // a collective when fully sharded
   if (accelerator.is_main_process()) {
