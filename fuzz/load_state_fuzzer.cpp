@@ -12,8 +12,15 @@
 // `--seconds N`) and is what the test suite and scripts/fuzz.sh run in the sanitizer build.
 // With `--python` (or ACCELERATE_FUZZ_LAYOUT=python) the checkpoint is saved in Python
 // Accelerate's layout (optimizer.bin, scheduler.bin, random_states_0.pkl, … in torch.save's zip
-// archives), whose reader is then the one under test.
+// archives), whose reader is then the one under test. With `--dcp` (ACCELERATE_FUZZ_LAYOUT=dcp)
+// the model's and the optimizer's states are then replaced by the torch.distributed.checkpoint
+// folders upstream's FSDP writes (a pickled .metadata, items at offsets in __0_0.distcp), which
+// load_state reads whole into a job without FSDP, and one mutation in two of a .metadata rewrites
+// one of its small integers (offsets, lengths, sizes, chunk boundaries).
 #include <accelerate/accelerate.h>
+
+#include "checkpoint/dcp_state.h"
+#include "checkpoint/torch_save.h"
 
 #include <torch/torch.h>
 
@@ -35,9 +42,55 @@ namespace fs = std::filesystem;
 
 namespace {
 
-bool python_layout() {
+std::string fuzz_layout() {
   const char* layout = std::getenv("ACCELERATE_FUZZ_LAYOUT");
-  return layout != nullptr && std::string(layout) == "python";
+  return layout != nullptr ? layout : "";
+}
+bool dcp_layout() { return fuzz_layout() == "dcp"; }
+bool python_layout() { return fuzz_layout() == "python" || dcp_layout(); }
+
+// Replaces a Python-layout folder's model.safetensors and optimizer.bin with the
+// torch.distributed.checkpoint folders upstream's FSDP writes for them (a one-process job, so each
+// tensor is one chunk), which a job without FSDP loads whole.
+void to_dcp_folders(const fs::path& folder, const torch::nn::Module& net) {
+  namespace ck = acc::detail::checkpoint;
+  using Path = std::vector<acc::detail::dcp::PathStep>;
+  const acc::PartialState state;
+  ck::DcpShare model;
+  std::vector<std::string> names;
+  for (const auto& item : net.named_parameters()) {
+    const auto& t = item.value();
+    model.tensors["model." + item.key()] = {t.detach(), t.sizes().vec(), std::vector<int64_t>(t.dim(), 0),
+                                            Path{std::string("model"), item.key()}};
+    names.push_back(item.key());
+  }
+  ck::write_dcp_folder(folder / "pytorch_model_fsdp_0", model, state);
+  fs::remove(folder / "model.safetensors");
+  // optimizer.bin as PyTorch wrote it: "state.<i>.<name>" tensors (steps included), param groups.
+  const auto py = ck::read_torch_save((folder / "optimizer.bin").string());
+  ck::DcpShare optimizer;
+  for (const auto& [key, t] : py.tensors) {
+    const auto dot = key.rfind('.');
+    const auto& param = names.at(std::stoul(key.substr(6, dot - 6)));
+    const auto name = key.substr(dot + 1);
+    optimizer.tensors["optimizer.state." + param + "." + name] = {
+        t, t.sizes().vec(), std::vector<int64_t>(t.dim(), 0), Path{std::string("optimizer"), std::string("state"), param, name}};
+  }
+  int64_t g = 0;
+  for (const auto& group : py.values.at("param_groups")) {
+    for (const auto& [option, value] : group.items()) {
+      auto v = value;
+      if (option == "params") {
+        v = nlohmann::json::array();
+        for (const auto& p : value) v.push_back(names.at(p.get<size_t>()));
+      }
+      optimizer.values["optimizer.param_groups." + std::to_string(g) + "." + option] = {
+          v, Path{std::string("optimizer"), std::string("param_groups"), g, option}};
+    }
+    ++g;
+  }
+  ck::write_dcp_folder(folder / "optimizer_0", optimizer, state);
+  fs::remove(folder / "optimizer.bin");
 }
 
 struct Counter {
@@ -99,7 +152,10 @@ struct Setup {
     sched.step();
     accelerator.save_state((root / "seed").string(),
                            {.layout = python_layout() ? acc::CheckpointLayout::kPython : acc::CheckpointLayout::kCpp});
-    for (const auto& entry : fs::directory_iterator(root / "seed")) names.push_back(entry.path().filename());
+    if (dcp_layout()) to_dcp_folders(root / "seed", *net);
+    for (const auto& entry : fs::recursive_directory_iterator(root / "seed")) {
+      if (entry.is_regular_file()) names.push_back(entry.path().lexically_relative(root / "seed").string());
+    }
     std::sort(names.begin(), names.end());
     for (const auto& name : names) seeds.push_back(read_all(root / "seed" / name));
     fs::copy(root / "seed", root / "load", fs::copy_options::recursive);
@@ -273,6 +329,8 @@ int main(int argc, char** argv) {
       seconds = std::atof(argv[++i]);
     } else if (std::strcmp(argv[i], "--python") == 0) {
       setenv("ACCELERATE_FUZZ_LAYOUT", "python", /*overwrite=*/1);
+    } else if (std::strcmp(argv[i], "--dcp") == 0) {
+      setenv("ACCELERATE_FUZZ_LAYOUT", "dcp", /*overwrite=*/1);
     } else if (i == 1) {
       iterations = std::atoll(argv[i]);
     } else {
@@ -280,9 +338,13 @@ int main(int argc, char** argv) {
     }
   }
   std::printf("load_state_fuzzer: seed %llu, %s layout\n", static_cast<unsigned long long>(seed),
-              python_layout() ? "Python's" : "the project's");
-  std::fflush(stdout);
+              dcp_layout() ? "Python's with torch.distributed.checkpoint folders"
+                           : python_layout() ? "Python's" : "the project's");
   auto& s = setup();
+  std::string files;
+  for (const auto& name : s.names) files += (files.empty() ? "" : ", ") + name;
+  std::printf("load_state_fuzzer: the checkpoint's files: %s\n", files.c_str());
+  std::fflush(stdout);
   std::mt19937_64 random(seed);
   const auto pick = [&](size_t n) { return static_cast<size_t>(random() % n); };
   const auto start = std::chrono::steady_clock::now();
@@ -309,6 +371,22 @@ int main(int argc, char** argv) {
       } else {
         broken("a generator state that does not fit its generator was loaded from " + s.names[index]);
       }
+      continue;
+    }
+    const auto& name = s.names[index];
+    if (name.size() > 9 && name.substr(name.size() - 9) == ".metadata" && pick(2) == 0) {
+      // One of the pickle's small integers (BININT1 'K', BININT2 'M': offsets, lengths, sizes,
+      // chunk boundaries) set to another value.
+      std::vector<size_t> ints;
+      for (size_t at = 0; at + 2 < bytes.size(); ++at) {
+        if (bytes[at] == 'K' || bytes[at] == 'M') ints.push_back(at);
+      }
+      if (!ints.empty()) {
+        const size_t at = ints[pick(ints.size())];
+        bytes[at + 1] = static_cast<char>(std::vector<int>{0, 1, 2, 3, 0x7f, 0xff}[pick(6)] + (random() % 2) * pick(256));
+        if (bytes[at] == 'M') bytes[at + 2] = static_cast<char>(pick(2) == 0 ? 0 : random());
+      }
+      if (load_with(index, bytes)) ++refused;
       continue;
     }
     const size_t edits = 1 + pick(4);

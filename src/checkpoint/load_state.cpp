@@ -35,22 +35,26 @@ namespace accelerate {
 
 namespace {
 
-// Runs `fn`, naming `file` in front of any error it raises (the kind is kept: a ValueError stays
-// one, and so do the JSON library's type errors, which say only what the value should have been).
+// Runs `fn`, naming `file` in front of any error it raises that does not start with it (the kind
+// is kept: a ValueError stays one, and so do the JSON library's type errors, which say only what
+// the value should have been).
 template <typename Fn>
 auto naming_file(const fs::path& file, Fn&& fn) {
+  const auto named = [&](const std::string& what) {
+    return what.rfind(file.string(), 0) == 0 ? what : c10::str(file.string(), ": ", what);
+  };
   try {
     return fn();
   } catch (const c10::ValueError& e) {
-    C10_THROW_ERROR(ValueError, c10::str(file.string(), ": ", e.what_without_backtrace()));
+    C10_THROW_ERROR(ValueError, named(e.what_without_backtrace()));
   } catch (const c10::Error& e) {
-    C10_THROW_ERROR(Error, c10::str(file.string(), ": ", e.what_without_backtrace()));
+    C10_THROW_ERROR(Error, named(e.what_without_backtrace()));
   } catch (const nlohmann::json::exception& e) {
-    C10_THROW_ERROR(ValueError, c10::str(file.string(), ": ", e.what()));
+    C10_THROW_ERROR(ValueError, named(e.what()));
   } catch (const std::invalid_argument& e) {
-    C10_THROW_ERROR(ValueError, c10::str(file.string(), ": ", e.what()));
+    C10_THROW_ERROR(ValueError, named(e.what()));
   } catch (const std::exception& e) {
-    C10_THROW_ERROR(Error, c10::str(file.string(), ": ", e.what()));
+    C10_THROW_ERROR(Error, named(e.what()));
   }
 }
 

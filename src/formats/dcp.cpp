@@ -50,16 +50,21 @@ constexpr int64_t kMaxElements = int64_t{1} << 62;
 
 std::string shown(const std::string& key) { return key.size() > 80 ? key.substr(0, 80) + "…" : key; }
 
-// The object a call makes: NEWOBJ(cls, ()) or copyreg.__newobj__(cls); `cls` must be `module.name`.
+// The class of the object a call makes: NEWOBJ(cls, ()) or copyreg.__newobj__(cls) (as
+// protocol 2 writes it); null when the call is neither.
+const Value* class_of(const Value& call) {
+  const Value* cls = call.callable;
+  if (cls->kind == K::kGlobal && cls->text == "copyreg" && cls->name == "__newobj__") {
+    return call.args->kind == K::kTuple && call.args->items.size() == 1 ? call.args->items[0] : nullptr;
+  }
+  return call.args->kind == K::kTuple && call.args->items.empty() ? cls : nullptr;
+}
+
+// The object a call makes, whose class must be `module.name`.
 const Value& object_of(const Value* v, const std::string& module, const char* name, const std::string& where) {
   if (v == nullptr || v->kind != K::kCall) refuse(where, std::string("not a ") + name + " object");
-  const Value* cls = v->callable;
-  if (cls->kind == K::kGlobal && cls->text == "copyreg" && cls->name == "__newobj__") {
-    if (v->args->kind != K::kTuple || v->args->items.size() != 1) refuse(where, "copyreg.__newobj__ with other arguments");
-    cls = v->args->items[0];
-  } else if (v->args->kind != K::kTuple || !v->args->items.empty()) {
-    refuse(where, std::string("a ") + name + " made with arguments");
-  }
+  const Value* cls = class_of(*v);
+  if (cls == nullptr) refuse(where, std::string("a ") + name + " made with arguments");
   if (cls->kind != K::kGlobal || cls->text != module || cls->name != name) {
     refuse(where, cls->kind == K::kGlobal ? "an object of " + cls->qualified_name() + ", which is not read (a " +
                                                 name + " was expected)"
@@ -261,7 +266,8 @@ Metadata read_metadata(std::string_view pickled) {
     const std::string& key = k->text;
     const std::string where = "\"" + shown(key) + "\"";
     if (out.tensors.count(key) || bytes_keys.count(key)) refuse(where, "the key twice");
-    if (v->kind == K::kCall && v->callable->kind == K::kGlobal && v->callable->name == "BytesStorageMetadata") {
+    const Value* cls = v->kind == K::kCall ? class_of(*v) : nullptr;
+    if (cls != nullptr && cls->kind == K::kGlobal && cls->name == "BytesStorageMetadata") {
       object_of(v, kMetadataModule, "BytesStorageMetadata", where);
       bytes_keys.insert(key);
       continue;

@@ -123,6 +123,38 @@ TEST(PythonCheckpoint, FolderWrittenInPythonsLayoutResumesInPythonFromTwoProcess
 TEST(PythonCheckpoint, FolderWrittenByPythonResumesFullyShardedInTwoCppProcesses) { python_to_cpp(2, kFsdp); }
 TEST(PythonCheckpoint, FullyShardedJobsFolderInPythonsLayoutResumesInPython) { cpp_to_python(2, kFsdp); }
 
+// A fully sharded job's SHARDED_STATE_DICT in Python's layout: torch.distributed.checkpoint
+// folders (upstream's FSDP's), which the project reads back too, at 2 processes and at 1 without
+// FSDP, at a fixed rate. (Upstream Accelerate itself reads them in
+// tests/packages/checkpoint_check.py.)
+TEST(PythonCheckpoint, FullyShardedJobsDcpFoldersResumeInCppAtTwoProcessesAndAtOneWithoutFsdp) {
+  TempDir dir;
+  const auto folder = dir.str() + "/from_cpp";
+  auto flags = kFsdp;
+  flags[2] = "SHARDED_STATE_DICT";
+  const auto never_switched = run_for_result(
+      cpp(2, {"--steps-to", std::to_string(kEnd), "--save-at", std::to_string(kSwitch), "--save", folder,
+              "--scheduler", "none", "--out", dir.str() + "/cpp.json"},
+          flags),
+      dir.str() + "/cpp.json");
+  for (const auto* sub : {"pytorch_model_fsdp_0", "optimizer_0"}) {
+    EXPECT_TRUE(fs::is_regular_file(fs::path(folder) / sub / ".metadata")) << sub;
+    EXPECT_TRUE(fs::is_regular_file(fs::path(folder) / sub / "__1_0.distcp")) << sub;
+  }
+  EXPECT_FALSE(fs::exists(fs::path(folder) / "model.safetensors"));
+  for (const int processes : {2, 1}) {
+    const auto out = dir.str() + "/resumed_" + std::to_string(processes) + ".json";
+    const auto resumed = run_for_result(cpp(processes,
+                                            {"--steps-from", std::to_string(kSwitch), "--steps-to",
+                                             std::to_string(kEnd), "--load", folder, "--scheduler", "none",
+                                             "--out", out},
+                                            processes == 2 ? flags : std::vector<std::string>{}),
+                                        out);
+    expect_same_training(never_switched, resumed);  // at a fixed rate, any process count agrees
+    EXPECT_EQ(resumed.value("step", -1), kEnd);
+  }
+}
+
 TEST(PythonCheckpoint, LocalStatesAreRefusedForPythonsLayoutBeforeAnythingIsWritten) {
   TempDir dir;
   auto flags = kFsdp;
