@@ -1,5 +1,6 @@
 // Big-model inference (big_modeling.h): building without memory, placing the parts by a device
 // map, and loading a checkpoint straight into that placement.
+#include "utils/checkpoint_file.h"
 #include "accelerate/big_modeling.h"
 
 #include "formats/checkpoint_index.h"
@@ -241,8 +242,8 @@ OffloadIndex load_checkpoint_in_model(torch::nn::Module& model, const std::strin
   std::set<std::string> seen;
   std::vector<std::string> unexpected;
   // Validate every file's names and shapes before anything changes.
-  std::vector<SafetensorsFile> files;
-  for (const auto& path : layout.files) files.emplace_back(path.string());
+  std::vector<detail::CheckpointFile> files;
+  for (const auto& path : layout.files) files.emplace_back(path);
   for (const auto& file : files) {
     for (const auto& key : file.keys()) {
       auto it = targets.find(key);
@@ -251,9 +252,9 @@ OffloadIndex load_checkpoint_in_model(torch::nn::Module& model, const std::strin
         continue;
       }
       seen.insert(key);
-      TORCH_CHECK_VALUE(it->second.sizes() == at::IntArrayRef(file.entry(key).shape),
+      TORCH_CHECK_VALUE(it->second.sizes() == at::IntArrayRef(file.shape(key)),
                         "[load_checkpoint_in_model] size mismatch for ", key, " in ", file.path(),
-                        ": the checkpoint has shape ", c10::IntArrayRef(file.entry(key).shape), ", the module has ",
+                        ": the checkpoint has shape ", c10::IntArrayRef(file.shape(key)), ", the module has ",
                         it->second.sizes());
     }
   }
@@ -275,17 +276,20 @@ OffloadIndex load_checkpoint_in_model(torch::nn::Module& model, const std::strin
       TORCH_CHECK_VALUE(place != nullptr, "[load_checkpoint_in_model] the device map gives no device for ", key);
       // Buffers of offloaded modules stay in memory unless `offload_buffers` (as upstream).
       if (place->is_disk() && !options.offload_buffers && buffers.count(key)) place = &cpu;
-      const auto stored = safetensors_dtype(file.entry(key).dtype);
+      const auto stored = file.dtype(key);
+      const auto asked = detail::load_dtype(key, options.dtype, options.keep_in_fp32_modules);
       if (place->is_disk()) {
-        OffloadIndexEntry entry;
-        entry.safetensors_file = fs::absolute(file.path()).string();
-        entry.weight_name = key;
-        if (options.dtype && c10::isFloatingType(stored) && stored != *options.dtype) {
-          entry.dtype = detail::numpy_dtype_name(*options.dtype);
+        const auto held = asked && c10::isFloatingType(stored) ? *asked : stored;
+        if (file.pickled()) {  // written out, as upstream's offload_weight does
+          offload_weight(file.get_tensor(key).to(held), key, *options.offload_folder, &index);
+        } else {
+          OffloadIndexEntry entry;
+          entry.safetensors_file = fs::absolute(file.path()).string();
+          entry.weight_name = key;
+          if (held != stored) entry.dtype = detail::numpy_dtype_name(held);
+          entry.shape = file.shape(key);
+          index[key] = entry;
         }
-        entry.shape = file.entry(key).shape;
-        index[key] = entry;
-        const auto held = options.dtype && c10::isFloatingType(stored) ? *options.dtype : stored;
         set_module_tensor_to_device(model, key, c10::kMeta,
                                     at::empty({}, at::TensorOptions().dtype(held).device(c10::kMeta)));
         continue;
@@ -293,8 +297,8 @@ OffloadIndex load_checkpoint_in_model(torch::nn::Module& model, const std::strin
       // A copy, so the model never depends on the checkpoint file staying as it is.
       // Read through a mapping of its own, dropped right after the copy, so the pages read do not
       // stay resident while the rest of the checkpoint loads.
-      at::Tensor value = SafetensorsFile(file.path()).get_tensor(key);
-      std::optional<c10::ScalarType> dtype = options.dtype;
+      at::Tensor value = file.pickled() ? file.get_tensor(key) : SafetensorsFile(file.path()).get_tensor(key);
+      std::optional<c10::ScalarType> dtype = asked;
       if (!dtype && c10::isFloatingType(stored)) dtype = stored;
       value = value.to(place->device(), dtype.has_value() && c10::isFloatingType(stored) ? *dtype : stored,
                        /*non_blocking=*/false, /*copy=*/true);
@@ -320,6 +324,7 @@ void load_checkpoint_and_dispatch(torch::nn::Module& model, const std::string& c
     LoadCheckpointOptions plain;
     plain.dtype = options.dtype;
     plain.strict = options.strict;
+    plain.keep_in_fp32_modules = options.keep_in_fp32_modules;
     load_checkpoint_in_model(model, checkpoint, plain);
     return;
   }

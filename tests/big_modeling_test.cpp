@@ -2,6 +2,7 @@
 // offload folder format, hooks, empty initialisation and dispatch on CPU + disk.
 #include "accelerate/big_modeling.h"
 
+#include "checkpoint/python_layout.h"
 #include "detail/torch_compat.h"
 #include "support/test_support.h"
 
@@ -790,6 +791,68 @@ TEST(BigModeling, LoadCheckpointAndDispatchOnCpuAndDisk) {
       acc::dispatch_model(*plain2, map({{"0", "cpu"}, {"1", "cpu"}, {"2", "disk"}, {"3", "cpu"}, {"4", "cpu"}})),
       "We need an `offload_dir` to dispatch this model according to this `device_map`, the following "
       "submodules need to be offloaded: 2.");
+}
+
+// Pickled weights (torch.save's pytorch_model.bin, its sharded index), as most checkpoints of
+// Python's world hold them: load_checkpoint_in_model and load_checkpoint_and_dispatch read them as
+// they read safetensors, and keep_in_fp32_modules keeps upstream's rule.
+TEST(BigModeling, PickledWeightsLoadLikeSafetensorsAndKeepInFp32ModulesKeepsUpstreamsRule) {
+  auto plain = make_mlp();
+  plain->eval();
+  auto x = torch::randn({4, 8});
+  auto expected = plain->forward(x);
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  for (const auto& item : acc::get_state_dict(*plain)) tensors.emplace_back(item.key(), item.value());
+  TempDir whole, sharded, offload;
+  acc::detail::checkpoint::python_layout::write_pickled_model(tensors, (whole.path() / "pytorch_model.bin").string());
+  // Two shards and the index transformers writes for them.
+  nlohmann::json index = {{"metadata", {{"total_size", 0}}}, {"weight_map", nlohmann::json::object()}};
+  std::vector<std::pair<std::string, at::Tensor>> first(tensors.begin(), tensors.begin() + 4), second(tensors.begin() + 4, tensors.end());
+  acc::detail::checkpoint::python_layout::write_pickled_model(first, (sharded.path() / "pytorch_model-00001-of-00002.bin").string());
+  acc::detail::checkpoint::python_layout::write_pickled_model(second, (sharded.path() / "pytorch_model-00002-of-00002.bin").string());
+  for (const auto& [name, t] : first) index["weight_map"][name] = "pytorch_model-00001-of-00002.bin";
+  for (const auto& [name, t] : second) index["weight_map"][name] = "pytorch_model-00002-of-00002.bin";
+  std::ofstream(sharded.path() / "pytorch_model.bin.index.json") << index.dump();
+
+  for (const auto& checkpoint : {whole.str(), (whole.path() / "pytorch_model.bin").string(), sharded.str(),
+                                 (sharded.path() / "pytorch_model.bin.index.json").string()}) {
+    auto model = make_mlp();
+    for (auto& p : model->parameters()) p.data().zero_();
+    model->eval();
+    const auto result = acc::load_checkpoint_in_model(*model, checkpoint, {.strict = true});
+    EXPECT_TRUE(result.missing_keys.empty() && result.unexpected_keys.empty()) << checkpoint;
+    EXPECT_TRUE(torch::allclose(model->forward(x), expected, 1e-6, 1e-6)) << checkpoint;
+  }
+  // float16 but for the modules kept in float32: "4" names 4.weight and 4.bias; "2.weigh" names
+  // nothing (a name must be the module's or contain "<module>.").
+  auto half = make_mlp();
+  acc::load_checkpoint_in_model(*half, sharded.str(), {.dtype = torch::kHalf, .keep_in_fp32_modules = {"4", "2.weigh"}});
+  EXPECT_EQ(half[4]->as<torch::nn::Linear>()->weight.scalar_type(), torch::kFloat);
+  EXPECT_EQ(half[4]->as<torch::nn::Linear>()->bias.scalar_type(), torch::kFloat);
+  EXPECT_EQ(half[2]->as<torch::nn::Linear>()->weight.scalar_type(), torch::kHalf);
+  EXPECT_EQ(half[0]->as<torch::nn::Linear>()->weight.scalar_type(), torch::kHalf);
+  EXPECT_TRUE(torch::equal(half[4]->as<torch::nn::Linear>()->weight, plain[4]->as<torch::nn::Linear>()->weight));
+  // Only float16 keeps them (upstream's rule): bfloat16 converts every floating-point weight.
+  auto bf16 = make_mlp();
+  acc::load_checkpoint_in_model(*bf16, sharded.str(), {.dtype = torch::kBFloat16, .keep_in_fp32_modules = {"4"}});
+  EXPECT_EQ(bf16[4]->as<torch::nn::Linear>()->weight.scalar_type(), torch::kBFloat16);
+
+  // Dispatched with a layer on the disk: a pickled file's weights are written to the offload
+  // folder (nothing to point into), in the dtype asked for, kept float32 where asked.
+  auto model = acc::init_empty_weights(make_mlp);
+  model->eval();
+  acc::load_checkpoint_and_dispatch(
+      *model, sharded.str(),
+      {.device_map = map({{"0", "cpu"}, {"1", "cpu"}, {"2", "disk"}, {"3", "cpu"}, {"4", "disk"}}),
+       .offload_folder = offload.str(),
+       .dtype = torch::kHalf,
+       .keep_in_fp32_modules = {"4"}});
+  const auto offloaded = acc::load_offload_index(offload.str());
+  EXPECT_TRUE(offloaded.at("2.weight").safetensors_file.empty());
+  EXPECT_TRUE(fs::is_regular_file(offload.path() / "2.weight.dat"));
+  EXPECT_EQ(offloaded.at("2.weight").dtype, "float16");
+  EXPECT_EQ(offloaded.at("4.weight").dtype, "float32");
+  EXPECT_EQ(model[0]->as<torch::nn::Linear>()->weight.scalar_type(), torch::kHalf);
 }
 
 TEST(BigModeling, LoadStateDictWithDeviceMap) {

@@ -115,6 +115,9 @@ struct BigModelLoadOptions {
   bool offload_buffers = false;
   /// Floating-point weights are converted to this dtype.
   std::optional<c10::ScalarType> dtype{};
+  /// With `dtype` float16, the floating-point weights of these modules stay float32 (see
+  /// `LoadCheckpointOptions::keep_in_fp32_modules`).
+  std::vector<std::string> keep_in_fp32_modules{};
   /// Raise on missing or unexpected keys.
   bool strict = false;
   std::vector<std::string> preload_module_classes{};
@@ -125,10 +128,12 @@ struct BigModelLoadOptions {
 /// of `load_checkpoint_and_dispatch`). A string other than the four known is a ValueError.
 std::optional<DeviceMap> resolve_device_map(const torch::nn::Module& model, const BigModelLoadOptions& options);
 
-/// Loads `checkpoint` (a safetensors file, index or folder, as `load_checkpoint_in_model`) into
-/// `model` according to `device_map`: weights mapped to a device are materialised there, weights
-/// mapped to "disk" are recorded in `<offload_folder>/index.json` (pointing into the checkpoint's
-/// safetensors files, so nothing is copied) and left on the meta device. Returns the offload index
+/// Loads `checkpoint` (a safetensors or pickled `.bin` file, index or folder, as
+/// `load_checkpoint_in_model`) into `model` according to `device_map`: weights mapped to a device
+/// are materialised there, weights mapped to "disk" are recorded in `<offload_folder>/index.json`
+/// (pointing into the checkpoint's safetensors files, so nothing is copied; a pickled file's
+/// weights are written there as `<name>.dat`, as upstream's `offload_weight`) and left on the meta
+/// device. Returns the offload index
 /// (empty when nothing went to the disk).
 OffloadIndex load_checkpoint_in_model(torch::nn::Module& model, const std::string& checkpoint,
                                       const DeviceMap& device_map, const BigModelLoadOptions& options = {});

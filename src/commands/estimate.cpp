@@ -60,6 +60,9 @@ CheckpointSizes calculate_checkpoint_sizes(const std::string& checkpoint) {
   for (const auto& path : layout.files) {
     TORCH_CHECK_VALUE(std::filesystem::is_regular_file(path), "[estimate_memory] the index ", layout.index.string(),
                       " lists ", path.filename().string(), ", which does not exist in ", path.parent_path().string());
+    TORCH_CHECK_VALUE(path.extension() != ".bin", "[estimate_memory] ", path.string(),
+                      " is a pickled checkpoint (torch.save's); estimate-memory reads the sizes safetensors headers "
+                      "give, without loading the weights: pass a safetensors checkpoint");
     std::optional<SafetensorsFile> file;
     try {
       file.emplace(path.string());

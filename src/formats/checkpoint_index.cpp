@@ -77,18 +77,14 @@ CheckpointFiles resolve_checkpoint(const std::string& checkpoint, const std::str
                              " does not exist; pass a .safetensors file, a model.safetensors.index.json file or a "
                              "folder holding either"));
   }
-  if (fs::is_regular_file(path / "model.safetensors"))
-    return {.index = {}, .weight_map = {}, .files = {path / "model.safetensors"}};
-  if (auto index = find_checkpoint_index(path, caller)) return read_checkpoint_index(*index, caller);
-  if (fs::exists(path / "pytorch_model.bin")) {
-    raise_value_error(concat("[", caller, "] ", checkpoint,
-                             " holds a pickled pytorch_model.bin, which load_checkpoint_in_model does not read (it "
-                             "maps safetensors files); Accelerator::load_state reads it from Python Accelerate's "
-                             "save_state folder, or convert it to model.safetensors"));
+  // The whole state first, pickled before safetensors (upstream's order), then an index.
+  for (const auto* name : {"pytorch_model.bin", "model.safetensors"}) {
+    if (fs::is_regular_file(path / name)) return {.index = {}, .weight_map = {}, .files = {path / name}};
   }
+  if (auto index = find_checkpoint_index(path, caller)) return read_checkpoint_index(*index, caller);
   raise_value_error(concat("[", caller, "] ", checkpoint,
-                           " is not a safetensors checkpoint: it holds neither model.safetensors nor a `.index.json` "
-                           "file"));
+                           " is not a checkpoint: it holds neither pytorch_model.bin nor model.safetensors nor a "
+                           "`.index.json` file"));
 }
 
 }  // namespace accelerate::detail::checkpoint_index

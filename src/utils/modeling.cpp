@@ -5,6 +5,7 @@
 #include "accelerate/utils/modeling.h"
 
 #include "formats/checkpoint_index.h"
+#include "utils/checkpoint_file.h"
 #include "detail/files.h"
 #include "detail/dtype_names.h"
 #include "detail/warn.h"
@@ -314,7 +315,7 @@ namespace {
 // The files of `checkpoint`, opened (and so validated), and what a load into `module` would find,
 // after every check of names, shapes and dtypes.
 struct CheckedCheckpoint {
-  std::vector<SafetensorsFile> opened;
+  std::vector<detail::CheckpointFile> opened;
   LoadCheckpointResult result;
   std::unordered_map<std::string, at::Tensor> targets;
 };
@@ -323,12 +324,9 @@ CheckedCheckpoint check_checkpoint(torch::nn::Module& module, const std::string&
                                    const LoadCheckpointOptions& options) {
   const auto files = detail::checkpoint_index::resolve_checkpoint(checkpoint, "load_checkpoint_in_model").files;
   // Every file is opened (and so validated) before anything is loaded.
-  std::vector<SafetensorsFile> opened;
+  std::vector<detail::CheckpointFile> opened;
   std::set<std::string> in_files;
   for (const auto& file : files) {
-    TORCH_CHECK_VALUE(file.extension() != ".bin", "[load_checkpoint_in_model] ", file.string(),
-                      " is a pickled checkpoint, which load_checkpoint_in_model does not read (it maps safetensors "
-                      "files); read it with load_state_dict, or convert it to safetensors");
     TORCH_CHECK_VALUE(fs::is_regular_file(file), "[load_checkpoint_in_model] the checkpoint file ", file.string(),
                       " does not exist");
     opened.emplace_back(file.string());
@@ -362,12 +360,11 @@ CheckedCheckpoint check_checkpoint(torch::nn::Module& module, const std::string&
     for (const auto& key : file.keys()) {
       auto it = targets.find(key);
       if (it == targets.end()) continue;
-      const auto& shape = file.entry(key).shape;
+      const auto shape = file.shape(key);
       TORCH_CHECK_VALUE(it->second.sizes() == at::IntArrayRef(shape), "[load_checkpoint_in_model] size mismatch for ",
                         key, " in ", file.path(), ": the checkpoint has shape ", shape_string(shape),
                         ", the module has ", shape_string(it->second.sizes()));
-      check_dtype(it->second, safetensors_dtype(file.entry(key).dtype), options, "load_checkpoint_in_model", key,
-                  file.path());
+      check_dtype(it->second, file.dtype(key), options, "load_checkpoint_in_model", key, file.path());
     }
   }
   return {std::move(opened), std::move(result), std::move(targets)};
@@ -390,7 +387,9 @@ LoadCheckpointResult load_checkpoint_in_model(torch::nn::Module& module, const s
   for (const auto& file : opened) {
     // Tensors that only need their values are read in bulk straight into the module; those
     // materialised from the meta device or given a new dtype go through load_state_dict.
-    TensorMap in_place, replaced;
+    // By the dtype each is loaded in (keep_in_fp32_modules keeps some in float32).
+    TensorMap in_place;
+    std::map<std::optional<c10::ScalarType>, TensorMap> replaced;
     std::vector<std::string> non_finite;
     for (const auto& key : file.keys()) {
       auto it = targets.find(key);
@@ -398,17 +397,20 @@ LoadCheckpointResult load_checkpoint_in_model(torch::nn::Module& module, const s
       const auto& target = it->second;
       // The module's tensor is looked at only when the checkpoint's is not finite (rare).
       if (!all_finite(file.get_tensor(key)) && all_finite(target)) non_finite.push_back(key);
-      const bool floating = at::isFloatingType(safetensors_dtype(file.entry(key).dtype));
-      if (!target.is_meta() && (!options.dtype || !floating || target.scalar_type() == *options.dtype)) {
+      const bool floating = at::isFloatingType(file.dtype(key));
+      const auto dtype = detail::load_dtype(key, options.dtype, options.keep_in_fp32_modules);
+      if (!target.is_meta() && (!dtype || !floating || target.scalar_type() == *dtype)) {
         in_place.emplace(key, target);
       } else {
-        replaced.emplace(key, file.get_tensor(key));
+        replaced[dtype].emplace(key, file.get_tensor(key));
       }
     }
     warn_non_finite(non_finite, file.path());
     file.read_into(in_place);
-    load_state_dict_into_module(module, replaced,
-                                {.dtype = options.dtype, .strict = false, .convert_dtypes = options.convert_dtypes});
+    for (const auto& [dtype, tensors] : replaced) {
+      load_state_dict_into_module(module, tensors,
+                                  {.dtype = dtype, .strict = false, .convert_dtypes = options.convert_dtypes});
+    }
   }
   if (!options.strict && (!result.missing_keys.empty() || !result.unexpected_keys.empty())) {
     detail::warn("accelerate.utils.modeling",

@@ -248,9 +248,10 @@ TEST(EstimateMemoryCommand, AMissingPathIsAnError) {
 
 TEST(EstimateMemoryCommand, AFolderWithoutACheckpointIsNotASafetensorsCheckpoint) {
   TempDir dir;
-  EXPECT_THROWS_WITH(calculate_checkpoint_sizes(dir.str()), "is not a safetensors checkpoint");
+  EXPECT_THROWS_WITH(calculate_checkpoint_sizes(dir.str()),
+                     "is not a checkpoint: it holds neither pytorch_model.bin nor model.safetensors");
   std::ofstream(dir.path() / "pytorch_model.bin") << "pickle";
-  EXPECT_THROWS_WITH(calculate_checkpoint_sizes(dir.str()), "holds a pickled pytorch_model.bin");
+  EXPECT_THROWS_WITH(calculate_checkpoint_sizes(dir.str()), "pytorch_model.bin is a pickled checkpoint (torch.save's)");
 }
 
 TEST(EstimateMemoryCommand, AFileThatIsNotSafetensorsIsNamed) {

@@ -94,6 +94,9 @@ struct LoadCheckpointOptions {
   /// refused with a ValueError naming the file, the key and both dtypes, before anything changes;
   /// `dtype` asks for the conversion of floating-point weights by itself).
   bool convert_dtypes = false;
+  /// With `dtype` float16, the floating-point weights of these modules are loaded in float32
+  /// instead: a weight whose name contains "<module>." or is "<module>" (upstream's rule).
+  std::vector<std::string> keep_in_fp32_modules{};
 };
 
 /// What a load found besides the weights it loaded.
@@ -105,8 +108,10 @@ struct LoadCheckpointResult {
 };
 
 /// Loads weights into `module` from `checkpoint` (upstream: `load_checkpoint_in_model`): a
-/// safetensors file, an index JSON (`weight_map` or a plain name -> file map), or a folder with
-/// `model.safetensors` or exactly one `*.index.json`. Index entries must name files inside the
+/// safetensors file or a pickled `.bin` file (torch.save's, read as `load_state_dict` reads it),
+/// an index JSON (`weight_map` or a plain name -> file map, of either kind of file), or a folder
+/// with `pytorch_model.bin`, `model.safetensors` (in upstream's order) or exactly one
+/// `*.index.json`. Index entries must name files inside the
 /// index's folder: absolute paths and ".." are refused. Each tensor is copied into the module's
 /// own tensor (so optimizers and gradient-synchronisation buckets keep pointing at it); a shape
 /// that differs is refused with a ValueError naming the key and both shapes, and so is a dtype
