@@ -506,6 +506,17 @@ torch.save(state, sys.argv[2])
   OneCycleLR cycle(adam, {.max_lr = 0.1, .total_steps = 10});
   EXPECT_THROWS_WITH(detail::checkpoint::python_layout::write_scheduler(cycle, dir.str() + "/cycle.bin"),
                      "only LambdaLR schedulers");
+  EXPECT_THROWS_WITH(detail::checkpoint::python_layout::read_scheduler(dir.str() + "/lambda.bin", cycle),
+                     "PyTorch keeps a OneCycleLR's rate and momentum bounds (initial_lr, max_lr, min_lr, "
+                     "max_momentum, base_momentum) in the optimizer's param groups");
+  // LBFGS: refused both ways, with the reason, before a file is read or written.
+  auto lbfgs = std::make_shared<torch::optim::LBFGS>(net->parameters(), torch::optim::LBFGSOptions(0.5));
+  EXPECT_THROWS_WITH(detail::checkpoint::python_layout::read_optimizer(dir.str() + "/maximize.bin", *lbfgs),
+                     "LBFGS's state is not read from Python's files: PyTorch keeps LBFGS's history");
+  EXPECT_THROWS_WITH(detail::checkpoint::python_layout::write_optimizer(optimizer_state_dict(*lbfgs),
+                                                                        dir.str() + "/lbfgs.bin"),
+                     "LBFGS's state is not written in Python's layout: PyTorch keeps LBFGS's history");
+  EXPECT_FALSE(std::filesystem::exists(dir.path() / "lbfgs.bin"));
 }
 
 }  // namespace

@@ -88,10 +88,14 @@ TensorMap read_pickled_model(const std::vector<fs::path>& files) {
 
 // ---- optimizers ----------------------------------------------------------------------------------
 
+const char* const kLbfgsReason =
+    "PyTorch keeps LBFGS's history (d, t, old_dirs, old_stps, ro, H_diag, prev_flat_grad, ...) as lists of tensors "
+    "under its first parameter, which LibTorch's LBFGS lays out otherwise, and the conversion is not written";
+
 StateDict optimizer_from_pytorch(StateDict py, const torch::optim::Optimizer& optimizer,
                                  const std::vector<std::string>& names, const std::string& path) {
   auto kind = optimizer_state_dict(optimizer).values.at("optimizer").get<std::string>();
-  TORCH_CHECK_VALUE(kind != "LBFGS", path, ": LBFGS's state is not read from Python's files");
+  TORCH_CHECK_VALUE(kind != "LBFGS", path, ": LBFGS's state is not read from Python's files: ", kLbfgsReason);
   const auto where = path + ":";
   TORCH_CHECK_VALUE(py.values.is_object() && py.values.contains("state") && py.values.contains("param_groups") &&
                         py.values.at("param_groups").is_array(),
@@ -190,7 +194,8 @@ void add_pytorch_group_options(const std::string& kind, nlohmann::json& group) {
 
 void write_optimizer(const StateDict& ours, const std::string& path, const std::vector<std::string>& names) {
   const auto kind = ours.values.at("optimizer").get<std::string>();
-  TORCH_CHECK_VALUE(kind != "LBFGS", "[Accelerator::save_state] LBFGS's state is not written in Python's layout");
+  TORCH_CHECK_VALUE(kind != "LBFGS", "[Accelerator::save_state] LBFGS's state is not written in Python's layout: ",
+                    kLbfgsReason);
   // FSDP's files name the parameters (optim_state_dict); optimizer.state_dict() numbers them.
   const auto key_of = [&](const std::string& index) -> std::string {
     if (names.empty()) return index;
@@ -254,7 +259,9 @@ namespace {
 void require_lambda_lr(const LRScheduler& scheduler, const std::string& what) {
   TORCH_CHECK_VALUE(dynamic_cast<const LambdaLR*>(&scheduler) != nullptr, what,
                     ": only LambdaLR schedulers (and transformers' schedules, which are LambdaLRs) cross between "
-                    "Python and C++; PyTorch keeps part of a OneCycleLR's state in the optimizer's param groups");
+                    "Python and C++; PyTorch keeps a OneCycleLR's rate and momentum bounds (initial_lr, max_lr, "
+                    "min_lr, max_momentum, base_momentum) in the optimizer's param groups, as keys LibTorch's param "
+                    "groups cannot hold");
 }
 
 }  // namespace

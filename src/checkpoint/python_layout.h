@@ -67,6 +67,9 @@ void write_pickled_model(const std::vector<std::pair<std::string, at::Tensor>>& 
 nlohmann::json read_scheduler(const std::string& path, const LRScheduler& scheduler);
 void write_scheduler(const LRScheduler& scheduler, const std::string& path);
 
+/// Why LBFGS's state does not cross (in the messages that refuse it).
+extern const char* const kLbfgsReason;
+
 /// The GradScaler's state (the same keys on both sides).
 nlohmann::json read_scaler(const std::string& path);
 void write_scaler(const nlohmann::json& state, const std::string& path);

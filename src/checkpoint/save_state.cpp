@@ -340,7 +340,8 @@ void write_dcp_optimizer(const detail::checkpoint::CheckpointObjects& objects, s
         }
       }
       const auto kind = state.values.at("optimizer").get<std::string>();
-      TORCH_CHECK_VALUE(kind != "LBFGS", "[Accelerator::save_state] LBFGS's state is not written in Python's layout");
+      TORCH_CHECK_VALUE(kind != "LBFGS", "[Accelerator::save_state] LBFGS's state is not written in Python's layout: ",
+                        detail::checkpoint::python_layout::kLbfgsReason);
       int64_t g = 0;
       for (auto group : state.values.at("param_groups")) {
         detail::checkpoint::python_layout::add_pytorch_group_options(kind, group);

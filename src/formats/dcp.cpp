@@ -60,8 +60,10 @@ const Value* class_of(const Value& call) {
   return call.args->kind == K::kTuple && call.args->items.empty() ? cls : nullptr;
 }
 
-// The object a call makes, whose class must be `module.name`.
-const Value& object_of(const Value* v, const std::string& module, const char* name, const std::string& where) {
+// The object a call makes, whose class must be `module.name`. (`where` by value: a reference
+// returned from a call with a temporary argument is what GCC 14's -Wdangling-reference flags.)
+const Value& object_of(const Value* v, const std::string& module, const char* name, std::string_view where_view) {
+  const std::string where(where_view);
   if (v == nullptr || v->kind != K::kCall) refuse(where, std::string("not a ") + name + " object");
   const Value* cls = class_of(*v);
   if (cls == nullptr) refuse(where, std::string("a ") + name + " made with arguments");
@@ -88,7 +90,8 @@ const Value* field(const Value& object, const char* name, const std::string& whe
   return found;
 }
 
-const Value& required(const Value& object, const char* name, const std::string& where) {
+const Value& required(const Value& object, const char* name, std::string_view where_view) {
+  const std::string where(where_view);
   const Value* v = field(object, name, where);
   if (v == nullptr) refuse(where, std::string("no field ") + name);
   return *v;

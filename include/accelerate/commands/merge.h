@@ -34,7 +34,8 @@ struct MergeWeightsOptions {
 std::string merge_weights(const std::string& checkpoint_directory, const std::string& output_path,
                           const MergeWeightsOptions& options = {});
 
-/// `accelerate merge-weights <checkpoint_directory> <output_path> [--remove_checkpoint_dir]`.
+/// `accelerate merge-weights <checkpoint_directory> <output_path> [--unsafe_serialization]
+/// [--remove_checkpoint_dir]`.
 /// Returns 0, 1 on an error (printed to `err`), 2 for a usage error.
 int merge_weights_main(const std::vector<std::string>& args, std::istream& in, std::ostream& out, std::ostream& err);
 
