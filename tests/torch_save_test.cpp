@@ -743,6 +743,46 @@ print(json.dumps({"type": type(w).__name__, "keys": list(w.keys()), "b": w["b"].
   EXPECT_TRUE(torch::equal(load_file(safe).at("b"), torch::arange(3, torch::kFloat)));
 }
 
+// Upstream's accelerate.utils.save / load: torch.save's format by default, which Python reads
+// with weights_only; safetensors and JSON when asked; load reads all three back, and Python's own
+// torch.save files of tensors and plain values.
+TEST(UtilsSaveLoad, TorchSaveByDefaultSafetensorsOrJsonWhenAskedAndLoadReadsEveryKind) {
+  TempDir dir;
+  const auto bin = dir.str() + "/w.bin", st = dir.str() + "/w.safetensors", json = dir.str() + "/v.json",
+             values = dir.str() + "/v.bin";
+  const TensorMap map{{"b", torch::arange(3, torch::kFloat)}, {"a", torch::ones({2, 2}, torch::kBFloat16)}};
+  utils::save(map, bin);
+  utils::save(map, st, {.safe_serialization = true});
+  utils::save(nlohmann::json{{"epoch", 3}}, json, {.safe_serialization = true});
+  utils::save(nlohmann::json{{"epoch", 3}, {"names", {"x", "y"}}}, values);
+  EXPECT_EQ(SafetensorsFile(st).metadata(), (SafetensorsMetadata{{"format", "pt"}}));
+  const auto seen = nlohmann::json::parse(python(R"(
+major = int(torch.__version__.split(".")[0])
+load = (lambda p: torch.load(p, weights_only=True)) if major >= 2 else torch.load
+w = load(sys.argv[1])
+torch.save({"step": 7, "rates": [0.5, 0.25], "weight": torch.full((2,), 4.0)}, sys.argv[3])
+print(json.dumps({"type": type(w).__name__, "b": w["b"].tolist(), "values": load(sys.argv[2])}))
+)",
+                                                 {bin, values, dir.str() + "/python.bin"}));
+  EXPECT_EQ(seen["type"], "OrderedDict");
+  EXPECT_EQ(seen["b"], nlohmann::json::parse("[0.0, 1.0, 2.0]"));
+  EXPECT_EQ(seen["values"], nlohmann::json::parse(R"({"epoch": 3, "names": ["x", "y"]})"));
+  for (const auto& path : {bin, st}) {
+    const auto back = utils::load(path);
+    ASSERT_EQ(back.tensors.size(), 2u) << path;
+    EXPECT_TRUE(torch::equal(back.tensors.at("b"), map.at("b"))) << path;
+    EXPECT_EQ(back.tensors.at("a").scalar_type(), torch::kBFloat16) << path;
+  }
+  EXPECT_EQ(utils::load(json).values, nlohmann::json::parse(R"({"epoch": 3})"));
+  EXPECT_EQ(utils::load(values).values, nlohmann::json::parse(R"({"epoch": 3, "names": ["x", "y"]})"));
+  const auto python_file = utils::load(dir.str() + "/python.bin", c10::Device(c10::kCPU));
+  EXPECT_EQ(python_file.values, nlohmann::json::parse(R"({"step": 7, "rates": [0.5, 0.25]})"));
+  EXPECT_TRUE(torch::equal(python_file.tensors.at("weight"), torch::full({2}, 4.0)));
+  EXPECT_THROWS_WITH(utils::load(dir.str() + "/nothing.bin"), "does not exist");
+  detail::write_file(dir.str() + "/bad.safetensors", "not a file of any kind");
+  EXPECT_THROWS_WITH(utils::load(dir.str() + "/bad.safetensors"), "bad.safetensors");
+}
+
 TEST(Constants, NameTheFilesOfUpstreamsLayoutThatSaveStateWritesAndLoadStateDetects) {
   // Upstream's values (accelerate/utils/constants.py): a Python script ported to C++ keeps them.
   EXPECT_EQ(WEIGHTS_NAME, std::string(MODEL_NAME) + ".bin");

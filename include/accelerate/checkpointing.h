@@ -18,6 +18,7 @@
 #include "accelerate/utils/safetensors.h"
 #include "accelerate/utils/type_traits.h"
 
+#include <c10/core/Device.h>
 #include <nlohmann/json.hpp>
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
@@ -25,6 +26,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <unordered_map>
@@ -183,5 +185,44 @@ CheckpointObject make_checkpoint_object(T& object) {
 }
 
 }  // namespace checkpoint_detail
+
+
+// Upstream's `accelerate.utils.save` and `accelerate.utils.load` (accelerate/utils/other.py):
+// writing a state dict or plain values to a path on the main process, in torch.save's format by
+// default (as upstream) or as safetensors / JSON, and reading back any of those files. They live
+// in `accelerate::utils` because `accelerate::save` / `accelerate::load` are safetensors' own
+// in-memory functions (upstream: `safetensors.torch.save` / `load`). Example:
+//   accelerate::utils::save(accelerate::get_state_dict(*net), "weights.bin");  // torch.load reads it
+//   auto state = accelerate::utils::load("weights.bin");                        // state.tensors
+namespace utils {
+
+/// Options of `save` (upstream: its keyword arguments).
+struct SaveOptions {
+  /// Write on every machine's local main process rather than on the main process only.
+  bool save_on_each_node = false;
+  /// Write safetensors (tensors, with metadata {"format": "pt"}) or JSON (values) instead of
+  /// torch.save's format (upstream's default, and here too).
+  bool safe_serialization = false;
+};
+
+/// Writes `tensors` to `path` on the main process (each machine's local main process with
+/// `save_on_each_node`; the others write nothing), flushed and renamed into place (upstream:
+/// `accelerate.utils.save`): torch.save's format, an OrderedDict of the tensors that Python's
+/// `torch.load(weights_only=True)` reads, or with `safe_serialization` a safetensors file.
+void save(const StateDictMap& tensors, const std::string& path, const SaveOptions& options = {});
+/// `save` for a name -> tensor map (in name order).
+void save(const TensorMap& tensors, const std::string& path, const SaveOptions& options = {});
+/// `save` for plain values: torch.save's format (objects become dicts, arrays lists), or with
+/// `safe_serialization` a JSON file.
+void save(const nlohmann::json& values, const std::string& path, const SaveOptions& options = {});
+
+/// The values and tensors of a file `save` (or Python's `torch.save` of plain values and tensors)
+/// wrote (upstream: `accelerate.utils.load`, which is `torch.load` with `weights_only=True`):
+/// torch.save's format read as data (anything but tensors, plain values and OrderedDicts is
+/// refused by name), a safetensors file (tensors) or a JSON file (values, when `path` ends in
+/// ".json"). Tensors are moved to `map_location` when given (upstream's argument).
+StateDict load(const std::string& path, std::optional<c10::Device> map_location = std::nullopt);
+
+}  // namespace utils
 
 }  // namespace accelerate

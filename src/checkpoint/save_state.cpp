@@ -33,34 +33,20 @@ bool Accelerator::writes_shared_files() const {
   return project_configuration().save_on_each_node ? is_local_main_process() : is_main_process();
 }
 
+// Upstream's Accelerator.save is accelerate.utils.save with the project's save_on_each_node.
 void Accelerator::save(const StateDictMap& tensors, const std::string& path, bool safe_serialization) const {
-  if (!writes_shared_files()) return;
-  if (safe_serialization) {
-    TensorMap map;
-    for (const auto& item : tensors) map.emplace(item.key(), item.value());
-    save_file(map, path);
-    return;
-  }
-  detail::checkpoint::TorchSaveWriter w;
-  std::vector<std::pair<const detail::pickle::Value*, const detail::pickle::Value*>> entries;
-  for (const auto& item : tensors) entries.emplace_back(w.tree().string(item.key()), w.tensor(item.value()));
-  w.write(w.ordered_dict(std::move(entries)), path);
+  utils::save(tensors, path,
+              {.save_on_each_node = project_configuration().save_on_each_node, .safe_serialization = safe_serialization});
 }
 
 void Accelerator::save(const TensorMap& tensors, const std::string& path, bool safe_serialization) const {
-  StateDictMap ordered;  // in name order, as the map holds them
-  for (const auto& [name, tensor] : tensors) ordered.insert(name, tensor);
-  save(ordered, path, safe_serialization);
+  utils::save(tensors, path,
+              {.save_on_each_node = project_configuration().save_on_each_node, .safe_serialization = safe_serialization});
 }
 
 void Accelerator::save(const nlohmann::json& values, const std::string& path, bool safe_serialization) const {
-  if (!writes_shared_files()) return;
-  if (safe_serialization) {
-    detail::write_file_atomically(path, values.dump(2) + "\n");
-    return;
-  }
-  detail::checkpoint::TorchSaveWriter w;
-  w.write(w.from_json(values), path);
+  utils::save(values, path,
+              {.save_on_each_node = project_configuration().save_on_each_node, .safe_serialization = safe_serialization});
 }
 
 StateDictMap Accelerator::model_state_dict(const std::shared_ptr<torch::nn::Module>& module, bool for_saving) const {
