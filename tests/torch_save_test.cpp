@@ -710,9 +710,20 @@ TEST(PythonLayout, SavingWhatPythonsLayoutCannotHoldIsRefusedBeforeWriting) {
     auto [model, opt, sched] = acc.prepare(net, adam, cycle);
     EXPECT_THROWS_WITH(acc.save_state(dir.str() + "/ckpt", {.layout = CheckpointLayout::kPython}),
                        "scheduler 0 is not a LambdaLR");
+
     EXPECT_FALSE(fs::exists(dir.path() / "ckpt"));
     EXPECT_THROWS_WITH(acc.save_state(dir.str() + "/ckpt", {.layout = CheckpointLayout::kDetect}),
                        "kDetect is for loading");
+  });
+  // An LBFGS: refused on every process before anything is written (a sharded optimizer's folder
+  // is written by all processes together).
+  run_accelerators(1, [&](const Accelerator& acc, int) {
+    torch::nn::Linear net(3, 2);
+    auto [model, opt] =
+        acc.prepare(net, std::make_shared<torch::optim::LBFGS>(net->parameters(), torch::optim::LBFGSOptions(0.5)));
+    EXPECT_THROWS_WITH(acc.save_state(dir.str() + "/lbfgs", {.layout = CheckpointLayout::kPython}),
+                       "optimizer 0 is an LBFGS, whose state is not written in Python's layout: PyTorch keeps");
+    EXPECT_FALSE(fs::exists(dir.path() / "lbfgs"));
   });
 }
 

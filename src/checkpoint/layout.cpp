@@ -98,6 +98,20 @@ class PythonLayout final : public Layout {
                         "[Accelerator::save_state] scheduler ", i, " is not a LambdaLR: only LambdaLR schedulers (and "
                         "transformers' schedules) are written in Python's layout");
     }
+    // Refused here, on every process, rather than where the optimizer is written: a sharded
+    // state's folder is written by every process together (its metadata is gathered).
+    for (size_t i = 0; i < objects.optimizers.size(); ++i) {
+      const auto kind = optimizer_state_dict(*objects.optimizers[i].optimizer()).values.at("optimizer");
+      TORCH_CHECK_VALUE(kind != "LBFGS", "[Accelerator::save_state] optimizer ", i,
+                        " is an LBFGS, whose state is not written in Python's layout: ", python::kLbfgsReason);
+      if (!objects.optimizer_engines[i]) continue;
+      const auto names = optimizer_param_names(objects, i);
+      for (size_t k = 0; k < names.size(); ++k) {
+        TORCH_CHECK_VALUE(!names[k].empty(), "[Accelerator::save_state] parameter ", k, " of optimizer ", i,
+                          " is in no prepared model, so it has no name for upstream's FSDP files (which name "
+                          "every parameter); prepare the model that holds it");
+      }
+    }
   }
 
   std::optional<std::vector<fs::path>> model_files(const fs::path& folder, size_t i) const override {

@@ -22,36 +22,17 @@ upstream's FSDP2 code paths, unchanged. --mode ddp: upstream's DDP (MULTI_CPU), 
 import argparse
 import functools
 import json
+import os
+import sys
 
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
-BATCH = 8
-WARMUP, TOTAL = 3, 20
-
-
-def model():
-    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
-    with torch.no_grad():
-        for k, (_, p) in enumerate(net.named_parameters()):
-            i = torch.arange(p.numel(), dtype=torch.float64)
-            p.copy_((0.3 * torch.sin(0.7 * i + k)).reshape(p.shape).to(torch.float32))
-    return net
-
-
-def batch(step):
-    n = torch.arange(BATCH, dtype=torch.float64).unsqueeze(1) + step * BATCH
-    x = torch.cos(0.1 * n + 0.37 * torch.arange(4, dtype=torch.float64)).to(torch.float32)
-    y = torch.sin(0.2 * n + torch.arange(3, dtype=torch.float64)).to(torch.float32)
-    return x, y
-
-
-def linear_with_warmup(current_step, *, num_warmup_steps, num_training_steps):
-    if current_step < num_warmup_steps:
-        return float(current_step) / float(max(1, num_warmup_steps))
-    return max(0.0, float(num_training_steps - current_step) / float(max(1, num_training_steps - num_warmup_steps)))
+# The model, the data and transformers' schedule of the Debian-side script, shared.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+from upstream_checkpoint import BATCH, TOTAL, WARMUP, batch, linear_with_warmup, model  # noqa: E402
 
 
 def main():
