@@ -8,6 +8,7 @@
 #include "detail/autograd_function.h"
 #include "detail/check.h"
 #include "detail/collective_watch.h"
+#include "detail/ring_sum.h"
 #include "detail/state_impl.h"
 #include "detail/torch_compat.h"
 #include "detail/warn.h"
@@ -74,14 +75,12 @@ constexpr size_t kFirstBucketBytes = 1024 * 1024;
 // Note [Compression hooks]
 // The fp16 and bf16 hooks round each bucket to 16 bits, divide by the world size, sum across
 // processes and write the result, rounded to 16 bits, back into the bucket. NCCL and the
-// project's MPI group reduce 16-bit tensors themselves; Gloo's support depends on how LibTorch
-// was built (1.13's cannot reduce bf16, Debian sid's neither fp16 nor bf16), so on Gloo the
-// rounded values are summed in fp32 and the sum rounded back. With two processes that is
-// exactly the 16-bit sum (two 16-bit values add without error in fp32); with more it can only
-// be closer to the true mean. One hook serves both types, so every back-end and LibTorch
-// release gives the same bits.
-// (It derives from the plain interface: LibTorch does not export the result parser of the
-// C++ hook template.)
+// project's MPI group sum 16-bit tensors themselves; over Gloo the sum runs around a ring of the
+// library's own (Note [Ring sums of 16-bit buckets]): Gloo's 16-bit sums are slow or refused,
+// depending on the LibTorch release. Either way each process sends half the bytes of an fp32
+// bucket, and every back-end and release gives the same bits with two processes (the exact
+// 16-bit sum). (It derives from the plain interface: LibTorch does not export the result parser
+// of the C++ hook template.)
 // Note [Watched bucket allreduces]
 // The reducer waits for its bucket allreduces inside the backward pass, where no library wait
 // can take over: its allreduces go through a communication hook of ours, whose futures the
@@ -100,7 +99,8 @@ class WatchedAllreduceHook final : public c10d::CommHookInterface {
     auto& buffer = bucket.getBufferRef();
     buffer.mul_(1.0 / static_cast<double>(group_->getSize()));
     std::vector<at::Tensor> tensors{buffer};
-    const auto ticket = detail::enter_collective(state_, "all_reduce");
+    const auto ticket =
+        detail::enter_collective(state_, "all_reduce", detail::all_reduce_sent(group_->getSize(), detail::bytes_of(buffer)));
     return detail::watch_future(state_, ticket, group_->allreduce(tensors)->getFuture(), "DistributedDataParallel");
   }
 
@@ -113,35 +113,45 @@ class WatchedAllreduceHook final : public c10d::CommHookInterface {
 
 class CompressHook final : public c10d::CommHookInterface {
  public:
-  CompressHook(c10::intrusive_ptr<c10d::ProcessGroup> group, at::ScalarType type,
+  CompressHook(const PartialState& state, c10::intrusive_ptr<c10d::ProcessGroup> group, at::ScalarType type,
                std::optional<at::ScalarType> wrapper = std::nullopt)
-      : state_(std::move(group)), type_(type), wrapper_(wrapper),
-        // The 16-bit bucket travels as it is, except bfloat16 over a Gloo that cannot sum it.
-        sum_in_fp32_(state_->getBackendName() == "gloo" && type == at::kBFloat16 && !detail::compat::kGlooSumsBFloat16) {}
+      : group_(std::move(group)), type_(type), wrapper_(wrapper) {
+    if (group_->getBackendName() == "gloo") {
+      ring_ = std::make_unique<detail::RingSum>(group_, state.timeout(), "DistributedDataParallel");
+    }
+  }
 
   at::Tensor parseHookResult(const c10::IValue& result) override { return result.toTensor(); }
 
   c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
     // comm_wrapper's cast first, then the hook's own (upstream wraps the hook in the wrapper).
     auto compressed = (wrapper_ ? bucket.getBufferRef().to(*wrapper_) : bucket.getBufferRef()).to(type_);
-    compressed.div_(state_->getSize());
-    if (sum_in_fp32_) compressed = compressed.to(at::kFloat);
-    std::vector<at::Tensor> tensors{compressed};
-    auto future = state_->allreduce(tensors)->getFuture();
+    compressed.div_(group_->getSize());
+    compressed = compressed.contiguous().view({-1});
+    c10::intrusive_ptr<c10::ivalue::Future> future;
+    if (ring_) {
+      future = ring_->sum(compressed);
+    } else {
+      detail::count_unwatched(detail::all_reduce_sent(group_->getSize(), detail::bytes_of(compressed)));
+      std::vector<at::Tensor> tensors{compressed};
+      future = group_->allreduce(tensors)->getFuture();
+    }
     auto destination = bucket.getBufferRef();
     return future->then(
-        [destination, type = type_](c10::ivalue::Future& done) {
-          destination.copy_(done.value().toTensorVector()[0].to(type));
+        [destination](c10::ivalue::Future& done) {
+          const auto& value = done.value();
+          const at::Tensor sum = value.isTensor() ? value.toTensor() : value.toTensorVector()[0];
+          destination.copy_(sum.view(destination.sizes()));
           return c10::IValue(destination);
         },
-        future->elementType());
+        c10::TensorType::get());
   }
 
  private:
-  c10::intrusive_ptr<c10d::ProcessGroup> state_;
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
   at::ScalarType type_;
   std::optional<at::ScalarType> wrapper_;
-  bool sum_in_fp32_;
+  std::unique_ptr<detail::RingSum> ring_;  // over Gloo (Note [Ring sums of 16-bit buckets])
 };
 
 // Note [Static graph first iteration]
@@ -245,12 +255,23 @@ void wait_for(const detail::DistributedDataParallelImpl& impl, const c10::intrus
   }
 }
 
+// An allreduce of the join protocol's small tensors, counted in the process's communication
+// counters (its waits are the protocol's own).
+c10::intrusive_ptr<c10d::Work> counted_allreduce(const detail::DistributedDataParallelImpl& impl,
+                                                 std::vector<at::Tensor>& tensors,
+                                                 const c10d::AllreduceOptions& options = {}) {
+  uint64_t bytes = 0;
+  for (const auto& t : tensors) bytes += detail::bytes_of(t);
+  detail::count_unwatched(detail::all_reduce_sent(impl.process_group->getSize(), bytes));
+  return impl.process_group->allreduce(tensors, options);
+}
+
 // MAX allreduce of `values` (ranks, or -1 for "not me").
 std::vector<int64_t> max_over_processes(const detail::DistributedDataParallelImpl& impl, std::vector<int64_t> values) {
   std::vector<at::Tensor> tensors{at::tensor(values, at::kLong).to(impl.device)};
   c10d::AllreduceOptions options;
   options.reduceOp = c10d::ReduceOp::MAX;
-  wait_for(impl, impl.process_group->allreduce(tensors, options));
+  wait_for(impl, counted_allreduce(impl, tensors, options));
   auto result = tensors[0].cpu();
   return std::vector<int64_t>(result.data_ptr<int64_t>(), result.data_ptr<int64_t>() + result.numel());
 }
@@ -262,15 +283,24 @@ int buffer_root(const detail::DistributedDataParallelImpl& impl, bool running) {
   return static_cast<int>(root);
 }
 
+// c10d's coalesced broadcast of module states from `root`, counted in the process's communication
+// counters (it is not watched: Note [The collective watch]).
+void broadcast_states(const c10::intrusive_ptr<c10d::ProcessGroup>& group, std::vector<at::Tensor>& states, int root) {
+  uint64_t bytes = 0;
+  for (const auto& t : states) bytes += detail::bytes_of(t);
+  detail::count_unwatched(detail::broadcast_sent(group->getSize(), group->getRank() == root, bytes));
+  c10d::broadcast_coalesced(group, states, kBroadcastBucketBytes, root);
+}
+
 void sync_buffers_from(detail::DistributedDataParallelImpl& impl, int root) {
   torch::NoGradGuard no_grad;
-  c10d::broadcast_coalesced(impl.process_group, impl.buffers, kBroadcastBucketBytes, root);
+  broadcast_states(impl.process_group, impl.buffers, root);
 }
 
 // An allreduce of a zero used-parameter map, matching the reducer's `all_reduce_local_used_map`.
 void shadow_used_map(const detail::DistributedDataParallelImpl& impl) {
   std::vector<at::Tensor> tensors{at::zeros_like(impl.reducer->get_local_used_map_on_device())};
-  wait_for(impl, impl.process_group->allreduce(tensors));
+  wait_for(impl, counted_allreduce(impl, tensors));
 }
 
 // One iteration of the processes still running, seen from a finished one.
@@ -344,7 +374,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
     torch::NoGradGuard no_grad;
     std::vector<at::Tensor> states = impl_->module->parameters(/*recurse=*/true);
     states.insert(states.end(), impl_->buffers.begin(), impl_->buffers.end());
-    if (!states.empty()) c10d::broadcast_coalesced(group, states, kBroadcastBucketBytes, 0);
+    if (!states.empty()) broadcast_states(group, states, 0);
   }
 
   // Note [First buckets as the rebuild makes them]
@@ -397,10 +427,10 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
       }
       break;
     case DDPCommunicationHookType::kFp16:
-      impl_->reducer->register_comm_hook(std::make_unique<CompressHook>(group, at::kHalf, wrapper));
+      impl_->reducer->register_comm_hook(std::make_unique<CompressHook>(state, group, at::kHalf, wrapper));
       break;
     case DDPCommunicationHookType::kBf16:
-      impl_->reducer->register_comm_hook(std::make_unique<CompressHook>(group, at::kBFloat16, wrapper));
+      impl_->reducer->register_comm_hook(std::make_unique<CompressHook>(state, group, at::kBFloat16, wrapper));
       break;
   }
 }
@@ -506,7 +536,7 @@ void DistributedDataParallel::join_until_all_finished() const {
   int64_t shadowed_syncs = 0;
   for (int64_t round = 0;; ++round) {
     std::vector<at::Tensor> flags{at::zeros({3}, at::TensorOptions().dtype(at::kFloat).device(impl.device))};
-    wait_for(impl, impl.process_group->allreduce(flags));
+    wait_for(impl, counted_allreduce(impl, flags));
     const auto running = flags[0].cpu();
     const float* f = running.data_ptr<float>();
     if (f[0] == 0) break;
@@ -530,7 +560,7 @@ void DistributedDataParallel::join_until_all_finished() const {
   std::vector<at::Tensor> states = impl.module->parameters(/*recurse=*/true);
   auto buffers = impl.module->buffers(/*recurse=*/true);
   states.insert(states.end(), buffers.begin(), buffers.end());
-  c10d::broadcast_coalesced(impl.process_group, states, kBroadcastBucketBytes, static_cast<int>(agreed[0]));
+  broadcast_states(impl.process_group, states, static_cast<int>(agreed[0]));
 }
 
 void DistributedDataParallel::prepare_for_backward_now() const {
@@ -592,7 +622,7 @@ DistributedDataParallel::ForwardScope::ForwardScope(const DistributedDataParalle
     }
     if (impl.join_enabled) {  // see Note [Join protocol]
       std::vector<at::Tensor> flags{at::tensor({1.0f, grad ? 1.0f : 0.0f, sync ? 1.0f : 0.0f}).to(impl.device)};
-      impl.running_notice = impl.process_group->allreduce(flags);
+      impl.running_notice = counted_allreduce(impl, flags);
     }
     // Once, after the first synchronised pass: buckets follow the order gradients arrived in.
     if (grad) impl.reducer->rebuild_buckets();

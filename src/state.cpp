@@ -314,7 +314,7 @@ void PartialState::wait_for_everyone() const {
   // Debug mode checks the barrier like every other collective (Note [Debug-mode collective check]).
   detail::verify_signature(*this, kApi, "barrier", "call the same collective");
   auto pg = detail::process_group(*this, kApi);
-  const auto ticket = detail::enter_collective(*this, "barrier");
+  const auto ticket = detail::enter_collective(*this, "barrier", 0);
   detail::watch_wait(*this, ticket, pg->barrier(), kApi, barrier_failure);
 }
 

@@ -4,6 +4,7 @@
 #include "accelerate/accelerator.h"
 #include "accelerate/big_modeling.h"
 #include "accelerate/distributed.h"
+#include "accelerate/utils/communication.h"
 #include "accelerate/utils/environment.h"
 #include "detail/torch_compat.h"
 #include "support/accelerators.h"
@@ -183,6 +184,36 @@ TEST(DistributedDataParallel, CompressionHooksAverageInReducedPrecision) {
       EXPECT_FALSE(torch::equal(grads, expected)) << to_string(hook);
       EXPECT_TRUE(torch::equal(grads, rounded)) << to_string(hook) << (grads - rounded).abs().max();
     }, options);
+  }
+}
+
+// The process's communication counters across a synchronised backward pass: each bucket's
+// allreduce counted at a ring's bytes (two processes: each sends its whole gradient once), the
+// compression hooks at half of them, and at least one collective per process.
+TEST(CommunicationCounters, CountTheBucketAllreducesOfABackwardPassAtTheirRingBytes) {
+  for (auto hook : {DDPCommunicationHookType::kNo, DDPCommunicationHookType::kFp16, DDPCommunicationHookType::kBf16}) {
+    AcceleratorOptions options;
+    options.ddp_kwargs.comm_hook = hook;
+    CommunicationCounters before, after;
+    int64_t gradient_bytes = 0;
+    run_accelerators(kRanks, [&](const Accelerator& acc, int rank) {
+      auto model = acc.prepare(make_net(rank, 64));
+      auto x = rows_of(inputs(), rank);
+      if (rank == 0) {
+        for (const auto& p : model.module()->parameters()) gradient_bytes += p.numel() * 4;
+      }
+      acc.wait_for_everyone();
+      if (rank == 0) before = communication_counters();
+      acc.wait_for_everyone();
+      acc.backward(torch::mse_loss(model(x), targets(x)));
+      acc.wait_for_everyone();
+      if (rank == 0) after = communication_counters();
+      acc.wait_for_everyone();
+    }, options);
+    const auto expected = static_cast<uint64_t>(kRanks * gradient_bytes / (hook == DDPCommunicationHookType::kNo ? 1 : 2));
+    EXPECT_EQ(after.bytes_sent - before.bytes_sent, expected) << to_string(hook);
+    // A bucket's allreduce on each process, and the barriers between the readings (no bytes).
+    EXPECT_GE(after.collectives - before.collectives, static_cast<uint64_t>(kRanks)) << to_string(hook);
   }
 }
 

@@ -22,6 +22,7 @@
 #include "accelerate/state.h"
 #include "accelerate/tracking.h"
 #include "accelerate/utils/autocast.h"
+#include "accelerate/utils/communication.h"
 #include "accelerate/utils/constants.h"
 #include "accelerate/utils/dataclasses.h"
 #include "accelerate/utils/device_map.h"

@@ -388,10 +388,60 @@ CallingApi::~CallingApi() {
 
 std::string api_in_context(const char* api) { return named_api(calling_api, api); }
 
-CollectiveTicket enter_collective(const PartialState& state, const char* operation) noexcept {
+// Note [Counting the bytes a process sends]
+// `communication_counters()` reports what each collective's algorithm sends from this process,
+// counted when the collective is entered: a formula per operation, no per-element work and no
+// reading of sockets. Gloo and the project's MPI group run their allreduces, all-gathers and
+// reduce-scatters around a ring: an allreduce of n bytes over p processes is a reduce-scatter
+// ((p-1) pieces of n/p out) followed by an all-gather (as many again), 2(p-1)/p * n; an
+// all-gather sends its own piece and the p-2 it forwards, (p-1) * m; a reduce-scatter (p-1)/p * n.
+// A reduce-scatter that runs as an allreduce (a process group without the flat collective) is
+// counted as the allreduce it is. A broadcast is counted as Gloo's: its root sends the whole
+// tensor to each other process. The counts round down to whole bytes; on a link between two
+// machines they match what the interface carries, less the framing (the multihost tests check it).
+namespace {
+std::atomic<uint64_t> process_collectives{0};
+std::atomic<uint64_t> process_bytes_sent{0};
+}  // namespace
+
+CollectiveTicket enter_collective(const PartialState& state, const char* operation, uint64_t sent) noexcept {
   auto& impl = *state.impl();
   impl.last_operation.store(operation, std::memory_order_relaxed);
+  count_unwatched(sent);
   return {impl.collectives.fetch_add(1, std::memory_order_relaxed) + 1, operation};
+}
+
+void count_unwatched(uint64_t sent) noexcept {
+  process_collectives.fetch_add(1, std::memory_order_relaxed);
+  process_bytes_sent.fetch_add(sent, std::memory_order_relaxed);
+}
+
+uint64_t all_reduce_sent(int processes, uint64_t bytes) noexcept {
+  if (processes <= 1) return 0;
+  const auto p = static_cast<uint64_t>(processes);
+  return 2 * (p - 1) * bytes / p;
+}
+
+uint64_t all_gather_sent(int processes, uint64_t piece) noexcept {
+  return processes <= 1 ? 0 : static_cast<uint64_t>(processes - 1) * piece;
+}
+
+uint64_t reduce_scatter_sent(int processes, uint64_t bytes) noexcept {
+  if (processes <= 1) return 0;
+  const auto p = static_cast<uint64_t>(processes);
+  return (p - 1) * bytes / p;
+}
+
+uint64_t broadcast_sent(int processes, bool root, uint64_t bytes) noexcept {
+  return root && processes > 1 ? static_cast<uint64_t>(processes - 1) * bytes : 0;
+}
+
+uint64_t bytes_of(const at::Tensor& t) noexcept {
+  return t.defined() ? static_cast<uint64_t>(t.numel()) * static_cast<uint64_t>(t.element_size()) : 0;
+}
+
+Traffic communication_totals() noexcept {
+  return {process_collectives.load(std::memory_order_relaxed), process_bytes_sent.load(std::memory_order_relaxed)};
 }
 
 void watch_wait(const PartialState& state, const CollectiveTicket& ticket, const c10::intrusive_ptr<c10d::Work>& work,

@@ -9,6 +9,7 @@
 
 #include "accelerate/state.h"
 
+#include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue_inl.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
@@ -46,9 +47,29 @@ class CallingApi {
 /// name, `api` itself otherwise.
 std::string api_in_context(const char* api);
 
-/// Records that this process enters `operation` on `state`'s process group: one relaxed atomic
-/// increment, nothing else.
-CollectiveTicket enter_collective(const PartialState& state, const char* operation) noexcept;
+/// Records that this process enters `operation` on `state`'s process group and sends `sent` bytes
+/// in it (the process's communication counters): relaxed atomic increments, nothing else.
+CollectiveTicket enter_collective(const PartialState& state, const char* operation, uint64_t sent) noexcept;
+
+/// Counts a collective that the watch does not follow (c10d's coalesced broadcasts, the rings of
+/// compressed buckets) in the process's communication counters.
+void count_unwatched(uint64_t sent) noexcept;
+
+// The bytes one process sends in a collective over `processes` processes (Note [Counting the
+// bytes a process sends]): a ring allreduce of `bytes`, an all-gather of pieces of `piece` bytes,
+// a reduce-scatter of `bytes` in all, a broadcast of `bytes` from its root.
+uint64_t all_reduce_sent(int processes, uint64_t bytes) noexcept;
+uint64_t all_gather_sent(int processes, uint64_t piece) noexcept;
+uint64_t reduce_scatter_sent(int processes, uint64_t bytes) noexcept;
+uint64_t broadcast_sent(int processes, bool root, uint64_t bytes) noexcept;
+/// The process's counters (`accelerate::communication_counters`): collectives entered, bytes sent.
+struct Traffic {
+  uint64_t collectives = 0;
+  uint64_t bytes_sent = 0;
+};
+Traffic communication_totals() noexcept;
+/// The bytes of a tensor's elements.
+uint64_t bytes_of(const at::Tensor& t) noexcept;
 
 /// The error of a collective that failed or timed out on this process and that no record
 /// explains (a peer died, or did not arrive within the timeout): raised as it was before the watch.

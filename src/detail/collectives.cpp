@@ -26,8 +26,8 @@ std::string collective_failure(const PartialState& state, const char* api, const
 // failure or a timeout into an error that names the API; the wait is watched (Note [The
 // collective watch]).
 template <typename Start>
-void run(const PartialState& state, const char* operation, const char* api, Start&& start) {
-  const auto ticket = enter_collective(state, operation);
+void run(const PartialState& state, const char* operation, uint64_t sent, const char* api, Start&& start) {
+  const auto ticket = enter_collective(state, operation, sent);
   watch_wait(state, ticket, start(), api, collective_failure);
 }
 
@@ -75,7 +75,7 @@ std::vector<std::vector<char>> raw_all_gather_bytes(const PartialState& state, c
   std::vector<at::Tensor> mine{on_collective_device(state, at::tensor({static_cast<int64_t>(bytes.size())}, at::kLong))};
   std::vector<std::vector<at::Tensor>> lengths(1);
   for (int i = 0; i < n; ++i) lengths[0].push_back(at::empty_like(mine[0]));
-  run(state, "all_gather", api, [&] { return pg->allgather(lengths, mine); });
+  run(state, "all_gather", all_gather_sent(n, bytes_of(mine[0])), api, [&] { return pg->allgather(lengths, mine); });
   int64_t longest = 0;
   for (auto& l : lengths[0]) longest = std::max(longest, l.item<int64_t>());
   auto payload = at::zeros({std::max<int64_t>(longest, 1)}, at::kByte);
@@ -83,7 +83,7 @@ std::vector<std::vector<char>> raw_all_gather_bytes(const PartialState& state, c
   std::vector<at::Tensor> send{on_collective_device(state, payload)};
   std::vector<std::vector<at::Tensor>> recv(1);
   for (int i = 0; i < n; ++i) recv[0].push_back(at::empty_like(send[0]));
-  run(state, "all_gather", api, [&] { return pg->allgather(recv, send); });
+  run(state, "all_gather", all_gather_sent(n, bytes_of(send[0])), api, [&] { return pg->allgather(recv, send); });
   std::vector<std::vector<char>> out(n);
   for (int i = 0; i < n; ++i) {
     const auto len = static_cast<size_t>(lengths[0][i].item<int64_t>());
@@ -150,7 +150,8 @@ std::vector<at::Tensor> all_gather(const PartialState& state, const at::Tensor& 
   std::vector<at::Tensor> inputs{send};
   std::vector<std::vector<at::Tensor>> outputs(1);
   for (int i = 0; i < state.num_processes(); ++i) outputs[0].push_back(at::empty_like(send));
-  run(state, "all_gather", api, [&] { return pg->allgather(outputs, inputs); });
+  run(state, "all_gather", all_gather_sent(state.num_processes(), bytes_of(send)), api,
+      [&] { return pg->allgather(outputs, inputs); });
   for (auto& t : outputs[0]) t = t.to(tensor.device(), tensor.scalar_type());
   return outputs[0];
 }
@@ -168,7 +169,7 @@ at::Tensor pass_to_next(const PartialState& state, const at::Tensor& tensor, at:
   std::vector<int64_t> send_splits(static_cast<size_t>(n), 0), receive_splits(static_cast<size_t>(n), 0);
   send_splits[static_cast<size_t>((rank + 1) % n)] = send.numel();
   receive_splits[static_cast<size_t>((rank + n - 1) % n)] = flat.numel();
-  run(state, "all_to_all", api,
+  run(state, "all_to_all", bytes_of(send), api,
       [&] { return compat::all_to_all_single(*pg, flat, send, receive_splits, send_splits); });
   return received.to(tensor.device(), tensor.scalar_type());
 }
@@ -183,7 +184,8 @@ at::Tensor broadcast(const PartialState& state, const at::Tensor& tensor, int fr
   std::vector<at::Tensor> buf{on_collective_device(state, (cast ? tensor.to(at::kFloat) : tensor).contiguous().clone())};
   c10d::BroadcastOptions opts;
   opts.rootRank = from_process;
-  run(state, "broadcast", api, [&] { return pg->broadcast(buf, opts); });
+  const auto sent = broadcast_sent(state.num_processes(), state.process_index() == from_process, bytes_of(buf[0]));
+  run(state, "broadcast", sent, api, [&] { return pg->broadcast(buf, opts); });
   return buf[0].to(tensor.device(), tensor.scalar_type());
 }
 
@@ -195,7 +197,8 @@ at::Tensor all_reduce(const PartialState& state, const at::Tensor& tensor, Reduc
   std::vector<at::Tensor> buf{on_collective_device(state, (cast ? tensor.to(at::kFloat) : tensor).contiguous().clone())};
   c10d::AllreduceOptions opts;
   opts.reduceOp = to_c10d(reduction);
-  run(state, "all_reduce", api, [&] { return pg->allreduce(buf, opts); });
+  run(state, "all_reduce", all_reduce_sent(state.num_processes(), bytes_of(buf[0])), api,
+      [&] { return pg->allreduce(buf, opts); });
   at::Tensor out = buf[0];
   if (reduction == Reduction::kMean) {
     out = out.is_floating_point() ? out.div_(state.num_processes()) : out.div(state.num_processes());
@@ -214,7 +217,7 @@ PendingCollective start_all_gather_into(const PartialState& state, at::Tensor& o
   const bool as_bytes = needs_float_path(input);
   at::Tensor in = as_bytes ? input.view({-1}).view(at::kByte) : input;
   at::Tensor out = as_bytes ? output.view({-1}).view(at::kByte) : output;
-  const auto ticket = enter_collective(state, "all_gather");
+  const auto ticket = enter_collective(state, "all_gather", all_gather_sent(state.num_processes(), bytes_of(in)));
   if (compat::has_flat_collectives(*pg)) return {compat::all_gather_single(*pg, out, in), nullptr, ticket};
   // The list form, into views of `output` (Note [LibTorch releases]).
   std::vector<std::vector<at::Tensor>> outputs(1);
@@ -264,8 +267,12 @@ namespace {
 // Starts the sum of `input` over the processes, this process's piece into `output`.
 PendingCollective start_reduce_scatter(const PartialState& state, const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
                                        at::Tensor& output, at::Tensor& input) {
-  const auto ticket = enter_collective(state, "reduce_scatter");
-  if (compat::has_flat_collectives(*pg)) return {compat::reduce_scatter_single(*pg, output, input), nullptr, ticket};
+  const int processes = state.num_processes();
+  if (compat::has_flat_collectives(*pg)) {
+    const auto ticket = enter_collective(state, "reduce_scatter", reduce_scatter_sent(processes, bytes_of(input)));
+    return {compat::reduce_scatter_single(*pg, output, input), nullptr, ticket};
+  }
+  const auto ticket = enter_collective(state, "reduce_scatter", all_reduce_sent(processes, bytes_of(input)));
   // An allreduce of the whole input, of which this process keeps its piece: the same sums.
   std::vector<at::Tensor> tensors{input};
   const int64_t offset = static_cast<int64_t>(state.process_index()) * output.numel();

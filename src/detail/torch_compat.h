@@ -59,14 +59,6 @@ using BackendBase = c10d::Backend;
 using BackendBase = c10d::ProcessGroup;
 #endif
 
-/// Whether c10d's Gloo back-end sums bfloat16 tensors (2.6 does; 1.13 refuses them: "Invalid
-/// scalar type"). Half it sums in every release.
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 6)
-inline constexpr bool kGlooSumsBFloat16 = true;
-#else
-inline constexpr bool kGlooSumsBFloat16 = false;
-#endif
-
 /// The base of an allocator of this library's (the process's pool of large CPU buffers):
 /// `allocate_bytes` is what c10's `allocate` does, whichever form this release declares.
 class AllocatorBase : public c10::Allocator {

@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include <filesystem>
+#include <iostream>
 #include <memory>
 #include <string>
 #include <vector>
@@ -126,6 +127,10 @@ void tracking() {
 
 void autocast(Net model, torch::Tensor inputs) {
 #include "accelerate/utils/autocast.h.inc"
+}
+
+void communication(accelerate::Accelerator& accelerator, torch::Tensor loss) {
+#include "accelerate/utils/communication.h.inc"
 }
 
 void constants(const std::string& folder) {

@@ -13,6 +13,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
@@ -110,6 +111,27 @@ class HostPair {
   /// Kills every process in `host` with SIGKILL, as a power cut would.
   void kill_host(int host) const {
     for (pid_t pid : pids(host)) ::kill(pid, SIGKILL);
+  }
+
+  /// The name of `host`'s end of the link, in that host.
+  const std::string& link(int host) const { return links_.at(host); }
+
+  /// Limits the link to `mbit` Mbit/s in each direction (a token bucket on each end: `tc qdisc
+  /// … tbf`), as a machine's network card limits what it sends. The bucket holds 4 ms at that
+  /// rate (at least 64 KiB), so a step's seconds see the rate and no burst beyond it. False, with
+  /// the reason in `unavailable()`, where the kernel or iproute2 cannot shape.
+  bool shape(int64_t mbit) const {
+    const int64_t burst = std::max<int64_t>(65536, mbit * 1000000 / 8 / 250);
+    for (int i = 0; i < 2; ++i) {
+      auto r = run({"ip", "netns", "exec", names_.at(i), "tc", "qdisc", "replace", "dev", links_.at(i), "root", "tbf",
+                    "rate", std::to_string(mbit) + "mbit", "burst", std::to_string(burst), "latency", "100ms"},
+                   10);
+      if (r->exit_code() != 0) {
+        if (why_.empty()) why_ = "cannot shape the test bed's link (tc qdisc tbf): " + r->out + r->err;
+        return false;
+      }
+    }
+    return true;
   }
 
   /// Takes `host`'s link down: its packets no longer reach the other host, nor the other's it.

@@ -1,0 +1,164 @@
+// Ring sums of 16-bit tensors; see ring_sum.h.
+#include "detail/ring_sum.h"
+
+#include "detail/check.h"
+#include "detail/collective_watch.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
+#include <c10/util/Exception.h>
+
+#include <exception>
+#include <vector>
+
+namespace accelerate::detail {
+
+// Note [Ring sums of 16-bit buckets]
+// The fp16 and bf16 compression hooks exist to halve the bytes of DDP's bucket sums, and over
+// Gloo an allreduce of a 16-bit tensor does not deliver that: Debian's LibTorch 1.13 sums fp16
+// element by element in a generic loop (a 28 MB fp16 sum takes over three times as long as the
+// 56 MB fp32 one, so the hook made a step slower while halving its bytes), cannot sum bf16 at
+// all, and LibTorch 2.14's Gloo refuses both. So over Gloo the hooks sum around a ring of their
+// own, built on the process group's point-to-point messages, which move bytes whatever their
+// dtype:
+// - The tensor is cut into p pieces (piece c holds elements [c n / p, (c + 1) n / p)). In p - 1
+//   steps of a reduce-scatter, process r sends piece (r - s) mod p to the next process, receives
+//   piece (r - s - 1) mod p from the previous one and adds it into its own with ATen (which sums
+//   16-bit values in fp32 and rounds once per addition, vectorised). Process r then holds the
+//   whole sum of piece (r + 1) mod p; p - 1 steps of an all-gather pass the summed pieces on,
+//   each copied as received. Every process ends with the bits of the pieces' owners: the same
+//   bits everywhere, which DDP needs. With two processes each element is one rounded addition,
+//   the exact 16-bit sum.
+// - Each process sends 2 (p - 1) / p of the tensor's bytes, as a ring allreduce does, counted as
+//   one collective in the process's communication counters.
+// - The sums run on a thread of the RingSum, one tensor after the other in the order the reducer
+//   handed them over (which every process shares: the reducer's bucket order), so a bucket's sum
+//   overlaps with the rest of the backward pass as the process group's own allreduce would. All
+//   messages of a ring use one tag: between two processes they are matched in the order posted,
+//   and each step waits for its send and its receive before the next begins.
+// - A send or receive not completed within the timeout (a peer died, or skipped its backward
+//   pass) fails the bucket's future with a message naming this process, its peers and the
+//   timeout; the pending message is aborted, and every later sum of this RingSum fails at once.
+namespace {
+
+// The tag of the ring's messages; Gloo's collectives build their slots with prefixes of their
+// own, so raw point-to-point tags do not meet them.
+constexpr int kRingTag = 0x5253;  // "RS"
+
+struct Piece {
+  int64_t begin;
+  int64_t length;
+};
+
+Piece piece_of(int64_t n, int p, int c) {
+  const int64_t begin = n * c / p;
+  return {begin, n * (c + 1) / p - begin};
+}
+
+}  // namespace
+
+RingSum::RingSum(c10::intrusive_ptr<c10d::ProcessGroup> group, std::chrono::milliseconds timeout, std::string api)
+    : group_(std::move(group)), timeout_(timeout), api_(std::move(api)), worker_([this] { run(); }) {}
+
+RingSum::~RingSum() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+  }
+  ready_.notify_all();
+  worker_.join();
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> RingSum::sum(at::Tensor tensor) {
+  TORCH_INTERNAL_ASSERT(tensor.dim() == 1 && tensor.is_contiguous(), "RingSum sums flat, contiguous tensors");
+  auto done = c10::make_intrusive<c10::ivalue::Future>(c10::TensorType::get());
+  count_unwatched(all_reduce_sent(group_->getSize(), bytes_of(tensor)));
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    tasks_.push_back({std::move(tensor), done});
+  }
+  ready_.notify_one();
+  return done;
+}
+
+void RingSum::run() {
+  for (;;) {
+    Task task;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      ready_.wait(lock, [this] { return stopping_ || !tasks_.empty(); });
+      if (tasks_.empty()) return;
+      task = std::move(tasks_.front());
+      tasks_.pop_front();
+    }
+    if (!failed_.empty()) {
+      task.done->setError(std::make_exception_ptr(c10::Error(failed_, "")));
+      continue;
+    }
+    try {
+      sum_now(task.tensor);
+    } catch (const std::exception& e) {
+      failed_ = e.what();
+      task.done->setError(std::make_exception_ptr(c10::Error(failed_, "")));
+      continue;
+    }
+    task.done->markCompleted(c10::IValue(task.tensor));
+  }
+}
+
+void RingSum::sum_now(at::Tensor& tensor) {
+  const int p = group_->getSize();
+  if (p <= 1) return;
+  at::NoGradGuard no_grad;
+  const int r = group_->getRank();
+  const int next = (r + 1) % p, previous = (r + p - 1) % p;
+  const int64_t n = tensor.numel();
+  const int64_t largest = n / p + 1;  // no piece is longer
+  at::Tensor incoming = at::empty({largest}, tensor.options());
+
+  // One step: `send` to the next process, `receive` from the previous one (either may be empty,
+  // and then both sides skip it), each waited for within the timeout.
+  auto exchange = [&](const at::Tensor& send, const at::Tensor& receive) {
+    c10::intrusive_ptr<c10d::Work> sending, receiving;
+    try {
+      if (receive.numel() > 0) {
+        std::vector<at::Tensor> into{receive};
+        receiving = group_->recv(into, previous, kRingTag);
+      }
+      if (send.numel() > 0) {
+        std::vector<at::Tensor> out{send};
+        sending = group_->send(out, next, kRingTag);
+      }
+      if (sending) sending->wait(timeout_);
+      if (receiving) receiving->wait(timeout_);
+    } catch (const std::exception& e) {
+      for (auto* work : {&sending, &receiving}) {
+        if (*work && !(*work)->isCompleted()) {
+          try {
+            (*work)->abort();
+          } catch (const std::exception&) {
+          }
+        }
+      }
+      C10_THROW_ERROR(Error, c10::str("[", api_, "] the ring sum of a compressed gradient bucket failed on process ",
+                                      r, " of ", p, " (sending to process ", next, ", receiving from process ",
+                                      previous, "): a peer died, skipped its backward pass, or did not arrive within ",
+                                      timeout_.count() / 1000.0, "s: ", error_text(e)));
+    }
+  };
+
+  for (int s = 0; s + 1 < p; ++s) {  // reduce-scatter
+    const Piece out = piece_of(n, p, ((r - s) % p + p) % p);
+    const Piece in = piece_of(n, p, ((r - s - 1) % p + p) % p);
+    at::Tensor received = incoming.narrow(0, 0, in.length);
+    exchange(tensor.narrow(0, out.begin, out.length), received);
+    tensor.narrow(0, in.begin, in.length).add_(received);
+  }
+  for (int s = 0; s + 1 < p; ++s) {  // all-gather of the summed pieces
+    const Piece out = piece_of(n, p, ((r + 1 - s) % p + p) % p);
+    const Piece in = piece_of(n, p, ((r - s) % p + p) % p);
+    exchange(tensor.narrow(0, out.begin, out.length), tensor.narrow(0, in.begin, in.length));
+  }
+}
+
+}  // namespace accelerate::detail
