@@ -5,8 +5,8 @@
 //   full_shard     FULL_SHARD over every process, each block a unit;
 //   shard_grad_op  SHARD_GRAD_OP over every process;
 //   hybrid_shard   HYBRID_SHARD: shards within a machine, replicas across machines;
-//   tp_ddp         tensor parallelism over each machine's pair of processes (up by columns, down by
-//                  rows), DDP across the pairs;
+//   tp_ddp         tensor parallelism over pairs of consecutive processes (up by columns, down by
+//                  rows: each machine's pair when machines run two), DDP across the pairs;
 //   compute        DDP's steps under no_sync: the same work without communication.
 // Process 0 prints one JSON object: samples/s and seconds per step over the timed steps, the
 // bytes each process counted as sent per step (accelerate::communication_counters) and the sum

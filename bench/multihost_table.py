@@ -68,9 +68,17 @@ def table(rows):
 
 
 def predict(rows):
+    rates = sorted({r["rate_mbit"] for r in rows if r["hosts"] == 2 and r["per_host"] == 1 and r["side"] == "cpp"})
+    if not rates:
+        print("\n--predict needs the 2 x 1 rows (run_multihost --hosts 2 --per_host 1), compute among them")
+    for rate in rates:
+        predict_at(rate, [r for r in rows if r["rate_mbit"] == rate])
+
+
+def predict_at(rate, rows):
     base = {name(r): r for r in rows if r["hosts"] == 2 and r["per_host"] == 1 and r["side"] == "cpp"}
     if "compute" not in base:
-        print("\n--predict needs the 2 x 1 rows (run_multihost --hosts 2 --per_host 1), compute among them")
+        print(f"\n--predict at {rate:.0f} Mbit/s: no compute row of 2 x 1")
         return
     compute = base["compute"]["step_s"]
 
@@ -84,7 +92,7 @@ def predict(rows):
         wire = r["collectives_per_step"] * 2 * (machines - 1) * alpha + r["link_tx_per_step"] * scale / beta
         return compute + wire - f * min(compute, wire), wire, f
 
-    print("\n## The alpha-beta model (calibrated on 2 machines x 1 process)")
+    print(f"\n## The alpha-beta model at {rate:.0f} Mbit/s (calibrated on 2 machines x 1 process)")
     counts = [2, 4, 8, 16, 32, 64]
     print("| row | f | " + " | ".join(f"{m} machines s" for m in counts) + " |")
     print("|---|---|" + "---|" * len(counts))

@@ -88,12 +88,16 @@ constexpr size_t kFirstBucketBytes = 1024 * 1024;
 // process and, say, a barrier on another are named within seconds instead of hanging. Without a
 // hook the reducer multiplies each gradient by 1 / (number of processes) as it copies it into
 // its bucket and sums the buckets; the hook does the same multiplication on the bucket, then the
-// sum, so the gradients are the same bits. Sparse gradients and NCCL (whose waits do not block
-// the host) keep the reducer's own path.
+// sum, so the gradients are the same bits. Under NCCL (whose waits do not block the host) or
+// with the watch turned off, the same hook only counts each bucket in the communication
+// counters (Note [Counting the bytes a process sends]); sparse gradients keep the reducer's own
+// path, uncounted.
 class WatchedAllreduceHook final : public c10d::CommHookInterface {
  public:
-  WatchedAllreduceHook(PartialState state, c10::intrusive_ptr<c10d::ProcessGroup> group)
-      : state_(std::move(state)), group_(std::move(group)) {}
+  // `watch`: false where the watch cannot follow the waits (NCCL's do not block the host) or is
+  // turned off; the hook then only counts the bucket in the communication counters.
+  WatchedAllreduceHook(PartialState state, c10::intrusive_ptr<c10d::ProcessGroup> group, bool watch)
+      : state_(std::move(state)), group_(std::move(group)), watch_(watch) {}
 
   c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
     auto& buffer = bucket.getBufferRef();
@@ -101,7 +105,9 @@ class WatchedAllreduceHook final : public c10d::CommHookInterface {
     std::vector<at::Tensor> tensors{buffer};
     const auto ticket =
         detail::enter_collective(state_, "all_reduce", detail::all_reduce_sent(group_->getSize(), detail::bytes_of(buffer)));
-    return detail::watch_future(state_, ticket, group_->allreduce(tensors)->getFuture(), "DistributedDataParallel");
+    auto future = group_->allreduce(tensors)->getFuture();
+    if (!watch_) return future;
+    return detail::watch_future(state_, ticket, future, "DistributedDataParallel");
   }
 
   at::Tensor parseHookResult(const c10::IValue& result) override { return result.toTensorVector()[0]; }
@@ -109,6 +115,7 @@ class WatchedAllreduceHook final : public c10d::CommHookInterface {
  private:
   PartialState state_;
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  bool watch_;
 };
 
 class CompressHook final : public c10d::CommHookInterface {
@@ -117,7 +124,8 @@ class CompressHook final : public c10d::CommHookInterface {
                std::optional<at::ScalarType> wrapper = std::nullopt)
       : group_(std::move(group)), type_(type), wrapper_(wrapper) {
     if (group_->getBackendName() == "gloo") {
-      ring_ = std::make_unique<detail::RingSum>(group_, state.timeout(), "DistributedDataParallel");
+      ring_ = std::make_unique<detail::RingSum>(group_, state.impl()->rings_made.fetch_add(1), state.timeout(),
+                                                "DistributedDataParallel");
     }
   }
 
@@ -130,7 +138,8 @@ class CompressHook final : public c10d::CommHookInterface {
     compressed = compressed.contiguous().view({-1});
     c10::intrusive_ptr<c10::ivalue::Future> future;
     if (ring_) {
-      future = ring_->sum(compressed);
+      // Gloo's messages move host memory: a device bucket is summed through a copy.
+      future = ring_->sum(compressed.is_cpu() ? compressed : compressed.cpu());
     } else {
       detail::count_unwatched(detail::all_reduce_sent(group_->getSize(), detail::bytes_of(compressed)));
       std::vector<at::Tensor> tensors{compressed};
@@ -421,9 +430,10 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   if (kwargs.comm_wrapper == DDPCommunicationHookType::kBf16) wrapper = at::kBFloat16;
   switch (kwargs.comm_hook) {
     case DDPCommunicationHookType::kNo:
-      if (std::find(sparse.begin(), sparse.end(), true) == sparse.end() && group->getBackendName() != "nccl" &&
-          state.impl()->check_delay.count() > 0) {
-        impl_->reducer->register_comm_hook(std::make_unique<WatchedAllreduceHook>(state, group));
+      // Sparse gradients keep the reducer's own path (hooks get their buckets dense).
+      if (std::find(sparse.begin(), sparse.end(), true) == sparse.end()) {
+        const bool watch = group->getBackendName() != "nccl" && state.impl()->check_delay.count() > 0;
+        impl_->reducer->register_comm_hook(std::make_unique<WatchedAllreduceHook>(state, group, watch));
       }
       break;
     case DDPCommunicationHookType::kFp16:

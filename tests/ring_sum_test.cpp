@@ -41,7 +41,7 @@ TEST_P(RingSums, EveryProcessEndsWithTheSameSumOfEveryProcesssValues) {
   uint64_t before = 0, after = 0;
   run_ranks(processes, [&](const PartialState& state) {
     auto group = detail::process_group(state, "test");
-    detail::RingSum ring(group, std::chrono::seconds(20), "test");
+    detail::RingSum ring(group, 0, std::chrono::seconds(20), "test");
     std::vector<torch::Tensor> tensors;
     for (auto length : lengths) tensors.push_back(values_of(state.process_index(), length, type));
     state.wait_for_everyone();
@@ -97,13 +97,50 @@ INSTANTIATE_TEST_SUITE_P(Processes, RingSums,
                                   (info.param.type == torch::kHalf ? "Fp16" : "Bf16");
                          });
 
+// Two models with compression hooks: two rings on one process group, summing at the same time,
+// each with its own messages.
+TEST(RingSum, TwoRingsOnOneGroupSumTheirOwnTensors) {
+  std::mutex mutex;
+  std::vector<torch::Tensor> firsts(3), seconds(3);
+  run_ranks(3, [&](const PartialState& state) {
+    auto group = detail::process_group(state, "test");
+    detail::RingSum one(group, 0, std::chrono::seconds(20), "test"), two(group, 1, std::chrono::seconds(20), "test");
+    const int r = state.process_index();
+    auto a = torch::full({4099}, 1.0 + r, torch::kHalf), b = torch::full({4099}, 10.0 * (r + 1), torch::kHalf);
+    std::vector<c10::intrusive_ptr<c10::ivalue::Future>> futures;
+    for (int i = 0; i < 4; ++i) {  // interleaved: the rings' threads run side by side
+      futures.push_back(one.sum(a.narrow(0, 0, 4099 - i)));
+      futures.push_back(two.sum(b.narrow(0, 0, 4099 - i)));
+    }
+    for (auto& f : futures) {
+      f->wait();
+      ASSERT_FALSE(f->hasError()) << f->tryRetrieveErrorMessage();
+    }
+    std::lock_guard<std::mutex> lock(mutex);
+    firsts[static_cast<size_t>(r)] = a;
+    seconds[static_cast<size_t>(r)] = b;
+  });
+  // Four sums in place of the prefixes: the first 4096 elements were summed four times (sums of
+  // integers below 2048, exact in fp16).
+  const auto head = [](const torch::Tensor& t) { return t.narrow(0, 0, 4096).to(torch::kFloat); };
+  double a = 1 + 2 + 3, b = 10 + 20 + 30;
+  for (int i = 1; i < 4; ++i) a *= 3, b *= 3;
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_TRUE(torch::equal(head(firsts[static_cast<size_t>(r)]), torch::full({4096}, a)))
+        << "process " << r << ": the first ring's sums took other messages";
+    EXPECT_TRUE(torch::equal(head(seconds[static_cast<size_t>(r)]), torch::full({4096}, b)))
+        << "process " << r << ": the second ring's sums took other messages";
+  }
+}
+
 TEST(RingSum, APeerThatNeverSendsIsAnErrorWithinTheTimeout) {
   std::string first, second;
   std::atomic<bool> given_up{false};
   run_ranks(2, [&](const PartialState& state) {
     if (state.process_index() == 0) {
       [&] {
-        detail::RingSum ring(detail::process_group(state, "test"), std::chrono::seconds(2), "DistributedDataParallel");
+        detail::RingSum ring(detail::process_group(state, "test"), 0, std::chrono::seconds(2),
+                             "DistributedDataParallel");
         auto future = ring.sum(torch::ones({1000}, torch::kHalf));
         future->wait();
         ASSERT_TRUE(future->hasError()) << "the sum completed without its peer";

@@ -395,9 +395,11 @@ std::string api_in_context(const char* api) { return named_api(calling_api, api)
 // reduce-scatters around a ring: an allreduce of n bytes over p processes is a reduce-scatter
 // ((p-1) pieces of n/p out) followed by an all-gather (as many again), 2(p-1)/p * n; an
 // all-gather sends its own piece and the p-2 it forwards, (p-1) * m; a reduce-scatter (p-1)/p * n.
-// A reduce-scatter that runs as an allreduce (a process group without the flat collective) is
-// counted as the allreduce it is. A broadcast is counted as Gloo's: its root sends the whole
-// tensor to each other process. The counts round down to whole bytes; on a link between two
+// A reduce-scatter that runs as an allreduce (Gloo's, flat or not, and any process group without
+// the flat collective) is counted as the allreduce it is. A broadcast is counted at its root as
+// (p-1) times the tensor: the total over the processes; Gloo's tree has inner processes forward
+// part of it beyond two processes, so per process it is exact at two. What the DDP reducer runs
+// on its own (the map of used parameters, sparse buckets) is not counted. The counts round down to whole bytes; on a link between two
 // machines they match what the interface carries, less the framing (the multihost tests check it).
 namespace {
 std::atomic<uint64_t> process_collectives{0};

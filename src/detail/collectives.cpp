@@ -269,7 +269,10 @@ PendingCollective start_reduce_scatter(const PartialState& state, const c10::int
                                        at::Tensor& output, at::Tensor& input) {
   const int processes = state.num_processes();
   if (compat::has_flat_collectives(*pg)) {
-    const auto ticket = enter_collective(state, "reduce_scatter", reduce_scatter_sent(processes, bytes_of(input)));
+    // Gloo's flat reduce-scatter (LibTorch 2.x) sums the whole input as an allreduce does.
+    const auto sent = pg->getBackendName() == "gloo" ? all_reduce_sent(processes, bytes_of(input))
+                                                     : reduce_scatter_sent(processes, bytes_of(input));
+    const auto ticket = enter_collective(state, "reduce_scatter", sent);
     return {compat::reduce_scatter_single(*pg, output, input), nullptr, ticket};
   }
   const auto ticket = enter_collective(state, "reduce_scatter", all_reduce_sent(processes, bytes_of(input)));

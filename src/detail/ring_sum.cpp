@@ -34,16 +34,21 @@ namespace accelerate::detail {
 // - The sums run on a thread of the RingSum, one tensor after the other in the order the reducer
 //   handed them over (which every process shares: the reducer's bucket order), so a bucket's sum
 //   overlaps with the rest of the backward pass as the process group's own allreduce would. All
-//   messages of a ring use one tag: between two processes they are matched in the order posted,
-//   and each step waits for its send and its receive before the next begins.
+//   messages of a ring use the ring's tag: between two processes they are matched in the order
+//   posted, and each step waits for its send and its receive before the next begins. Two rings
+//   (two models with compression hooks) have tags of their own.
 // - A send or receive not completed within the timeout (a peer died, or skipped its backward
 //   pass) fails the bucket's future with a message naming this process, its peers and the
-//   timeout; the pending message is aborted, and every later sum of this RingSum fails at once.
+//   timeout; the pending message is aborted, and every later sum of this RingSum fails at once
+//   (Gloo closes a pair whose message timed out: the group is broken, as after any collective
+//   that timed out). Sums still queued when the RingSum is destroyed fail without running.
 namespace {
 
-// The tag of the ring's messages; Gloo's collectives build their slots with prefixes of their
-// own, so raw point-to-point tags do not meet them.
-constexpr int kRingTag = 0x5253;  // "RS"
+// The tags of the rings' messages: one per RingSum, numbered in the order the group's processes
+// make them, which is the same on every process (the models are prepared in the same order), so
+// two models' rings never take each other's messages. Gloo's collectives build their slots with
+// prefixes of their own, so raw point-to-point tags do not meet them.
+constexpr int kFirstRingTag = 0x52530000;  // "RS"
 
 struct Piece {
   int64_t begin;
@@ -57,8 +62,13 @@ Piece piece_of(int64_t n, int p, int c) {
 
 }  // namespace
 
-RingSum::RingSum(c10::intrusive_ptr<c10d::ProcessGroup> group, std::chrono::milliseconds timeout, std::string api)
-    : group_(std::move(group)), timeout_(timeout), api_(std::move(api)), worker_([this] { run(); }) {}
+RingSum::RingSum(c10::intrusive_ptr<c10d::ProcessGroup> group, int number, std::chrono::milliseconds timeout,
+                 std::string api)
+    : group_(std::move(group)),
+      timeout_(timeout),
+      api_(std::move(api)),
+      tag_(kFirstRingTag + (number & 0xffff)),
+      worker_([this] { run(); }) {}
 
 RingSum::~RingSum() {
   {
@@ -84,12 +94,17 @@ c10::intrusive_ptr<c10::ivalue::Future> RingSum::sum(at::Tensor tensor) {
 void RingSum::run() {
   for (;;) {
     Task task;
+    bool stopping = false;
     {
       std::unique_lock<std::mutex> lock(mutex_);
       ready_.wait(lock, [this] { return stopping_ || !tasks_.empty(); });
       if (tasks_.empty()) return;
       task = std::move(tasks_.front());
       tasks_.pop_front();
+      stopping = stopping_;
+    }
+    if (failed_.empty() && stopping) {
+      failed_ = "[" + api_ + "] the ring sum of a compressed gradient bucket was abandoned: its model was destroyed";
     }
     if (!failed_.empty()) {
       task.done->setError(std::make_exception_ptr(c10::Error(failed_, "")));
@@ -97,12 +112,11 @@ void RingSum::run() {
     }
     try {
       sum_now(task.tensor);
+      task.done->markCompleted(c10::IValue(task.tensor));
     } catch (const std::exception& e) {
       failed_ = e.what();
       task.done->setError(std::make_exception_ptr(c10::Error(failed_, "")));
-      continue;
     }
-    task.done->markCompleted(c10::IValue(task.tensor));
   }
 }
 
@@ -123,11 +137,11 @@ void RingSum::sum_now(at::Tensor& tensor) {
     try {
       if (receive.numel() > 0) {
         std::vector<at::Tensor> into{receive};
-        receiving = group_->recv(into, previous, kRingTag);
+        receiving = group_->recv(into, previous, tag_);
       }
       if (send.numel() > 0) {
         std::vector<at::Tensor> out{send};
-        sending = group_->send(out, next, kRingTag);
+        sending = group_->send(out, next, tag_);
       }
       if (sending) sending->wait(timeout_);
       if (receiving) receiving->wait(timeout_);

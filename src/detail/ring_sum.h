@@ -21,9 +21,11 @@ namespace accelerate::detail {
 /// with the same bits and each sends 2(p-1)/p of the tensor's bytes.
 class RingSum {
  public:
-  /// `api` names the caller in errors; a send or receive that has not completed within `timeout`
-  /// fails the sum.
-  RingSum(c10::intrusive_ptr<c10d::ProcessGroup> group, std::chrono::milliseconds timeout, std::string api);
+  /// `number` tells the rings of one group apart (every process numbers its rings alike: the
+  /// group's `rings_made`); `api` names the caller in errors; a send or receive that has not
+  /// completed within `timeout` fails the sum.
+  RingSum(c10::intrusive_ptr<c10d::ProcessGroup> group, int number, std::chrono::milliseconds timeout,
+          std::string api);
   ~RingSum();
   RingSum(const RingSum&) = delete;
   RingSum& operator=(const RingSum&) = delete;
@@ -31,6 +33,7 @@ class RingSum {
   /// Starts summing the flat, contiguous `tensor` in place; the future completes with `tensor`
   /// once it holds the sum, or fails naming this process, the peer and the timeout. After a
   /// failure every later sum fails at once (the processes no longer agree where the ring is).
+  /// `tensor` must be a CPU tensor: Gloo's messages move host memory.
   c10::intrusive_ptr<c10::ivalue::Future> sum(at::Tensor tensor);
 
  private:
@@ -44,6 +47,7 @@ class RingSum {
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   std::chrono::milliseconds timeout_;
   std::string api_;
+  int tag_;  // of this ring's messages
   std::mutex mutex_;
   std::condition_variable ready_;
   std::deque<Task> tasks_;

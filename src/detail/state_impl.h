@@ -49,6 +49,9 @@ struct PartialStateImpl {
   std::atomic<const char*> last_operation{""};  // a string literal
   std::chrono::milliseconds check_delay{std::chrono::seconds(5)};
   std::string watch_prefix = "watch/job/";
+  // The rings of compressed DDP buckets made on this group so far: each takes the next number for
+  // its messages' tag (Note [Ring sums of 16-bit buckets]).
+  std::atomic<int> rings_made{0};
 
   PartialStateImpl() = default;
   PartialStateImpl(const PartialStateImpl&) = delete;

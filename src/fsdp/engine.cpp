@@ -3,6 +3,7 @@
 
 #include "accelerate/utils/modeling.h"
 #include "detail/check.h"
+#include "detail/collective_watch.h"
 #include "detail/state_impl.h"
 #include "fsdp/rows.h"
 #include "fsdp/wrap_policy.h"
@@ -176,6 +177,9 @@ void broadcast_module_states(torch::nn::Module& root, const PartialState& state)
   torch::NoGradGuard no_grad;
   // Small buckets: the flat copies of a large bucket would add the whole model again to the
   // peak memory that sharding is there to cut.
+  uint64_t bytes = 0;
+  for (const auto& t : tensors) bytes += bytes_of(t);
+  count_unwatched(broadcast_sent(state.num_processes(), state.process_index() == 0, bytes));
   c10d::broadcast_coalesced(process_group(state, kApi), tensors, 16u * 1024 * 1024, 0);
 }
 
