@@ -160,13 +160,17 @@ int main(int argc, char** argv) {
       link_at_start = tx_bytes(link, false);
       other_at_start = tx_bytes(link, true);
     }
-    auto out = torch::nn::functional::cross_entropy(model(x), y);
-    started_at_backward = acc::communication_counters().collectives;
-    if (mode == "compute") {
-      auto guard = accelerator.no_sync(model);
+    torch::Tensor out;
+    auto pass = [&] {
+      out = torch::nn::functional::cross_entropy(model(x), y);
+      started_at_backward = acc::communication_counters().collectives;
       accelerator.backward(out);
+    };
+    if (mode == "compute") {  // no_sync around the forward pass too: DDP decides there
+      auto local = accelerator.no_sync(model);
+      pass();
     } else {
-      accelerator.backward(out);
+      pass();
     }
     if (s >= warmup) started_before_end += before_first_block;
     optimizer.step();

@@ -4,7 +4,8 @@
   multihost_table.py RAW.jsonl [RAW.jsonl ...] [--predict]
 
 Per link rate and row (mode, compression hook, side): seconds a step, samples/s, MB a machine
-sends per step as the library counted it and as the link's interface carried it (their ratio),
+sends per step as the library counted it and as the machine's interfaces carried it (the link and
+loopback together, their ratio to the count),
 the wire time (the link's bytes / the measured rate), compute alone (the `compute` row of the same
 side and rate: DDP's steps under no_sync), the step against its limit max(compute, wire), the
 overlapped fraction f = (compute + wire - step) / min(compute, wire) (1: the shorter one hidden
@@ -48,7 +49,7 @@ def table(rows):
         any_row = next(iter(g.values()))
         print(f"\n## {hosts} machines x {per_host} processes, link {rate:.0f} Mbit/s "
               f"(measured {any_row['measured_mbit']:.0f}, round trip {any_row['round_trip_us']:.0f} us)")
-        print("| row | side | step s | samples/s | counted MB/step | link MB/step | counted/link | wire s | "
+        print("| row | side | step s | samples/s | counted MB/step | link MB/step | counted/sent | wire s | "
               "compute s | step/limit | overlapped f | C++/twin | peak MiB | loss |")
         print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for (row, side), r in sorted(g.items()):
@@ -61,8 +62,9 @@ def table(rows):
             ratio = f"{twin['step_s'] / r['step_s']:.2f}" if side == "cpp" and twin else ""
             counted = r["counted_machine_sent_per_step"] / 1e6 if side == "cpp" else float("nan")
             link = r["link_tx_per_step"] / 1e6
+            sent = link + r["loopback_tx_per_step"] / 1e6
             print(f"| {row} | {side} | {r['step_s']:.3f} | {r['samples_per_s']:.1f} | {counted:.1f} | {link:.1f} | "
-                  f"{counted / link if link > 0 else float('nan'):.3f} | {wire:.3f} | {c:.3f} | "
+                  f"{counted / sent if sent > 0 else float('nan'):.3f} | {wire:.3f} | {c:.3f} | "
                   f"{r['step_s'] / limit if row != 'compute' else float('nan'):.2f} | "
                   f"{max(-1.0, min(1.0, f)):.2f} | {ratio} | {r['peak_mib']:.0f} | {r['last_loss']:.5f} |")
 

@@ -103,11 +103,12 @@ def worker(args):
             dist.barrier()
             start = time.perf_counter()
             link0, other0 = tx_bytes(args.link, False), tx_bytes(args.link, True)
-        out = F.cross_entropy(model(x), y)
-        if args.mode == "compute":
+        if args.mode == "compute":  # no_sync around the forward pass too, where DDP decides
             with model.no_sync():
+                out = F.cross_entropy(model(x), y)
                 out.backward()
         else:
+            out = F.cross_entropy(model(x), y)
             out.backward()
         optimizer.step()
         optimizer.zero_grad()
