@@ -3,6 +3,7 @@
 
 #include "detail/check.h"
 #include "detail/collective_watch.h"
+#include "detail/torch_compat.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
@@ -107,7 +108,7 @@ void RingSum::run() {
       failed_ = "[" + api_ + "] the ring sum of a compressed gradient bucket was abandoned: its model was destroyed";
     }
     if (!failed_.empty()) {
-      task.done->setError(std::make_exception_ptr(c10::Error(failed_, "")));
+      task.done->setError(std::make_exception_ptr(compat::make_error(failed_)));
       continue;
     }
     try {
@@ -115,7 +116,7 @@ void RingSum::run() {
       task.done->markCompleted(c10::IValue(task.tensor));
     } catch (const std::exception& e) {
       failed_ = e.what();
-      task.done->setError(std::make_exception_ptr(c10::Error(failed_, "")));
+      task.done->setError(std::make_exception_ptr(compat::make_error(failed_)));
     }
   }
 }
