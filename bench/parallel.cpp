@@ -10,7 +10,10 @@
 // pair counts its tokens once), the bytes of parameters, gradients and AdamW state this process
 // holds (`state_mib`, what sharding and splitting divide), its peak resident memory (VmHWM) and
 // its resident memory before the model, and the final loss.
-// Usage: accelerate launch -n N bench_parallel ddp|fsdp|tp|fsdp_tp [--quick]
+// With --phases it prints a second line: process 0's milliseconds per step in the forward pass, the
+// backward pass (the gradient communication DDP does not overlap included), the optimizer's step
+// and zero_grad.
+// Usage: accelerate launch -n N bench_parallel ddp|fsdp|tp|fsdp_tp [--quick] [--phases]
 #include <accelerate/accelerate.h>
 
 #include <torch/torch.h>
@@ -92,10 +95,15 @@ double status_mib(const std::string& field) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  TORCH_CHECK(argc >= 2, "usage: bench_parallel ddp|fsdp|tp|fsdp_tp [--quick]");
+  TORCH_CHECK(argc >= 2, "usage: bench_parallel ddp|fsdp|tp|fsdp_tp [--quick] [--phases]");
   const std::string mode = argv[1];
   TORCH_CHECK(mode == "ddp" || mode == "fsdp" || mode == "tp" || mode == "fsdp_tp", "unknown mode ", mode);
-  const bool quick = argc > 2 && std::string(argv[2]) == "--quick";
+  bool quick = false, phases = false;
+  for (int i = 2; i < argc; ++i) {
+    const std::string flag = argv[i];
+    TORCH_CHECK(flag == "--quick" || flag == "--phases", "unknown flag ", flag);
+    (flag == "--quick" ? quick : phases) = true;
+  }
   const double base_mib = status_mib("VmRSS");
   const int world = acc::PartialState().num_processes();
   const bool tp = mode == "tp" || mode == "fsdp_tp", fsdp = mode == "fsdp" || mode == "fsdp_tp";
@@ -122,17 +130,31 @@ int main(int argc, char** argv) {
   const auto y = at::randint(0, kVocab, {kBatch, kBlock}, gen, at::kLong);
   const int warmup = 2, steps = quick ? 4 : 10;
   double loss = 0;
+  // --phases: this process's seconds in each part of the timed steps.
+  double forward_s = 0, backward_s = 0, step_s = 0, zero_s = 0;
+  auto lap = [](Clock::time_point& t) {
+    const auto now = Clock::now();
+    const double s = std::chrono::duration<double>(now - t).count();
+    t = now;
+    return s;
+  };
   Clock::time_point start;
   for (int s = 0; s < warmup + steps; ++s) {
     if (s == warmup) {
       accelerator.wait_for_everyone();
       start = Clock::now();
+      forward_s = backward_s = step_s = zero_s = 0;
     }
+    auto t = Clock::now();
     auto out = torch::nn::functional::cross_entropy(model(x).reshape({-1, kVocab}), y.reshape({-1}));
+    forward_s += lap(t);
     accelerator.backward(out);
+    backward_s += lap(t);
     optimizer.step();
     loss = out.item<double>();
+    step_s += lap(t);
     if (s + 1 < warmup + steps) optimizer.zero_grad();
+    zero_s += lap(t);
   }
   accelerator.wait_for_everyone();
   const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
@@ -153,6 +175,12 @@ int main(int argc, char** argv) {
         "\"tokens_per_s\": %.1f, \"state_mib\": %.3f, \"peak_mib\": %.1f, \"base_mib\": %.1f, \"last_loss\": %.6f}\n",
         mode.c_str(), world, static_cast<long long>(params), steps * kBatch * kBlock * dp / seconds,
         state_bytes / 1048576.0, peak_mib, base_mib, loss);
+    if (phases) {
+      std::printf("{\"phases\": \"%s\", \"side\": \"cpp\", \"forward_ms\": %.2f, \"backward_ms\": %.2f, "
+                  "\"step_ms\": %.2f, \"zero_grad_ms\": %.2f}\n",
+                  mode.c_str(), 1e3 * forward_s / steps, 1e3 * backward_s / steps, 1e3 * step_s / steps,
+                  1e3 * zero_s / steps);
+    }
     std::fflush(stdout);
   }
   return 0;

@@ -8,7 +8,7 @@ proj and fc_out, over pairs of neighbouring processes of a 2-D DeviceMesh), with
 DTensor and FSDP on CPU processes need PyTorch 2.x (Debian 13, through scripts/test_debian.sh
 trixie --bench parallel). `--probe` exits 0 where it can run and prints why not otherwise.
 
-Usage: parallel_twin.py ddp|fsdp|tp|fsdp_tp --nproc N [--quick] [--threads T] | --probe
+Usage: parallel_twin.py ddp|fsdp|tp|fsdp_tp --nproc N [--quick] [--phases] [--threads T] | --probe
 """
 import argparse
 import json
@@ -127,17 +127,26 @@ def worker(args):
     y = torch.randint(0, VOCAB, (BATCH, BLOCK), generator=gen)
     warmup, steps = 2, 4 if args.quick else 10
     loss = 0.0
+    phases = [0.0] * 4  # --phases: forward, backward, step, zero_grad
     start = time.perf_counter()
     for s in range(warmup + steps):
         if s == warmup:
             dist.barrier()
             start = time.perf_counter()
+            phases = [0.0] * 4
+        t0 = time.perf_counter()
         out = F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
+        t1 = time.perf_counter()
         out.backward()
+        t2 = time.perf_counter()
         optimizer.step()
         loss = out.item()
+        t3 = time.perf_counter()
         if s + 1 < warmup + steps:
             optimizer.zero_grad()
+        t4 = time.perf_counter()
+        for i, (a, b) in enumerate(((t0, t1), (t1, t2), (t2, t3), (t3, t4))):
+            phases[i] += b - a
     dist.barrier()
     seconds = time.perf_counter() - start
 
@@ -161,6 +170,10 @@ def worker(args):
                           "state_mib": round(state_bytes / 1048576.0, 3), "peak_mib": round(status_mib("VmHWM"), 1),
                           "base_mib": round(base_mib, 1), "last_loss": round(loss, 6), "torch": torch.__version__}),
               flush=True)
+        if args.phases:
+            names = ("forward_ms", "backward_ms", "step_ms", "zero_grad_ms")
+            print(json.dumps({"phases": args.mode, "side": "python",
+                              **{k: round(1e3 * v / steps, 2) for k, v in zip(names, phases)}}), flush=True)
     dist.destroy_process_group()
 
 
@@ -170,6 +183,7 @@ def main():
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--phases", action="store_true")
     parser.add_argument("--probe", action="store_true")
     args = parser.parse_args()
     if args.probe:

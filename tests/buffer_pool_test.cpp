@@ -1,7 +1,8 @@
 // The process's pool of large CPU buffers (Note [One pool for the process's large CPU buffers]):
 // freed buffers served again by size, the bound it keeps to when it must allocate, a training
 // loop that in its steady state takes no fresh large buffer, the process's peak memory over the
-// pool switched off, and the switch that turns it off.
+// pool switched off, the switch that turns it off, and the buffers below the pool's size served
+// again from glibc's heap without fresh pages (Note [Small buffers from the heap]).
 #include "accelerate/accelerator.h"
 #include "detail/buffer_pool.h"
 #include "support/accelerators.h"
@@ -11,12 +12,16 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <sys/resource.h>
+
 #include <barrier>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
+#include <map>
 #include <random>
 #include <string>
 #include <thread>
@@ -238,6 +243,57 @@ TEST(HostPool, AStateInstallsThePoolUnlessTheEnvironmentTurnsItOff) {
   EXPECT_NE(bad->err.find("ACCELERATE_CPU_BUFFER_POOL must be a boolean (1/0, true/false, yes/no), got 'maybe'"),
             std::string::npos)
       << bad->err;
+}
+
+// Rounds of 40 buffers of 512 KiB (a small model's activations), written and freed: the page
+// faults of the later rounds, per round, against the pages each round writes.
+TEST(HostPool, BuffersBelowThePoolsSizeComeBackFromTheHeapWithoutFreshPages) {
+  constexpr int64_t kBuffers = 40, kFloats = 128 * 1024, kRounds = 12, kCounted = 8;
+  const long pages = kBuffers * kFloats * 4 / ::sysconf(_SC_PAGESIZE);
+  if (std::getenv("ACCELERATE_TEST_SMALL_BUFFERS") != nullptr) {
+    detail::install_host_pool();  // unless ACCELERATE_CPU_BUFFER_POOL=0
+    long faults = 0;
+    for (int round = 0; round < kRounds; ++round) {
+      rusage before{}, after{};
+      ::getrusage(RUSAGE_SELF, &before);
+      {
+        std::vector<at::Tensor> buffers;
+        for (int64_t i = 0; i < kBuffers; ++i) buffers.push_back(at::full({kFloats}, static_cast<float>(round)));
+      }
+      ::getrusage(RUSAGE_SELF, &after);
+      if (round >= kRounds - kCounted) faults += after.ru_minflt - before.ru_minflt;
+    }
+    std::cout << "faults per round " << faults / kCounted << "\n" << std::flush;
+    return;
+  }
+  const std::string self = std::filesystem::read_symlink("/proc/self/exe");
+  auto faults_with = [&](std::map<std::string, std::string> env) -> long {
+    env["ACCELERATE_TEST_SMALL_BUFFERS"] = "1";
+    env["GTEST_TOTAL_SHARDS"] = "1";  // not the shard this test runs in
+    env["GTEST_SHARD_INDEX"] = "0";
+    auto child = run({self, "--gtest_filter=HostPool.BuffersBelowThePoolsSizeComeBackFromTheHeapWithoutFreshPages"},
+                     120, env);
+    EXPECT_EQ(child->exit_code(), 0) << child->err;
+    long faults = -1;
+    const size_t at = child->out.find("faults per round ");
+    if (at == std::string::npos || std::sscanf(child->out.c_str() + at, "faults per round %ld", &faults) != 1) {
+      ADD_FAILURE() << "the child printed no count: " << child->out << child->err;
+    }
+    return faults;
+  };
+  // With the pool: the heap keeps the 20 MiB each round frees, and the next round writes into it.
+  const long pooled = faults_with({{"ACCELERATE_CPU_BUFFER_POOL", "1"}});
+  EXPECT_LT(pooled, pages / 10) << "of " << pages << " pages written per round";
+  // Without it glibc is left as it was: each round's buffers are fresh pages again (mapped, or
+  // trimmed off the heap's top and faulted back).
+  const long unpooled = faults_with({{"ACCELERATE_CPU_BUFFER_POOL", "0"}});
+  EXPECT_GT(unpooled, pages / 2) << "of " << pages << " pages written per round";
+  // The environment's own threshold wins over the library's: here glibc's start, 128 KiB, fixed.
+  for (const auto& [key, value] : std::map<std::string, std::string>{
+           {"MALLOC_MMAP_THRESHOLD_", "131072"}, {"GLIBC_TUNABLES", "glibc.malloc.trim_threshold=131072"}}) {
+    const long own = faults_with({{"ACCELERATE_CPU_BUFFER_POOL", "1"}, {key, value}});
+    EXPECT_GT(own, pages / 2) << key << "=" << value << ": of " << pages << " pages written per round";
+  }
 }
 
 }  // namespace

@@ -62,6 +62,9 @@ inline constexpr size_t kPooledBytes = size_t{1} << 20;
 /// buffer it has no match for is allocated.
 inline constexpr size_t kPoolKeepsBytes = size_t{1} << 30;
 inline constexpr size_t kPoolKeepsOnMissBytes = size_t{32} << 20;
+/// With the pool installed, glibc's heap serves every buffer below kPooledBytes and keeps up to
+/// this much of what is freed at its top for the next step (Note [Small buffers from the heap]).
+inline constexpr size_t kHeapKeepsBytes = size_t{64} << 20;
 
 /// What the process's pool has done so far.
 struct HostPoolStats {
@@ -72,9 +75,10 @@ struct HostPoolStats {
   size_t lent_bytes = 0;     ///< pooled buffers in use
 };
 
-/// Makes LibTorch's CPU allocator the process's pool of large buffers, once per process; nothing
-/// when ACCELERATE_CPU_BUFFER_POOL is false (a value that is not a boolean throws, naming it).
-/// PartialState calls it.
+/// Makes LibTorch's CPU allocator the process's pool of large buffers, once per process, and
+/// has glibc serve the smaller ones from its heap (unless the environment sets glibc's
+/// thresholds); nothing when ACCELERATE_CPU_BUFFER_POOL is false (a value that is not a boolean
+/// throws, naming it). PartialState calls it.
 void install_host_pool();
 /// The pool's counts so far (all zero, `installed` false, when it is not installed).
 HostPoolStats host_pool_stats();
