@@ -8,6 +8,7 @@
 #include "detail/autograd_function.h"
 #include "detail/check.h"
 #include "detail/collective_watch.h"
+#include "detail/half_math.h"
 #include "detail/ring_sum.h"
 #include "detail/state_impl.h"
 #include "detail/torch_compat.h"
@@ -133,8 +134,10 @@ class CompressHook final : public c10d::CommHookInterface {
 
   c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
     // comm_wrapper's cast first, then the hook's own (upstream wraps the hook in the wrapper).
-    auto compressed = (wrapper_ ? bucket.getBufferRef().to(*wrapper_) : bucket.getBufferRef()).to(type_);
-    compressed.div_(group_->getSize());
+    const at::Tensor source = wrapper_ ? bucket.getBufferRef().to(*wrapper_) : bucket.getBufferRef();
+    at::Tensor compressed = type_ == at::kHalf && source.scalar_type() == at::kFloat && source.is_cpu()
+                                ? detail::to_half_divided(source.contiguous(), group_->getSize())
+                                : source.to(type_).div_(group_->getSize());
     compressed = compressed.contiguous().view({-1});
     c10::intrusive_ptr<c10::ivalue::Future> future;
     if (ring_) {

@@ -1,6 +1,8 @@
 // The MPI process group's ring algorithms; see mpi_ring.h.
 #include "detail/mpi_ring.h"
 
+#include "detail/half_math.h"
+
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
@@ -67,7 +69,7 @@ void ring_reduce_scatter_sum(MPI_Comm group, MPI_Comm& ring, const at::Tensor& i
                              received.data_ptr(), count, datatype, before, 0, comm, MPI_STATUS_IGNORE),
                 name, "MPI_Sendrecv");
       at::Tensor place = out.narrow(0, first, length);
-      at::add_out(place, received.narrow(0, 0, length), own.narrow(0, first, length));
+      add_out(place, received.narrow(0, 0, length), own.narrow(0, first, length));
     }
   }
 }
@@ -113,7 +115,7 @@ void ring_allreduce_sum(MPI_Comm group, MPI_Comm& ring, const at::Tensor& buffer
                 name, "MPI_Sendrecv");
       if (add_count == 0) continue;
       at::Tensor place = flat.narrow(0, begin(added) + first, add_count);
-      place.add_(received.narrow(0, 0, add_count));
+      add_out(place, place, received.narrow(0, 0, add_count));
     }
   }
   // The same ring passes the sums on: in step k block r-k goes to the next process and block

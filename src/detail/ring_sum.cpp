@@ -3,6 +3,7 @@
 
 #include "detail/check.h"
 #include "detail/collective_watch.h"
+#include "detail/half_math.h"
 #include "detail/torch_compat.h"
 
 #include <ATen/ATen.h>
@@ -24,10 +25,11 @@ namespace accelerate::detail {
 // dtype:
 // - The tensor is cut into p pieces (piece c holds elements [c n / p, (c + 1) n / p)). In p - 1
 //   steps of a reduce-scatter, process r sends piece (r - s) mod p to the next process, receives
-//   piece (r - s - 1) mod p from the previous one and adds it into its own with ATen (which sums
-//   16-bit values in fp32 and rounds once per addition, vectorised). Process r then holds the
-//   whole sum of piece (r + 1) mod p; p - 1 steps of an all-gather pass the summed pieces on,
-//   each copied as received. Every process ends with the bits of the pieces' owners: the same
+//   piece (r - s - 1) mod p from the previous one and adds it into its own (each 16-bit value
+//   widened to fp32 and the sum rounded once, as ATen adds; Note [fp16 arithmetic of the
+//   compression hook] in half_math.cpp). Process r then holds the whole sum of piece
+//   (r + 1) mod p; p - 1 steps of an all-gather pass the summed pieces on, each copied as
+//   received. Every process ends with the bits of the pieces' owners: the same
 //   bits everywhere, which DDP needs. With two processes each element is one rounded addition,
 //   the exact 16-bit sum.
 // - Each process sends 2 (p - 1) / p of the tensor's bytes, as a ring allreduce does, counted as
@@ -167,7 +169,8 @@ void RingSum::sum_now(at::Tensor& tensor) {
     const Piece in = piece_of(n, p, ((r - s - 1) % p + p) % p);
     at::Tensor received = incoming.narrow(0, 0, in.length);
     exchange(tensor.narrow(0, out.begin, out.length), received);
-    tensor.narrow(0, in.begin, in.length).add_(received);
+    const at::Tensor own = tensor.narrow(0, in.begin, in.length);
+    add_out(own, own, received);
   }
   for (int s = 0; s + 1 < p; ++s) {  // all-gather of the summed pieces
     const Piece out = piece_of(n, p, ((r + 1 - s) % p + p) % p);
