@@ -14,13 +14,16 @@
 // this machine, read from /sys/class/net), the bytes of every other interface of this machine
 // (loopback: what stays on the machine), the collectives per step, for DDP how many collectives
 // had started before the backward pass reached the first block's parameters (buckets that went on
-// the wire while the backward pass went on), its peak resident memory (VmHWM) and the final loss.
+// the wire while the backward pass went on), the CPU seconds all processes used per step (user and
+// system, summed), how busy the computer's processors were over the timed steps (/proc/stat: the
+// test bed's machines share them), its peak resident memory (VmHWM) and the final loss.
 // Usage: accelerate launch … bench_multihost MODE [--width 768] [--blocks 8] [--rows 64] [--steps 6]
 //        [--warmup 2] [--bucket_cap_mb 25] [--comm_hook no|fp16|bf16] [--link DEV]
 #include <accelerate/accelerate.h>
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -28,6 +31,10 @@
 #include <fstream>
 #include <map>
 #include <string>
+#include <thread>
+#include <utility>
+
+#include <sys/resource.h>
 
 namespace acc = accelerate;
 using Clock = std::chrono::steady_clock;
@@ -82,6 +89,28 @@ double tx_bytes(const std::string& device, bool all_but) {
     if (in >> value) total += value;
   }
   return total;
+}
+
+// CPU seconds this process has used, in user and system time, all its threads together.
+double cpu_seconds() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  const auto seconds = [](const timeval& t) { return static_cast<double>(t.tv_sec) + t.tv_usec * 1e-6; };
+  return seconds(usage.ru_utime) + seconds(usage.ru_stime);
+}
+
+// The computer's processor time so far, in clock ticks: {busy, all} over every processor
+// (/proc/stat's first line; idle and waiting for I/O are not busy).
+std::pair<double, double> processor_ticks() {
+  std::ifstream in("/proc/stat");
+  std::string cpu;
+  in >> cpu;
+  double busy = 0, all = 0, value = 0;
+  for (int field = 0; field < 8 && in >> value; ++field) {
+    all += value;
+    if (field != 3 && field != 4) busy += value;  // idle, iowait
+  }
+  return {busy, all};
 }
 
 }  // namespace
@@ -152,6 +181,8 @@ int main(int argc, char** argv) {
   acc::CommunicationCounters counted{};
   double link_at_start = 0, other_at_start = 0;
   uint64_t started_before_end = 0;
+  double cpu_at_start = 0;
+  std::pair<double, double> ticks_at_start{};
   for (int s = 0; s < warmup + steps; ++s) {
     if (s == warmup) {
       accelerator.wait_for_everyone();
@@ -159,6 +190,8 @@ int main(int argc, char** argv) {
       counted = acc::communication_counters();
       link_at_start = tx_bytes(link, false);
       other_at_start = tx_bytes(link, true);
+      cpu_at_start = cpu_seconds();
+      ticks_at_start = processor_ticks();
     }
     torch::Tensor out;
     auto pass = [&] {
@@ -177,13 +210,18 @@ int main(int argc, char** argv) {
     optimizer.zero_grad();
     loss = out.item<double>();
   }
+  accelerator.wait_for_everyone();  // the job's time: under no_sync the processes drift apart
   const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  const double cpu_per_step = (cpu_seconds() - cpu_at_start) / steps;
+  const auto ticks = processor_ticks();
+  const double busy = (ticks.first - ticks_at_start.first) / std::max(1.0, ticks.second - ticks_at_start.second);
   const auto now = acc::communication_counters();
   const double link_sent = tx_bytes(link, false) - link_at_start, other_sent = tx_bytes(link, true) - other_at_start;
   const double sent = static_cast<double>(now.bytes_sent - counted.bytes_sent) / steps;
   // Machine 0's processes together (the first `per_machine` of the job).
   auto all = accelerator.gather(torch::tensor({sent}, torch::kDouble));
   const double machine_sent = all.narrow(0, 0, per_machine).sum().item<double>();
+  const double cpu_all = accelerator.gather(torch::tensor({cpu_per_step}, torch::kDouble)).sum().item<double>();
   accelerator.wait_for_everyone();
   if (accelerator.is_main_process()) {
     std::printf(
@@ -191,12 +229,14 @@ int main(int argc, char** argv) {
         "\"processes\": %d, \"per_machine\": %d, \"params\": %lld, \"bucket_cap_mb\": %s, \"samples_per_s\": %.2f, "
         "\"step_s\": %.4f, \"counted_sent_per_step\": %.0f, \"counted_machine_sent_per_step\": %.0f, "
         "\"link_tx_per_step\": %.0f, \"loopback_tx_per_step\": %.0f, \"collectives_per_step\": %.1f, "
-        "\"started_before_backward_end\": %.1f, \"peak_mib\": %.1f, \"last_loss\": %.6f}\n",
+        "\"started_before_backward_end\": %.1f, \"cpu_s_per_step\": %.3f, \"processors\": %u, "
+        "\"processors_busy\": %.3f, \"peak_mib\": %.1f, \"last_loss\": %.6f}\n",
         mode.c_str(), hook.c_str(), world, per_machine, static_cast<long long>(params),
         flags["--bucket_cap_mb"].c_str(), static_cast<double>(steps * rows * (world / tp_size)) / seconds,
         seconds / steps, sent, machine_sent, link.empty() ? -1.0 : link_sent / steps, other_sent / steps,
         static_cast<double>(now.collectives - counted.collectives) / steps,
-        static_cast<double>(started_before_end) / steps, status_mib("VmHWM"), loss);
+        static_cast<double>(started_before_end) / steps, cpu_all, std::thread::hardware_concurrency(), busy,
+        status_mib("VmHWM"), loss);
     std::fflush(stdout);
   }
   return 0;

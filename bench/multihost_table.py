@@ -9,8 +9,10 @@ loopback together, their ratio to the count),
 the wire time (the link's bytes / the measured rate), compute alone (the `compute` row of the same
 side and rate: DDP's steps under no_sync), the step against its limit max(compute, wire), the
 overlapped fraction f = (compute + wire - step) / min(compute, wire) (1: the shorter one hidden
-entirely, 0: none of it, below 0: the step lost more than the two add up to), C++ / twin, and the
-peak memory of process 0.
+entirely, 0: none of it, below 0: the step lost more than the two add up to), the processor
+seconds all processes used per step, and how busy the computer's processors were over the timed
+steps (the test bed's machines share them: near 1, the processors and not the link set the step),
+C++ / twin, and the peak memory of process 0.
 
 --predict: the step model t(M) = compute + wire(M) - f * min(compute, wire(M)) with
 wire(M) = collectives * 2 (M - 1) * alpha + bytes(2) * 2 (M - 1) / M / beta (ring collectives:
@@ -51,8 +53,8 @@ def table(rows):
         print(f"\n## {hosts} machines x {per_host} processes, link {rate:.0f} Mbit/s "
               f"(measured {any_row['measured_mbit']:.0f}, round trip {any_row['round_trip_us']:.0f} us)")
         print("| row | side | step s | samples/s | counted MB/step | link MB/step | counted/sent | wire s | "
-              "compute s | step/limit | overlapped f | C++/twin | peak MiB | loss |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+              "compute s | step/limit | overlapped f | CPU s | busy | C++/twin | peak MiB | loss |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for (row, side), r in sorted(g.items()):
             compute = g.get(("compute", side))
             wire = wire_s(r)
@@ -67,7 +69,9 @@ def table(rows):
             print(f"| {row} | {side} | {r['step_s']:.3f} | {r['samples_per_s']:.1f} | {counted:.1f} | {link:.1f} | "
                   f"{counted / sent if sent > 0 else float('nan'):.3f} | {wire:.3f} | {c:.3f} | "
                   f"{r['step_s'] / limit if row != 'compute' else float('nan'):.2f} | "
-                  f"{max(-1.0, min(1.0, f)):.2f} | {ratio} | {r['peak_mib']:.0f} | {r['last_loss']:.5f} |")
+                  f"{max(-1.0, min(1.0, f)):.2f} | {r.get('cpu_s_per_step', float('nan')):.2f} | "
+                  f"{r.get('processors_busy', float('nan')):.2f} | {ratio} | {r['peak_mib']:.0f} | "
+                  f"{r['last_loss']:.5f} |")
 
 
 def predict(rows):

@@ -34,6 +34,13 @@ def tx_bytes(device, all_but):
     return total
 
 
+def processor_ticks():
+    """The computer's processor time so far in clock ticks, (busy, all), as bench/multihost.cpp reads it."""
+    with open("/proc/stat") as f:
+        fields = [float(v) for v in f.readline().split()[1:9]]
+    return sum(fields) - fields[3] - fields[4], sum(fields)
+
+
 def worker(args):
     if args.link:
         os.environ["GLOO_SOCKET_IFNAME"] = args.link
@@ -97,12 +104,14 @@ def worker(args):
     y = torch.randint(0, 16, (rows,), generator=gen)
     loss = 0.0
     start = time.perf_counter()
-    link0 = other0 = 0
+    link0 = other0 = cpu0 = 0
+    ticks0 = (0.0, 0.0)
     for s in range(args.warmup + args.steps):
         if s == args.warmup:
             dist.barrier()
             start = time.perf_counter()
             link0, other0 = tx_bytes(args.link, False), tx_bytes(args.link, True)
+            cpu0, ticks0 = time.process_time(), processor_ticks()
         if args.mode == "compute":  # no_sync around the forward pass too, where DDP decides
             with model.no_sync():
                 out = F.cross_entropy(model(x), y)
@@ -113,8 +122,13 @@ def worker(args):
         optimizer.step()
         optimizer.zero_grad()
         loss = out.item()
+    dist.barrier()  # the job's time: under no_sync the processes drift apart
     seconds = time.perf_counter() - start
+    cpu = torch.tensor([(time.process_time() - cpu0) / args.steps], dtype=torch.float64)
+    ticks = processor_ticks()
+    busy = (ticks[0] - ticks0[0]) / max(1.0, ticks[1] - ticks0[1])
     link, other = tx_bytes(args.link, False) - link0, tx_bytes(args.link, True) - other0
+    dist.all_reduce(cpu)
     dist.barrier()
     if rank == 0:
         print(json.dumps({
@@ -123,7 +137,9 @@ def worker(args):
             "samples_per_s": round(args.steps * rows * n / seconds, 2), "step_s": round(seconds / args.steps, 4),
             "counted_sent_per_step": -1, "counted_machine_sent_per_step": -1,
             "link_tx_per_step": link / args.steps if args.link else -1, "loopback_tx_per_step": other / args.steps,
-            "collectives_per_step": -1, "started_before_backward_end": -1, "peak_mib": round(status_mib("VmHWM"), 1),
+            "collectives_per_step": -1, "started_before_backward_end": -1,
+            "cpu_s_per_step": round(cpu.item(), 3), "processors": os.cpu_count(), "processors_busy": round(busy, 3),
+            "peak_mib": round(status_mib("VmHWM"), 1),
             "last_loss": round(loss, 6), "torch": torch.__version__}), flush=True)
     dist.destroy_process_group()
 
