@@ -134,10 +134,18 @@ class CompressHook final : public c10d::CommHookInterface {
 
   c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
     // comm_wrapper's cast first, then the hook's own (upstream wraps the hook in the wrapper).
-    const at::Tensor source = wrapper_ ? bucket.getBufferRef().to(*wrapper_) : bucket.getBufferRef();
-    at::Tensor compressed = type_ == at::kHalf && source.scalar_type() == at::kFloat && source.is_cpu()
-                                ? detail::to_half_divided(source.contiguous(), group_->getSize())
-                                : source.to(type_).div_(group_->getSize());
+    const at::Tensor& buffer = bucket.getBufferRef();
+    const at::Tensor source = wrapper_ ? buffer.to(*wrapper_) : buffer;
+    at::Tensor compressed;
+    if (type_ == at::kHalf && source.is_same(buffer) && buffer.is_cpu() && buffer.scalar_type() == at::kFloat &&
+        buffer.is_contiguous()) {
+      // Into the bucket's own bytes, and back (Note [fp16 arithmetic of the compression hook]).
+      compressed = detail::to_half_divided_in_place(buffer, group_->getSize());
+    } else if (type_ == at::kHalf && source.is_cpu() && source.scalar_type() == at::kFloat) {
+      compressed = detail::to_half_divided(source.contiguous(), group_->getSize());
+    } else {
+      compressed = source.to(type_).div_(group_->getSize());
+    }
     compressed = compressed.contiguous().view({-1});
     c10::intrusive_ptr<c10::ivalue::Future> future;
     if (ring_) {
@@ -153,7 +161,11 @@ class CompressHook final : public c10d::CommHookInterface {
         [destination](c10::ivalue::Future& done) {
           const auto& value = done.value();
           const at::Tensor sum = value.isTensor() ? value.toTensor() : value.toTensorVector()[0];
-          destination.copy_(sum.view(destination.sizes()));
+          if (sum.scalar_type() == at::kHalf && sum.is_cpu() && sum.data_ptr() == destination.data_ptr()) {
+            detail::widen_in_place(destination, sum);
+          } else {
+            destination.copy_(sum.view(destination.sizes()));
+          }
           return c10::IValue(destination);
         },
         c10::TensorType::get());

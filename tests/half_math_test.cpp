@@ -1,6 +1,7 @@
-// The fp16 arithmetic of DDP's fp16 compression (detail::add_out, detail::to_half_divided): the
-// bits of ATen's own fp16 operations on every fp16 value, subnormals, infinities and overflow
-// included, in place and cut across threads, on this processor's vector path and on ATen's.
+// The fp16 arithmetic of DDP's fp16 compression (detail::add_out, detail::to_half_divided and its
+// in-place form, detail::widen_in_place): the bits of ATen's own fp16 operations on every fp16
+// value, subnormals, infinities and overflow included, in place and cut across threads, on this
+// processor's vector path and on ATen's.
 #include "detail/half_math.h"
 
 #include <gtest/gtest.h>
@@ -101,6 +102,34 @@ TEST_P(HalfMath, CompressionIsTheCastThenTheDivisionBitForBit) {
   // A length that leaves a remainder after whole vectors, and a view that starts inside a tensor.
   const auto part = from.narrow(0, 3, 1003);
   EXPECT_EQ(first_difference(detail::to_half_divided(part, 3), part.to(torch::kHalf).div_(3)), -1);
+}
+
+// The hook's form: each bucket compressed over the first half of its own bytes and, once summed,
+// widened back there. Lengths that leave a remainder after whole vectors at either end.
+TEST_P(HalfMath, CompressionInPlaceAndWideningBackGiveTheSameBitsAsWithCopies) {
+  torch::manual_seed(5);
+  const auto values = torch::cat({torch::randn({70000}) * torch::exp(torch::randn({70000}) * 5),
+                                  every_half().to(torch::kFloat)});
+  for (const int64_t length : {int64_t{1}, int64_t{7}, int64_t{8}, int64_t{9}, int64_t{1003}, values.numel()}) {
+    const auto from = values.narrow(0, values.numel() - length, length);
+    for (const int64_t divisor : {1, 3, 4}) {
+      const auto expected = detail::to_half_divided(from, divisor);
+      auto bucket = from.clone();
+      const auto halves = detail::to_half_divided_in_place(bucket, divisor);
+      ASSERT_EQ(halves.scalar_type(), torch::kHalf);
+      ASSERT_EQ(halves.numel(), length);
+      ASSERT_EQ(halves.data_ptr(), bucket.data_ptr()) << "not in the bucket's own bytes";
+      const auto at = first_difference(halves, expected);
+      EXPECT_EQ(at, -1) << "length " << length << ", divisor " << divisor;
+      // Widened back: every fp16 value exactly, NaN where it was NaN.
+      const auto widened = halves.to(torch::kFloat);
+      detail::widen_in_place(bucket, halves);
+      const auto nan = widened.isnan();
+      EXPECT_TRUE(torch::equal(bucket.masked_fill(nan, 0), widened.masked_fill(nan, 0)))
+          << "length " << length << ", divisor " << divisor;
+      EXPECT_TRUE(torch::equal(bucket.isnan(), nan));
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Paths, HalfMath, ::testing::Values(false, true),

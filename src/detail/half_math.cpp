@@ -32,8 +32,14 @@ namespace accelerate::detail {
 // These are ATen's own results bit for bit (its fp16 arithmetic widens to fp32, computes and
 // rounds once), except that a NaN may keep another payload; the test compares the two on values
 // across fp16's whole range, subnormals and overflow included. Large tensors are cut across
-// ATen's intra-op threads as its own element-wise operations are. Where the processor lacks
-// F16C, or on other architectures, ATen's operations run.
+// ATen's intra-op threads as its own element-wise operations are. The hook compresses each
+// bucket into the first half of the bucket's own bytes and widens the sum back there (one
+// thread each, in the direction that reads every value before it is overwritten), so it
+// allocates nothing per step: a fresh 14 MB fp16 copy of each W13 bucket, and the ring's
+// receive buffers, came from the kernel as new pages every time (10 times the page faults of
+// the hook-less step), the process's buffer pool being bounded below what a step's buckets
+// hold. Where the processor lacks F16C, or on other architectures, ATen's operations run, and
+// the in-place forms go through a copy.
 namespace {
 
 std::atomic<bool> aten_forced{false};
@@ -66,6 +72,16 @@ __attribute__((target("avx,f16c"))) void halves_divided(uint16_t* out, const flo
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm256_cvtps_ph(quotient, _MM_FROUND_TO_NEAREST_INT));
   }
   for (; i < n; ++i) out[i] = c10::Half(static_cast<float>(c10::Half(from[i])) / divisor).x;
+}
+
+// fp16 to fp32 from the last element down, for `out` and `from` at the same address: each block
+// of 8 reads its halves before writing its floats, and the halves still to read lie below.
+__attribute__((target("avx,f16c"))) void widen_down(float* out, const uint16_t* from, int64_t n) {
+  int64_t i = n;
+  for (; i % 8 != 0; --i) out[i - 1] = static_cast<float>(c10::Half(from[i - 1], c10::Half::from_bits()));
+  for (i -= 8; i >= 0; i -= 8) {
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(from + i))));
+  }
 }
 #endif
 
@@ -104,6 +120,11 @@ void add_out(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
   at::add_out(into, a, b);
 }
 
+// The fp16 view over the first half of an fp32 tensor's bytes.
+at::Tensor first_half_as_halves(const at::Tensor& bucket) {
+  return bucket.view({-1}).view(at::kHalf).narrow(0, 0, bucket.numel());
+}
+
 at::Tensor to_half_divided(const at::Tensor& from, int64_t divisor) {
   TORCH_INTERNAL_ASSERT(from.scalar_type() == at::kFloat && divisor > 0, "to_half_divided takes fp32 tensors");
 #if ACCELERATE_HALF_VECTORS
@@ -118,6 +139,36 @@ at::Tensor to_half_divided(const at::Tensor& from, int64_t divisor) {
   }
 #endif
   return from.to(at::kHalf).div_(divisor);
+}
+
+at::Tensor to_half_divided_in_place(const at::Tensor& bucket, int64_t divisor) {
+  TORCH_INTERNAL_ASSERT(bucket.scalar_type() == at::kFloat && plain_cpu(bucket) && divisor > 0,
+                        "to_half_divided_in_place takes contiguous fp32 CPU tensors");
+  at::Tensor halves = first_half_as_halves(bucket);
+#if ACCELERATE_HALF_VECTORS
+  if (vectors_in_use()) {
+    // One thread, from the first element up: each block of 8 reads its floats before writing its
+    // halves over the lower half of them, and the floats still to read lie above.
+    halves_divided(reinterpret_cast<uint16_t*>(bucket.data_ptr()), bucket.data_ptr<float>(),
+                   static_cast<float>(divisor), bucket.numel());
+    return halves;
+  }
+#endif
+  halves.copy_(to_half_divided(bucket, divisor));
+  return halves;
+}
+
+void widen_in_place(const at::Tensor& bucket, const at::Tensor& halves) {
+  TORCH_INTERNAL_ASSERT(bucket.scalar_type() == at::kFloat && plain_cpu(bucket) && halves.scalar_type() == at::kHalf &&
+                            halves.numel() == bucket.numel() && halves.data_ptr() == bucket.data_ptr(),
+                        "widen_in_place takes the fp16 view to_half_divided_in_place returned");
+#if ACCELERATE_HALF_VECTORS
+  if (vectors_in_use()) {
+    widen_down(bucket.data_ptr<float>(), reinterpret_cast<const uint16_t*>(bucket.data_ptr()), bucket.numel());
+    return;
+  }
+#endif
+  bucket.view({-1}).copy_(halves.clone());
 }
 
 }  // namespace accelerate::detail

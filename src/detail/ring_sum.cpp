@@ -139,9 +139,15 @@ void RingSum::sum_now(at::Tensor& tensor) {
   const auto piece = [&](int c) { return piece_of(n, p, ((c % p) + p) % p); };
   const auto part = [&](const Piece& c) { return tensor.narrow(0, c.begin, c.length); };
   // Two buffers for the reduce-scatter's incoming pieces: the next step's receive is posted into
-  // one while the current step's piece is added from the other.
+  // one while the current step's piece is added from the other. Kept for the next sums (a
+  // bucket's are as large every step): fresh ones were new pages from the kernel every time.
   const int64_t largest = n / p + 1;  // no piece is longer
-  const at::Tensor incoming[2] = {at::empty({largest}, tensor.options()), at::empty({largest}, tensor.options())};
+  for (auto& buffer : incoming_) {
+    if (!buffer.defined() || buffer.numel() < largest || buffer.scalar_type() != tensor.scalar_type()) {
+      buffer = at::empty({largest}, tensor.options());
+    }
+  }
+  auto& incoming = incoming_;
 
   // The receives posted and not yet waited for, oldest first, and the send under way: aborted
   // when one fails.

@@ -53,6 +53,7 @@ class RingSum {
   std::deque<Task> tasks_;
   bool stopping_ = false;
   std::string failed_;  // the first failure's message, once there is one
+  at::Tensor incoming_[2];  // the reduce-scatter's receive buffers, kept between sums (the worker's)
   std::thread worker_;
 };
 
