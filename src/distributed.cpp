@@ -141,8 +141,6 @@ class CompressHook final : public c10d::CommHookInterface {
         buffer.is_contiguous()) {
       // Into the bucket's own bytes, and back (Note [fp16 arithmetic of the compression hook]).
       compressed = detail::to_half_divided_in_place(buffer, group_->getSize());
-    } else if (type_ == at::kHalf && source.is_cpu() && source.scalar_type() == at::kFloat) {
-      compressed = detail::to_half_divided(source.contiguous(), group_->getSize());
     } else {
       compressed = source.to(type_).div_(group_->getSize());
     }

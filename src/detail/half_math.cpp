@@ -89,6 +89,11 @@ bool vectors_in_use() { return has_half_conversions() && !aten_forced.load(std::
 
 bool plain_cpu(const at::Tensor& t) { return t.is_cpu() && t.is_contiguous() && t.layout() == at::kStrided; }
 
+// The fp16 view over the first half of an fp32 tensor's bytes.
+at::Tensor first_half_as_halves(const at::Tensor& bucket) {
+  return bucket.view({-1}).view(at::kHalf).narrow(0, 0, bucket.numel());
+}
+
 }  // namespace
 
 bool has_half_conversions() {
@@ -118,11 +123,6 @@ void add_out(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
 #endif
   at::Tensor into = out;
   at::add_out(into, a, b);
-}
-
-// The fp16 view over the first half of an fp32 tensor's bytes.
-at::Tensor first_half_as_halves(const at::Tensor& bucket) {
-  return bucket.view({-1}).view(at::kHalf).narrow(0, 0, bucket.numel());
 }
 
 at::Tensor to_half_divided(const at::Tensor& from, int64_t divisor) {

@@ -147,7 +147,6 @@ void RingSum::sum_now(at::Tensor& tensor) {
       buffer = at::empty({largest}, tensor.options());
     }
   }
-  auto& incoming = incoming_;
 
   // The receives posted and not yet waited for, oldest first, and the send under way: aborted
   // when one fails.
@@ -197,10 +196,10 @@ void RingSum::sum_now(at::Tensor& tensor) {
   // process's own. Each step's receive is posted a step ahead, so that the previous process
   // finds it waiting when it sends (Note [Ring sums of 16-bit buckets]).
   const int steps = p - 1;
-  post_receive(incoming[0].narrow(0, 0, piece(r - 1).length));
+  post_receive(incoming_[0].narrow(0, 0, piece(r - 1).length));
   for (int s = 0; s < steps; ++s) {
     if (s + 1 < steps) {
-      post_receive(incoming[(s + 1) % 2].narrow(0, 0, piece(r - s - 2).length));
+      post_receive(incoming_[(s + 1) % 2].narrow(0, 0, piece(r - s - 2).length));
     } else if (s > 0) {
       // The all-gather's first receive fills piece r, which only step 0 reads (it sends it).
       post_receive(part(piece(r)));
@@ -208,7 +207,7 @@ void RingSum::sum_now(at::Tensor& tensor) {
     step(part(piece(r - s)));
     const Piece in = piece(r - s - 1);
     const at::Tensor own = part(in);
-    add_out(own, own, incoming[s % 2].narrow(0, 0, in.length));
+    add_out(own, own, incoming_[s % 2].narrow(0, 0, in.length));
   }
   if (steps == 1) post_receive(part(piece(r)));
   // The all-gather of the summed pieces: step s sends piece r + 1 - s (summed here, or received
